@@ -1,0 +1,355 @@
+"""Tile planner: hardware facts -> feasible Triton tile configurations for attention kernels.
+
+This module imports ONLY the Python standard library.  Its source file is copied verbatim into
+every generated package, where at run time on an untuned GPU it picks a feasible config from the
+actual device's shared memory and SM count.  It is deterministic (no randomness, no dict-order or
+float-tie dependence: ties are broken on the config tuple) and cheap (375 candidates, pure
+arithmetic); callers cache the result per (variant, device).
+
+Kinds
+-----
+``fwd``     FlashAttention-2 forward: one program owns ``block_m`` query rows (kept resident) and
+            streams K/V blocks of ``block_n`` rows through a software pipeline.
+``bwd``     FlashAttention-2 backward (dK/dV pass): one program owns a K/V block of ``block_n`` rows
+            (resident, with its dK/dV accumulators) and streams Q/dO blocks of ``block_m`` rows.
+``decode``  Single-token decode: like ``fwd``, but the query side is tiny (1 row per head, or a
+            packed GQA group), so warps split the K/V block instead of the query rows.
+
+Shared-memory model (an ESTIMATE; the GPU tests check it against Triton's real allocation)
+-------------------------------------------------------------------------------------------
+All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, times ``dtype_bytes``:
+
+* fwd / decode:  Q tile                   block_m * d
+                 + K and V per stage      num_stages * 2 * block_n * d
+                 + P staged for P @ V     block_m * block_n
+* bwd:           K and V tiles            2 * block_n * d
+                 + Q and dO per stage     num_stages * 2 * block_m * d
+                 + P and dS staging       2 * block_m * block_n
+                 (all the above x dtype_bytes)
+                 + fp32 LSE and D rows    num_stages * 2 * block_m * 4
+
+Triton may reuse/alias buffers (making the real number smaller) or add layout-conversion scratch
+(making it larger); the model is deliberately simple and slightly conservative.
+
+Register model (fp32 accumulator + state elements per thread, also an estimate)
+-------------------------------------------------------------------------------
+* fwd / decode:  (O accumulator block_m*d + score tile block_m*block_n + m_i,l_i 2*block_m)
+                 / (32*num_warps) + REG_OVERHEAD
+* bwd:           (dK,dV accumulators 2*block_n*d + score tile block_m*block_n + LSE,D 2*block_m)
+                 / (32*num_warps) + REG_OVERHEAD
+A config whose estimate exceeds MAX_ACC_REGS (200 of the 255 architectural registers; the rest is
+needed for MMA operand fragments, addresses and temporaries) is rejected as spilling.
+"""
+
+import math
+from dataclasses import dataclass
+
+KINDS = ("fwd", "bwd", "decode")
+
+BLOCK_SIZES = (16, 32, 64, 128, 256)
+WARP_COUNTS = (2, 4, 8)
+STAGE_COUNTS = (1, 2, 3, 4, 5)
+
+MAX_ACC_REGS = 200        # fp32 accumulator/state registers per thread before we call it spilling
+REG_OVERHEAD = 4          # loop counters, scale, row bases... (most addressing is in uniform regs)
+ROWS_PER_WARP = 16        # an MMA tile has 16 rows: fewer rows per warp leaves warps idle
+MAX_TARGET_TILE = 128     # cap on the FA-1-derived target tile, see _targets()
+
+# Score weights (cost: lower is better).  One unit = one "octave" (factor 2) or one stage.
+W_RESIDENT = 12           # distance of the resident tile dim from its target, per octave
+W_STREAMED = 8            # distance of the streamed tile dim from its target, per octave
+W_STAGES = 3              # distance from the preferred pipeline depth, per stage
+W_WARPS = 1               # warp-count preference, per octave
+
+PREFERRED_STAGES = {"fwd": 3, "bwd": 2, "decode": 3}
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def as_dict(self) -> dict:
+        return {
+            "block_m": self.block_m,
+            "block_n": self.block_n,
+            "num_warps": self.num_warps,
+            "num_stages": self.num_stages,
+        }
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n} w{self.num_warps} s{self.num_stages}"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    config: TileConfig
+    smem_bytes: int            # estimated shared memory
+    regs_per_thread: int       # estimated fp32 accumulator/state registers per thread
+    rejected: str | None       # None if feasible, else a one-line reason
+
+
+@dataclass(frozen=True)
+class Plan:
+    kind: str
+    head_dim: int
+    head_dim_padded: int
+    dtype_bytes: int
+    sram_bytes: int
+    sm_count: int | None
+    fa1_bc: int
+    fa1_br: int
+    chosen: TileConfig
+    candidates: tuple[Candidate, ...]  # feasible ones ranked best-first, then the rejected ones
+
+
+# ----------------------------------------------------------------------------------------------
+# Head-dim helpers and the FA-1 rule
+# ----------------------------------------------------------------------------------------------
+
+def padded_head_dim(head_dim: int) -> int:
+    """Round ``head_dim`` up to a multiple of 16 (the MMA K granularity)."""
+    if head_dim <= 0:
+        raise ValueError(f"head_dim must be positive, got {head_dim}")
+    return -(-head_dim // 16) * 16
+
+
+def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
+    """Split the 16-padded head dim into power-of-two chunks >= 16, largest first, as
+    (offset, size) pairs, so d=80 -> ((0,64),(64,16)); 96 -> ((0,64),(64,32)); 128 -> ((0,128),);
+    24 -> ((0,32),); 192 -> ((0,128),(128,64)); 256 -> ((0,256),).
+
+    Why: tl.arange needs powers of two; tiling the head dim in chunks avoids padding 80 up to 128
+    (60% wasted MMA work).  The chunks are the binary decomposition of the padded dim, which is a
+    multiple of 16, so every chunk is a power of two >= 16."""
+    remaining = padded_head_dim(head_dim)
+    chunks = []
+    offset = 0
+    while remaining:
+        size = 1 << (remaining.bit_length() - 1)
+        chunks.append((offset, size))
+        offset += size
+        remaining -= size
+    return tuple(chunks)
+
+
+def fa1_blocks(sram_bytes: int, head_dim: int, dtype_bytes: int) -> tuple[int, int]:
+    """FlashAttention-1 rule: with M = SRAM size in elements (sram_bytes // dtype_bytes),
+    Bc = ceil(M / (4 d)), Br = min(Bc, d).  Returns (Bc, Br)."""
+    if head_dim <= 0 or dtype_bytes <= 0 or sram_bytes <= 0:
+        raise ValueError("sram_bytes, head_dim and dtype_bytes must be positive")
+    m = sram_bytes // dtype_bytes
+    bc = -(-m // (4 * head_dim))
+    return bc, min(bc, head_dim)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resource models
+# ----------------------------------------------------------------------------------------------
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
+
+
+def smem_estimate(kind, block_m, block_n, head_dim_padded, dtype_bytes, num_stages) -> int:
+    """Estimated shared memory in bytes (see the module docstring for the model)."""
+    _check_kind(kind)
+    d = head_dim_padded
+    if kind == "bwd":
+        elems = 2 * block_n * d + num_stages * 2 * block_m * d + 2 * block_m * block_n
+        return elems * dtype_bytes + num_stages * 2 * block_m * 4
+    elems = block_m * d + num_stages * 2 * block_n * d + block_m * block_n
+    return elems * dtype_bytes
+
+
+def regs_estimate(kind, block_m, block_n, head_dim_padded, num_warps) -> int:
+    """Estimated fp32 accumulator/state registers per thread (see the module docstring)."""
+    _check_kind(kind)
+    d = head_dim_padded
+    if kind == "bwd":
+        elems = 2 * block_n * d + block_m * block_n + 2 * block_m
+    else:
+        elems = block_m * d + block_m * block_n + 2 * block_m
+    return -(-elems // (32 * num_warps)) + REG_OVERHEAD
+
+
+def _warp_dim(kind: str) -> str:
+    # The tile dimension the warps split: query rows in fwd; the resident K/V rows in bwd; the K/V
+    # block in decode (its query side is a single 16-row MMA tile, too small to split).
+    return "block_m" if kind == "fwd" else "block_n"
+
+
+def _evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: int) -> Candidate:
+    smem = smem_estimate(kind, cfg.block_m, cfg.block_n, d, dtype_bytes, cfg.num_stages)
+    regs = regs_estimate(kind, cfg.block_m, cfg.block_n, d, cfg.num_warps)
+    reasons = []
+    if cfg.num_stages == 1 and kind in ("fwd", "bwd"):
+        reasons.append("num_stages 1: no software pipelining")
+    dim = _warp_dim(kind)
+    need = ROWS_PER_WARP * cfg.num_warps
+    if getattr(cfg, dim) < need:
+        reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
+    if regs > MAX_ACC_REGS:
+        reasons.append(f"accumulator {regs} regs/thread > {MAX_ACC_REGS}: spills")
+    if smem > sram_bytes:
+        reasons.append(f"smem {smem} B > budget {sram_bytes} B")
+    return Candidate(cfg, smem, regs, "; ".join(reasons) if reasons else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ranking
+# ----------------------------------------------------------------------------------------------
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (max(int(x), 1).bit_length() - 1)
+
+
+def _targets(kind: str, bc: int, br: int) -> tuple:
+    """Target (block_m, block_n) derived from the FA-1 rule.
+
+    FA-1 sizes two blocks from SRAM: a large one, Bc (it keeps 4 Bc x d tiles in SRAM), and a small
+    one, Br = min(Bc, d).  In FA-1 the large block is the one that stays resident (K/V, outer loop)
+    and the small one is streamed (Q, inner loop).  We map them by role, not by name:
+      fwd:    resident = Q rows (block_m) <- Bc,  streamed = K/V rows (block_n) <- Br
+      bwd:    resident = K/V rows (block_n) <- Bc, streamed = Q/dO rows (block_m) <- Br
+      decode: the query side is one 16-row MMA tile (1 row per head, or a packed GQA group);
+              the K/V block (block_n) <- Bc.
+    Both are floored to a power of two (FA-1 sizes are upper bounds) and clamped to [16, 128]:
+    FA-1 assumed the resident block lives in SRAM, whereas in FA-2 its accumulator lives in
+    registers, and beyond 128 rows a CTA either spills or needs so many warps that it halves the
+    number of CTAs in flight; 128 also matches two 64-row Hopper warpgroup MMAs."""
+    def fit(x: int) -> int:
+        return min(max(_floor_pow2(x), BLOCK_SIZES[0]), MAX_TARGET_TILE)
+
+    if kind == "fwd":
+        return fit(bc), fit(br)
+    if kind == "bwd":
+        return fit(br), fit(bc)
+    return BLOCK_SIZES[0], fit(bc)
+
+
+def _cost(kind: str, cfg: TileConfig, target_m: int, target_n: int) -> float:
+    """Lower is better.  A sum of simple, independently-motivated terms:
+
+    * tile shape: distance (in octaves) of each tile dim from its FA-1 target.  The resident dim is
+      weighted more (W_RESIDENT > W_STREAMED) because it is the one loaded once and reused across the
+      whole inner loop, so shrinking it costs more reuse than shrinking the per-iteration block.
+    * pipeline depth: distance from the preferred number of stages.  fwd/decode: 3 (enough K/V loads
+      in flight to hide HBM latency behind one QK^T + PV step); bwd: 2 (each iteration already does
+      ~5 dots, so latency is hidden with less lookahead, and the smem is better spent on tiles).
+    * warps: fwd/bwd prefer FEWER warps: every warp reads the whole streamed tile from shared memory
+      for its MMAs, so smem read traffic grows with num_warps; the register cap keeps per-warp
+      fragments from spilling.  decode is memory-bound and its MMAs are tiny, so it prefers 4 warps
+      (128 threads issuing loads) and does not pay the traffic argument.
+    """
+    log2 = math.log2
+    if kind == "fwd":
+        resident, r_target, streamed, s_target = cfg.block_m, target_m, cfg.block_n, target_n
+    else:  # bwd: K/V rows resident; decode: the K/V block is the dim that matters most
+        resident, r_target, streamed, s_target = cfg.block_n, target_n, cfg.block_m, target_m
+    cost = W_RESIDENT * abs(log2(resident) - log2(r_target))
+    cost += W_STREAMED * abs(log2(streamed) - log2(s_target))
+    cost += W_STAGES * abs(cfg.num_stages - PREFERRED_STAGES[kind])
+    if kind == "decode":
+        cost += W_WARPS * abs(log2(cfg.num_warps) - 2)
+    else:
+        cost += W_WARPS * log2(cfg.num_warps)
+    return cost
+
+
+def _rank_key(kind: str, cand: Candidate, target_m: int, target_n: int) -> tuple:
+    c = cand.config
+    # Ties: bigger tile (more reuse) first, then the config tuple, so the order is total.
+    return (_cost(kind, c, target_m, target_n), -(c.block_m * c.block_n),
+            c.block_m, c.block_n, c.num_warps, c.num_stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning
+# ----------------------------------------------------------------------------------------------
+
+def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: int | None = None,
+         explicit: TileConfig | None = None) -> Plan:
+    """Enumerate every candidate, reject the infeasible ones with a reason, rank the feasible ones
+    and pick the best (or validate ``explicit``).  Raises ValueError if nothing is feasible or if
+    ``explicit`` is infeasible (the message is the rejection reason).
+
+    ``sm_count`` is recorded in the plan but not used in the score: the grid size depends on the
+    sequence length, which is not known at plan time."""
+    _check_kind(kind)
+    if dtype_bytes not in (1, 2, 4):
+        raise ValueError(f"dtype_bytes must be 1, 2 or 4, got {dtype_bytes}")
+    if sram_bytes <= 0:
+        raise ValueError(f"sram_bytes must be positive, got {sram_bytes}")
+    d = padded_head_dim(head_dim)
+    bc, br = fa1_blocks(sram_bytes, head_dim, dtype_bytes)
+    target_m, target_n = _targets(kind, bc, br)
+
+    all_cands = [
+        _evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes)
+        for bm in BLOCK_SIZES for bn in BLOCK_SIZES for nw in WARP_COUNTS for ns in STAGE_COUNTS
+    ]
+    feasible = sorted((c for c in all_cands if c.rejected is None),
+                      key=lambda c: _rank_key(kind, c, target_m, target_n))
+    rejected = [c for c in all_cands if c.rejected is not None]
+
+    what = f"{kind} d={head_dim} dtype_bytes={dtype_bytes} sram {sram_bytes} B"
+    if explicit is not None:
+        for field, allowed in (("block_m", BLOCK_SIZES), ("block_n", BLOCK_SIZES),
+                               ("num_warps", WARP_COUNTS), ("num_stages", STAGE_COUNTS)):
+            value = getattr(explicit, field)
+            if value not in allowed:
+                raise ValueError(f"tile config {explicit}: {field} {value} not in {allowed}")
+        cand = _evaluate(kind, explicit, d, dtype_bytes, sram_bytes)
+        if cand.rejected is not None:
+            raise ValueError(f"tile config {explicit} infeasible for {what}: {cand.rejected}")
+        chosen = explicit
+    else:
+        if not feasible:
+            # Name the "closest" candidate (fewest violated rules, then least smem) so the error
+            # says which resource ran out.
+            closest = min(rejected, key=lambda c: (c.rejected.count(";"), c.smem_bytes,
+                                                   c.regs_per_thread))
+            counts = {rule: sum(rule in c.rejected for c in rejected)
+                      for rule in ("pipelining", "num_warps", "regs/thread", "smem")}
+            summary = ", ".join(f"{rule} {n}" for rule, n in counts.items())
+            raise ValueError(f"no feasible tile config for {what}; closest candidate "
+                             f"{closest.config}: {closest.rejected} "
+                             f"(of {len(rejected)} candidates, rejected by {summary})")
+        chosen = feasible[0].config
+
+    return Plan(kind=kind, head_dim=head_dim, head_dim_padded=d, dtype_bytes=dtype_bytes,
+                sram_bytes=sram_bytes, sm_count=sm_count, fa1_bc=bc, fa1_br=br, chosen=chosen,
+                candidates=tuple(feasible + rejected))
+
+
+def format_plan(plan: Plan) -> str:
+    """Readable table: the FA-1 rule numbers, then every candidate with its estimates and status."""
+    m_elems = plan.sram_bytes // plan.dtype_bytes
+    lines = [
+        f"kind={plan.kind} head_dim={plan.head_dim} (padded {plan.head_dim_padded}, chunks "
+        f"{list(head_dim_chunks(plan.head_dim))}) dtype_bytes={plan.dtype_bytes} "
+        f"sram={plan.sram_bytes} B sm_count={plan.sm_count}",
+        f"FA-1 rule: M = {plan.sram_bytes} // {plan.dtype_bytes} = {m_elems} elements; "
+        f"Bc = ceil(M / (4*{plan.head_dim})) = {plan.fa1_bc}; Br = min(Bc, d) = {plan.fa1_br}",
+        f"chosen: {plan.chosen.as_dict()}",
+        "",
+        f"{'rank':>4}  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} "
+        f"{'smem B':>8} {'regs':>5}  status",
+    ]
+    rank = 0
+    for cand in plan.candidates:
+        c = cand.config
+        if cand.rejected is None:
+            rank += 1
+            status = "chosen" if c == plan.chosen else "ok"
+            r = str(rank)
+        else:
+            status = cand.rejected
+            r = "-"
+        lines.append(f"{r:>4}  {c.block_m:>7} {c.block_n:>7} {c.num_warps:>5} {c.num_stages:>6} "
+                     f"{cand.smem_bytes:>8} {cand.regs_per_thread:>5}  {status}")
+    return "\n".join(lines)

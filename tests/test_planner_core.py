@@ -1,0 +1,317 @@
+"""Tests for flashgen/planner_core.py (stdlib-only tile planner; CPU, fast)."""
+
+import ast
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+PATH = pathlib.Path(__file__).resolve().parent.parent / "flashgen" / "planner_core.py"
+
+
+def _load(name="planner_core_under_test"):
+    # Load by file path, as the generated packages do with their verbatim copy, so the test does not
+    # depend on (or import) the rest of the flashgen package.
+    spec = importlib.util.spec_from_file_location(name, PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pc = _load()
+TileConfig = pc.TileConfig
+H100 = 232448
+ADA = 101376
+
+
+def _cand(p, cfg):
+    (c,) = [c for c in p.candidates if c.config == cfg]
+    return c
+
+
+# ---------------------------------------------------------------------------------------------
+# stdlib only
+# ---------------------------------------------------------------------------------------------
+
+def test_imports_only_stdlib():
+    tree = ast.parse(PATH.read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in planner_core"
+            modules.add(node.module.split(".")[0])
+    assert modules, "expected at least the dataclasses import"
+    non_std = {m for m in modules if m not in sys.stdlib_module_names}
+    assert not non_std, f"non-stdlib imports: {non_std}"
+    assert not {"torch", "triton", "flashgen"} & modules
+
+
+def test_standalone_copy_executes():
+    # The file is copied verbatim into generated packages: its source must run on its own, even
+    # exec'd into a bare namespace that is not registered in sys.modules.
+    ns = {"__name__": "copied_planner_core"}
+    exec(compile(PATH.read_text(), "copied_planner_core.py", "exec"), ns)
+    assert ns["plan"]("fwd", 64, 2, H100).chosen.as_dict() == \
+        {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+# ---------------------------------------------------------------------------------------------
+# head dim helpers and FA-1 rule
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d,expected", [
+    (80, ((0, 64), (64, 16))),
+    (96, ((0, 64), (64, 32))),
+    (128, ((0, 128),)),
+    (24, ((0, 32),)),
+    (192, ((0, 128), (128, 64))),
+    (256, ((0, 256),)),
+    (64, ((0, 64),)),
+    (112, ((0, 64), (64, 32), (96, 16))),
+    (1, ((0, 16),)),
+])
+def test_head_dim_chunks(d, expected):
+    chunks = pc.head_dim_chunks(d)
+    assert chunks == expected
+    assert sum(s for _, s in chunks) == pc.padded_head_dim(d)
+    for off, size in chunks:
+        assert size >= 16 and size & (size - 1) == 0
+
+
+def test_padded_head_dim():
+    assert [pc.padded_head_dim(d) for d in (1, 16, 17, 24, 64, 80, 100, 128)] == \
+        [16, 16, 32, 32, 64, 80, 112, 128]
+    with pytest.raises(ValueError):
+        pc.padded_head_dim(0)
+
+
+def test_fa1_rule_numbers():
+    # M = 232448 // 2 = 116224; Bc = ceil(116224 / 256) = 454; Br = min(454, 64) = 64
+    assert pc.fa1_blocks(H100, 64, 2) == (454, 64)
+    assert pc.fa1_blocks(H100, 128, 2) == (227, 128)   # ceil(116224/512) = 227
+    assert pc.fa1_blocks(H100, 128, 4) == (114, 114)   # M = 58112; ceil(58112/512) = 114
+    assert pc.fa1_blocks(ADA, 64, 2) == (198, 64)      # M = 50688; ceil(50688/256) = 198
+    p = pc.plan("fwd", 64, 2, H100)
+    assert (p.fa1_bc, p.fa1_br) == (454, 64)
+
+
+# ---------------------------------------------------------------------------------------------
+# resource models
+# ---------------------------------------------------------------------------------------------
+
+def test_smem_model():
+    # fwd: (Q 128*64 + 3 stages * K,V 2*64*64 + P 128*64) * 2 B
+    assert pc.smem_estimate("fwd", 128, 64, 64, 2, 3) == (8192 + 24576 + 8192) * 2
+    assert pc.smem_estimate("decode", 128, 64, 64, 2, 3) == pc.smem_estimate("fwd", 128, 64, 64, 2, 3)
+    # bwd: (K,V 2*128*64 + 2 stages * Q,dO 2*64*64 + P,dS 2*64*128) * 2 B + 2 stages * LSE,D 2*64 * 4 B
+    assert pc.smem_estimate("bwd", 64, 128, 64, 2, 2) == (16384 + 16384 + 16384) * 2 + 1024
+    # fp32 doubles the tile bytes (halves what fits)
+    assert pc.smem_estimate("fwd", 64, 64, 128, 4, 3) == 2 * pc.smem_estimate("fwd", 64, 64, 128, 2, 3)
+
+
+def test_regs_model():
+    # fwd: (O 128*64 + S 128*64 + m,l 2*128) / 128 threads + overhead
+    assert pc.regs_estimate("fwd", 128, 64, 64, 4) == 130 + pc.REG_OVERHEAD
+    # bwd: (dK,dV 2*128*128 + S 64*128 + LSE,D 2*64) / 256 threads, rounded up, + overhead
+    assert pc.regs_estimate("bwd", 64, 128, 128, 8) == 161 + pc.REG_OVERHEAD
+    assert pc.regs_estimate("fwd", 128, 64, 64, 8) < pc.regs_estimate("fwd", 128, 64, 64, 4)
+
+
+def test_unknown_kind():
+    with pytest.raises(ValueError, match="unknown kernel kind"):
+        pc.plan("sideways", 64, 2, H100)
+    with pytest.raises(ValueError):
+        pc.smem_estimate("nope", 64, 64, 64, 2, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# rejection reasons
+# ---------------------------------------------------------------------------------------------
+
+def test_rejection_smem():
+    p = pc.plan("fwd", 128, 4, H100)
+    c = _cand(p, TileConfig(64, 64, 4, 3))
+    assert c.rejected == "smem 245760 B > budget 232448 B"
+    assert c.smem_bytes == 245760
+
+
+def test_rejection_regs():
+    p = pc.plan("fwd", 128, 2, H100)
+    c = _cand(p, TileConfig(128, 128, 4, 2))
+    assert c.rejected == f"accumulator {c.regs_per_thread} regs/thread > 200: spills"
+    assert c.regs_per_thread > 200
+
+
+def test_rejection_warps_fwd_and_bwd():
+    p = pc.plan("fwd", 64, 2, H100)
+    assert _cand(p, TileConfig(64, 64, 8, 3)).rejected == \
+        "num_warps 8 needs block_m >= 128 (16 rows per warp)"
+    p = pc.plan("bwd", 64, 2, H100)
+    assert _cand(p, TileConfig(128, 64, 8, 2)).rejected == \
+        "num_warps 8 needs block_n >= 128 (16 rows per warp)"
+
+
+def test_rejection_no_pipelining():
+    for kind in ("fwd", "bwd"):
+        p = pc.plan(kind, 64, 2, H100)
+        for c in p.candidates:
+            if c.config.num_stages == 1:
+                assert "no software pipelining" in c.rejected
+    # decode may run unpipelined (memory-bound, tiny query side): not rejected for that reason
+    p = pc.plan("decode", 64, 2, H100)
+    assert _cand(p, TileConfig(16, 64, 4, 1)).rejected is None
+
+
+def test_multiple_reasons_on_one_line():
+    p = pc.plan("fwd", 128, 4, H100)
+    c = _cand(p, TileConfig(32, 256, 8, 1))
+    assert "\n" not in c.rejected
+    assert c.rejected == ("num_stages 1: no software pipelining; "
+                          "num_warps 8 needs block_m >= 128 (16 rows per warp); "
+                          f"smem {c.smem_bytes} B > budget 232448 B")
+    p = pc.plan("fwd", 128, 2, H100)
+    c = _cand(p, TileConfig(128, 256, 2, 2))
+    assert c.rejected == (f"accumulator {c.regs_per_thread} regs/thread > 200: spills; "
+                          f"smem {c.smem_bytes} B > budget 232448 B")
+
+
+def test_every_reason_appears_in_tables():
+    reasons = set()
+    for kind in pc.KINDS:
+        for c in pc.plan(kind, 128, 2, H100).candidates:
+            if c.rejected:
+                for r in c.rejected.split("; "):
+                    reasons.add(r.split(" ")[0] if not r.startswith("num_stages") else "stages")
+    assert {"smem", "accumulator", "num_warps", "stages"} <= reasons
+
+
+# ---------------------------------------------------------------------------------------------
+# chosen configs
+# ---------------------------------------------------------------------------------------------
+
+FWD_KNOWN_GOOD = {
+    64: {TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 3)},
+    128: {TileConfig(128, bn, 8, ns) for bn in (64, 128) for ns in (2, 3)},
+}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype_bytes", [2])  # fp16 / bf16
+def test_h100_fwd_known_good(d, dtype_bytes):
+    p = pc.plan("fwd", d, dtype_bytes, H100, sm_count=132)
+    assert p.chosen in FWD_KNOWN_GOOD[d]
+    assert p.sm_count == 132
+
+
+def test_h100_exact_choices():
+    assert pc.plan("fwd", 64, 2, H100).chosen == TileConfig(128, 64, 4, 3)
+    assert pc.plan("fwd", 128, 2, H100).chosen == TileConfig(128, 128, 8, 2)
+    assert pc.plan("bwd", 128, 2, H100).chosen == TileConfig(64, 128, 8, 2)
+    assert pc.plan("bwd", 64, 2, H100).chosen == TileConfig(64, 128, 4, 2)
+    assert pc.plan("decode", 128, 2, H100).chosen == TileConfig(16, 128, 4, 3)
+
+
+def test_candidates_structure_and_ranking():
+    p = pc.plan("fwd", 64, 2, H100)
+    assert len(p.candidates) == 5 * 5 * 3 * 5
+    assert len({c.config for c in p.candidates}) == len(p.candidates)
+    flags = [c.rejected is None for c in p.candidates]
+    n_ok = sum(flags)
+    assert n_ok > 1 and flags == [True] * n_ok + [False] * (len(flags) - n_ok)  # feasible first
+    assert p.candidates[0].config == p.chosen
+    for c in p.candidates[:n_ok]:
+        assert c.smem_bytes <= H100 and c.regs_per_thread <= 200
+
+
+def test_chosen_always_feasible_across_grid():
+    for sram in (49152, 65536, ADA, H100):
+        for kind in pc.KINDS:
+            for d in (32, 80, 128):
+                for b in (2, 4):
+                    if b == 4 and sram <= 65536 and d >= 128:
+                        continue  # fp32 with a wide head on a tiny SRAM: may have nothing feasible
+                    p = pc.plan(kind, d, b, sram)
+                    c = _cand(p, p.chosen)
+                    assert c.rejected is None
+                    assert c.smem_bytes <= sram
+
+
+def test_fp32_halves_what_fits():
+    p2 = pc.plan("fwd", 64, 2, H100)
+    p4 = pc.plan("fwd", 64, 4, H100)
+    ok2 = {c.config for c in p2.candidates if c.rejected is None}
+    ok4 = {c.config for c in p4.candidates if c.rejected is None}
+    assert ok4 < ok2
+    assert p4.fa1_bc == -(-p2.fa1_bc // 2)
+    assert pc.plan("fwd", 128, 4, H100).chosen != pc.plan("fwd", 128, 2, H100).chosen
+
+
+def test_small_sram_fallback():
+    for kind in pc.KINDS:
+        p = pc.plan(kind, 64, 2, 48 * 1024)
+        c = _cand(p, p.chosen)
+        assert c.rejected is None and c.smem_bytes <= 48 * 1024
+    p = pc.plan("fwd", 64, 2, 48 * 1024)
+    assert p.chosen.block_m * p.chosen.block_n < 128 * 64 or p.chosen.num_stages < 3
+
+
+def test_nothing_feasible_raises():
+    with pytest.raises(ValueError, match=r"no feasible tile config .*closest candidate .*smem"):
+        pc.plan("fwd", 256, 4, 48 * 1024)
+
+
+# ---------------------------------------------------------------------------------------------
+# explicit configs
+# ---------------------------------------------------------------------------------------------
+
+def test_explicit_feasible_is_chosen():
+    cfg = TileConfig(64, 64, 4, 2)
+    p = pc.plan("fwd", 64, 2, H100, explicit=cfg)
+    assert p.chosen == cfg
+    assert pc.plan("fwd", 64, 2, H100).chosen != cfg  # not merely the default
+
+
+def test_explicit_infeasible_raises_with_reason():
+    with pytest.raises(ValueError, match=r"smem 245760 B > budget 232448 B"):
+        pc.plan("fwd", 128, 4, H100, explicit=TileConfig(64, 64, 4, 3))
+    with pytest.raises(ValueError, match="no software pipelining"):
+        pc.plan("bwd", 64, 2, H100, explicit=TileConfig(64, 128, 4, 1))
+    with pytest.raises(ValueError, match="block_m 48 not in"):
+        pc.plan("fwd", 64, 2, H100, explicit=TileConfig(48, 64, 4, 2))
+
+
+# ---------------------------------------------------------------------------------------------
+# determinism, formatting, dataclasses
+# ---------------------------------------------------------------------------------------------
+
+def test_deterministic():
+    a = pc.plan("bwd", 80, 2, H100, sm_count=132)
+    b = pc.plan("bwd", 80, 2, H100, sm_count=132)
+    c = _load("planner_core_again").plan("bwd", 80, 2, H100, sm_count=132)
+    assert a == b
+    assert [x.config.as_dict() for x in a.candidates] == [x.config.as_dict() for x in c.candidates]
+    assert pc.format_plan(a) == pc.format_plan(b)
+
+
+def test_as_dict_and_frozen():
+    cfg = TileConfig(128, 64, 4, 3)
+    assert cfg.as_dict() == {"block_m": 128, "block_n": 64, "num_warps": 4, "num_stages": 3}
+    with pytest.raises(Exception):
+        cfg.block_m = 64
+
+
+def test_format_plan():
+    p = pc.plan("fwd", 128, 2, H100, sm_count=132)
+    text = pc.format_plan(p)
+    assert "Bc = ceil(M / (4*128)) = 227" in text and "Br = min(Bc, d) = 128" in text
+    assert "116224" in text
+    lines = text.splitlines()
+    chosen_rows = [ln for ln in lines if ln.rstrip().endswith("chosen")]
+    assert len(chosen_rows) == 1 and " 128     128     8      2 " in chosen_rows[0]
+    assert any(ln.rstrip().endswith(" ok") for ln in lines)
+    assert any("spills" in ln for ln in lines)
+    assert any("> budget 232448 B" in ln for ln in lines)
+    assert len(lines) > len(p.candidates)
