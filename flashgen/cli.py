@@ -1,0 +1,117 @@
+"""`flashgen build | plan | check | render`.
+
+Every user error (a bad spec, a bad flag) is printed as one paragraph and exits with
+status 2, without a traceback; anything else is a bug and keeps its traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .errors import FlashgenError
+
+EXIT_USAGE = 2
+
+
+def _cmd_build(args) -> int:
+    from .build import build
+
+    report = build(args.spec, Path(args.out))
+    print(report.summary())
+    return 0
+
+
+def _cmd_plan(args) -> int:
+    from . import planner_core
+    from .plan import plan_spec
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    seen = set()
+    for variant, plan in plan_spec(spec).items():
+        key = (variant.kind, variant.head_dim, variant.dtype_bytes)
+        if key in seen:
+            continue
+        seen.add(key)
+        print(f"== {variant.kind} d={variant.head_dim} {variant.dtype_bytes}-byte dtypes "
+              f"(e.g. {variant.name}) on {spec.gpu.name}")
+        print(planner_core.format_plan(plan))
+        print()
+    return 0
+
+
+def _cmd_render(args) -> int:
+    from .plan import plan_spec
+    from .render import render_package
+    from .spec import load_spec
+
+    spec = load_spec(args.spec)
+    files = render_package(spec, plan_spec(spec))
+    kernels = {Path(rel).stem: text for rel, text in files.items() if rel.startswith("kernels/")
+               and not rel.endswith("__init__.py")}
+    if args.variant is None:
+        print("variants:", ", ".join(kernels))
+        print("pass --variant NAME to print one kernel's source")
+        return 0
+    if args.variant not in kernels:
+        raise FlashgenError(f"no variant {args.variant!r} in {args.spec}; it has: "
+                            f"{', '.join(kernels)}")
+    sys.stdout.write(kernels[args.variant])
+    return 0
+
+
+def _cmd_check(args) -> int:
+    from .check import check
+
+    return 0 if check(args.spec, quick=args.quick) else 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="flashgen",
+        description="Generate tuned FlashAttention Triton kernels from a YAML spec.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    b = sub.add_parser("build", help="plan, render and write the package for a spec",
+                       description="Plan tiles from the spec's SRAM budget, render the "
+                       "kernels and write generated/<package>/ (idempotent).")
+    b.add_argument("spec", help="path to a spec YAML file, e.g. specs/gpt2.yaml")
+    b.add_argument("--out", default="generated", help="output folder (default: generated)")
+    b.set_defaults(func=_cmd_build)
+
+    pl = sub.add_parser("plan", help="print the tile candidates and why each was rejected",
+                        description="Show the FlashAttention-1 rule's block sizes for the "
+                        "spec's GPU, every candidate tile with its shared-memory and "
+                        "register estimate, the chosen one, and why the others were dropped.")
+    pl.add_argument("spec")
+    pl.set_defaults(func=_cmd_plan)
+
+    r = sub.add_parser("render", help="print a rendered kernel without writing anything",
+                       description="Render the spec's kernels in memory and print one.")
+    r.add_argument("spec")
+    r.add_argument("--variant", help="canonical variant name, e.g. fwd_causal_d64_fp16")
+    r.set_defaults(func=_cmd_render)
+
+    c = sub.add_parser("check", help="build into a temp folder and verify every variant",
+                       description="Build the spec into a temporary folder, import it and "
+                       "compare every kernel variant with a float64 PyTorch reference on "
+                       "fresh random inputs (on the GPU, or in Triton's interpreter "
+                       "without one). Exits 1 if any case fails.")
+    c.add_argument("spec")
+    c.add_argument("--quick", action="store_true", help="one small shape per variant")
+    c.set_defaults(func=_cmd_check)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except FlashgenError as e:
+        print(f"flashgen {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Kernel variants and their canonical names.
+
+A variant is one compiled specialisation: (kind, mask, dropout, head dim, dtype). Its
+canonical name, e.g. ``fwd_causal_d128_bf16``, names the rendered file, the registry
+entry, the tuning record and the benchmark row, so one string follows a kernel from the
+spec to a benchmark table (the way FlashInfer's URIs do).
+
+Sequence lengths, batch, heads, GQA grouping, strides and window extents are run-time
+arguments, never part of a variant: a new shape must not compile a new kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .spec import Spec
+
+# spec mask name -> the word it contributes to a canonical name ("none" contributes nothing)
+MASK_WORDS = {"none": "", "causal": "causal", "sliding_window": "window"}
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", "fp32": "torch.float32"}
+KIND_TEMPLATES = {"fwd": "fwd.py.j2"}
+
+
+@dataclass(frozen=True, order=True)
+class Variant:
+    kind: str  # "fwd" (later "bwd", "decode")
+    mask: str  # a spec mask name: none | causal | sliding_window
+    dropout: bool
+    head_dim: int
+    dtype: str  # fp16 | bf16 | fp32
+
+    @property
+    def name(self) -> str:
+        words = [self.kind, MASK_WORDS[self.mask], "dropout" if self.dropout else "",
+                 f"d{self.head_dim}", self.dtype]
+        return "_".join(w for w in words if w)
+
+    @property
+    def template(self) -> str:
+        return KIND_TEMPLATES[self.kind]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+def variants_for(spec: Spec) -> tuple[Variant, ...]:
+    """Every variant a spec asks for, in a stable order (the registry's and the files')."""
+    dropouts = (False, True) if spec.dropout else (False,)
+    out = [
+        Variant("fwd", mask, dropout, d, dtype)
+        for mask in spec.masks
+        for dropout in dropouts
+        for d in spec.head_dims
+        for dtype in spec.dtypes
+        # the dropout kernels are not rendered yet: only the p = 0 path exists
+        if not dropout
+    ]
+    return tuple(out)
