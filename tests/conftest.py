@@ -9,3 +9,41 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+# Dtype -> (atol, rtol) of a kernel output against the float64 reference. The inputs are
+# exactly representable in both, so the gap is the kernel's own rounding: P is rounded to
+# the input dtype before the P @ V product (fp16: 11-bit mantissa, bf16: 8-bit), while
+# fp32 keeps full-precision dots.
+OUT_TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+# The log-sum-exp is computed from fp32 scores whatever the input dtype.
+LSE_TOL = (1e-4, 1e-5)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """Every kernel test runs on the CPU interpreter by default and on CUDA with -m gpu."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    return request.param
+
+
+@pytest.fixture
+def poison(monkeypatch):
+    """Fill every floating-point torch.empty with NaN during the test, so an output
+    element the kernel forgets to write shows up as NaN."""
+    original = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = original(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    return poisoned
