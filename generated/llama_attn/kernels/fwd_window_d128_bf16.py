@@ -23,16 +23,16 @@ import triton.language as tl
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
-HEAD_DIM: tl.constexpr = 128
+HEAD_DIM = tl.constexpr(128)
 # The head dim is tiled by power-of-two chunks instead of padding it to a power of two.
-D0_OFFSET: tl.constexpr = 0
-D0_SIZE: tl.constexpr = 128
+D0_OFFSET = tl.constexpr(0)
+D0_SIZE = tl.constexpr(128)
 # Whether the band has a lower edge (sliding window) and an upper edge (causal / window).
-MASK_LEFT: tl.constexpr = True
-MASK_RIGHT: tl.constexpr = True
+MASK_LEFT = tl.constexpr(True)
+MASK_RIGHT = tl.constexpr(True)
 # Visit the most expensive query blocks first when rows see different numbers of keys.
-LONGEST_FIRST: tl.constexpr = True
-LN2: tl.constexpr = 0.6931471805599453
+LONGEST_FIRST = tl.constexpr(True)
+LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
