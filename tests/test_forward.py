@@ -14,7 +14,7 @@ import torch
 
 from conftest import LSE_TOL, OUT_TOL
 from packages import build_and_import
-from reference import attention_ref, visible_mask
+from flashgen.reference import attention_ref, visible_mask
 
 SMALL_TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
 
@@ -306,3 +306,20 @@ def test_cpu_tensors_without_interpreter_are_refused(pkg, monkeypatch):
 
 def test_scale_default_is_inverse_sqrt_d(pkg):
     assert math.isclose(pkg._runtime.softmax_scale(None, 64), 0.125)
+
+
+@pytest.mark.gpu
+def test_new_lengths_reuse_the_compiled_kernel(pkg):
+    """Sequence lengths are run-time arguments: many lengths, one binary (Triton may add
+    one more for a different pointer/stride alignment class)."""
+    name = "fwd_causal_d64_fp16"
+    fn = pkg._runtime.kernel(name)
+    for n_q, n_k in [(100, 100), (37, 1000), (1, 513), (4096, 4096), (17, 16), (250, 250)]:
+        q = torch.randn(2, n_q, 4, 64, dtype=torch.float16, device="cuda")
+        k, v = (torch.randn(2, n_k, 4, 64, dtype=torch.float16, device="cuda") for _ in range(2))
+        pkg.flash_attn_func(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    compiled = 0
+    for cache in fn.device_caches.values():
+        compiled += next(len(c) for c in cache if isinstance(c, dict))
+    assert 1 <= compiled <= 2, f"{compiled} binaries for one variant"

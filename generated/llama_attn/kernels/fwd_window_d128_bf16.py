@@ -35,7 +35,9 @@ LONGEST_FIRST = tl.constexpr(True)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-@triton.jit
+# Lengths, head counts and band offsets change from call to call: keep Triton from
+# specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF"])
 def fwd_window_d128_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32, contiguous
     stride_qb, stride_qh, stride_qm,

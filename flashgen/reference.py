@@ -1,4 +1,4 @@
-"""The float64 reference the kernels are judged against: the attention formula written out
+"""The float64 reference the kernels are judged against (by the tests and by `flashgen check`): the attention formula written out
 naively, with masks built from their definitions rather than from the package's code."""
 from __future__ import annotations
 

@@ -1,0 +1,224 @@
+"""The command line, run as a user runs it: `python -m flashgen ...` in a subprocess, from a
+scratch working directory, with only the repo root on PYTHONPATH."""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashgen.plan import plan_spec
+from flashgen.render import render_package
+from flashgen.spec import load_spec
+from flashgen.variants import variants_for
+
+ROOT = Path(__file__).resolve().parent.parent
+GPT2 = ROOT / "specs" / "gpt2.yaml"
+
+
+def flashgen(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    return subprocess.run([sys.executable, "-m", "flashgen", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def flat(text: str) -> str:
+    """argparse wraps help text: compare with whitespace collapsed."""
+    return " ".join(text.split())
+
+
+@pytest.fixture
+def work(tmp_path) -> Path:
+    """A scratch working directory with specs/gpt2.yaml, as in a checkout."""
+    (tmp_path / "specs").mkdir()
+    shutil.copy(GPT2, tmp_path / "specs" / "gpt2.yaml")
+    return tmp_path
+
+
+def assert_user_error(res: subprocess.CompletedProcess, command: str) -> str:
+    """Exit 2, nothing on stdout, one line on stderr, no traceback; returns the message."""
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert res.stdout == ""
+    assert "Traceback" not in res.stderr, res.stderr
+    err = res.stderr.strip()
+    assert "\n" not in err, err  # one paragraph
+    prefix = f"flashgen {command}: error: "
+    assert err.startswith(prefix), err
+    return err[len(prefix):]
+
+
+# ----------------------------------------------------------------------------------------
+# help and usage
+# ----------------------------------------------------------------------------------------
+
+def test_top_level_help(tmp_path):
+    res = flashgen("--help", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = flat(res.stdout)
+    assert text.startswith("usage: flashgen ")
+    assert "FlashAttention" in text and "YAML spec" in text
+    for command in ("build", "plan", "render", "check"):
+        assert f" {command} " in text, command
+
+
+@pytest.mark.parametrize("command, fragments", [
+    ("build", ["idempotent", "--out", "spec"]),
+    ("plan", ["FlashAttention-1", "shared-memory", "chosen", "spec"]),
+    ("render", ["--variant", "fwd_causal_d64_fp16", "spec"]),
+    ("check", ["--quick", "float64", "reference", "spec"]),
+])
+def test_command_help(tmp_path, command, fragments):
+    res = flashgen(command, "--help", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    text = flat(res.stdout)
+    assert text.startswith(f"usage: flashgen {command} ")
+    for fragment in fragments:
+        assert fragment in text, (fragment, text)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ([], "required: COMMAND"),
+    (["build"], "required: spec"),
+    (["render", "specs/gpt2.yaml", "--variant"], "--variant: expected one argument"),
+], ids=["unknown-command", "no-command", "build-no-spec", "variant-no-value"])
+def test_usage_errors_exit_2(work, args, fragment):
+    res = flashgen(*args, cwd=work)
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    assert "Traceback" not in res.stderr
+    assert res.stderr.startswith("usage: flashgen")
+    assert fragment in res.stderr, res.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# bad specs: exit 2, one paragraph naming file:line, the key, Expected and Fix
+# ----------------------------------------------------------------------------------------
+
+GOOD = [
+    "package: demo_attn",    # 1
+    "head_dims: [64]",       # 2
+    "dtypes: [fp16]",        # 3
+    "masks: [none, causal]",  # 4
+    "gpu:",                  # 5
+    "  name: H100",          # 6
+    "  sram_bytes: 232448",  # 7
+]
+
+
+@pytest.mark.parametrize("edit, line, key, fragments", [
+    ({3: "dtypes: fp16: bf16"}, 3, "<yaml>", ["malformed YAML"]),
+    ({2: "head_dim: [64]"}, 2, "head_dim", ["unknown key 'head_dim'", "'head_dims'"]),
+    ({7: '  sram_bytes: "232448"'}, 7, "gpu.sram_bytes", ["'232448' is not an integer"]),
+    ({7: "  sram_bytes: 16384",
+      8: "blocks:",
+      9: "  forward: {block_m: 128, block_n: 128, num_warps: 4, num_stages: 2}"},
+     9, "blocks.forward", ["smem 114688 B > budget 16384 B"]),
+], ids=["malformed-yaml", "unknown-key", "wrong-type", "tile-too-large"])
+def test_bad_spec_is_one_paragraph_exit_2(tmp_path, edit, line, key, fragments):
+    lines = list(GOOD)
+    for number, text in edit.items():
+        if number <= len(lines):
+            lines[number - 1] = text
+        else:
+            lines.append(text)
+    (tmp_path / "bad.yaml").write_text("\n".join(lines) + "\n")
+    res = flashgen("build", "bad.yaml", "--out", "out", cwd=tmp_path)
+    msg = assert_user_error(res, "build")
+    assert msg.startswith(f"bad.yaml:{line}: key '{key}': "), msg
+    assert "Expected: " in msg and "Fix: " in msg, msg
+    assert msg.index("Expected: ") < msg.index("Fix: ")
+    for fragment in fragments:
+        assert fragment in msg, (fragment, msg)
+    assert not (tmp_path / "out" / "demo_attn").exists()  # nothing written
+
+
+def test_missing_spec_file(tmp_path):
+    for command in ("build", "plan"):
+        res = flashgen(command, "no/such/spec.yaml", cwd=tmp_path)
+        msg = assert_user_error(res, command)
+        assert msg.startswith("no/such/spec.yaml: "), msg
+        assert "cannot read the file" in msg and "No such file or directory" in msg, msg
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------------------
+# build, plan, render
+# ----------------------------------------------------------------------------------------
+
+def test_build_writes_package_and_is_idempotent(work):
+    spec = load_spec(GPT2)
+    files = render_package(spec, plan_spec(spec))
+    n = len(files)
+    assert n == 13  # 5 package modules, _planner, kernels/__init__, 6 kernels
+
+    first = flashgen("build", "specs/gpt2.yaml", "--out", "out", cwd=work)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout == f"{Path('out', 'gpt2_attn')}: {n} written, 0 unchanged, 0 removed\n"
+    pkg = work / "out" / "gpt2_attn"
+    for rel, text in files.items():
+        assert (pkg / rel).read_text() == text, rel
+
+    second = flashgen("build", "specs/gpt2.yaml", "--out", "out", cwd=work)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout == f"{Path('out', 'gpt2_attn')}: 0 written, {n} unchanged, 0 removed\n"
+
+    # --out defaults to generated/ in the working directory
+    third = flashgen("build", "specs/gpt2.yaml", cwd=work)
+    assert third.returncode == 0, third.stderr
+    assert third.stdout.startswith(f"{Path('generated', 'gpt2_attn')}: {n} written, ")
+    assert (work / "generated" / "gpt2_attn" / "__init__.py").read_text() == files["__init__.py"]
+
+
+def test_plan_prints_fa1_numbers_choice_and_rejections(work):
+    res = flashgen("plan", "specs/gpt2.yaml", cwd=work)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    # FA-1: M = sram // dtype bytes elements, Bc = ceil(M / 4d), Br = min(Bc, d)
+    for dtype_bytes in (2, 4):
+        m = 232448 // dtype_bytes
+        bc = -(-m // (4 * 64))
+        assert (m, bc) in ((116224, 454), (58112, 227))
+        assert f"M = 232448 // {dtype_bytes} = {m} elements" in out
+        assert f"Bc = ceil(M / (4*64)) = {bc}" in out
+    assert out.count("Br = min(Bc, d) = 64") == 2  # one section per (d, dtype size)
+
+    spec = load_spec(GPT2)
+    plans = plan_spec(spec)
+    chosen = {f"chosen: {p.chosen.as_dict()}" for p in plans.values()}
+    assert {ln for ln in out.splitlines() if ln.startswith("chosen: ")} == chosen
+    assert "chosen: {'block_m': " in out
+    # rejected candidates say why
+    assert "> budget 232448 B" in out
+    assert "no software pipelining" in out
+
+
+def test_render_variant_prints_kernel_source(work):
+    res = flashgen("render", "specs/gpt2.yaml", "--variant", "fwd_causal_d64_fp16", cwd=work)
+    assert res.returncode == 0, res.stderr
+    sha = hashlib.sha256(GPT2.read_bytes()).hexdigest()[:12]
+    assert res.stdout.startswith(
+        f"# @generated by flashgen from templates/fwd.py.j2 (spec gpt2.yaml sha {sha})")
+    spec = load_spec(GPT2)
+    assert res.stdout == render_package(spec, plan_spec(spec))["kernels/fwd_causal_d64_fp16.py"]
+    assert list(work.iterdir()) == [work / "specs"]  # render writes nothing
+
+
+def test_render_unknown_variant_names_the_available_ones(work):
+    res = flashgen("render", "specs/gpt2.yaml", "--variant", "fwd_causal_d65_fp16", cwd=work)
+    msg = assert_user_error(res, "render")
+    assert "'fwd_causal_d65_fp16'" in msg
+    names = [v.name for v in variants_for(load_spec(GPT2))]
+    assert len(names) == 6
+    for name in names:
+        assert name in msg, (name, msg)
+
+    listing = flashgen("render", "specs/gpt2.yaml", cwd=work)
+    assert listing.returncode == 0, listing.stderr
+    assert listing.stdout.splitlines()[0] == "variants: " + ", ".join(names)
