@@ -189,7 +189,11 @@ def _evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: 
     if cfg.num_stages == 1 and kind in ("fwd", "bwd"):
         reasons.append("num_stages 1: no software pipelining")
     dim = _warp_dim(kind)
-    need = ROWS_PER_WARP * cfg.num_warps
+    # Past d = 128 the backward's dK/dV accumulators (2 x block_n x d fp32) only fit in
+    # registers when warps also split the head dim, as FA-2's d = 256 backward does: allow
+    # two warps side by side per 16-row MMA tile there.
+    warps_across_d = 2 if kind == "bwd" and d > 128 else 1
+    need = ROWS_PER_WARP * cfg.num_warps // warps_across_d
     if getattr(cfg, dim) < need:
         reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
     if regs > MAX_ACC_REGS:

@@ -23,6 +23,7 @@ PACKAGE_FILES = {
     "__init__.py": "package/init.py.j2",
     "_api.py": "package/api.py.j2",
     "_runtime.py": "package/runtime.py.j2",
+    "_ops.py": "package/ops.py.j2",
     "_registry.py": "package/registry.py.j2",
     "_describe.py": "package/describe.py.j2",
 }
@@ -108,6 +109,8 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None) -> dict[s
     common = {
         "package": spec.package,
         "import_path": f"generated.{spec.package}",
+        # custom-op namespace; the sha keeps two builds of one package apart in a process
+        "namespace": f"flashgen_{spec.package}_{spec.sha}",
         "spec_path": Path(spec.path).name,
         "head_dims": list(spec.head_dims),
         "dtypes": list(spec.dtypes),

@@ -18,12 +18,12 @@ from .spec import Spec
 MASK_WORDS = {"none": "", "causal": "causal", "sliding_window": "window"}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", "fp32": "torch.float32"}
-KIND_TEMPLATES = {"fwd": "fwd.py.j2"}
+KIND_TEMPLATES = {"fwd": "fwd.py.j2", "bwd": "bwd.py.j2"}
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    kind: str  # "fwd" (later "bwd", "decode")
+    kind: str  # "fwd" | "bwd" (later "decode")
     mask: str  # a spec mask name: none | causal | sliding_window
     dropout: bool
     head_dim: int
@@ -45,10 +45,12 @@ class Variant:
 
 
 def variants_for(spec: Spec) -> tuple[Variant, ...]:
-    """Every variant a spec asks for, in a stable order (the registry's and the files')."""
+    """Every variant a spec asks for, in a stable order (the registry's and the files'):
+    each forward has a backward with the same mask, head dim and dtype."""
     dropouts = (False, True) if spec.dropout else (False,)
     out = [
-        Variant("fwd", mask, dropout, d, dtype)
+        Variant(kind, mask, dropout, d, dtype)
+        for kind in ("fwd", "bwd")
         for mask in spec.masks
         for dropout in dropouts
         for d in spec.head_dims

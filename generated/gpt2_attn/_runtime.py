@@ -160,14 +160,16 @@ def _fix_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
-def kernel(name: str):
-    """The @triton.jit function of a variant; its module is imported on first use only."""
-    fn = _kernels.get(name)
+def kernel(name: str, function: str = "kernel"):
+    """The @triton.jit function `<name>_<function>` of a variant; its module is imported on
+    first use only."""
+    key = (name, function)
+    fn = _kernels.get(key)
     if fn is None:
         if _interpreting():
             _fix_interpreter_bf16_dot()
         module = importlib.import_module(f".kernels.{name}", __package__)
-        fn = _kernels[name] = getattr(module, f"{name}_kernel")
+        fn = _kernels[key] = getattr(module, f"{name}_{function}")
     return fn
 
 
@@ -281,3 +283,56 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float):
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+# ----------------------------------------------------------------------------------------
+# The backward launches
+# ----------------------------------------------------------------------------------------
+PREPROCESS_BLOCK = 64
+
+
+def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float):
+    """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
+    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp."""
+    batch, h_q, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    if batch * h_q * n_q * n_k == 0:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return
+    name = find_variant("bwd", mask, False, d, _DTYPE_NAMES[q.dtype])
+    cfg = launch_config(name, q.device, max(n_q, n_k))
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    delta = torch.empty((batch, h_q, n_q), device=q.device, dtype=torch.float32)
+    kernel(name, "preprocess")[(batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK))](
+        o, do, delta,
+        o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        n_q, h_q, BLOCK_M=PREPROCESS_BLOCK,
+    )
+    group = h_q // h_kv
+    # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
+    kernel(name, "dkdv_kernel")[(batch * h_kv, triton_cdiv(n_k, block_n))](
+        q, k, v, do, lse, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi,
+        BLOCK_M=block_m, BLOCK_N=block_n, **launch,
+    )
+    # dQ: the mirror image, a program per block_n query rows stepping over block_m keys
+    kernel(name, "dq_kernel")[(batch * h_q, triton_cdiv(n_q, block_n))](
+        q, k, v, do, lse, delta, dq,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi,
+        BLOCK_M=block_n, BLOCK_N=block_m, **launch,
+    )

@@ -6,24 +6,21 @@
 * `flash_attn_func` / `flash_attn_qkvpacked_func` -- flash-attn's, tensors (B, N, H, d) and
   (B, N, 3, H, d), causal diagonal aligned bottom-right.
 
-Each one only rearranges strides into (B, H, N, d) views (never copies) and hands them to
-the shared forward in `_runtime`.
+Each one validates its arguments, turns its mask convention into the kernels' band
+offsets and calls the autograd-aware operator in `_ops`; tensors are never copied.
 """
 import torch
 
-from . import _runtime
+from . import _ops, _runtime
 
 
-def _attention(q, k, v, o, *, causal, window, bottom_right, scale, dropout_p):
-    """q, k, v, o: (B, H, N, d) views. Returns the LSE (B, H, N_q) in fp32."""
+def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p):
+    """q, k, v in the caller's layout. Returns (out in q's layout, LSE (B, H, N_q) fp32)."""
     _runtime.check_dropout(dropout_p)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        raise NotImplementedError(
-            "the backward kernels are not part of this flashgen release yet; run the "
-            "forward under torch.no_grad() or with inputs that do not require grad")
+    n_q, n_k = (q.shape[1], k.shape[1]) if bnhd else (q.shape[2], k.shape[2])
     scale = _runtime.softmax_scale(scale, q.shape[-1])
-    mask, lo, hi = _runtime.band(q.shape[2], k.shape[2], causal, window, bottom_right)
-    return _runtime.forward(q, k, v, o, mask=mask, lo=lo, hi=hi, scale=scale)
+    mask, lo, hi = _runtime.band(n_q, n_k, causal, window, bottom_right)
+    return _ops.attention(q, k, v, bnhd=bnhd, mask=mask, lo=lo, hi=hi, scale=scale)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -39,10 +36,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         raise ValueError(
             f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
             "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
-    b, h, n_q, d = query.shape
-    out = torch.empty((b, h, n_q, d), device=query.device, dtype=query.dtype)
-    _attention(query, key, value, out, causal=bool(is_causal), window=(-1, -1),
-               bottom_right=False, scale=scale, dropout_p=dropout_p)
+    out, _ = _attention(query, key, value, bnhd=False, causal=bool(is_causal),
+                        window=(-1, -1), bottom_right=False, scale=scale, dropout_p=dropout_p)
     return out
 
 
@@ -55,13 +50,11 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 4-D (B, N, H, d) torch.Tensor, got {got}")
-    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    _runtime.check_tensors(qh, kh, vh, layout="(B, N, H, d)")
+    _runtime.check_tensors(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                           layout="(B, N, H, d)")
     window = _runtime.check_window(window_size)
-    b, n_q, h, d = q.shape
-    out = torch.empty((b, n_q, h, d), device=q.device, dtype=q.dtype)
-    lse = _attention(qh, kh, vh, out.transpose(1, 2), causal=bool(causal), window=window,
-                     bottom_right=True, scale=softmax_scale, dropout_p=dropout_p)
+    out, lse = _attention(q, k, v, bnhd=True, causal=bool(causal), window=window,
+                          bottom_right=True, scale=softmax_scale, dropout_p=dropout_p)
     return (out, lse) if return_lse else out
 
 
