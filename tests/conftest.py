@@ -23,6 +23,12 @@ OUT_TOL = {
 }
 # The log-sum-exp is computed from fp32 scores whatever the input dtype.
 LSE_TOL = (1e-4, 1e-5)
+# Gradients round P and dS to the input dtype before three more products each.
+GRAD_TOL = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (4e-2, 4e-2),
+}
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -35,15 +41,16 @@ def device(request):
 
 @pytest.fixture
 def poison(monkeypatch):
-    """Fill every floating-point torch.empty with NaN during the test, so an output
-    element the kernel forgets to write shows up as NaN."""
-    original = torch.empty
+    """Fill every floating-point torch.empty / empty_like with NaN during the test, so an
+    output element the kernel forgets to write shows up as NaN."""
 
-    def poisoned(*args, **kwargs):
-        t = original(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
+    def poisoning(original):
+        def poisoned(*args, **kwargs):
+            t = original(*args, **kwargs)
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+            return t
+        return poisoned
 
-    monkeypatch.setattr(torch, "empty", poisoned)
-    return poisoned
+    monkeypatch.setattr(torch, "empty", poisoning(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like))
