@@ -156,7 +156,8 @@ def test_build_writes_package_and_is_idempotent(work):
     spec = load_spec(GPT2)
     files = render_package(spec, plan_spec(spec))
     n = len(files)
-    assert n == 13  # 5 package modules, _planner, kernels/__init__, 6 kernels
+    kernels = {f"kernels/{v.name}.py" for v in variants_for(spec)}
+    assert kernels <= set(files) and n > len(kernels) >= 6
 
     first = flashgen("build", "specs/gpt2.yaml", "--out", "out", cwd=work)
     assert first.returncode == 0, first.stderr
@@ -187,10 +188,12 @@ def test_plan_prints_fa1_numbers_choice_and_rejections(work):
         assert (m, bc) in ((116224, 454), (58112, 227))
         assert f"M = 232448 // {dtype_bytes} = {m} elements" in out
         assert f"Bc = ceil(M / (4*64)) = {bc}" in out
-    assert out.count("Br = min(Bc, d) = 64") == 2  # one section per (d, dtype size)
-
     spec = load_spec(GPT2)
     plans = plan_spec(spec)
+    sections = {(v.kind, v.head_dim, v.dtype_bytes) for v in plans}
+    assert {("fwd", 64, 2), ("fwd", 64, 4)} <= sections
+    # one section per (kind, d, dtype size)
+    assert out.count("Br = min(Bc, d) = 64") == len(sections)
     chosen = {f"chosen: {p.chosen.as_dict()}" for p in plans.values()}
     assert {ln for ln in out.splitlines() if ln.startswith("chosen: ")} == chosen
     assert "chosen: {'block_m': " in out
@@ -215,7 +218,7 @@ def test_render_unknown_variant_names_the_available_ones(work):
     msg = assert_user_error(res, "render")
     assert "'fwd_causal_d65_fp16'" in msg
     names = [v.name for v in variants_for(load_spec(GPT2))]
-    assert len(names) == 6
+    assert "fwd_causal_d64_fp16" in names and len(names) >= 6
     for name in names:
         assert name in msg, (name, msg)
 
