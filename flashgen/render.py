@@ -26,6 +26,7 @@ PACKAGE_FILES = {
     "_ops.py": "package/ops.py.j2",
     "_registry.py": "package/registry.py.j2",
     "_describe.py": "package/describe.py.j2",
+    "_module.py": "package/module.py.j2",
 }
 
 

@@ -9,10 +9,12 @@ compiled on first use, not at import.
 """
 from ._api import flash_attn_func, flash_attn_qkvpacked_func, scaled_dot_product_attention
 from ._describe import describe
+from ._module import Attention
 
 __all__ = [
     "scaled_dot_product_attention",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "describe",
+    "Attention",
 ]

@@ -1,0 +1,153 @@
+"""A tiny GPT whose attention block is pluggable: train it with the generated package's
+`Attention` and with a reference block on PyTorch's scaled_dot_product_attention, from the
+same initial weights, and print the two loss curves side by side.
+
+    python examples/gpt.py
+
+Runs on a GPU when there is one; otherwise in Triton's CPU interpreter (slow, but the same
+kernel code), with sizes small enough to take well under a minute. The model and the
+reference block are also used by tests/test_module.py.
+"""
+import copy
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must be set before triton is imported
+
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+class SDPAAttention(nn.Module):
+    """The reference block: the same parameters as the generated `Attention` (a fused `qkv`
+    projection laid out [q heads | k heads | v heads], an output `proj`), so state dicts
+    move between the two, with attention by torch.nn.functional.scaled_dot_product_attention.
+    For GQA it repeats each K/V head for its group of query heads."""
+
+    def __init__(self, embed_dim, num_heads, num_kv_heads=None, causal=True, dropout=0.0,
+                 bias=True):
+        super().__init__()
+        self.embed_dim, self.num_heads = embed_dim, num_heads
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.head_dim = embed_dim // num_heads
+        self.causal, self.dropout = causal, dropout
+        self.qkv = nn.Linear(embed_dim, (num_heads + 2 * self.num_kv_heads) * self.head_dim,
+                             bias=bias)
+        self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h, h_kv = self.num_heads, self.num_kv_heads
+        q, k, v = self.qkv(x).view(b, n, h + 2 * h_kv, self.head_dim).split([h, h_kv, h_kv], 2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, N, d)
+        if h_kv != h:
+            k, v = (t.repeat_interleave(h // h_kv, dim=1) for t in (k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+                                             dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, embed_dim):
+        super().__init__()
+        self.fc = nn.Linear(embed_dim, 4 * embed_dim)
+        self.proj = nn.Linear(4 * embed_dim, embed_dim)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, embed_dim, num_heads, attention):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(embed_dim)
+        self.attn = attention(embed_dim, num_heads)
+        self.ln_2 = nn.LayerNorm(embed_dim)
+        self.mlp = MLP(embed_dim)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, `n_layer` pre-LayerNorm blocks, a final LayerNorm and
+    an LM head. `attention(embed_dim, num_heads)` builds each block's attention module
+    (use functools.partial for further arguments, e.g. num_kv_heads)."""
+
+    def __init__(self, attention, vocab_size=64, block_size=32, embed_dim=128, num_heads=2,
+                 n_layer=2):
+        super().__init__()
+        self.block_size = block_size
+        self.wte = nn.Embedding(vocab_size, embed_dim)
+        self.wpe = nn.Embedding(block_size, embed_dim)
+        self.blocks = nn.ModuleList(Block(embed_dim, num_heads, attention)
+                                    for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(embed_dim)
+        self.lm_head = nn.Linear(embed_dim, vocab_size, bias=False)
+
+    def forward(self, idx, targets=None):
+        n = idx.shape[1]
+        if n > self.block_size:
+            raise ValueError(f"sequence of {n} tokens is longer than block_size {self.block_size}")
+        pos = torch.arange(n, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+
+def twin_models(attention, reference=SDPAAttention, seed=0, **config):
+    """(model with `attention`, model with `reference`) holding identical weights."""
+    torch.manual_seed(seed)
+    model = GPT(attention, **config)
+    ref = GPT(reference, **config)
+    ref.load_state_dict(copy.deepcopy(model.state_dict()))
+    return model, ref
+
+
+def main(steps=5, batch=2, seed=0):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from generated.gpt2_attn import Attention  # head dim 64; fp16, bf16, fp32
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = dict(vocab_size=64, block_size=32, embed_dim=128, num_heads=2, n_layer=2)
+    model, ref = (m.to(device=device, dtype=dtype) for m in twin_models(Attention, **config))
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(0, config["vocab_size"], (batch, config["block_size"] + 1),
+                         generator=gen).to(device)
+    x, y = data[:, :-1], data[:, 1:]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, ref)]
+
+    print(f"tiny GPT on {device} ({dtype}): {sum(p.numel() for p in model.parameters())} "
+          f"parameters, batch {batch} x {config['block_size']} random tokens")
+    print(f"{'step':>4}  {'flashgen Attention':>18}  {'torch SDPA':>10}  {'|diff|':>8}")
+    start = time.perf_counter()
+    worst = 0.0
+    for step in range(steps):
+        losses = []
+        for m, opt in zip((model, ref), opts):
+            opt.zero_grad(set_to_none=True)
+            _, loss = m(x, y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[0] - losses[1]))
+        print(f"{step:>4}  {losses[0]:>18.6f}  {losses[1]:>10.6f}  {abs(losses[0] - losses[1]):>8.1e}")
+    print(f"{steps} steps of both models in {time.perf_counter() - start:.1f} s")
+    tol = 2e-2 if dtype != torch.float32 else 1e-4
+    return 0 if worst < tol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
