@@ -111,6 +111,10 @@ def main(argv=None) -> int:
     except FlashgenError as e:
         print(f"flashgen {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # `flashgen plan spec.yaml | head`: the reader left; that is not an error
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

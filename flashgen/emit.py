@@ -36,13 +36,14 @@ def emit(files: dict[str, str], root: Path) -> EmitReport:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
         report.written.append(rel)
+    mark = GENERATED_MARK.encode()
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel in files:
+        if rel in files or not path.is_file():
             continue
-        with path.open() as f:
+        with path.open("rb") as f:  # bytes: a hand-written file need not be UTF-8
             first = f.readline()
-        if first.startswith(GENERATED_MARK):
+        if first.startswith(mark):
             path.unlink()
             report.removed.append(rel)
     return report

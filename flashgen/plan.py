@@ -29,9 +29,11 @@ def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
         raise spec.error(
             f"blocks.{key}",
             f"{variant.name}: {e}",
-            f"tiles whose estimated shared memory fits gpu.sram_bytes ({spec.gpu.sram_bytes} B)",
-            f"use smaller block_m/block_n or fewer num_stages, or `{key}: auto`; "
-            "`flashgen plan` lists the feasible tiles") from None
+            "a tile the planner accepts for this GPU: shared memory within gpu.sram_bytes "
+            f"({spec.gpu.sram_bytes} B), accumulators that fit in registers, and warps "
+            "matched to the tile",
+            f"run `flashgen plan {spec.path}` to list the feasible tiles and pick one, or "
+            f"write `{key}: auto`") from None
 
 
 def plan_spec(spec: Spec) -> dict[Variant, planner_core.Plan]:

@@ -61,7 +61,9 @@ W_STREAMED = 8            # distance of the streamed tile dim from its target, p
 W_STAGES = 3              # distance from the preferred pipeline depth, per stage
 W_WARPS = 1               # warp-count preference, per octave
 
-PREFERRED_STAGES = {"fwd": 3, "bwd": 2, "decode": 3}
+# bwd prefers a deep pipeline: each step loads two streamed tiles (Q and dO) and the H100
+# sweep (benchmarks/sweep.py) measured 4 stages 10-30% faster than 2 at the chosen tiles.
+PREFERRED_STAGES = {"fwd": 3, "bwd": 4, "decode": 3}
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,8 @@ def regs_estimate(kind, block_m, block_n, head_dim_padded, num_warps) -> int:
     _check_kind(kind)
     d = head_dim_padded
     if kind == "bwd":
-        elems = 2 * block_n * d + block_m * block_n + 2 * block_m
+        # dK, dV accumulators plus the two live score tiles P^T and dP^T
+        elems = 2 * block_n * d + 2 * block_m * block_n + 2 * block_m
     else:
         elems = block_m * d + block_m * block_n + 2 * block_m
     return -(-elems // (32 * num_warps)) + REG_OVERHEAD
@@ -231,7 +234,12 @@ def _targets(kind: str, bc: int, br: int) -> tuple:
     if kind == "fwd":
         return fit(bc), fit(br)
     if kind == "bwd":
-        return fit(br), fit(bc)
+        # Each streamed query row brings four tiles against the resident block (Q, dO and
+        # the P, dP score rows) where the forward brings one, so the streamed target is
+        # Br / 4, but at least 32 rows to keep the MMAs fed. Measured on the H100 (bf16,
+        # N=4096, benchmarks/sweep.py): 32 x 128 beat 64 x 128 by 4% at d=64 and 64 x 128
+        # spilled 142-202 registers.
+        return max(fit(br // 4), 32), fit(bc)
     return BLOCK_SIZES[0], fit(bc)
 
 
@@ -242,8 +250,8 @@ def _cost(kind: str, cfg: TileConfig, target_m: int, target_n: int) -> float:
       weighted more (W_RESIDENT > W_STREAMED) because it is the one loaded once and reused across the
       whole inner loop, so shrinking it costs more reuse than shrinking the per-iteration block.
     * pipeline depth: distance from the preferred number of stages.  fwd/decode: 3 (enough K/V loads
-      in flight to hide HBM latency behind one QK^T + PV step); bwd: 2 (each iteration already does
-      ~5 dots, so latency is hidden with less lookahead, and the smem is better spent on tiles).
+      in flight to hide HBM latency behind one QK^T + PV step); bwd: 4 (each step loads two
+      streamed tiles, Q and dO; measured 10-30% faster than 2 stages on the H100).
     * warps: fwd/bwd prefer FEWER warps: every warp reads the whole streamed tile from shared memory
       for its MMAs, so smem read traffic grows with num_warps; the register cap keeps per-warp
       fragments from spilling.  decode is memory-bound and its MMAs are tiny, so it prefers 4 warps

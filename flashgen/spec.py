@@ -38,7 +38,7 @@ Rules worth knowing:
 * ``null`` is accepted only where the default is None (``window``,
   ``gpu.sm_count``) and means "not given".
 * Explicit tiles: ``block_m``/``block_n`` powers of two in 16..256,
-  ``num_warps`` in {1, 2, 4, 8, 16}, ``num_stages`` in 1..8; all four required.
+  ``num_warps`` in {2, 4, 8}, ``num_stages`` in 1..5; all four required.
 * Window extents are ints >= -1 (-1 = unbounded on that side), not both -1.
 * Unknown and duplicate keys are errors at any level (PyYAML would silently
   keep the last duplicate, so we compose the node tree and build values
@@ -62,6 +62,7 @@ from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from flashgen.errors import SpecError
+from flashgen.planner_core import STAGE_COUNTS, WARP_COUNTS
 
 __all__ = [
     "DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
@@ -74,7 +75,8 @@ MASKS = ("none", "causal", "sliding_window")
 DEFAULT_SEQLEN_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
 
 BLOCK_STAGES = ("forward", "backward", "decode")
-NUM_WARPS = (1, 2, 4, 8, 16)
+# the planner's candidate sets: a value it would never consider is refused here, at its line
+NUM_WARPS = WARP_COUNTS
 SRAM_MIN, SRAM_MAX = 16384, 1 << 20
 
 
@@ -170,7 +172,7 @@ def load_spec(path: str | os.PathLike) -> Spec:
     except OSError as e:
         raise SpecError(shown, None, "<file>", f"cannot read the file ({e.strerror or e})",
                         "a readable YAML spec file",
-                        "check the path, e.g. flashgen specs/gpt2.yaml") from None
+                        "check the path, e.g. flashgen build specs/gpt2.yaml") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -231,8 +233,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "backward": ("auto or {block_m, block_n, num_warps, num_stages}", _TILE_FIX),
     "block_m": ("a power of two from 16 to 256", "write e.g. block_m: 128"),
     "block_n": ("a power of two from 16 to 256", "write e.g. block_n: 64"),
-    "num_warps": ("one of 1, 2, 4, 8, 16", "write e.g. num_warps: 4"),
-    "num_stages": ("an integer from 1 to 8", "write e.g. num_stages: 2"),
+    "num_warps": ("one of 2, 4, 8", "write e.g. num_warps: 4"),
+    "num_stages": ("an integer from 1 to 5", "write e.g. num_stages: 3"),
     "seqlen_buckets": ("a non-empty list of distinct positive integers",
                        "write e.g. seqlen_buckets: [512, 1024, 2048, 4096, 8192, 16384]"),
 }
@@ -600,14 +602,14 @@ def _tile_size(p: _Parser, key: str, node: Node) -> int:
 def _num_warps(p: _Parser, key: str, node: Node) -> int:
     n = p.integer(key, node)
     if n not in NUM_WARPS:
-        raise p.fail(_line(node), key, f"{n} is not one of 1, 2, 4, 8, 16")
+        raise p.fail(_line(node), key, f"{n} is not one of {', '.join(map(str, NUM_WARPS))}")
     return n
 
 
 def _num_stages(p: _Parser, key: str, node: Node) -> int:
     n = p.integer(key, node)
-    if not 1 <= n <= 8:
-        raise p.fail(_line(node), key, f"{n} is outside 1..8")
+    if n not in STAGE_COUNTS:
+        raise p.fail(_line(node), key, f"{n} is outside {STAGE_COUNTS[0]}..{STAGE_COUNTS[-1]}")
     return n
 
 

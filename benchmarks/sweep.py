@@ -1,0 +1,70 @@
+"""Time every launch config of one kernel kind by brute force (a quick look before the
+Optuna tuner exists; `flashgen tune` replaces it). On the GPU:
+
+    python benchmarks/sweep.py --mode bwd --d 64 --n 4096
+"""
+import argparse
+import importlib
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+PACKAGES = {64: "generated.gpt2_attn", 128: "generated.llama_attn"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", default="bwd", choices=["fwd", "bwd"])
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--n", type=int, default=4096)
+    ap.add_argument("--block-m", type=int, nargs="*", default=[16, 32, 64, 128])
+    ap.add_argument("--block-n", type=int, nargs="*", default=[32, 64, 128])
+    ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    pkg = importlib.import_module(PACKAGES[args.d])
+    h, b = 2048 // args.d, max(16384 // args.n, 1)
+    rows = []
+    for causal in (False, True):
+        q, k, v = (torch.randn(b, h, args.n, args.d, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))
+        do = torch.randn_like(q)
+        flops = 4 * b * h * args.n * args.n * args.d * (0.5 if causal else 1) * (2.5 if args.mode == "bwd" else 1)
+        ref = None
+        for bm, bn, w, s in itertools.product(args.block_m, args.block_n, args.warps, args.stages):
+            cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+            try:
+                with pkg._runtime.override_config(**cfg):
+                    out = pkg.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    if args.mode == "fwd":
+                        fn = lambda: pkg.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
+                        result = out
+                    else:
+                        q.grad = None
+                        out.backward(do, retain_graph=True)
+                        result = q.grad.clone()
+                        fn = lambda: out.backward(do, retain_graph=True)  # noqa: E731
+                    if ref is None:
+                        ref = result
+                    err = (result.float() - ref.float()).abs().max().item()
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+                row = dict(causal=causal, **cfg, tflops=round(flops / ms / 1e9, 1), err=err)
+            except Exception as e:
+                row = dict(causal=causal, **cfg, tflops=0.0, err=f"{type(e).__name__}")
+            rows.append(row)
+        best = sorted((r for r in rows if r["causal"] == causal), key=lambda r: -r["tflops"])[:8]
+        print(f"== {args.mode} d={args.d} N={args.n} causal={causal}: best configs")
+        for r in best:
+            print(json.dumps(r))
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
