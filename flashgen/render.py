@@ -27,6 +27,7 @@ PACKAGE_FILES = {
     "_registry.py": "package/registry.py.j2",
     "_describe.py": "package/describe.py.j2",
     "_module.py": "package/module.py.j2",
+    "_decode.py": "package/decode.py.j2",
 }
 
 

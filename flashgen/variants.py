@@ -18,12 +18,12 @@ from .spec import Spec
 MASK_WORDS = {"none": "", "causal": "causal", "sliding_window": "window"}
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", "fp32": "torch.float32"}
-KIND_TEMPLATES = {"fwd": "fwd.py.j2", "bwd": "bwd.py.j2"}
+KIND_TEMPLATES = {"fwd": "fwd.py.j2", "bwd": "bwd.py.j2", "decode": "decode.py.j2"}
 
 
 @dataclass(frozen=True, order=True)
 class Variant:
-    kind: str  # "fwd" | "bwd" (later "decode")
+    kind: str  # "fwd" | "bwd" | "decode"
     mask: str  # a spec mask name: none | causal | sliding_window
     dropout: bool
     head_dim: int
@@ -58,4 +58,11 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         # the dropout kernels are not rendered yet: only the p = 0 path exists
         if not dropout
     ]
-    return tuple(out)
+    # decoding (KV cache, split-KV): forward only, no dropout
+    decoding = [
+        Variant("decode", mask, False, d, dtype)
+        for mask in spec.masks
+        for d in spec.head_dims
+        for dtype in spec.dtypes
+    ] if spec.decode else []
+    return tuple(out + decoding)

@@ -1,0 +1,389 @@
+"""Decoding with a KV cache (`flash_attn_with_kvcache`) against a float64 reference.
+
+The reference is built from the definitions: for each batch element gather its first
+L = cache_seqlens + N_new cache rows (through the block table for a paged cache, one row
+at a time), put query i at position L - N_q + i, mask with flashgen.reference's
+bottom-right causal/window mask and take a naive softmax. Shapes stay small for Triton's
+interpreter (B = 3, H_kv = 2, d = 64, lengths <= 300) and most calls force 16 x 16 tiles
+so that a few hundred keys cross many key blocks, every split holds several, and the
+masked/unmasked loop phases all run.
+"""
+import pytest
+import torch
+
+from conftest import LSE_TOL, OUT_TOL
+from packages import build_and_import
+from flashgen.reference import attention_ref, visible_mask
+
+SMALL_TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+H_KV = 2
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("decode"), "fg_test_decode", """
+        head_dims: [64, 80]
+        dtypes: [fp16, bf16, fp32]
+        masks: [none, causal, sliding_window]
+        window: {left: 32, right: 0}
+        gqa: true
+        decode: true
+        """)
+
+
+# ---------------------------------------------------------------------------------------
+# inputs and the reference
+# ---------------------------------------------------------------------------------------
+def make_cache(batch, capacity, *, page_size=None, d=64, dtype=torch.float16, device="cpu",
+               seed=0):
+    """(k_cache, v_cache, block_table). Paged: the pages of all batch elements are
+    shuffled through the pool, with a few spare pages no one uses."""
+    g = torch.Generator().manual_seed(seed)
+    if page_size is None:
+        k, v = (torch.randn(batch, capacity, H_KV, d, generator=g).to(dtype) for _ in range(2))
+        return k.to(device), v.to(device), None
+    max_pages = -(-capacity // page_size)
+    num_blocks = batch * max_pages + 3
+    k, v = (torch.randn(num_blocks, page_size, H_KV, d, generator=g).to(dtype) for _ in range(2))
+    table = torch.randperm(num_blocks, generator=g)[:batch * max_pages].view(batch, max_pages)
+    return k.to(device), v.to(device), table.to(torch.int32).to(device)
+
+
+def logical_rows(cache, table, b, n):
+    """The first n cache rows of batch element b, (n, H_kv, d), by definition."""
+    if table is None:
+        return cache[b, :n]
+    page_size = cache.shape[1]
+    rows = [cache[int(table[b, j // page_size]), j % page_size] for j in range(n)]
+    return torch.stack(rows) if rows else cache.new_zeros((0,) + tuple(cache.shape[2:]))
+
+
+def reference(q, k_cache, v_cache, table, lengths, *, causal=False, window=(-1, -1)):
+    """(out (B, N_q, H_q, d), lse (B, H_q, N_q)) in float64 on the CPU."""
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    table = None if table is None else table.cpu()
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        k = logical_rows(k_cache, table, b, n)[None].transpose(1, 2)
+        v = logical_rows(v_cache, table, b, n)[None].transpose(1, 2)
+        vis = visible_mask(q.shape[1], n, causal=causal, window=window, bottom_right=True)
+        o, lse = attention_ref(q[b:b + 1].transpose(1, 2), k, v, vis)
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def assert_matches(out, lse, ref_out, ref_lse, dtype):
+    assert not torch.isnan(out).any(), "NaN in the output (or an element never written)"
+    assert not torch.isnan(lse).any(), "NaN in the LSE (or an element never written)"
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=atol, rtol=rtol)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), seen), "LSE -inf rows differ"
+    assert (lse.cpu()[~seen] == float("-inf")).all()
+    assert (out.cpu().transpose(1, 2)[~seen] == 0).all(), "a row that sees no key must be 0"
+    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse[seen], atol=LSE_TOL[0],
+                               rtol=LSE_TOL[1])
+
+
+def run(pkg, q, k_cache, v_cache, lengths, *, table=None, tiles=SMALL_TILES, **kwargs):
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=q.device)
+    with pkg._runtime.override_config(**tiles) if tiles else _nothing():
+        return pkg.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                           block_table=table, return_lse=True, **kwargs)
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def queries(batch, n_q, group, *, d=64, dtype=torch.float16, device="cpu", seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, n_q, H_KV * group, d, generator=g).to(dtype).to(device)
+
+
+# ---------------------------------------------------------------------------------------
+# contiguous caches: ragged lengths (empty, partial, full), N_q 1 and 4, GQA
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("n_q", [1, 4])
+def test_contiguous_ragged(pkg, device, poison, n_q, causal):
+    lengths = [0, 137, 300]  # empty, partial, the whole cache
+    k_cache, v_cache, _ = make_cache(3, 300, device=device)
+    q = queries(3, n_q, 4, device=device)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=causal, num_splits=3)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (3, 8, n_q) and lse.dtype == torch.float32
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, None, lengths, causal=causal),
+                   torch.float16)
+
+
+def test_gqa_8_to_1_and_rows_without_keys(pkg, device, poison):
+    """8 query heads per KV head x 4 tokens = 32 stacked rows; L = 2 < N_q, so with causal
+    the first two query tokens of that element see no key at all."""
+    lengths = [2, 61, 200]
+    k_cache, v_cache, _ = make_cache(3, 200, device=device, seed=2)
+    q = queries(3, 4, 8, device=device, seed=3)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, num_splits=2)
+    ref_out, ref_lse = reference(q, k_cache, v_cache, None, lengths, causal=True)
+    assert not torch.isfinite(ref_lse[0, :, :2]).any()
+    assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+
+
+def test_several_row_blocks(pkg, device, poison):
+    """8 heads x 9 tokens = 72 stacked rows: more than one query-row block per KV head."""
+    lengths = [40, 75]
+    k_cache, v_cache, _ = make_cache(2, 80, device=device, seed=4)
+    q = queries(2, 9, 8, device=device, seed=5)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, num_splits=2)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, None, lengths, causal=True),
+                   torch.float16)
+
+
+# ---------------------------------------------------------------------------------------
+# paged caches: shuffled block tables, page sizes below, at and above BLOCK_N
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page_size", [5, 16, 64, 256])
+def test_paged(pkg, device, poison, page_size):
+    lengths = [0, 257, 300]
+    k_cache, v_cache, table = make_cache(3, 300, page_size=page_size, device=device,
+                                         seed=page_size)
+    q = queries(3, 4, 4, device=device, seed=6)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, causal=True, num_splits=3)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths, causal=True),
+                   torch.float16)
+
+
+def test_paged_planned_tiles_auto_splits(pkg, device, poison):
+    """The planner's real tiles (BLOCK_N 128 > page 16) and num_splits=0."""
+    lengths = [300, 33, 129]
+    k_cache, v_cache, table = make_cache(3, 304, page_size=16, device=device, seed=7)
+    q = queries(3, 1, 4, device=device, seed=8)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, tiles=None)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths), torch.float16)
+
+
+# ---------------------------------------------------------------------------------------
+# appending new keys and values in place
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+@pytest.mark.parametrize("n_q,n_new", [(3, 3), (1, 2)])
+def test_append(pkg, device, poison, page_size, n_q, n_new):
+    lengths = [0, 100, 300 - n_new]  # the last one fills the cache exactly
+    k_cache, v_cache, table = make_cache(3, 300, page_size=page_size, device=device, seed=9)
+    g = torch.Generator().manual_seed(10)
+    k_new, v_new = (torch.randn(3, n_new, H_KV, 64, generator=g).half().to(device)
+                    for _ in range(2))
+    q = queries(3, n_q, 4, device=device, seed=11)
+    # the expected caches, written by definition one row at a time
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        for t in range(n_new):
+            j = n + t
+            page, row = (b, j) if table is None else (int(table[b, j // page_size]), j % page_size)
+            k_want[page, row] = k_new[b, t]
+            v_want[page, row] = v_new[b, t]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        out, lse = pkg.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                               cache_seqlens=seqlens, block_table=table,
+                                               causal=True, num_splits=2, return_lse=True)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want), \
+        "the cache must hold the new rows at cache_seqlens.. and nothing else may change"
+    assert torch.equal(seqlens.cpu(), torch.tensor(lengths, dtype=torch.int32)), \
+        "cache_seqlens is not updated (flash-attn's convention)"
+    total = [n + n_new for n in lengths]
+    assert_matches(out, lse, *reference(q, k_want, v_want, table, total, causal=True),
+                   torch.float16)
+
+
+# ---------------------------------------------------------------------------------------
+# sliding windows, split counts, dtypes, head dims
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("window,causal", [((32, 0), False), ((20, 5), False), ((24, -1), True),
+                                           ((-1, 8), False)],
+                         ids=["left32", "left20_right5", "left24_causal", "right8"])
+def test_window(pkg, device, poison, window, causal):
+    lengths = [10, 150, 300]
+    k_cache, v_cache, table = make_cache(3, 320, page_size=64, device=device, seed=12)
+    q = queries(3, 4, 4, device=device, seed=13)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, causal=causal,
+                   window_size=window, num_splits=3)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths, causal=causal,
+                                        window=window), torch.float16)
+
+
+def test_num_splits_agree(pkg, device, poison):
+    """1 split (no combine), 2, 5 and more splits than key blocks (empty splits), the
+    heuristic, and a split count given as a launch-config knob all give the answer."""
+    lengths = [0, 170, 250]
+    k_cache, v_cache, _ = make_cache(3, 250, device=device, seed=14)
+    q = queries(3, 2, 4, device=device, seed=15)
+    ref = reference(q, k_cache, v_cache, None, lengths, causal=True)
+    results = [run(pkg, q, k_cache, v_cache, lengths, causal=True, num_splits=s)
+               for s in (1, 2, 5, 20, 0)]
+    results.append(run(pkg, q, k_cache, v_cache, lengths, causal=True,
+                       tiles=dict(SMALL_TILES, num_splits=4)))
+    for out, lse in results:
+        assert_matches(out, lse, *ref, torch.float16)
+        torch.testing.assert_close(out, results[0][0], atol=2e-3, rtol=0)
+        torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float32, 64),
+                                     (torch.float16, 80)], ids=["bf16", "fp32", "d80"])
+def test_dtypes_and_head_dims(pkg, device, poison, dtype, d):
+    lengths = [77, 0, 128]
+    k_cache, v_cache, table = make_cache(3, 128, page_size=32, d=d, dtype=dtype,
+                                         device=device, seed=16)
+    q = queries(3, 2, 4, d=d, dtype=dtype, device=device, seed=17)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, causal=True, num_splits=2)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths, causal=True), dtype)
+
+
+def test_int_and_none_cache_seqlens(pkg, device):
+    """An int is every element's length; None means the cache is full."""
+    k_cache, v_cache, _ = make_cache(2, 48, device=device, seed=18)
+    q = queries(2, 1, 4, device=device, seed=19)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        out_int = pkg.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=40)
+        out_none = pkg.flash_attn_with_kvcache(q, k_cache, v_cache, num_splits=2)
+    torch.testing.assert_close(out_int.double().cpu(),
+                               reference(q, k_cache, v_cache, None, [40, 40])[0],
+                               atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(out_none.double().cpu(),
+                               reference(q, k_cache, v_cache, None, [48, 48])[0],
+                               atol=2e-3, rtol=2e-3)
+
+
+def test_split_heuristic(pkg):
+    h = pkg._decode.num_splits_heuristic
+    assert h(8 * 8, 32, 132) == 5  # 64 programs -> ~2 waves over 132 SMs
+    assert h(1 * 8, 512, 132) == 33
+    assert h(264, 512, 132) == 1  # the grid already fills two waves
+    assert h(8, 6, 132) == 1  # too few key blocks to split
+    assert h(8, 8, 132) == 2  # splits keep >= 4 key blocks each
+    assert h(1, 10 ** 6, 132) == 128  # capped
+    assert h(8, 0, 132) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# validation: ValueError before any launch or write
+# ---------------------------------------------------------------------------------------
+def _call(pkg, **over):
+    """A valid paged call with new keys, with some arguments replaced."""
+    k_cache, v_cache, table = make_cache(2, 64, page_size=16, seed=20)
+    args = dict(q=queries(2, 1, 4, seed=21), k_cache=k_cache, v_cache=v_cache,
+                k=torch.zeros(2, 1, H_KV, 64, dtype=torch.float16),
+                v=torch.zeros(2, 1, H_KV, 64, dtype=torch.float16),
+                cache_seqlens=torch.tensor([3, 10], dtype=torch.int32), block_table=table)
+    args.update(over)
+    return pkg.flash_attn_with_kvcache(**args)
+
+
+def test_valid_call_runs(pkg):
+    with pkg._runtime.override_config(**SMALL_TILES):
+        assert _call(pkg).shape == (2, 1, 8, 64)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(q=torch.zeros(2, 1, 8, 64)), "share a dtype"),
+    (dict(q=torch.zeros(2, 1, 8, 32, dtype=torch.float16)), "head dim 32"),
+    (dict(q=torch.zeros(3, 1, 8, 64, dtype=torch.float16)), "block_table has 2 rows"),
+    (dict(q=torch.zeros(2, 1, 7, 64, dtype=torch.float16)), "multiple of key/value heads"),
+    (dict(k=None), "together"),
+    (dict(v=None), "together"),
+    (dict(k=torch.zeros(2, 2, H_KV, 64, dtype=torch.float16)), "k and v must have one shape"),
+    (dict(k=torch.zeros(2, 1, 1, 64, dtype=torch.float16),
+          v=torch.zeros(2, 1, 1, 64, dtype=torch.float16)), "N_new, H_kv=2"),
+    (dict(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)), "exceeds the cache capacity"),
+    (dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ">= 0"),
+    (dict(cache_seqlens=torch.tensor([3, 10], dtype=torch.int64)), "cache_seqlens must be int32"),
+    (dict(cache_seqlens=torch.tensor([3], dtype=torch.int32)), r"shape \(2,\)"),
+    (dict(cache_seqlens=64), "exceeds the cache capacity"),
+    (dict(cache_seqlens=None), "without cache_seqlens"),
+    (dict(block_table=torch.zeros(2, 4, dtype=torch.int64)), "block_table must be int32"),
+    (dict(block_table=torch.zeros(8, dtype=torch.int32)), "2-D"),
+    (dict(block_table=torch.tensor([[0, 1, 2, 3], [11, 5, 6, 7]], dtype=torch.int32)),
+     r"page indices in \[0, 11\)"),
+    (dict(block_table=torch.tensor([[-1, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)),
+     "page indices"),
+    (dict(num_splits=-1), "num_splits"),
+    (dict(softmax_scale=-1.0), "softmax scale"),
+    (dict(window_size=(-2, 0)), "window_size"),
+], ids=["dtype", "head_dim", "batch", "heads", "k_only", "v_only", "kv_shapes", "new_heads",
+        "too_long", "negative", "seqlens_dtype", "seqlens_shape", "int_too_long",
+        "append_full", "table_dtype", "table_shape", "table_high", "table_negative",
+        "splits", "scale", "window"])
+def test_bad_input(pkg, over, match):
+    k_cache, v_cache, table = make_cache(2, 64, page_size=16, seed=20)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=match):
+        _call(pkg, k_cache=k_cache, v_cache=v_cache, **over)
+    assert torch.equal(k_cache, before), "a rejected call must not write the cache"
+
+
+def test_unused_block_table_entries_may_be_padding(pkg):
+    """Only the pages the call touches are checked: -1 padding past them is fine."""
+    table = torch.tensor([[0, 1, -1, -1], [2, -1, -1, -1]], dtype=torch.int32)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        _call(pkg, block_table=table)
+
+
+def test_bad_layouts_and_kinds(pkg):
+    k_cache, v_cache, _ = make_cache(2, 32, seed=22)
+    q = queries(2, 1, 4, seed=23)
+    lens = torch.tensor([5, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="unit stride"):
+        pkg.flash_attn_with_kvcache(q, k_cache.transpose(-1, -2).contiguous().transpose(-1, -2),
+                                    v_cache, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="one shape"):
+        pkg.flash_attn_with_kvcache(q, k_cache, v_cache[:, :16], cache_seqlens=lens)
+    with pytest.raises(ValueError, match="4-D"):
+        pkg.flash_attn_with_kvcache(q[0], k_cache, v_cache, cache_seqlens=lens)
+    with pytest.raises(ValueError, match="batch 2"):
+        pkg.flash_attn_with_kvcache(q[:1], k_cache, v_cache, cache_seqlens=lens[:1])
+    with pytest.raises(ValueError, match=r"`head_dims`"):
+        pkg.flash_attn_with_kvcache(*(torch.zeros(2, n, 2, 96, dtype=torch.float16)
+                                      for n in (1, 32, 32)), cache_seqlens=lens)
+    with pytest.raises(ValueError, match=r"`dtypes`"):
+        pkg.flash_attn_with_kvcache(*(t.double() for t in (q, k_cache, v_cache)),
+                                    cache_seqlens=lens)
+
+
+def test_gradients_are_refused(pkg):
+    k_cache, v_cache, _ = make_cache(2, 32, seed=24)
+    q = queries(2, 1, 4, seed=25).requires_grad_()
+    with pytest.raises(ValueError, match="forward-only"):
+        pkg.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5)
+    with torch.no_grad(), pkg._runtime.override_config(**SMALL_TILES):
+        assert pkg.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5).shape == q.shape
+
+
+def test_package_without_decode_names_the_spec_field(tmp_path):
+    other = build_and_import(tmp_path, "fg_test_no_decode", """
+        head_dims: [64]
+        dtypes: [fp16]
+        masks: [none]
+        """)
+    k_cache, v_cache, _ = make_cache(1, 16, seed=26)
+    q = torch.zeros(1, 1, H_KV, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="decode: true"):
+        other.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3)
+
+
+def test_mask_not_built_names_the_spec_field(tmp_path):
+    other = build_and_import(tmp_path, "fg_test_decode_causal_only", """
+        head_dims: [64]
+        dtypes: [fp16]
+        masks: [causal]
+        decode: true
+        """)
+    k_cache, v_cache, _ = make_cache(1, 16, seed=27)
+    q = torch.zeros(1, 1, H_KV, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="`masks`"):
+        other.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=3, window_size=(4, 0))
