@@ -1,0 +1,177 @@
+"""Decoding throughput on the GPU: flashgen's `flash_attn_with_kvcache` (contiguous and
+paged KV cache) beside SDPA's flash and cuDNN backends and FlexAttention, at Llama-3-8B
+decode shapes: H_q = 32, H_kv = 8, d = 128, one new query token, bf16, batch 8 and 1, KV
+length 4k / 16k / 64k.
+
+    python benchmarks/decode.py [--out results.json] [--b 8 1] [--n 4096 16384 65536]
+                                [--splits 0 1 4 16] [--page 256]
+
+Decoding is memory-bound, so the figure of merit is bandwidth: GB/s counts q, K, V and the
+output once each (B*H_q*d*2 + 2*B*L*H_kv*d*2 + B*H_q*d*2 bytes), whatever the kernel
+re-reads. SDPA gets q (B, H_q, 1, d) and K/V (B, H_kv, L, d) with enable_gqa=True, or K/V
+repeated to H_q heads if the backend refuses GQA (the row says so; its bytes are still
+counted for the un-repeated K/V). Every provider's output is checked against a float32
+reference of batch element 0 before it is timed. Times are do_bench medians.
+
+flashgen is called as a server would call it: cache_seqlens is an int32 tensor on the GPU
+(so each call reads max(cache_seqlens) on the host -- one sync, included in the time).
+`--splits` times flashgen at fixed split counts besides the automatic choice (0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import generated.llama_attn as fg  # noqa: E402
+
+H_Q, H_KV, D = 32, 8, 128
+TOL = 2e-2  # bf16 output against the float32 reference
+
+
+def reference_b0(q, k_cache, v_cache, n):
+    """float32 attention of batch element 0 over its n cached keys: (1, H_q, d)."""
+    qf = q[0].float()  # (1, H_q, d)
+    kf = k_cache[0, :n].float().repeat_interleave(H_Q // H_KV, dim=1)  # (n, H_q, d)
+    vf = v_cache[0, :n].float().repeat_interleave(H_Q // H_KV, dim=1)
+    s = torch.einsum("qhd,nhd->hqn", qf, kf) / math.sqrt(D)
+    return torch.einsum("hqn,nhd->qhd", torch.softmax(s, dim=-1), vf)
+
+
+def sdpa_provider(backend, q, k, v):
+    """q (B, 1, H_q, d), k/v (B, L, H_kv, d) -> a timed callable returning (B, 1, H_q, d),
+    and a note on how GQA was served."""
+    qs = q.transpose(1, 2).contiguous()
+    ks, vs = (t.transpose(1, 2).contiguous() for t in (k, v))
+
+    def gqa():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True).transpose(1, 2)
+    try:
+        gqa()
+        return gqa, "enable_gqa"
+    except Exception:
+        pass
+    kr, vr = (t.repeat_interleave(H_Q // H_KV, dim=1) for t in (ks, vs))
+
+    def repeated():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(qs, kr, vr).transpose(1, 2)
+    return repeated, "repeated K/V"
+
+
+def flex_provider(q, k, v):
+    from torch.nn.attention.flex_attention import flex_attention
+    compiled = torch.compile(flex_attention, dynamic=False)
+    qs = q.transpose(1, 2).contiguous()
+    ks, vs = (t.transpose(1, 2).contiguous() for t in (k, v))
+    return lambda: compiled(qs, ks, vs, enable_gqa=True).transpose(1, 2)
+
+
+def to_pages(cache, table, page):
+    """The same keys in a paged pool: page table[b, p] holds positions p*page.. of b."""
+    b, n = cache.shape[:2]
+    pool = torch.empty((table.numel(), page) + tuple(cache.shape[2:]), device=cache.device,
+                       dtype=cache.dtype)
+    pool[table.flatten().long()] = cache.reshape(b * (n // page), page, *cache.shape[2:])
+    return pool
+
+
+def measure(fn, ref, nbytes):
+    out = fn()
+    err = (out[0].float() - ref).abs().max().item()
+    if not err < TOL:
+        return f"WRONG (max err {err:.3g})"
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--b", type=int, nargs="*", default=[8, 1])
+    ap.add_argument("--n", type=int, nargs="*", default=[4096, 16384, 65536])
+    ap.add_argument("--splits", type=int, nargs="*", default=[0])
+    ap.add_argument("--page", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    gpu = torch.cuda.get_device_name()
+    print(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
+          f"H_q {H_Q}, H_kv {H_KV}, d {D}, N_q 1")
+    rows = []
+    torch.manual_seed(0)
+    for b in args.b:
+        for n in args.n:
+            dev, dt = "cuda", torch.bfloat16
+            q = torch.randn(b, 1, H_Q, D, device=dev, dtype=dt)
+            k_cache = torch.randn(b, n, H_KV, D, device=dev, dtype=dt)
+            v_cache = torch.randn(b, n, H_KV, D, device=dev, dtype=dt)
+            seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
+            nbytes = 2 * (2 * b * H_Q * D + 2 * b * n * H_KV * D)
+            ref = reference_b0(q, k_cache, v_cache, n)
+            row = {"gpu": gpu, "b": b, "n": n, "page": args.page, "bytes": nbytes}
+
+            def run(name, make):
+                try:
+                    row[name] = measure(make(), ref, nbytes)
+                except Exception as e:  # a provider that refuses a shape is reported
+                    row[name] = f"error: {type(e).__name__}: {str(e)[:100]}"
+                torch.cuda.empty_cache()
+
+            with torch.inference_mode():
+                for s in args.splits:
+                    run(f"flashgen_s{s}", lambda s=s: lambda: fg.flash_attn_with_kvcache(
+                        q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, num_splits=s))
+                for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
+                                      ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    note = {}
+
+                    def make(backend=backend, note=note):
+                        fn, how = sdpa_provider(backend, q, k_cache, v_cache)
+                        note["gqa"] = how
+                        return fn
+                    run(name, make)
+                    if isinstance(row[name], dict):
+                        row[name]["gqa"] = note.get("gqa")
+                run("flex", lambda: flex_provider(q, k_cache, v_cache))
+
+                # the same keys in a paged pool with a shuffled block table
+                if n % args.page == 0:
+                    pages = n // args.page
+                    table = torch.randperm(b * pages, device=dev).to(torch.int32).view(b, pages)
+                    k_pool, v_pool = to_pages(k_cache, table, args.page), to_pages(v_cache, table, args.page)
+                    del k_cache, v_cache
+                    torch.cuda.empty_cache()
+                    for s in args.splits:
+                        run(f"flashgen_paged_s{s}", lambda s=s: lambda: fg.flash_attn_with_kvcache(
+                            q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
+                            causal=True, num_splits=s))
+                    del k_pool, v_pool
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            torch.cuda.empty_cache()
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+    cols = [c for c in rows[0] if c not in ("gpu", "b", "n", "page", "bytes")] if rows else []
+    print("\nGB/s (q, K, V, o counted once)\n")
+    print("| B | L | " + " | ".join(cols) + " |")
+    print("|---|---|" + "---|" * len(cols))
+    for r in rows:
+        cells = [str(r[c]["GB/s"]) if isinstance(r.get(c), dict) else str(r.get(c, "-"))[:24]
+                 for c in cols]
+        print(f"| {r['b']} | {r['n']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
