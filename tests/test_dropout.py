@@ -84,14 +84,14 @@ def test_gqa_window_fp16_head_dim_80(pkg, device, poison):
 
 def test_keep_rate_matches_one_minus_p(pkg, device):
     p = 0.1
-    keep = pkg.dropout_mask(2, 2, 256, 512, p, device=device)
+    keep = pkg.dropout_mask(2, 2, 128, 256, p, device=device)
     n = keep.numel()
     rate = keep.float().mean().item()
     standard_error = math.sqrt(p * (1 - p) / n)
     assert abs(rate - (1 - p)) < 4 * standard_error, (rate, standard_error)
     # no structure: every (batch, head) slice, and rows vs columns, keep about the same share
     per_slice = keep.float().mean(dim=(2, 3))
-    assert (per_slice - (1 - p)).abs().max() < 8 * math.sqrt(p * (1 - p) / (256 * 512))
+    assert (per_slice - (1 - p)).abs().max() < 5 * math.sqrt(p * (1 - p) / (128 * 256))
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
 
 
