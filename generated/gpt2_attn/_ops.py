@@ -22,16 +22,20 @@ def _heads_view(bnhd: bool):
     return (lambda t: t.transpose(1, 2)) if bnhd else (lambda t: t)
 
 
-def _forward_impl(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float):
+def _forward_impl(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
+                  dropout_p: float):
+    """(out, lse, rng): rng is the (seed, stream) of the call's dropout, a CPU int64
+    tensor that the backward needs to regenerate the same mask (zeros without dropout)."""
     view = _heads_view(bnhd)
     out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else _NO_RNG.clone()
     lse = _runtime.forward(view(q), view(k), view(v), view(out), mask=mask, lo=lo, hi=hi,
-                           scale=scale)
-    return out, lse
+                           scale=scale, dropout_p=dropout_p, rng=rng)
+    return out, lse, rng
 
 
-def _backward_impl(do, q, k, v, out, lse, bnhd: bool, mask: str, lo: int, hi: int,
-                   scale: float):
+def _backward_impl(do, q, k, v, out, lse, rng, bnhd: bool, mask: str, lo: int, hi: int,
+                   scale: float, dropout_p: float):
     view = _heads_view(bnhd)
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -39,8 +43,12 @@ def _backward_impl(do, q, k, v, out, lse, bnhd: bool, mask: str, lo: int, hi: in
     # back shaped like what the caller passed in
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _runtime.backward(view(do), view(q), view(k), view(v), view(out), lse, view(dq),
-                      view(dk), view(dv), mask=mask, lo=lo, hi=hi, scale=scale)
+                      view(dk), view(dv), mask=mask, lo=lo, hi=hi, scale=scale,
+                      dropout_p=dropout_p, rng=rng)
     return dq, dk, dv
+
+
+_NO_RNG = torch.zeros(2, dtype=torch.int64)
 
 
 def _register():
@@ -52,35 +60,39 @@ def _register():
 
     @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bnhd: bool, mask: str,
-            lo: int, hi: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        return _forward_impl(q, k, v, bnhd, mask, lo, hi, scale)
+            lo: int, hi: int, scale: float, dropout_p: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _forward_impl(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
 
     @fwd.register_fake
-    def _(q, k, v, bnhd, mask, lo, hi, scale):
+    def _(q, k, v, bnhd, mask, lo, hi, scale, dropout_p):
         b, h, n_q = (q.shape[0], q.shape[2], q.shape[1]) if bnhd else q.shape[:3]
-        return q.new_empty(q.shape), q.new_empty((b, h, n_q), dtype=torch.float32)
+        return (q.new_empty(q.shape), q.new_empty((b, h, n_q), dtype=torch.float32),
+                q.new_empty((2,), dtype=torch.int64, device="cpu"))
 
     @torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=())
     def bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor, bnhd: bool, mask: str, lo: int, hi: int,
-            scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _backward_impl(do, q, k, v, out, lse, bnhd, mask, lo, hi, scale)
+            out: torch.Tensor, lse: torch.Tensor, rng: torch.Tensor, bnhd: bool, mask: str,
+            lo: int, hi: int, scale: float, dropout_p: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _backward_impl(do, q, k, v, out, lse, rng, bnhd, mask, lo, hi, scale,
+                              dropout_p)
 
     @bwd.register_fake
-    def _(do, q, k, v, out, lse, bnhd, mask, lo, hi, scale):
+    def _(do, q, k, v, out, lse, rng, bnhd, mask, lo, hi, scale, dropout_p):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, bnhd, mask, lo, hi, scale = inputs
-        out, lse = output
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (bnhd, mask, lo, hi, scale)
-        ctx.mark_non_differentiable(lse)
+        q, k, v, bnhd, mask, lo, hi, scale, dropout_p = inputs
+        out, lse, rng = output
+        ctx.save_for_backward(q, k, v, out, lse, rng)
+        ctx.args = (bnhd, mask, lo, hi, scale, dropout_p)
+        ctx.mark_non_differentiable(lse, rng)
 
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None
+    def backward(ctx, dout, _dlse, _drng):
+        q, k, v, out, lse, rng = ctx.saved_tensors
+        dq, dk, dv = bwd(dout, q, k, v, out, lse, rng, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
 
     fwd.register_autograd(backward, setup_context=setup_context)
     return fwd, bwd
@@ -97,10 +109,13 @@ def _defined() -> bool:
 fwd_op, bwd_op = _register()
 
 
-def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float):
+def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
+              dropout_p: float = 0.0):
     """(out, lse): out in q's layout, lse (B, H_q, N_q) fp32."""
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad
                                               or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
-        return fwd_op(q, k, v, bnhd, mask, lo, hi, scale)
-    return _forward_impl(q, k, v, bnhd, mask, lo, hi, scale)
+        out, lse, _ = fwd_op(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
+    else:
+        out, lse, _ = _forward_impl(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
+    return out, lse

@@ -80,14 +80,10 @@ def check_tensors(q, k, v, *, layout: str) -> None:
 def check_dropout(dropout_p) -> None:
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if dropout_p > 0.0:
-        if not BUILT_FOR["dropout"]:
-            raise ValueError(
-                f"dropout_p={dropout_p} but {PACKAGE} was built without dropout: set "
-                f"`dropout: true` in {BUILT_FOR['spec']} and rebuild")
-        raise NotImplementedError(
-            "dropout inside the fused kernels is not implemented yet in this flashgen release; "
-            "call with dropout_p=0.0")
+    if dropout_p > 0.0 and not BUILT_FOR["dropout"]:
+        raise ValueError(
+            f"dropout_p={dropout_p} but {PACKAGE} was built without dropout: set "
+            f"`dropout: true` in {BUILT_FOR['spec']} and rebuild")
 
 
 def softmax_scale(scale, head_dim: int) -> float:
@@ -257,12 +253,21 @@ def band(n_q: int, n_k: int, causal: bool, window: tuple, bottom_right: bool) ->
     return "none", lo, hi
 
 
-def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float):
+def _dropout():
+    """The dropout helpers, imported on first use (they import triton)."""
+    from . import _dropout
+    return _dropout
+
+
+def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
+            dropout_p: float = 0.0, rng=None):
     """Run the forward kernel on (B, H, N, d) views; writes o in place, returns the LSE
-    as a contiguous (B, H, N_q) fp32 tensor."""
+    as a contiguous (B, H, N_q) fp32 tensor. `rng` is the call's (seed, stream) tensor
+    when dropout_p > 0."""
     batch, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    name = find_variant("fwd", mask, False, d, _DTYPE_NAMES[q.dtype])
+    name = find_variant("fwd", mask, dropout_p > 0.0, d, _DTYPE_NAMES[q.dtype])
+    drop = _dropout().launch_args(rng, dropout_p) if dropout_p > 0.0 else (0, 0, 0, 1.0)
     lse = torch.empty((batch, h_q, n_q), device=q.device, dtype=torch.float32)
     if batch * h_q * n_q == 0:
         return lse
@@ -274,7 +279,7 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float):
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi,
+        n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, *drop,
         BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -291,9 +296,10 @@ def triton_cdiv(a: int, b: int) -> int:
 PREPROCESS_BLOCK = 64
 
 
-def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float):
+def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
+             dropout_p: float = 0.0, rng=None):
     """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
-    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp."""
+    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream."""
     batch, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     if batch * h_q * n_q * n_k == 0:
@@ -301,7 +307,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dk.zero_()
         dv.zero_()
         return
-    name = find_variant("bwd", mask, False, d, _DTYPE_NAMES[q.dtype])
+    name = find_variant("bwd", mask, dropout_p > 0.0, d, _DTYPE_NAMES[q.dtype])
+    drop = _dropout().launch_args(rng, dropout_p) if dropout_p > 0.0 else (0, 0, 0, 1.0)
     cfg = launch_config(name, q.device, max(n_q, n_k))
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -322,7 +329,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         do.stride(0), do.stride(1), do.stride(2),
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
-        n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi,
+        n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi, *drop,
         BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )
     # dQ: the mirror image, a program per block_n query rows stepping over block_m keys
@@ -333,6 +340,6 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
-        n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi,
+        n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi, *drop,
         BLOCK_M=block_n, BLOCK_N=block_m, **launch,
     )

@@ -7,7 +7,9 @@ Built for head dims [128], dtypes ['fp16', 'bf16'], masks ['none', 'causal', 'sl
 needs only torch and triton: copy the folder into your project and import it. Kernels are
 compiled on first use, not at import.
 """
-from ._api import flash_attn_func, flash_attn_qkvpacked_func, scaled_dot_product_attention
+from ._api import (dropout_mask, flash_attn_func, flash_attn_qkvpacked_func,
+                   scaled_dot_product_attention)
+from ._decode import flash_attn_with_kvcache
 from ._describe import describe
 from ._module import Attention
 
@@ -17,4 +19,6 @@ __all__ = [
     "flash_attn_qkvpacked_func",
     "describe",
     "Attention",
+    "flash_attn_with_kvcache",
+    "dropout_mask",
 ]

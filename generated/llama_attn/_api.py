@@ -20,7 +20,8 @@ def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p)
     n_q, n_k = (q.shape[1], k.shape[1]) if bnhd else (q.shape[2], k.shape[2])
     scale = _runtime.softmax_scale(scale, q.shape[-1])
     mask, lo, hi = _runtime.band(n_q, n_k, causal, window, bottom_right)
-    return _ops.attention(q, k, v, bnhd=bnhd, mask=mask, lo=lo, hi=hi, scale=scale)
+    return _ops.attention(q, k, v, bnhd=bnhd, mask=mask, lo=lo, hi=hi, scale=scale,
+                          dropout_p=float(dropout_p))
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
@@ -68,3 +69,13 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p=dropout_p,
                            softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, return_lse=return_lse)
+
+
+def dropout_mask(batch, heads, n_q, n_k, dropout_p, device="cuda"):
+    """Testing hook: the exact (B, H, N_q, N_k) bool keep mask that an attention call with
+    these sizes would draw from the device's generator in its current state (it advances
+    the generator like a call). Reset the generator with torch.manual_seed before the call
+    and before this to get the mask that call used."""
+    from ._dropout import dropout_mask as replay  # imports triton only when asked
+
+    return replay(batch, heads, n_q, n_k, dropout_p, device)

@@ -2,6 +2,9 @@
 """`describe()`: what this package was built for and what is tuned."""
 from ._registry import BUCKETS, BUILT_FOR, PACKAGE, PLANNED, TARGET_GPU, TUNED, VARIANTS
 
+# GPU key -> what its tuning data was measured with (from specs/tuning/<package>/*.json)
+TUNING = {}
+
 
 def describe() -> str:
     """A readable summary: the spec, every kernel variant with its planned config, and
@@ -21,7 +24,11 @@ def describe() -> str:
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():
-            lines.append(f"    {gpu}: {len(table)} variants")
+            about = TUNING.get(gpu, {})
+            buckets = sum(len(by_bucket) for by_bucket in table.values())
+            lines.append(f"    {gpu}: {len(table)} of {len(VARIANTS)} variants, {buckets} "
+                         f"(variant, bucket) configs; tuned with triton {about.get('triton')}, "
+                         f"torch {about.get('torch')}")
     else:
         lines.append("  tuned GPUs: none (run `flashgen tune` on a GPU)")
     return "\n".join(lines)

@@ -84,7 +84,37 @@ VARIANTS = {'fwd_d128_fp16': {'kind': 'fwd',
                           'mask': 'sliding_window',
                           'dropout': False,
                           'head_dim': 128,
-                          'dtype': 'bf16'}}
+                          'dtype': 'bf16'},
+ 'decode_d128_fp16': {'kind': 'decode',
+                      'mask': 'none',
+                      'dropout': False,
+                      'head_dim': 128,
+                      'dtype': 'fp16'},
+ 'decode_d128_bf16': {'kind': 'decode',
+                      'mask': 'none',
+                      'dropout': False,
+                      'head_dim': 128,
+                      'dtype': 'bf16'},
+ 'decode_causal_d128_fp16': {'kind': 'decode',
+                             'mask': 'causal',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'fp16'},
+ 'decode_causal_d128_bf16': {'kind': 'decode',
+                             'mask': 'causal',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'bf16'},
+ 'decode_window_d128_fp16': {'kind': 'decode',
+                             'mask': 'sliding_window',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'fp16'},
+ 'decode_window_d128_bf16': {'kind': 'decode',
+                             'mask': 'sliding_window',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'bf16'}}
 
 # canonical variant name -> the planner's launch config for TARGET_GPU
 PLANNED = {'fwd_d128_fp16': {'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 2},
@@ -98,7 +128,13 @@ PLANNED = {'fwd_d128_fp16': {'block_m': 128, 'block_n': 128, 'num_warps': 8, 'nu
  'bwd_causal_d128_fp16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4},
  'bwd_causal_d128_bf16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4},
  'bwd_window_d128_fp16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4},
- 'bwd_window_d128_bf16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4}}
+ 'bwd_window_d128_bf16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4},
+ 'decode_d128_fp16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+ 'decode_d128_bf16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+ 'decode_causal_d128_fp16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+ 'decode_causal_d128_bf16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+ 'decode_window_d128_fp16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+ 'decode_window_d128_bf16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3}}
 
 # GPU key -> canonical variant name -> bucket -> launch config
 TUNED = {}

@@ -32,12 +32,16 @@ MASK_LEFT = tl.constexpr(False)
 MASK_RIGHT = tl.constexpr(True)
 # Visit the most expensive query blocks first when rows see different numbers of keys.
 LONGEST_FIRST = tl.constexpr(True)
+# Dropout on P inside the kernel (FlashAttention-1): the keep mask is regenerated from a
+# counter-based Philox stream, never stored. False compiles no dropout code at all.
+DROPOUT = tl.constexpr(False)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
+                               "RNG_OFFSET", "DROP_THRESHOLD"])
 def fwd_causal_d64_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32, contiguous
     stride_qb, stride_qh, stride_qm,
@@ -49,6 +53,9 @@ def fwd_causal_d64_bf16_kernel(
     KV_GROUP,  # query heads per key/value head (1 = MHA, H_Q = MQA)
     QK_SCALE_LOG2,  # softmax scale * log2(e)
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
+    SEED, RNG_OFFSET,  # Philox key and stream of this call (dropout only)
+    DROP_THRESHOLD,  # drop when a 16-bit uniform draw is below this (p * 65536)
+    DROP_SCALE,  # 1 / (1 - p), folded into the final normalisation
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -128,6 +135,10 @@ def fwd_causal_d64_bf16_kernel(
             alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
             p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
             l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                # the softmax denominator counts every key; only the P @ V product is dropped
+                keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                p = tl.where(keep, p, 0.0)
             p = p.to(V.dtype.element_ty)
             v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
             acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)  # [BLOCK_M, D0_SIZE]
@@ -144,6 +155,10 @@ def fwd_causal_d64_bf16_kernel(
         alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # the softmax denominator counts every key; only the P @ V product is dropped
+            keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         v0 = tl.load(v_ptrs0 + n0 * stride_vn)  # [BLOCK_N, D0_SIZE]
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)  # [BLOCK_M, D0_SIZE]
@@ -170,6 +185,10 @@ def fwd_causal_d64_bf16_kernel(
         alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # the softmax denominator counts every key; only the P @ V product is dropped
+            keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)  # [BLOCK_M, D0_SIZE]
@@ -181,6 +200,8 @@ def fwd_causal_d64_bf16_kernel(
     # a row that saw no key at all has l_i = 0: its output is 0 and its LSE is -inf
     seen = l_i > 0.0
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)  # [BLOCK_M]
+    if DROPOUT:
+        inv_l = inv_l * DROP_SCALE
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
     o0 = (acc0 * inv_l[:, None]).to(O.dtype.element_ty)  # [BLOCK_M, D0_SIZE]

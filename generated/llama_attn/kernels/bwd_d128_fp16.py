@@ -28,6 +28,8 @@ D0_OFFSET = tl.constexpr(0)
 D0_SIZE = tl.constexpr(128)
 MASK_LEFT = tl.constexpr(False)
 MASK_RIGHT = tl.constexpr(False)
+# Dropout: the forward's keep mask, regenerated from the same Philox counters
+DROPOUT = tl.constexpr(False)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -55,7 +57,8 @@ def bwd_d128_fp16_preprocess(
 
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
+                               "RNG_OFFSET", "DROP_THRESHOLD"])
 def bwd_d128_fp16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32, contiguous
     stride_qb, stride_qh, stride_qm,
@@ -70,6 +73,7 @@ def bwd_d128_fp16_dkdv_kernel(
     QK_SCALE_LOG2,  # softmax scale * log2(e)
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,
+    SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
 ):
@@ -141,7 +145,15 @@ def bwd_d128_fp16_dkdv_kernel(
             p_t = tl.where(visible, p_t, 0.0)
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(v0, tl.trans(do0))
-            ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:
+                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # dS = P * (Z * dP - D)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + offs_m, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
+                ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+                p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
+            else:
+                ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
@@ -161,7 +173,15 @@ def bwd_d128_fp16_dkdv_kernel(
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(v0, tl.trans(do0))
-            ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:
+                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # dS = P * (Z * dP - D)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + offs_m, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
+                ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+                p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
+            else:
+                ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
@@ -189,7 +209,15 @@ def bwd_d128_fp16_dkdv_kernel(
             p_t = tl.where(visible, p_t, 0.0)
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(v0, tl.trans(do0))
-            ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+            if DROPOUT:
+                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # dS = P * (Z * dP - D)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + offs_m, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
+                ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+                p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
+            else:
+                ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
@@ -204,7 +232,8 @@ def bwd_d128_fp16_dkdv_kernel(
 
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
+                               "RNG_OFFSET", "DROP_THRESHOLD"])
 def bwd_d128_fp16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm,
@@ -218,6 +247,7 @@ def bwd_d128_fp16_dq_kernel(
     QK_SCALE_LOG2,
     SCALE,
     LO_OFF, HI_OFF,
+    SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
 ):
@@ -275,6 +305,9 @@ def bwd_d128_fp16_dq_kernel(
             p = tl.where(visible, p, 0.0)
             dp = tl.dot(do0, tl.trans(v0))  # [BLOCK_M, BLOCK_N]
 
+            if DROPOUT:
+                keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
             dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
@@ -287,6 +320,9 @@ def bwd_d128_fp16_dq_kernel(
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(do0, tl.trans(v0))  # [BLOCK_M, BLOCK_N]
 
+        if DROPOUT:
+            keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
@@ -306,6 +342,9 @@ def bwd_d128_fp16_dq_kernel(
         p = tl.where(visible, p, 0.0)
         dp = tl.dot(do0, tl.trans(v0))  # [BLOCK_M, BLOCK_N]
 
+        if DROPOUT:
+            keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
