@@ -46,17 +46,15 @@ class Variant:
 
 def variants_for(spec: Spec) -> tuple[Variant, ...]:
     """Every variant a spec asks for, in a stable order (the registry's and the files'):
-    each forward has a backward with the same mask, head dim and dtype."""
+    each forward has a backward with the same mask, dropout, head dim and dtype."""
     dropouts = (False, True) if spec.dropout else (False,)
-    out = [
+    training = [
         Variant(kind, mask, dropout, d, dtype)
         for kind in ("fwd", "bwd")
         for mask in spec.masks
         for dropout in dropouts
         for d in spec.head_dims
         for dtype in spec.dtypes
-        # the dropout kernels are not rendered yet: only the p = 0 path exists
-        if not dropout
     ]
     # decoding (KV cache, split-KV): forward only, no dropout
     decoding = [
@@ -65,4 +63,4 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for d in spec.head_dims
         for dtype in spec.dtypes
     ] if spec.decode else []
-    return tuple(out + decoding)
+    return tuple(training + decoding)
