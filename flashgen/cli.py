@@ -1,4 +1,4 @@
-"""`flashgen build | plan | check | render`.
+"""`flashgen build | plan | check | render | tune`.
 
 Every user error (a bad spec, a bad flag) is printed as one paragraph and exits with
 status 2, without a traceback; anything else is a bug and keeps its traceback.
@@ -67,6 +67,20 @@ def _cmd_check(args) -> int:
     return 0 if check(args.spec, quick=args.quick) else 1
 
 
+def _cmd_tune(args) -> int:
+    from .tune import tune
+
+    try:
+        tune(args.spec, trials=args.trials, timeout=args.timeout, storage=args.storage,
+             workers=args.workers, variants=args.variants, buckets=args.buckets,
+             sampler=args.sampler, seed=args.seed, worker_index=args.worker_index)
+    except KeyboardInterrupt:
+        print("flashgen tune: interrupted; finished trials are saved: run the same command "
+              "again to resume", file=sys.stderr)
+        return 130
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashgen",
@@ -101,6 +115,38 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("spec")
     c.add_argument("--quick", action="store_true", help="one small shape per variant")
     c.set_defaults(func=_cmd_check)
+
+    from .tune import DEFAULT_TRIALS, SAMPLERS
+
+    t = sub.add_parser("tune", help="autotune launch configs on this GPU with Optuna (resumable)",
+                       description="On a CUDA GPU: one Optuna study per (kernel variant, "
+                       "sequence-length bucket) over the planner's feasible configs for this "
+                       "GPU; each trial checks the config against a float64 reference, then "
+                       "times it. Studies persist in the storage and resume where they "
+                       "stopped; the winners go to specs/tuning/<package>/<gpu>.json, which "
+                       "`flashgen build` embeds into the package's dispatch table.")
+    t.add_argument("spec")
+    t.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
+                   help=f"completed trials per study, counting earlier runs (default "
+                   f"{DEFAULT_TRIALS})")
+    t.add_argument("--timeout", type=float, metavar="S",
+                   help="stop each study after S seconds (it resumes on the next run)")
+    t.add_argument("--storage", metavar="URL",
+                   help="Optuna storage: an RDB URL or a journal file path (default "
+                   "sqlite:///<repo>/.flashgen/tune.db)")
+    t.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N processes, one per GPU, sharing the storage (clamped to the GPUs)")
+    t.add_argument("--variants", nargs="+", metavar="NAME",
+                   help="variants to tune (names or patterns such as 'fwd_*_bf16'; default "
+                   "all)")
+    t.add_argument("--buckets", nargs="+", type=int, metavar="N",
+                   help="sequence-length buckets to tune (default: the spec's seqlen_buckets)")
+    t.add_argument("--sampler", choices=SAMPLERS, default="tpe",
+                   help="tpe (Optuna's TPE over the feasible configs, default) or grid (every "
+                   "feasible config, best-ranked first)")
+    t.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    t.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
+    t.set_defaults(func=_cmd_tune)
     return p
 
 

@@ -13,6 +13,7 @@ import jinja2
 
 from . import planner_core
 from .spec import Spec
+from .tuning_data import load_tuned
 from .variants import Variant, variants_for
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
@@ -107,8 +108,12 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     }
 
 
-def render_package(spec: Spec, plans: dict, tuned: dict | None = None) -> dict[str, str]:
-    """Every file of the generated package, as {relative path: text}."""
+def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
+                   tuning_info: dict | None = None) -> dict[str, str]:
+    """Every file of the generated package, as {relative path: text}. `tuned` None means
+    the spec's tuning files (<spec dir>/tuning/<package>/*.json, see tuning_data.py)."""
+    if tuned is None:
+        tuned, tuning_info = load_tuned(spec, plans)
     env = environment()
     common = {
         "package": spec.package,
@@ -119,7 +124,8 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None) -> dict[s
         "head_dims": list(spec.head_dims),
         "dtypes": list(spec.dtypes),
         "masks": list(spec.masks),
-        **registry_context(spec, plans, tuned or {}),
+        **registry_context(spec, plans, tuned),
+        "tuning_info": literal(tuning_info or {}),
     }
     files = {}
     for rel, template in PACKAGE_FILES.items():

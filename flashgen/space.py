@@ -1,0 +1,196 @@
+"""The autotuner's search space: every launch config one kernel variant may be launched
+with on one GPU, and nothing else.
+
+A point is a flat dict: the planner's tile (``block_m``, ``block_n``, ``num_warps``,
+``num_stages``) plus one entry per template knob of the variant's kind. The tile part is
+the planner's feasible set for THIS GPU's real shared memory (the planner's rejections,
+with their reasons, are what keeps a config from ever being launched); the knob part is
+the table below.
+
+Adding a template knob is one line in :data:`KNOBS`: its name, its choices, the value an
+untuned launch uses, and optionally a predicate that returns why a point is infeasible
+(or None). The tuner, the JSON data and the package's TUNED table pick it up from there;
+tuning data written before the knob existed is completed with its default.
+
+This module imports only the standard library and flashgen's planner (Optuna is imported
+lazily, by :meth:`Space.distributions` alone).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from . import planner_core
+from .planner_core import BLOCK_SIZES, STAGE_COUNTS, WARP_COUNTS, TileConfig
+
+TILE_PARAMS = ("block_m", "block_n", "num_warps", "num_stages")
+TILE_CHOICES = {"block_m": BLOCK_SIZES, "block_n": BLOCK_SIZES,
+                "num_warps": WARP_COUNTS, "num_stages": STAGE_COUNTS}
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What a feasibility predicate may look at: the variant and the GPU."""
+    kind: str                       # fwd | bwd | decode
+    head_dim: int
+    dtype_bytes: int
+    sram_bytes: int                 # shared memory one block may use on THIS GPU
+    sm_count: int | None
+    capability: tuple[int, int] | None = None   # (major, minor); None when unknown
+
+
+Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """A template parameter the tuner may set: ``choices`` in the order they are tried,
+    ``default`` the value an untuned launch uses, ``infeasible(config, facts)`` the reason
+    a point cannot run (None when it can)."""
+    name: str
+    choices: tuple
+    default: Any
+    infeasible: Predicate | None = None
+
+    def __post_init__(self):
+        if self.default not in self.choices:
+            raise ValueError(f"knob {self.name}: default {self.default!r} not in {self.choices}")
+        if self.name in TILE_PARAMS:
+            raise ValueError(f"knob {self.name}: the tile parameters belong to the planner")
+
+
+def _needs_sm90(config, facts: Facts) -> str | None:  # for knobs such as tma / warp_specialize
+    if facts.capability is not None and facts.capability < (9, 0):
+        return f"needs sm90 or newer, this GPU is sm{facts.capability[0]}{facts.capability[1]}"
+    return None
+
+
+# Template knobs per kernel kind, beyond the planner's tile. ONE LINE PER KNOB, e.g.
+#   Knob("tma", (False, True), False, lambda c, f: _needs_sm90(c, f) if c["tma"] else None),
+#   Knob("warp_specialize", (False, True), False),
+#   Knob("grid_order", ("row", "col"), "row"),
+#   Knob("num_splits", (1, 2, 4, 8, 16), 1),          # decode
+# A knob here must also be read by its template and runtime (with the same default).
+KNOBS: dict[str, tuple[Knob, ...]] = {
+    "fwd": (),
+    "bwd": (),
+    "decode": (),
+}
+
+
+@dataclass(frozen=True)
+class Space:
+    """The feasible launch configs of one kernel variant on one GPU."""
+    facts: Facts
+    knobs: tuple[Knob, ...]
+    planned: TileConfig                      # the planner's choice for this GPU
+    tiles: tuple[TileConfig, ...]            # feasible tiles, planner's rank order
+    tile_reasons: Mapping[TileConfig, str | None] = field(repr=False)   # every candidate
+
+    # ---- naming -------------------------------------------------------------------------
+    @property
+    def names(self) -> tuple[str, ...]:
+        return TILE_PARAMS + tuple(k.name for k in self.knobs)
+
+    def choices(self, name: str) -> tuple:
+        if name in TILE_CHOICES:
+            return TILE_CHOICES[name]
+        return next(k.choices for k in self.knobs if k.name == name)
+
+    def key(self, config: Mapping[str, Any]) -> tuple:
+        """A hashable identity of a point (its values in `names` order)."""
+        return tuple(config.get(n) for n in self.names)
+
+    def config(self, values: Mapping[str, Any]) -> dict:
+        """The point named by `values` (extra keys dropped, missing knobs defaulted),
+        with plain int/bool/str values."""
+        return {n: _plain(values[n]) if n in values else self._default_of(n) for n in self.names}
+
+    def _default_of(self, name: str):
+        if name in TILE_PARAMS:
+            return getattr(self.planned, name)
+        return next(k.default for k in self.knobs if k.name == name)
+
+    # ---- feasibility --------------------------------------------------------------------
+    def check(self, config: Mapping[str, Any]) -> str | None:
+        """None if the point may be launched, else the planner's or the knob's reason."""
+        for name in self.names:
+            if name not in config:
+                return f"{name} missing"
+            if config[name] not in self.choices(name):
+                return f"{name} {config[name]!r} not one of {self.choices(name)}"
+        tile = TileConfig(*(int(config[n]) for n in TILE_PARAMS))
+        reason = self.tile_reasons.get(tile, "not a planner candidate")
+        if reason is not None:
+            return reason
+        for knob in self.knobs:
+            if knob.infeasible is not None:
+                reason = knob.infeasible(config, self.facts)
+                if reason is not None:
+                    return f"{knob.name}={config[knob.name]!r}: {reason}"
+        return None
+
+    # ---- enumeration --------------------------------------------------------------------
+    def points(self) -> list[dict]:
+        """Every feasible point: tiles in the planner's rank order, knobs in choice order
+        (the default first). This is also the exhaustive grid."""
+        knob_values = [_default_first(k) for k in self.knobs]
+        out = []
+        for tile in self.tiles:
+            for values in itertools.product(*knob_values):
+                cfg = {**tile.as_dict(), **{k.name: v for k, v in zip(self.knobs, values)}}
+                if self.check(cfg) is None:
+                    out.append(cfg)
+        return out
+
+    def default(self) -> dict:
+        """What an untuned launch on this GPU uses: the planner's tile, knob defaults."""
+        return self.config({})
+
+    def __len__(self) -> int:
+        return len(self.points())
+
+    def distributions(self) -> dict:
+        """One Optuna categorical distribution per name (the box the feasible set lies in;
+        the tuner's sampler only ever proposes feasible points from it)."""
+        from optuna.distributions import CategoricalDistribution
+
+        return {n: CategoricalDistribution(self.choices(n)) for n in self.names}
+
+
+def _default_first(knob: Knob) -> tuple:
+    return (knob.default,) + tuple(c for c in knob.choices if c != knob.default)
+
+
+def _plain(value):
+    """JSON/Optuna values back to Python ints where they are whole numbers."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return int(value) if float(value).is_integer() else value
+
+
+def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
+              sm_count: int | None = None, capability: tuple[int, int] | None = None,
+              knobs: Mapping[str, tuple[Knob, ...]] | None = None) -> Space:
+    """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
+    memory per block. Raises ValueError (the planner's message) if no tile fits."""
+    plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count)
+    facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
+                  tuple(capability) if capability is not None else None)
+    return Space(
+        facts=facts,
+        knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),
+        planned=plan.chosen,
+        tiles=tuple(c.config for c in plan.candidates if c.rejected is None),
+        tile_reasons={c.config: c.rejected for c in plan.candidates},
+    )
+
+
+def knob_names(kind: str) -> tuple[str, ...]:
+    """Every config key a `kind` launch takes: the tile parameters, then its knobs."""
+    return TILE_PARAMS + tuple(k.name for k in KNOBS.get(kind, ()))
+
+
+def knob_defaults(kind: str) -> dict:
+    return {k.name: k.default for k in KNOBS.get(kind, ())}

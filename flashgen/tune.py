@@ -1,0 +1,921 @@
+"""Stage 5, tune: `flashgen tune` searches each kernel variant's launch configs on the GPU
+it runs on, with Optuna, and writes the winners as data (flashgen/tuning_data.py) that the
+next `flashgen build` embeds into the package's TUNED table.
+
+* One Optuna study per (variant, sequence-length bucket, GPU model), named
+  ``<variant>@<bucket>@<gpu-key-slug>``, in a persistent storage (default
+  ``sqlite:///<repo>/.flashgen/tune.db``): an interrupted tune resumes where it stopped,
+  and ``--trials N`` means N completed trials per study in total, over every run.
+* The search space (flashgen/space.py) is the planner's feasible set for this GPU's real
+  shared memory, times the kind's template knobs. The sampler (:class:`FeasibleSampler`,
+  Optuna's TPE underneath) only ever proposes feasible points that have not been measured,
+  so no infeasible config is launched and no trial is wasted on a repeat.
+* Warm starts: the planner's config for this GPU (what an untuned package runs, whose time
+  is reported as "default") and the spec's explicit tile are enqueued first, once.
+* A trial checks the config's output against a float64 reference on fresh random inputs at
+  a small shape (a wrong answer fails the trial, with the reason, and is never chosen),
+  then times it with CUDA events (triton.testing.do_bench, median, L2 flushed) at a shape
+  that fills the GPU: B*N = 16k tokens, H*d = 2048 (as benchmarks/attention.py).
+  Compile errors, out-of-resources and wrong answers fail the trial; the study goes on.
+
+The measurement is injectable: ``tune_study(..., measure=callable)``; the tests use a
+synthetic cost on the CPU, and :func:`gpu_measure` is what `flashgen tune` uses.
+"""
+from __future__ import annotations
+
+import datetime
+import fnmatch
+import importlib
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from . import __version__, tuning_data
+from .errors import FlashgenError
+from .space import Space, space_for
+
+TOKENS = 16384          # B * N of the timed shape
+HIDDEN = 2048           # H * d of the timed shape
+DEFAULT_TRIALS = 30
+SAMPLERS = ("tpe", "grid")
+CHECK_PAD = 37          # the check's sequence length: 2 * the larger block + 37 (ragged)
+DROPOUT_P = 0.1         # dropout variants are called with this probability
+
+# |out - ref| / max(1, |ref|), elementwise max, per dtype (see tests/conftest.py)
+FWD_TOL = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 3e-2}
+BWD_TOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 1e-1}
+
+ATTR_FAIL = "fail_reason"
+ATTR_INFEASIBLE = "infeasible"
+ATTR_WARM = "warm_start"
+INTERRUPTED = "interrupted"
+
+
+class WrongAnswer:
+    """What a measure returns for a config that ran but computed a wrong result."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def __repr__(self) -> str:
+        return f"WrongAnswer({self.reason!r})"
+
+
+class TuneAborted(FlashgenError):
+    """The tune cannot go on in this process (e.g. the CUDA context broke); the study is
+    intact and a rerun resumes it."""
+
+
+Measure = Callable[[dict], "float | WrongAnswer"]
+
+
+def _optuna():
+    try:
+        import optuna
+    except ImportError:
+        raise FlashgenError(
+            "flashgen tune needs Optuna, which is not installed: pip install optuna "
+            "(or pip install -e \".[tune]\")") from None
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
+# ----------------------------------------------------------------------------------------
+# names and storage
+# ----------------------------------------------------------------------------------------
+
+def study_name(variant: str, bucket: int, gpu_key: str) -> str:
+    return f"{variant}@{int(bucket)}@{tuning_data.slug(gpu_key)}"
+
+
+def project_root(start: Path | None = None) -> Path:
+    """The enclosing git checkout of `start` (default: cwd), else `start` itself."""
+    start = Path.cwd() if start is None else Path(start)
+    for folder in (start, *start.parents):
+        if (folder / ".git").exists():
+            return folder
+    return start
+
+
+def default_storage(root: Path | None = None) -> str:
+    path = project_root(root) / ".flashgen" / "tune.db"
+    return f"sqlite:///{path}"
+
+
+def open_storage(url: str):
+    """An Optuna storage from `url`: an RDB URL (sqlite:///path, postgresql://...) or the
+    path of a journal file (JournalStorage, good for several processes on one disk)."""
+    optuna = _optuna()
+    if "://" not in url:
+        from optuna.storages.journal import JournalFileBackend
+
+        Path(url).parent.mkdir(parents=True, exist_ok=True)
+        return optuna.storages.JournalStorage(JournalFileBackend(str(url)))
+    kwargs = {}
+    if url.startswith("sqlite:///"):
+        Path(url[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        kwargs["engine_kwargs"] = {"connect_args": {"timeout": 60}}  # several workers
+    try:
+        return optuna.storages.RDBStorage(url, **kwargs)
+    except Exception as e:  # a bad URL, a missing driver
+        raise FlashgenError(f"cannot open the tuning storage {url!r}: {type(e).__name__}: "
+                            f"{e}") from None
+
+
+# ----------------------------------------------------------------------------------------
+# the sampler: feasible, unmeasured points only
+# ----------------------------------------------------------------------------------------
+
+_RECENT_S = 30 * 60    # a RUNNING trial older than this is a dead process's, not a rival's
+
+
+def measured_keys(study, space: Space, exclude_number: int | None = None) -> set:
+    """Keys of the points the study has measured, is measuring (another worker's running
+    trial) or ruled out; an interrupted trial does not count, so a resume retries it."""
+    from optuna.trial import TrialState
+
+    now = datetime.datetime.now()
+    seen = set()
+    for t in study.get_trials(deepcopy=False):
+        if t.number == exclude_number or not t.params:
+            continue
+        if t.state == TrialState.FAIL and t.user_attrs.get(ATTR_FAIL) == INTERRUPTED:
+            continue
+        if t.state == TrialState.RUNNING:
+            if t.datetime_start is None or (now - t.datetime_start).total_seconds() > _RECENT_S:
+                continue
+        elif t.state == TrialState.WAITING:
+            continue
+        seen.add(space.key(space.config(t.params)))
+    return seen
+
+
+def unmeasured(study, space: Space, exclude_number: int | None = None) -> list[dict]:
+    """The feasible points not yet measured (nor being measured), planner's rank order."""
+    seen = measured_keys(study, space, exclude_number)
+    return [p for p in space.points() if space.key(p) not in seen]
+
+
+def _distance(space: Space, a: Mapping, b: Mapping) -> float:
+    """How far apart two points are: octaves for numbers, 1 per differing other value."""
+    d = 0.0
+    for n in space.names:
+        x, y = a[n], b[n]
+        if isinstance(x, bool) or not isinstance(x, (int, float)):
+            d += x != y
+        else:
+            d += abs(math.log2(max(x, 1e-9) / max(y, 1e-9)))
+    return d
+
+
+def feasible_sampler(space: Space, mode: str = "tpe", seed: int = 0,
+                     n_startup_trials: int | None = None, redraws: int = 24,
+                     explore: float = 0.2, spread: bool = True, n_ei_candidates: int = 24):
+    """An Optuna sampler that proposes only feasible, not yet measured points of `space`.
+
+    mode "tpe": Optuna's TPE proposes (multivariate, over the box of `space`); a proposal
+    that is infeasible or already measured is redrawn, and after `redraws` misses the
+    sampler takes an unmeasured point next to the best so far (or, with probability
+    `explore`, a random one). Until TPE has `n_startup_trials` results (default: a tenth
+    of the space, 3 to 10), points are spread over the feasible set, each as far as possible
+    from those measured (ties at random). mode "grid": the next unmeasured point in the
+    planner's rank order, so a full run is the exhaustive grid over the feasible set.
+    (Measured on a synthetic cost model, benchmarks/tune_vs_grid.py --synthetic:
+    multivariate TPE beat independent TPE, and a local search step around the best hurt.)"""
+    _optuna()
+    from optuna.samplers import BaseSampler, TPESampler
+    from optuna.trial import TrialState
+
+    if mode not in SAMPLERS:
+        raise FlashgenError(f"unknown sampler {mode!r}; expected one of {', '.join(SAMPLERS)}")
+    points = space.points()
+    dists = space.distributions()
+    startup = n_startup_trials if n_startup_trials is not None else min(10, max(3, len(points) // 10))
+
+    class FeasibleSampler(BaseSampler):
+        def __init__(self):
+            self._rng = random.Random(seed)
+            self._inner = (TPESampler(seed=seed, n_startup_trials=startup, multivariate=True,
+                                      constant_liar=False, n_ei_candidates=n_ei_candidates)
+                           if mode == "tpe" else None)
+
+        def infer_relative_search_space(self, study, trial):
+            return dict(dists)
+
+        def sample_relative(self, study, trial, search_space):
+            if not search_space or "fixed_params" in trial.system_attrs:
+                return {}  # an enqueued warm start: its params are fixed
+            seen = measured_keys(study, space, exclude_number=trial.number)
+            remaining = [p for p in points if space.key(p) not in seen]
+            if not remaining:
+                return {}
+            if self._inner is None:
+                return dict(remaining[0])
+            varying = {n: d for n, d in search_space.items() if not d.single()}
+            for _ in range(redraws):
+                params = self._inner.sample_relative(study, trial, varying) if varying else {}
+                if not params:
+                    # TPE's start-up phase: spread over the feasible set, each point as far
+                    # as possible from those measured (ties at random)
+                    if spread:
+                        measured = [space.config(t.params) for t in study.get_trials(
+                            deepcopy=False) if t.params and t.number != trial.number]
+                        if measured:
+                            far = {space.key(p): min(_distance(space, p, m) for m in measured)
+                                   for p in remaining}
+                            top = max(far.values())
+                            remaining = [p for p in remaining if far[space.key(p)] == top]
+                    break
+                cfg = space.config({**{n: d.choices[0] for n, d in search_space.items()},
+                                    **params})
+                if space.check(cfg) is None and space.key(cfg) not in seen:
+                    return cfg
+            else:
+                done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+                if done and self._rng.random() >= explore:
+                    best = space.config(min(done, key=lambda t: t.value).params)
+                    near = min(_distance(space, best, p) for p in remaining)
+                    remaining = [p for p in remaining if _distance(space, best, p) == near]
+            return dict(self._rng.choice(remaining))
+
+        def sample_independent(self, study, trial, param_name, param_distribution):
+            # only reached when the space is exhausted (the tune loop stops before that)
+            return self._rng.choice(param_distribution.choices)
+
+        def after_trial(self, study, trial, state, values):
+            if self._inner is not None:
+                self._inner.after_trial(study, trial, state, values)
+
+    return FeasibleSampler()
+
+
+# ----------------------------------------------------------------------------------------
+# one study
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class StudyResult:
+    name: str
+    variant: str = ""
+    bucket: int = 0
+    best_config: dict | None = None
+    best_ms: float | None = None
+    default_ms: float | None = None
+    complete: int = 0
+    failed: int = 0
+    pruned: int = 0
+    space_size: int = 0
+    stopped: str = ""
+    failures: list = field(default_factory=list)   # (config, reason) of failed trials
+
+    @property
+    def speedup(self) -> float | None:
+        if self.best_ms and self.default_ms:
+            return self.default_ms / self.best_ms
+        return None
+
+
+def _finished(study, space: Space) -> dict:
+    from optuna.trial import TrialState
+
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    failed = [t for t in trials if t.state == TrialState.FAIL
+              and t.user_attrs.get(ATTR_FAIL) != INTERRUPTED]
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    waiting = [t for t in trials if t.state == TrialState.WAITING]
+    return dict(trials=trials, complete=complete, failed=failed, pruned=pruned, waiting=waiting)
+
+
+def summarize(study, space: Space, *, variant: str = "", bucket: int = 0,
+              stopped: str = "") -> StudyResult:
+    """The study's state as a StudyResult: best completed trial, the default config's time."""
+    f = _finished(study, space)
+    result = StudyResult(name=study.study_name, variant=variant, bucket=bucket,
+                         complete=len(f["complete"]), failed=len(f["failed"]),
+                         pruned=len(f["pruned"]), space_size=len(space), stopped=stopped)
+    result.failures = [(dict(t.params), t.user_attrs.get(ATTR_FAIL, "?")) for t in f["failed"]]
+    if f["complete"]:
+        best = min(f["complete"], key=lambda t: (t.value, t.number))
+        result.best_config = space.config(best.params)
+        result.best_ms = best.value
+        default_key = space.key(space.default())
+        defaults = [t for t in f["complete"] if space.key(space.config(t.params)) == default_key]
+        if defaults:
+            result.default_ms = defaults[0].value
+    return result
+
+
+def _fmt_config(cfg: Mapping | None) -> str:
+    if not cfg:
+        return "-"
+    text = f"{cfg['block_m']}x{cfg['block_n']} w{cfg['num_warps']} s{cfg['num_stages']}"
+    extra = [f"{k}={v}" for k, v in cfg.items()
+             if k not in ("block_m", "block_n", "num_warps", "num_stages")]
+    return " ".join([text, *extra])
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def _reason(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
+
+
+def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: int,
+               timeout: float | None = None, warm_starts: Sequence[tuple[str, Mapping]] = (),
+               sampler: str = "tpe", seed: int = 0, progress: Callable[[str], None] | None = None,
+               user_attrs: Mapping[str, Any] | None = None, max_failures: int | None = None,
+               max_measured: int | None = None, label: str | None = None,
+               n_startup_trials: int | None = None) -> StudyResult:
+    """Create or resume the study `name` and run it until it has `n_trials` completed trials
+    (counting those of earlier runs), `timeout` seconds pass, `max_failures` trials have
+    failed (default n_trials), `max_measured` trials have been measured, or every feasible
+    point has been measured.
+
+    `measure(config)` returns milliseconds, or a WrongAnswer; an exception fails the trial
+    with its message (KeyboardInterrupt and TuneAborted stop the study: the trial is marked
+    interrupted and will be retried on resume). Points `space` rules out are never passed
+    to `measure`; a trial that somehow holds one (e.g. enqueued by hand) is pruned with the
+    reason and does not count."""
+    optuna = _optuna()
+    from optuna.trial import TrialState
+
+    say = progress or (lambda line: print(line, flush=True))
+    label = label or name
+    max_failures = n_trials if max_failures is None else max_failures
+    study = optuna.create_study(
+        storage=storage, study_name=name, direction="minimize", load_if_exists=True,
+        sampler=feasible_sampler(space, sampler, seed, n_startup_trials=n_startup_trials))
+    for key, value in (user_attrs or {}).items():
+        if study.user_attrs.get(key) != value:
+            study.set_user_attr(key, value)
+
+    dists = space.distributions()
+    for tag, cfg in warm_starts:
+        cfg = space.config(cfg)
+        reason = space.check(cfg)
+        if reason is not None:
+            say(f"{label}: warm start {tag} {_fmt_config(cfg)} skipped: {reason}")
+            continue
+        study.enqueue_trial(cfg, user_attrs={ATTR_WARM: tag}, skip_if_exists=True)
+
+    started = time.monotonic()
+    counted_here = 0
+    stopped = ""
+    while True:
+        f = _finished(study, space)
+        done, failed = len(f["complete"]), len(f["failed"])
+        if done >= n_trials:
+            stopped = f"{n_trials} trials"
+            break
+        if max_measured is not None and done + failed >= max_measured:
+            stopped = f"{max_measured} measured"
+            break
+        if timeout is not None and time.monotonic() - started >= timeout:
+            stopped = "timeout"
+            break
+        if failed >= max_failures:
+            stopped = f"{failed} failures"
+            break
+        if not f["waiting"] and not unmeasured(study, space):
+            stopped = "space exhausted"
+            break
+
+        trial = study.ask(dists)
+        cfg = space.config(trial.params)
+        reason = space.check(cfg)
+        if reason is not None:
+            trial.set_user_attr(ATTR_INFEASIBLE, reason)
+            study.tell(trial, state=TrialState.PRUNED)
+            say(f"{label}: trial {trial.number} {_fmt_config(cfg)} pruned, infeasible: {reason}")
+            continue
+        t0 = time.monotonic()
+        value: Any = None
+        try:
+            value = measure(dict(cfg))
+        except (KeyboardInterrupt, TuneAborted):
+            trial.set_user_attr(ATTR_FAIL, INTERRUPTED)
+            study.tell(trial, state=TrialState.FAIL)
+            raise
+        except Exception as e:  # compile errors, out of resources, launch failures...
+            value = WrongAnswer(_reason(e))
+            kind = "error"
+        else:
+            kind = "wrong answer"
+            if not isinstance(value, WrongAnswer):
+                try:
+                    value = float(value)
+                except (TypeError, ValueError):
+                    value = WrongAnswer(f"measure returned {value!r}, not a time")
+                    kind = "error"
+                else:
+                    if not (math.isfinite(value) and value > 0):
+                        value = WrongAnswer(f"measure returned {value!r} ms")
+                        kind = "error"
+        trial.set_user_attr("measure_s", round(time.monotonic() - t0, 3))
+        if isinstance(value, WrongAnswer):
+            trial.set_user_attr(ATTR_FAIL, f"{kind}: {value.reason}")
+            study.tell(trial, state=TrialState.FAIL)
+            note = f"FAILED ({kind}: {value.reason[:120]})"
+        else:
+            study.tell(trial, value)
+            note = f"{value:.4f} ms"
+        counted_here += 1
+        f = _finished(study, space)
+        done = len(f["complete"])
+        best = min(f["complete"], key=lambda t: (t.value, t.number)) if f["complete"] else None
+        best_text = (f"best {best.value:.4f} ms [{_fmt_config(space.config(best.params))}]"
+                     if best else "best -")
+        per = (time.monotonic() - started) / counted_here
+        eta = _fmt_eta(per * max(n_trials - done, 0))
+        say(f"{label}: trial {done}/{n_trials} [{_fmt_config(cfg)}] {note}; {best_text}; "
+            f"ETA {eta}")
+    result = summarize(study, space, stopped=stopped)
+    say(f"{label}: done ({stopped}): {result.complete} complete, {result.failed} failed"
+        + (f", best {result.best_ms:.4f} ms [{_fmt_config(result.best_config)}]"
+           if result.best_ms else ""))
+    return result
+
+
+# ----------------------------------------------------------------------------------------
+# the GPU measurement
+# ----------------------------------------------------------------------------------------
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def _rel_err(x, ref) -> float:
+    x = x.double()
+    ref = ref.double()
+    if not bool(x.isfinite().all()):
+        return math.inf
+    return ((x - ref).abs() / ref.abs().clamp(min=1)).max().item()
+
+
+class Workload:
+    """The calls one variant's trials make: a correctness check at a small shape and the
+    timing at the bucket's shape, through the built package's public flash_attn_func
+    (tensors allocated (B, H, N, d) like benchmarks/attention.py and passed as (B, N, H, d)
+    views), with `_runtime.override_config(**config)` selecting the config."""
+
+    def __init__(self, pkg, variant: str, facts: Mapping, bucket: int, device,
+                 window=(-1, -1), gqa: bool = False, default: Mapping | None = None,
+                 check_n: int | None = None):
+        import torch
+
+        self.torch = torch
+        self.pkg = pkg
+        self.variant = variant
+        self.kind = facts["kind"]
+        self.mask = facts["mask"]
+        self.dropout = bool(facts.get("dropout"))
+        self.d = facts["head_dim"]
+        self.dtype_name = facts["dtype"]
+        self.dtype = _torch_dtype(facts["dtype"])
+        self.bucket = int(bucket)
+        self.device = torch.device(device)
+        self.window = tuple(window) if self.mask == "sliding_window" else (-1, -1)
+        self.gqa = gqa
+        self.default = dict(default) if default is not None else None
+        self.check_n = check_n
+        self._seed = 0
+        self._timed = None
+
+    # -- calls ------------------------------------------------------------------------
+    def call(self, q, k, v, window=None):
+        """(B, H, N, d) tensors -> out (B, N, H, d)."""
+        p = DROPOUT_P if self.dropout else 0.0
+        return self.pkg.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                        dropout_p=p, causal=self.mask == "causal",
+                                        window_size=self.window if window is None else window)
+
+    def _inputs(self, b, h_q, h_kv, n, grad: bool):
+        torch = self.torch
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(1000 + self._seed)
+        self._seed += 1
+        shape_q, shape_kv = (b, h_q, n, self.d), (b, h_kv, n, self.d)
+        q = torch.randn(shape_q, generator=gen, device=self.device, dtype=self.dtype)
+        k = torch.randn(shape_kv, generator=gen, device=self.device, dtype=self.dtype)
+        v = torch.randn(shape_kv, generator=gen, device=self.device, dtype=self.dtype)
+        if grad:
+            q, k, v = (t.requires_grad_() for t in (q, k, v))
+        return q, k, v
+
+    def _run(self, config, q, k, v, do=None, window=None):
+        """Forward (and with `do`, the backward) of one call; `config` applies to this
+        variant's kind only: a backward config is never launched on the forward kernel."""
+        torch = self.torch
+        override = self.pkg._runtime.override_config
+        torch.manual_seed(4321)  # the dropout stream, identical for every config
+        if self.kind == "fwd":
+            with override(**config):
+                return (self.call(q, k, v, window),)
+        out = self.call(q, k, v, window)
+        with override(**config):
+            return torch.autograd.grad(out, (q, k, v), do)
+
+    # -- the check ----------------------------------------------------------------------
+    def check(self, config: Mapping) -> str | None:
+        """None if `config` computes this variant correctly on fresh random inputs, else why
+        not. Reference: float64 (flashgen.reference); dropout variants, whose mask is
+        random: the same call with the planner's config and the same seed."""
+        torch = self.torch
+        from .reference import attention_ref, visible_mask
+
+        n = self.check_n or 2 * max(config["block_m"], config["block_n"]) + CHECK_PAD
+        h_q, h_kv = (4, 2) if self.gqa else (2, 2)
+        window = tuple(min(w, n // 3) if w >= 0 else w for w in self.window)
+        grad = self.kind == "bwd"
+        q, k, v = self._inputs(2, h_q, h_kv, n, grad)
+        do = torch.randn((2, n, h_q, self.d), device=self.device, dtype=self.dtype) if grad else None
+        got = self._run(config, q, k, v, do, window)
+        if self.dropout:
+            if self.default is None:
+                return "no reference for a dropout variant (no default config given)"
+            want = self._run(self.default, q, k, v, do, window)
+            against = "the planner config's output under the same dropout seed"
+        else:
+            vis = visible_mask(n, n, causal=self.mask == "causal", window=window,
+                               bottom_right=True)
+            q64, k64, v64 = (t.detach().double().requires_grad_(grad) for t in (q, k, v))
+            ref, _ = attention_ref(q64, k64, v64, vis)
+            if grad:
+                want = torch.autograd.grad(ref, (q64, k64, v64), do.double().transpose(1, 2))
+            else:
+                want = (ref.transpose(1, 2),)
+            against = "the float64 reference"
+        tol = (BWD_TOL if grad else FWD_TOL)[self.dtype_name]
+        names = ("dq", "dk", "dv") if grad else ("out",)
+        for name, x, ref in zip(names, got, want):
+            err = _rel_err(x, ref)
+            if not err <= tol:
+                return f"{name} differs from {against}: max rel err {err:.3g} > {tol:g} (N={n})"
+        return None
+
+    # -- the timing ---------------------------------------------------------------------
+    def _timing_setup(self):
+        if self._timed is None:
+            torch = self.torch
+            b = max(TOKENS // self.bucket, 1)
+            h = max(HIDDEN // self.d, 1)
+            grad = self.kind == "bwd"
+            q, k, v = self._inputs(b, h, h, self.bucket, grad)
+            if grad:
+                torch.manual_seed(4321)
+                out = self.call(q, k, v)  # once, with the package's own forward config
+                do = torch.randn_like(out)
+                self._timed = (lambda: out.backward(do, retain_graph=True), [q, k, v])
+            else:
+                self._timed = (lambda: self.call(q, k, v), None)
+        return self._timed
+
+    def time(self, config: Mapping) -> float:
+        import triton
+
+        fn, grads = self._timing_setup()
+        with self.pkg._runtime.override_config(**config):
+            return float(triton.testing.do_bench(fn, warmup=25, rep=100, grad_to_none=grads,
+                                                 return_mode="median"))
+
+    def close(self):
+        self._timed = None
+        self.torch.cuda.empty_cache()
+
+    # -- the measure --------------------------------------------------------------------
+    def __call__(self, config: Mapping) -> "float | WrongAnswer":
+        try:
+            wrong = self.check(config)
+            if wrong is not None:
+                return WrongAnswer(wrong)
+            return self.time(config)
+        except Exception as e:
+            if _cuda_broken(self.torch):
+                raise TuneAborted(
+                    f"the CUDA context failed while measuring {self.variant} with "
+                    f"{_fmt_config(dict(config))} ({_reason(e)}); the study is saved: run the "
+                    "same command again to resume (the config is retried)") from e
+            raise
+
+
+def _cuda_broken(torch) -> bool:
+    try:
+        torch.cuda.synchronize()
+        return False
+    except Exception:
+        return True
+
+
+def gpu_measure(pkg, variant: str, bucket: int, device, *, spec=None,
+                default: Mapping | None = None) -> Workload:
+    """The default measure: check then time `variant` of the imported package `pkg` at
+    `bucket` on `device` (see Workload)."""
+    facts = pkg._registry.VARIANTS[variant]
+    window = (spec.window.left, spec.window.right) if spec is not None and spec.window else (-1, -1)
+    gqa = bool(spec.gqa) if spec is not None else False
+    return Workload(pkg, variant, facts, bucket, device, window=window, gqa=gqa,
+                    default=default)
+
+
+# Kinds `flashgen tune` can measure today; a new kind (decode) adds its Workload here.
+MEASURED_KINDS = ("fwd", "bwd")
+
+
+# ----------------------------------------------------------------------------------------
+# `flashgen tune`
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class GpuInfo:
+    key: str
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    sram_bytes: int
+
+    def as_json(self) -> dict:
+        return {"name": self.name, "capability": list(self.capability),
+                "sm_count": self.sm_count, "key": self.key}
+
+
+def require_cuda():
+    import torch
+
+    if not torch.cuda.is_available():
+        raise FlashgenError(
+            "flashgen tune times kernels on a CUDA GPU and this machine has none "
+            "(torch.cuda.is_available() is False); run it on the GPU machine, where the "
+            "results land in specs/tuning/<package>/ for `flashgen build` (`flashgen check` "
+            "verifies kernels without a GPU)")
+    return torch
+
+
+def gpu_info(pkg, device) -> GpuInfo:
+    import torch
+
+    key, smem, sms = pkg._runtime.gpu_key(device)
+    props = torch.cuda.get_device_properties(device)
+    return GpuInfo(key=key, name=props.name, capability=(props.major, props.minor),
+                   sm_count=sms, sram_bytes=smem)
+
+
+def versions() -> dict:
+    import torch
+    import triton
+
+    return {"triton": triton.__version__, "torch": torch.__version__.split("+")[0],
+            "flashgen": __version__}
+
+
+def select_variants(registry: Mapping, patterns: Sequence[str] | None, say) -> list[str]:
+    """The variants to tune: all (or those matching `patterns`, fnmatch-style), of kinds
+    the tuner can measure."""
+    names = list(registry)
+    if patterns:
+        chosen = []
+        for pattern in patterns:
+            hits = [n for n in names if fnmatch.fnmatchcase(n, pattern)]
+            if not hits:
+                raise FlashgenError(f"--variants {pattern}: no such variant; the package has "
+                                    f"{', '.join(names)}")
+            chosen += [h for h in hits if h not in chosen]
+        names = [n for n in names if n in chosen]
+    out = []
+    for n in names:
+        kind = registry[n]["kind"]
+        if kind not in MEASURED_KINDS:
+            say(f"{n}: skipped, `flashgen tune` cannot measure {kind} kernels yet")
+            continue
+        out.append(n)
+    return out
+
+
+def select_buckets(spec, buckets: Sequence[int] | None) -> list[int]:
+    if not buckets:
+        return list(spec.seqlen_buckets)
+    bad = [b for b in buckets if b not in spec.seqlen_buckets]
+    if bad:
+        raise FlashgenError(f"--buckets {' '.join(map(str, bad))}: not among the spec's "
+                            f"seqlen_buckets {list(spec.seqlen_buckets)}; dispatch keys on "
+                            "those, so tune those (or add the bucket to the spec)")
+    return sorted(set(buckets))
+
+
+def _import_built(spec, folder: Path):
+    from .build import build_spec
+
+    build_spec(spec, folder)
+    for name in [m for m in sys.modules if m == spec.package or m.startswith(spec.package + ".")]:
+        del sys.modules[name]
+    sys.path.insert(0, str(folder))
+    importlib.invalidate_caches()
+    try:
+        return importlib.import_module(spec.package)
+    finally:
+        sys.path.remove(str(folder))
+
+
+def _space(kind, facts, gpu: GpuInfo) -> Space:
+    from .variants import DTYPE_BYTES
+
+    return space_for(kind, facts["head_dim"], DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
+                     gpu.sm_count, gpu.capability)
+
+
+def _warm_starts(spec, kind: str, space: Space) -> list:
+    starts = [("planner", space.default())]
+    explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
+                                     "decode": "decode"}[kind], None)
+    if explicit is not None:
+        starts.append(("spec", {"block_m": explicit.block_m, "block_n": explicit.block_n,
+                                "num_warps": explicit.num_warps,
+                                "num_stages": explicit.num_stages}))
+    return starts
+
+
+def format_summary(results: Sequence[StudyResult]) -> str:
+    head = ("variant", "bucket", "default ms", "tuned ms", "speedup", "done/failed",
+            "tuned config", "stopped")
+    rows = [head]
+    for r in results:
+        rows.append((
+            r.variant, str(r.bucket),
+            f"{r.default_ms:.4f}" if r.default_ms else "-",
+            f"{r.best_ms:.4f}" if r.best_ms else "-",
+            f"{r.speedup:.3f}x" if r.speedup else "-",
+            f"{r.complete}/{r.failed}", _fmt_config(r.best_config), r.stopped or "-",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _visible_devices(n: int) -> list[str]:
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env:
+        ids = [x.strip() for x in env.split(",") if x.strip()]
+        return ids[:n]
+    return [str(i) for i in range(n)]
+
+
+def _spawn_workers(args: Sequence[str], n: int, say) -> int:
+    """Run `flashgen tune <args> --worker-index i` on GPUs 0..n-1 (one process per GPU,
+    CUDA_VISIBLE_DEVICES), all against the same storage; returns how many failed."""
+    procs = []
+    for i, dev in enumerate(_visible_devices(n)):
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=dev, PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "flashgen", "tune", *args, "--worker-index", str(i)]
+        say(f"worker {i}: GPU {dev}")
+        procs.append(subprocess.Popen(cmd, env=env))
+    bad = 0
+    try:
+        for i, p in enumerate(procs):
+            if p.wait() != 0:
+                say(f"worker {i} exited with status {p.returncode}")
+                bad += 1
+    except KeyboardInterrupt:
+        for p in procs:
+            p.wait()
+        raise
+    return bad
+
+
+def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = None,
+         storage: str | None = None, workers: int = 1, variants: Sequence[str] | None = None,
+         buckets: Sequence[int] | None = None, sampler: str = "tpe", seed: int = 0,
+         worker_index: int | None = None, say: Callable[[str], None] | None = None,
+         write: bool = True) -> list[StudyResult]:
+    """`flashgen tune`: returns one StudyResult per (variant, bucket) tuned."""
+    from .spec import load_spec
+
+    say = say or (lambda line: print(line, flush=True))
+    if trials < 1:
+        raise FlashgenError(f"--trials must be at least 1, got {trials}")
+    if workers < 1:
+        raise FlashgenError(f"--workers must be at least 1, got {workers}")
+    if sampler not in SAMPLERS:
+        raise FlashgenError(f"--sampler {sampler}: expected one of {', '.join(SAMPLERS)}")
+    spec = load_spec(spec_path)
+    torch = require_cuda()
+    _optuna()
+    url = storage or default_storage()
+    store = open_storage(url)
+    bucket_list = select_buckets(spec, buckets)
+    prefix = f"[worker {worker_index}] " if worker_index is not None else ""
+    log = (lambda line: say(prefix + line)) if prefix else say
+
+    with tempfile.TemporaryDirectory(prefix="flashgen-tune-") as tmp:
+        pkg = _import_built(spec, Path(tmp))
+        device = torch.device("cuda", 0)
+        gpu = gpu_info(pkg, device)
+        registry = pkg._registry.VARIANTS
+        names = select_variants(registry, variants, log)
+        if not names:
+            raise FlashgenError("nothing to tune: no variant of a kind `flashgen tune` measures")
+
+        if worker_index is None and workers > 1:
+            count = torch.cuda.device_count()
+            if workers > count:
+                say(f"--workers {workers}: this machine has {count} GPU(s); using {count} "
+                    "worker(s), one per GPU")
+                workers = count
+            others = {torch.cuda.get_device_name(i) for i in range(workers)}
+            if len(others) > 1:
+                raise FlashgenError(f"--workers needs identical GPUs, found {sorted(others)}: "
+                                    "tune each model separately with CUDA_VISIBLE_DEVICES")
+        if worker_index is None and workers > 1:
+            args = [str(spec_path), "--trials", str(trials), "--storage", url,
+                    "--sampler", sampler, "--seed", str(seed), "--variants", *names,
+                    "--buckets", *map(str, bucket_list)]
+            if timeout is not None:
+                args += ["--timeout", str(timeout)]
+            say(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {workers} "
+                f"{gpu.name} GPUs ({gpu.key}), storage {url}")
+            failed_workers = _spawn_workers(args, workers, say)
+            results = []
+            optuna = _optuna()
+            for name in names:
+                facts = registry[name]
+                space = _space(facts["kind"], facts, gpu)
+                for bucket in bucket_list:
+                    sname = study_name(name, bucket, gpu.key)
+                    try:
+                        study = optuna.load_study(study_name=sname, storage=store)
+                    except KeyError:
+                        continue
+                    results.append(summarize(study, space, variant=name, bucket=bucket,
+                                             stopped="workers"))
+            _write_results(spec, gpu, results, say) if write else None
+            say("")
+            say(format_summary(results))
+            if failed_workers:
+                raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
+                                    "rerun the same command to resume")
+            return results
+
+        log(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {gpu.name} "
+            f"({gpu.key}, {gpu.sram_bytes} B shared memory per block), {trials} trials per "
+            f"study, sampler {sampler}, storage {url}")
+        results = []
+        for name in names:
+            facts = registry[name]
+            try:
+                space = _space(facts["kind"], facts, gpu)
+            except ValueError as e:
+                log(f"{name}: skipped, no feasible config on this GPU: {e}")
+                continue
+            for bucket in bucket_list:
+                sname = study_name(name, bucket, gpu.key)
+                measure = gpu_measure(pkg, name, bucket, device, spec=spec,
+                                      default=space.default())
+                try:
+                    result = tune_study(
+                        storage=store, name=sname, space=space, measure=measure,
+                        n_trials=trials, timeout=timeout,
+                        warm_starts=_warm_starts(spec, facts["kind"], space), sampler=sampler,
+                        seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
+                        user_attrs={"variant": name, "bucket": bucket, "gpu_key": gpu.key,
+                                    "kind": facts["kind"], "spec": Path(spec.path).name,
+                                    "spec_sha": spec.sha, "space_size": len(space),
+                                    **{f"version_{k}": v for k, v in versions().items()}})
+                finally:
+                    measure.close()
+                result.variant, result.bucket = name, bucket
+                results.append(result)
+                if write and worker_index is None:
+                    _write_results(spec, gpu, [result], say)
+        if worker_index is None:
+            say("")
+            say(format_summary(results))
+        return results
+
+
+def _write_results(spec, gpu: GpuInfo, results: Sequence[StudyResult], say) -> None:
+    table: dict = {}
+    for r in results:
+        if r.best_config is None:
+            continue
+        table.setdefault(r.variant, {})[r.bucket] = tuning_data.entry(
+            r.best_config, r.best_ms, r.default_ms)
+    if not table:
+        return
+    path = tuning_data.tuning_path(spec, gpu.key)
+    tuning_data.update(path, gpu=gpu.as_json(), versions=versions(), spec_sha=spec.sha,
+                       results=table)
+    say(f"wrote {path} ({', '.join(f'{v}@{b}' for v in table for b in table[v])}); "
+        "run `flashgen build` to embed it")

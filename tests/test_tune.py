@@ -1,0 +1,526 @@
+"""`flashgen tune` on the CPU: the studies, the search space, resumption, the JSON data and
+its way into the package's dispatch, with a synthetic cost in place of GPU timing (the GPU
+measure itself only has its correctness check exercised here, in Triton's interpreter)."""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+
+optuna = pytest.importorskip("optuna")
+
+from flashgen import planner_core, tuning_data  # noqa: E402
+from flashgen.build import build  # noqa: E402
+from flashgen.cli import main as cli_main  # noqa: E402
+from flashgen.space import KNOBS, Knob, space_for  # noqa: E402
+from flashgen.spec import load_spec  # noqa: E402
+from flashgen.tune import (ATTR_FAIL, ATTR_INFEASIBLE, ATTR_WARM, GpuInfo, StudyResult,  # noqa: E402
+                           WrongAnswer, Workload, _write_results, format_summary, study_name,
+                           tune_study)
+
+from packages import build_and_import  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TrialState = optuna.trial.TrialState
+H100 = dict(sram_bytes=232448, sm_count=132, capability=(9, 0))
+FAKE_KEY = "Fake GPU 80GB|sm90|132sm"
+
+
+def fwd_space(**kw):
+    return space_for("fwd", 64, 2, **{**H100, **kw})
+
+
+def cost_of(space, salt="", block_m=128):
+    """A deterministic synthetic time: smooth in log2 of each tile dim (fastest near
+    `block_m` x 64, 4 warps, 3 stages), plus hash jitter."""
+    def cost(cfg):
+        x = (abs(math.log2(cfg["block_m"] / block_m)) + 0.7 * abs(math.log2(cfg["block_n"] / 64))
+             + 0.3 * abs(math.log2(cfg["num_warps"] / 4)) + 0.2 * abs(cfg["num_stages"] - 3))
+        h = hashlib.sha256(f"{salt}{sorted(cfg.items())}".encode()).digest()
+        return 0.1 * (1 + x) + h[0] / 1e5
+    return cost
+
+
+def quiet(line):
+    pass
+
+
+def trials_of(storage, name):
+    return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
+
+
+@pytest.fixture
+def storage(tmp_path):
+    return f"sqlite:///{tmp_path / 'tune.db'}"
+
+
+# ----------------------------------------------------------------------------------------
+# the search space
+# ----------------------------------------------------------------------------------------
+
+def test_space_is_the_planners_feasible_set_for_the_real_smem():
+    for sram in (232448, 101376, 49152):
+        plan = planner_core.plan("fwd", 64, 2, sram, 132)
+        feasible = [c.config.as_dict() for c in plan.candidates if c.rejected is None]
+        space = fwd_space(sram_bytes=sram)
+        assert space.points() == feasible  # the planner's rank order, nothing else
+        assert space.default() == plan.chosen.as_dict()
+        for cand in plan.candidates:
+            reason = space.check(cand.config.as_dict())
+            assert reason == cand.rejected  # the planner's own reason
+    # a smaller GPU has a strictly smaller space
+    assert len(fwd_space(sram_bytes=49152)) < len(fwd_space())
+
+
+def test_a_knob_is_one_table_line_with_its_feasibility(monkeypatch):
+    base = fwd_space()
+    needs_sm90 = Knob("tma", (False, True), False,
+                      lambda c, f: "needs sm90" if c["tma"] and f.capability < (9, 0) else None)
+    monkeypatch.setitem(KNOBS, "fwd", (needs_sm90,))
+    hopper = fwd_space()
+    ampere = fwd_space(capability=(8, 0))
+    assert hopper.names[-1] == "tma" and len(hopper) == 2 * len(base)
+    assert len(ampere) == len(base) and all(p["tma"] is False for p in ampere.points())
+    assert ampere.check({**base.default(), "tma": True}) == "tma=True: needs sm90"
+    assert hopper.default() == {**base.default(), "tma": False}
+    # tuning data that predates the knob is completed with its default
+    assert tuning_data._config_only("fwd", base.default()) == {**base.default(), "tma": False}
+
+
+# ----------------------------------------------------------------------------------------
+# studies
+# ----------------------------------------------------------------------------------------
+
+def test_no_infeasible_config_ever_reaches_measure(storage):
+    # a knob whose predicate rules out half the points, on a small-smem GPU
+    knob = Knob("split", (1, 2), 1, lambda c, f: "odd" if c["split"] == 2 and c["num_warps"] == 4 else None)
+    space = space_for("fwd", 64, 2, 65536, 80, (8, 6), knobs={"fwd": (knob,)})
+    seen, violations = [], []
+
+    def measure(cfg):
+        if space.check(cfg) is not None:
+            violations.append((cfg, space.check(cfg)))
+        seen.append(cfg)
+        return cost_of(space)(cfg)
+
+    too_big = {"block_m": 256, "block_n": 256, "num_warps": 8, "num_stages": 4, "split": 1}
+    assert space.check(too_big) is not None
+    lines = []
+    result = tune_study(storage=storage, name="feasible", space=space, measure=measure,
+                        n_trials=25, warm_starts=[("planner", space.default()),
+                                                  ("spec", too_big)], progress=lines.append)
+    assert result.complete == 25 and len(seen) == 25
+    assert any("warm start spec" in ln and "skipped" in ln and "smem" in ln for ln in lines)
+    assert seen[0] == space.default()
+    # no point measured twice
+    assert len({space.key(c) for c in seen}) == len(seen)
+
+    # a trial that holds an infeasible point anyway (enqueued by hand) is pruned with the
+    # reason, before any launch, and does not count toward --trials
+    study = optuna.load_study(study_name="feasible", storage=storage)
+    study.enqueue_trial(too_big)
+    result = tune_study(storage=storage, name="feasible", space=space, measure=measure,
+                        n_trials=27, progress=quiet)
+    pruned = [t for t in trials_of(storage, "feasible") if t.state == TrialState.PRUNED]
+    assert len(pruned) == 1 and "smem" in pruned[0].user_attrs[ATTR_INFEASIBLE]
+    assert result.complete == 27 and len(seen) == 27 and result.pruned == 1
+    assert violations == []
+
+
+def test_failed_trials_are_recorded_with_reasons_and_never_chosen(storage):
+    space = space_for("bwd", 128, 2, **H100)
+    cost = cost_of(space)
+    ranked = sorted(space.points(), key=cost)
+    wrong, broken = ranked[0], ranked[1]   # the two fastest configs are bad
+
+    def measure(cfg):
+        if cfg == wrong:
+            return WrongAnswer("dq differs from the float64 reference: max rel err 0.5")
+        if cfg == broken:
+            raise RuntimeError("triton.runtime.errors.OutOfResources: out of resource: "
+                               "shared memory, Required: 263168, Hardware limit: 232448")
+        return cost(cfg)
+
+    result = tune_study(storage=storage, name="fails", space=space, measure=measure,
+                        n_trials=len(space), sampler="grid", max_failures=10, progress=quiet)
+    assert result.stopped == "space exhausted"
+    assert result.complete == len(space) - 2 and result.failed == 2
+    assert result.best_config == ranked[2] and result.best_ms == cost(ranked[2])
+    failed = {space.key(space.config(t.params)): t.user_attrs[ATTR_FAIL]
+              for t in trials_of(storage, "fails") if t.state == TrialState.FAIL}
+    assert failed[space.key(wrong)].startswith("wrong answer: dq differs")
+    assert failed[space.key(broken)].startswith("error: RuntimeError: ")
+    assert "OutOfResources" in failed[space.key(broken)]
+    # bad return values fail too; failures do not count toward --trials
+    space2 = fwd_space()
+    calls = []
+
+    def flaky(cfg):
+        calls.append(cfg)
+        return [float("nan"), -1.0, "fast"][len(calls) - 1] if len(calls) <= 3 else cost(cfg)
+
+    r2 = tune_study(storage=storage, name="flaky", space=space2, measure=flaky, n_trials=6,
+                    progress=quiet)
+    assert (r2.complete, r2.failed, len(calls)) == (6, 3, 9)
+    reasons = sorted(t.user_attrs[ATTR_FAIL] for t in trials_of(storage, "flaky")
+                     if t.state == TrialState.FAIL)
+    assert all(r.startswith("error: measure returned") for r in reasons), reasons
+
+
+def test_too_many_failures_stop_the_study(storage):
+    space = fwd_space()
+
+    def measure(cfg):
+        raise RuntimeError("CompilationError")
+
+    result = tune_study(storage=storage, name="allfail", space=space, measure=measure,
+                        n_trials=4, progress=quiet)
+    assert result.stopped == "4 failures" and result.complete == 0 and result.best_config is None
+
+
+def test_resume_after_an_interrupt_loses_nothing(storage):
+    space = fwd_space()
+    cost = cost_of(space)
+    calls = []
+
+    def interrupted_at_6(cfg):
+        calls.append(cfg)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return cost(cfg)
+
+    with pytest.raises(KeyboardInterrupt):
+        tune_study(storage=storage, name="resume", space=space, measure=interrupted_at_6,
+                   n_trials=10, warm_starts=[("planner", space.default())], progress=quiet)
+    before = [(t.number, t.state, t.params, t.value) for t in trials_of(storage, "resume")]
+    assert [s for _, s, _, _ in before] == [TrialState.COMPLETE] * 5 + [TrialState.FAIL]
+    first5 = before[:5]
+
+    result = tune_study(storage=storage, name="resume", space=space, measure=cost,
+                        n_trials=10, warm_starts=[("planner", space.default())], progress=quiet)
+    after = trials_of(storage, "resume")
+    complete = [t for t in after if t.state == TrialState.COMPLETE]
+    assert result.complete == 10 and len(complete) == 10
+    assert [(t.number, t.state, t.params, t.value) for t in after[:5]] == first5
+    # the interrupted trial is marked so, not counted as a failure, and may be retried
+    assert after[5].user_attrs[ATTR_FAIL] == "interrupted" and result.failed == 0
+    # the warm start ran once, first
+    warm = [t for t in after if t.user_attrs.get(ATTR_WARM)]
+    assert len(warm) == 1 and warm[0].number == 0 and warm[0].params == space.default()
+    assert result.default_ms == cost(space.default())
+    # a finished study: running again measures nothing and enqueues nothing
+    again = tune_study(storage=storage, name="resume", space=space,
+                       measure=lambda cfg: pytest.fail("measured again"), n_trials=10,
+                       warm_starts=[("planner", space.default())], progress=quiet)
+    assert again.complete == 10 and len(trials_of(storage, "resume")) == len(after)
+
+
+def test_warm_starts_are_enqueued_once_and_first(storage):
+    space = fwd_space()
+    spec_tile = {"block_m": 64, "block_n": 32, "num_warps": 2, "num_stages": 2}
+    starts = [("planner", space.default()), ("spec", spec_tile)]
+    for n in (3, 6):
+        tune_study(storage=storage, name="warm", space=space, measure=cost_of(space),
+                   n_trials=n, warm_starts=starts, progress=quiet)
+    trials = trials_of(storage, "warm")
+    assert trials[0].params == space.default() and trials[0].user_attrs[ATTR_WARM] == "planner"
+    assert trials[1].params == spec_tile and trials[1].user_attrs[ATTR_WARM] == "spec"
+    assert sum(bool(t.user_attrs.get(ATTR_WARM)) for t in trials) == 2
+    assert not any(t.state == TrialState.WAITING for t in trials)
+    assert len(trials) == 6
+
+
+def test_a_small_space_is_measured_exhaustively_then_stops(storage):
+    space = space_for("bwd", 128, 2, 49152, 132)   # a tiny smem budget: few tiles fit
+    assert 0 < len(space) < 20
+    result = tune_study(storage=storage, name="tiny", space=space, measure=cost_of(space),
+                        n_trials=500, progress=quiet)
+    assert result.stopped == "space exhausted" and result.complete == len(space)
+    best = min(space.points(), key=cost_of(space))
+    assert result.best_config == best
+
+
+def test_progress_lines_and_summary_table(storage):
+    space = fwd_space()
+    lines = []
+    result = tune_study(storage=storage, name="prog", space=space, measure=cost_of(space),
+                        n_trials=3, progress=lines.append, label="fwd_d64_fp16@1024",
+                        warm_starts=[("planner", space.default())])
+    assert [ln.split(" [")[0] for ln in lines[:3]] == [
+        f"fwd_d64_fp16@1024: trial {i}/3" for i in (1, 2, 3)]
+    assert all("best " in ln and "ETA " in ln for ln in lines[:3])
+    assert lines[-1].startswith("fwd_d64_fp16@1024: done (3 trials)")
+    result.variant, result.bucket = "fwd_d64_fp16", 1024
+    table = format_summary([result, StudyResult(name="x", variant="bwd_d64_fp16", bucket=512,
+                                                failed=2, stopped="2 failures")])
+    head, rule, row, empty = table.splitlines()
+    assert head.split() == ["variant", "bucket", "default", "ms", "tuned", "ms", "speedup",
+                            "done/failed", "tuned", "config", "stopped"]
+    assert row.split()[:3] == ["fwd_d64_fp16", "1024", f"{result.default_ms:.4f}"]
+    assert f"{result.default_ms / result.best_ms:.3f}x" in row and "3/0" in row
+    assert empty.split()[:4] == ["bwd_d64_fp16", "512", "-", "-"]
+
+
+def test_study_names_and_storage_kinds(tmp_path):
+    assert study_name("fwd_causal_d64_bf16", 4096, "NVIDIA H100 80GB HBM3|sm90|132sm") == \
+        "fwd_causal_d64_bf16@4096@nvidia-h100-80gb-hbm3-sm90-132sm"
+    from flashgen.tune import default_storage, open_storage
+
+    (tmp_path / "repo" / ".git").mkdir(parents=True)
+    (tmp_path / "repo" / "sub").mkdir()
+    (tmp_path / "plain").mkdir()
+    assert default_storage(tmp_path / "repo" / "sub") == \
+        f"sqlite:///{tmp_path / 'repo' / '.flashgen' / 'tune.db'}"   # the checkout's root
+    assert default_storage(tmp_path / "plain") == \
+        f"sqlite:///{tmp_path / 'plain' / '.flashgen' / 'tune.db'}"  # else the folder itself
+    space = fwd_space()
+    journal = open_storage(str(tmp_path / "j" / "tune.log"))
+    r = tune_study(storage=journal, name="j", space=space, measure=cost_of(space), n_trials=3,
+                   progress=quiet)
+    assert r.complete == 3 and (tmp_path / "j" / "tune.log").stat().st_size > 0
+
+
+# ----------------------------------------------------------------------------------------
+# the data: JSON, build, dispatch
+# ----------------------------------------------------------------------------------------
+
+GPU = {"name": "Fake GPU 80GB", "capability": [9, 0], "sm_count": 132, "key": FAKE_KEY}
+VERSIONS = {"triton": "3.9.0", "torch": "2.13.0", "flashgen": "0.1.0"}
+
+
+def test_tuning_files_are_byte_stable_sorted_and_merge_only_what_was_studied(tmp_path):
+    path = tmp_path / "t" / f"{tuning_data.slug(FAKE_KEY)}.json"
+    cfg = {"num_warps": 4, "block_n": 64, "num_stages": 3, "block_m": 128}
+    results = {"fwd_d64_fp16": {16384: tuning_data.entry(cfg, 1.23456789, 1.5),
+                                512: tuning_data.entry(cfg, 0.1, 0.1),
+                                2048: tuning_data.entry(cfg, 0.2, 0.3)}}
+    tuning_data.update(path, gpu=GPU, versions=VERSIONS, spec_sha="abc", results=results)
+    first = path.read_bytes()
+    mtime = path.stat().st_mtime_ns
+    tuning_data.update(path, gpu=GPU, versions=VERSIONS, spec_sha="abc", results=results)
+    assert path.read_bytes() == first and path.stat().st_mtime_ns == mtime
+    text = first.decode()
+    assert text.endswith("}\n") and "\n  " in text
+    data = json.loads(text)
+    assert list(data) == ["configs", "gpu", "spec_sha", "versions"]
+    assert list(data["configs"]["fwd_d64_fp16"]) == ["512", "2048", "16384"]  # numeric order
+    assert list(data["configs"]["fwd_d64_fp16"]["16384"]) == [
+        "block_m", "block_n", "default_ms", "ms", "num_stages", "num_warps"]
+    assert data["configs"]["fwd_d64_fp16"]["16384"]["ms"] == 1.2346
+    # a new tune replaces only the entries it studied
+    other = dict(cfg, block_m=64)
+    tuning_data.update(path, gpu=GPU, versions=dict(VERSIONS, triton="3.10.0"), spec_sha="def",
+                       results={"fwd_d64_fp16": {2048: tuning_data.entry(other, 0.15, 0.3)},
+                                "bwd_d64_fp16": {512: tuning_data.entry(cfg, 0.4, 0.5)}})
+    data = json.loads(path.read_text())
+    assert data["configs"]["fwd_d64_fp16"]["2048"]["block_m"] == 64
+    assert data["configs"]["fwd_d64_fp16"]["512"]["block_m"] == 128
+    assert data["configs"]["fwd_d64_fp16"]["16384"]["ms"] == 1.2346
+    assert data["configs"]["bwd_d64_fp16"]["512"]["ms"] == 0.4
+    assert data["versions"]["triton"] == "3.10.0" and data["spec_sha"] == "def"
+
+
+@pytest.fixture(scope="module")
+def tuned_pkg(tmp_path_factory):
+    """A tiny package built with tuning data from a synthetic study: (pkg, spec, best)."""
+    root = tmp_path_factory.mktemp("tuned")
+    name = f"fgtune_{uuid.uuid4().hex[:8]}"
+    spec_path = root / f"{name}.yaml"
+    spec_path.write_text(f"package: {name}\nhead_dims: [64]\ndtypes: [fp16]\nmasks: [causal]\n"
+                         "seqlen_buckets: [1024, 2048, 4096, 8192]\n"
+                         "gpu: {name: H100, sram_bytes: 232448, sm_count: 132}\n")
+    spec = load_spec(spec_path)
+    space = fwd_space()
+    storage = f"sqlite:///{root / 'tune.db'}"
+    results = []
+    for bucket, block_m in ((1024, 64), (8192, 128)):   # different winners per bucket
+        r = tune_study(storage=storage, name=study_name("fwd_causal_d64_fp16", bucket, FAKE_KEY),
+                       space=space, measure=cost_of(space, bucket, block_m), n_trials=20,
+                       warm_starts=[("planner", space.default())], progress=quiet)
+        r.variant, r.bucket = "fwd_causal_d64_fp16", bucket
+        results.append(r)
+    gpu = GpuInfo(key=FAKE_KEY, name="Fake GPU 80GB", capability=(9, 0), sm_count=132,
+                  sram_bytes=232448)
+    _write_results(spec, gpu, results, quiet)
+    # a file for another GPU, with a variant the spec does not have
+    other = tuning_data.tuning_dir(spec) / "other-gpu.json"
+    tuning_data.update(other, gpu=dict(GPU, key="Other|sm80|108sm"), versions=VERSIONS,
+                       spec_sha="x", results={"fwd_window_d64_fp16": {
+                           1024: tuning_data.entry(space.default(), 1.0, 1.0)}})
+    with pytest.warns(tuning_data.TuningDataWarning, match="fwd_window_d64_fp16 is no longer"):
+        build(spec_path, root / "out")
+    sys.path.insert(0, str(root / "out"))
+    try:
+        pkg = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(root / "out"))
+    best = {r.bucket: r.best_config for r in results}
+    assert best[1024] != best[8192]
+    yield pkg, spec, best
+    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[mod]
+
+
+def test_the_best_config_reaches_the_built_package(tuned_pkg):
+    pkg, spec, best = tuned_pkg
+    path = tuning_data.tuning_path(spec, FAKE_KEY)
+    assert path.name == "fake-gpu-80gb-sm90-132sm.json" and path.parent.parent.name == "tuning"
+    data = json.loads(path.read_text())
+    assert data["gpu"] == GPU and data["spec_sha"] == spec.sha
+    assert set(data["versions"]) == {"triton", "torch", "flashgen"}
+    tuned = pkg._registry.TUNED
+    assert list(tuned) == [FAKE_KEY]     # the other GPU had only a dropped variant
+    assert tuned[FAKE_KEY] == {"fwd_causal_d64_fp16": {1024: best[1024], 8192: best[8192]}}
+    for cfg in tuned[FAKE_KEY]["fwd_causal_d64_fp16"].values():
+        assert list(cfg) == ["block_m", "block_n", "num_warps", "num_stages"]  # configs only
+        assert all(type(v) is int for v in cfg.values())
+    text = pkg.describe()
+    assert f"{FAKE_KEY}: 1 of 2 variants, 2 (variant, bucket) configs" in text
+    assert f"triton {data['versions']['triton']}" in text
+
+
+def _fake_cuda(index=0):
+    return types.SimpleNamespace(type="cuda", index=index)
+
+
+def test_dispatch_picks_the_gpu_keys_nearest_tuned_bucket(tuned_pkg, monkeypatch):
+    pkg, spec, best = tuned_pkg
+    rt = pkg._runtime
+    monkeypatch.setattr(rt, "gpu_key", lambda device: (FAKE_KEY, 232448, 132))
+    monkeypatch.setattr(rt, "_configs", {})
+    name = "fwd_causal_d64_fp16"
+    assert rt.launch_config(name, _fake_cuda(), 1000) == best[1024]   # bucket 1024
+    assert rt.launch_config(name, _fake_cuda(), 2048) == best[1024]   # 2048: 1024 is nearer
+    assert rt.launch_config(name, _fake_cuda(), 3000) == best[8192]   # bucket 4096 -> 8192
+    assert rt.launch_config(name, _fake_cuda(), 50000) == best[8192]
+    with rt.override_config(block_m=16, block_n=16, num_warps=2, num_stages=1):
+        assert rt.launch_config(name, _fake_cuda(), 1000)["block_m"] == 16
+
+
+def test_dispatch_on_an_untuned_gpu_plans_for_its_real_smem(tuned_pkg, monkeypatch):
+    pkg, spec, best = tuned_pkg
+    rt = pkg._runtime
+    monkeypatch.setattr(rt, "gpu_key", lambda device: ("Small GPU|sm86|84sm", 101376, 84))
+    monkeypatch.setattr(rt, "_configs", {})
+    name = "fwd_causal_d64_fp16"
+    for n in (1000, 8192):
+        assert rt.launch_config(name, _fake_cuda(), n) == \
+            planner_core.plan("fwd", 64, 2, 101376, 84).chosen.as_dict()
+    # a GPU with little shared memory gets a plan that fits it, not the H100's
+    monkeypatch.setattr(rt, "gpu_key", lambda device: ("Tiny|sm75|40sm", 32768, 40))
+    monkeypatch.setattr(rt, "_configs", {})
+    small = planner_core.plan("fwd", 64, 2, 32768, 40).chosen.as_dict()
+    assert small != rt.PLANNED[name] and small not in best.values()
+    assert rt.launch_config(name, _fake_cuda(1), 1000) == small
+
+
+# ----------------------------------------------------------------------------------------
+# the CLI and the GPU measure's correctness check
+# ----------------------------------------------------------------------------------------
+
+def test_tune_without_cuda_exits_2_with_a_message(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-m", "flashgen", "tune", str(ROOT / "specs" / "gpt2.yaml"),
+                          "--trials", "3", "--storage", f"sqlite:///{tmp_path / 'x.db'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    msg = res.stderr.strip()
+    assert msg.startswith("flashgen tune: error: ") and "CUDA" in msg and "\n" not in msg
+    assert not (tmp_path / "x.db").exists()  # nothing was created
+
+
+def test_tune_cli_reports_bad_flags_and_no_cuda_in_process(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = str(ROOT / "specs" / "gpt2.yaml")
+    assert cli_main(["tune", spec]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+    assert cli_main(["tune", spec, "--trials", "0"]) == 2
+    assert "--trials must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["tune", spec, "--sampler", "random"])
+
+
+@pytest.fixture(scope="module")
+def check_pkg(tmp_path_factory):
+    name = f"fgtunecheck_{uuid.uuid4().hex[:8]}"
+    pkg = build_and_import(tmp_path_factory.mktemp("check"), name,
+                           "head_dims: [32]\ndtypes: [fp32]\nmasks: [causal]\n")
+    yield pkg
+    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[mod]
+
+
+@pytest.mark.parametrize("kind", ["fwd", "bwd"])
+def test_the_gpu_measures_check_rejects_a_wrong_answer(check_pkg, kind, monkeypatch):
+    """The check the GPU measure runs before timing, here in Triton's interpreter."""
+    name = f"{kind}_causal_d32_fp32"
+    cfg = {"block_m": 16, "block_n": 16, "num_warps": 2, "num_stages": 1}
+    work = Workload(check_pkg, name, check_pkg._registry.VARIANTS[name], 1024, "cpu",
+                    check_n=24)
+    assert work.check(cfg) is None
+    real = check_pkg.flash_attn_func
+
+    def off_by_a_bit(*args, **kwargs):   # a "fast but wrong" kernel
+        out = real(*args, **kwargs)
+        return out + 0.01 * out.detach().abs().max()
+
+    monkeypatch.setattr(check_pkg, "flash_attn_func", off_by_a_bit)
+    if kind == "fwd":
+        reason = work.check(cfg)
+        assert reason.startswith("out differs from the float64 reference"), reason
+    else:  # the output shift does not change gradients: break the backward config instead
+        monkeypatch.setattr(check_pkg, "flash_attn_func", real)
+        bad = dict(cfg)
+        orig = check_pkg._runtime.backward
+
+        def wrong_backward(*args, **kwargs):
+            orig(*args, **kwargs)
+            args[6].mul_(1.5)   # dq
+        monkeypatch.setattr(check_pkg._runtime, "backward", wrong_backward)
+        reason = work.check(bad)
+        assert reason is not None and reason.startswith("dq differs"), reason
+
+
+# ----------------------------------------------------------------------------------------
+# benchmarks/tune_vs_grid.py's logic
+# ----------------------------------------------------------------------------------------
+
+def _load_tune_vs_grid():
+    spec = importlib.util.spec_from_file_location("tune_vs_grid",
+                                                  ROOT / "benchmarks" / "tune_vs_grid.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tune_vs_grid_compares_a_quarter_budget_with_the_exhaustive_grid():
+    tvg = _load_tune_vs_grid()
+    space = space_for("bwd", 64, 2, **H100)
+    cost = tvg.synthetic_cost(space, salt="t")
+    row = tvg.compare(space, cost, storage=optuna.storages.InMemoryStorage(), name="t",
+                      seeds=(0, 1))
+    assert row["grid_trials"] == len(space) and row["budget"] == len(space) // 4
+    best = min(space.points(), key=cost)
+    assert row["grid_config"] == best and row["grid_best_ms"] == cost(best)
+    for run in row["runs"]:
+        assert run["tpe_trials"] <= row["budget"]
+        assert run["ratio"] == run["tpe_best_ms"] / row["grid_best_ms"] >= 1.0
+        assert run["within_bar"] == (run["ratio"] <= 1.03)
+    table = tvg.format_rows([row])
+    assert table.count("\n") == 3 and "| t (seed 1) |" in table
+    # `confirm` (the GPU's back-to-back re-timing) replaces the studies' own numbers
+    row2 = tvg.compare(space, cost, storage=optuna.storages.InMemoryStorage(), name="t",
+                       confirm=lambda a, b: (1.0, 1.02))
+    assert row2["runs"][0]["ratio"] == pytest.approx(1.02) and row2["runs"][0]["within_bar"]
