@@ -31,9 +31,11 @@ def visible_mask(n_q: int, n_k: int, *, causal: bool, window=(-1, -1), bottom_ri
     return m
 
 
-def attention_ref(q, k, v, visible, scale=None):
+def attention_ref(q, k, v, visible, scale=None, keep=None, dropout_p=0.0):
     """q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any dtype -> (out, lse) in float64.
-    A row that sees no key gives out 0 and lse -inf."""
+    A row that sees no key gives out 0 and lse -inf. With dropout, `keep` is the
+    (B, Hq, Nq, Nk) bool mask and out = (P * keep / (1 - p)) @ V; the LSE is unaffected.
+    Differentiable: autograd through it gives the reference gradients."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
@@ -44,4 +46,6 @@ def attention_ref(q, k, v, visible, scale=None):
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf
+    if keep is not None:
+        p = p * keep.to(p.device) / (1.0 - dropout_p)
     return p @ v, lse

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import GRAD_TOL, OUT_TOL
-from flashgen.reference import visible_mask
+from flashgen.reference import attention_ref, visible_mask
 from packages import build_and_import
 
 TILES = dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
@@ -32,14 +32,9 @@ def pkg(tmp_path_factory):
 def reference(q, k, v, keep, p, visible, do):
     """(out, dq, dk, dv) in float64 for (B, N, H, d) inputs and a (B, H, Nq, Nk) mask."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    group = q.shape[2] // k.shape[2]
-    qh = q64.transpose(1, 2)
-    kh = k64.transpose(1, 2).repeat_interleave(group, dim=1)
-    vh = v64.transpose(1, 2).repeat_interleave(group, dim=1)
-    s = (qh @ kh.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~visible.to(s.device), float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    out = ((probs * keep.to(s.device) / (1 - p)) @ vh).transpose(1, 2)
+    out, _ = attention_ref(q64.transpose(1, 2), k64.transpose(1, 2), v64.transpose(1, 2),
+                           visible, keep=keep, dropout_p=p)
+    out = out.transpose(1, 2)
     out.backward(do.double())
     return out.detach(), q64.grad, k64.grad, v64.grad
 

@@ -1,0 +1,42 @@
+"""`flashgen check`: builds a spec into a temporary folder and verifies every variant."""
+import io
+
+import flashgen.reference
+from flashgen.check import check
+
+SPEC = """\
+package: fg_test_check
+head_dims: [16]
+dtypes: [fp32]
+masks: [causal]
+dropout: true
+gqa: true
+gpu: {name: H100, sram_bytes: 232448}
+"""
+
+
+def test_check_passes_on_correct_kernels(tmp_path):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    out = io.StringIO()
+    assert check(spec, quick=True, out=out)
+    text = out.getvalue()
+    assert "ok   fwd_causal_d16_fp32 (+ bwd)" in text
+    assert "ok   fwd_causal_dropout_d16_fp32 (+ bwd)" in text
+    assert "FAIL" not in text
+
+
+def test_check_fails_when_results_disagree(tmp_path, monkeypatch):
+    """A reference that disagrees with the kernels must make the check fail (exit 1)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC.replace("dropout: true", "dropout: false"))
+    real = flashgen.reference.attention_ref
+
+    def off_by_a_bit(*args, **kwargs):
+        out, lse = real(*args, **kwargs)
+        return out * 1.01, lse
+
+    monkeypatch.setattr(flashgen.reference, "attention_ref", off_by_a_bit)
+    out = io.StringIO()
+    assert not check(spec, quick=True, out=out)
+    assert "FAIL fwd_causal_d16_fp32" in out.getvalue()
