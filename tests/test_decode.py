@@ -7,9 +7,15 @@ bottom-right causal/window mask and take a naive softmax. Shapes stay small for 
 interpreter (B = 3, H_kv = 2, d = 64, lengths <= 300) and most calls force 16 x 16 tiles
 so that a few hundred keys cross many key blocks, every split holds several, and the
 masked/unmasked loop phases all run.
+
+The host path is checked too: a repeated call must not read device values (no
+.item()/.tolist()/.cpu()) and must issue only a couple of torch ops, and with the value
+checks off, out-of-range lengths and page indices must be clamped by the kernels (the
+interpreter would crash on an out-of-bounds access) rather than reported.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import LSE_TOL, OUT_TOL
 from packages import build_and_import
@@ -17,6 +23,18 @@ from flashgen.reference import attention_ref, visible_mask
 
 SMALL_TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
 H_KV = 2
+
+
+@pytest.fixture
+def checked(pkg, monkeypatch):
+    """Value checks on (FLASHGEN_CHECK_VALUES=1), whatever the environment says."""
+    monkeypatch.setattr(pkg._decode, "CHECK_VALUES", True)
+
+
+@pytest.fixture
+def unchecked(pkg, monkeypatch):
+    """Value checks off (FLASHGEN_CHECK_VALUES=0): the kernels' clamping is all there is."""
+    monkeypatch.setattr(pkg._decode, "CHECK_VALUES", False)
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +176,12 @@ def test_paged(pkg, device, poison, page_size):
                    torch.float16)
 
 
-def test_paged_planned_tiles_auto_splits(pkg, device, poison):
-    """The planner's real tiles (BLOCK_N 128 > page 16) and num_splits=0."""
+@pytest.mark.parametrize("page_size", [16, 256])
+def test_paged_planned_tiles_auto_splits(pkg, device, poison, page_size):
+    """The planner's real tiles and num_splits=0: BLOCK_N 128 > page 16 (a page lookup
+    per key row), and page 256 = 2 key blocks (one page lookup per key block)."""
     lengths = [300, 33, 129]
-    k_cache, v_cache, table = make_cache(3, 304, page_size=16, device=device, seed=7)
+    k_cache, v_cache, table = make_cache(3, 304, page_size=page_size, device=device, seed=7)
     q = queries(3, 1, 4, device=device, seed=8)
     out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, tiles=None)
     assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths), torch.float16)
@@ -260,6 +280,38 @@ def test_int_and_none_cache_seqlens(pkg, device):
                                atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("page_size", [None, 64], ids=["contiguous", "paged64"])
+def test_short_lengths_in_a_large_cache(pkg, device, poison, page_size):
+    """The split count comes from the capacity (1024 keys: 16 splits here), not the
+    lengths in use, so most splits of the short elements are empty. They must write no
+    partial output that the combine reads (poison: torch.empty is NaN-filled)."""
+    lengths = [0, 3, 100]
+    k_cache, v_cache, table = make_cache(3, 1024, page_size=page_size, device=device,
+                                         seed=30)
+    q = queries(3, 1, 4, device=device, seed=31)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, causal=True)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths, causal=True),
+                   torch.float16)
+    assert pkg._decode.num_splits_heuristic(3 * H_KV, 1024 // 16, 132) == 16
+
+
+def test_return_lse_or_not_and_repeated_calls(pkg, device):
+    """The cached plan serves calls with and without return_lse (the LSE store is off
+    without it) and repeated calls give the same answer."""
+    lengths = [50, 200, 7]
+    k_cache, v_cache, table = make_cache(3, 256, page_size=32, device=device, seed=32)
+    q = queries(3, 1, 4, device=device, seed=33)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        for splits in (1, 3):
+            kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=splits)
+            out, lse = pkg.flash_attn_with_kvcache(q, k_cache, v_cache, return_lse=True, **kw)
+            again = pkg.flash_attn_with_kvcache(q, k_cache, v_cache, **kw)
+            assert torch.equal(out, again)
+            assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths),
+                           torch.float16)
+
+
 def test_split_heuristic(pkg):
     h = pkg._decode.num_splits_heuristic
     assert h(8 * 8, 32, 132) == 5  # 64 programs -> ~2 waves over 132 SMs
@@ -312,14 +364,17 @@ def test_valid_call_runs(pkg):
      r"page indices in \[0, 11\)"),
     (dict(block_table=torch.tensor([[-1, 1, 2, 3], [4, 5, 6, 7]], dtype=torch.int32)),
      "page indices"),
+    (dict(block_table=torch.arange(8, dtype=torch.int32).view(4, 2).t()), "unit stride"),
+    (dict(cache_seqlens=torch.tensor([3, 0, 10, 0], dtype=torch.int32)[::2]),
+     "cache_seqlens must be contiguous"),
     (dict(num_splits=-1), "num_splits"),
     (dict(softmax_scale=-1.0), "softmax scale"),
     (dict(window_size=(-2, 0)), "window_size"),
 ], ids=["dtype", "head_dim", "batch", "heads", "k_only", "v_only", "kv_shapes", "new_heads",
         "too_long", "negative", "seqlens_dtype", "seqlens_shape", "int_too_long",
         "append_full", "table_dtype", "table_shape", "table_high", "table_negative",
-        "splits", "scale", "window"])
-def test_bad_input(pkg, over, match):
+        "table_strides", "seqlens_strided", "splits", "scale", "window"])
+def test_bad_input(pkg, checked, over, match):
     k_cache, v_cache, table = make_cache(2, 64, page_size=16, seed=20)
     before = k_cache.clone()
     with pytest.raises(ValueError, match=match):
@@ -327,11 +382,159 @@ def test_bad_input(pkg, over, match):
     assert torch.equal(k_cache, before), "a rejected call must not write the cache"
 
 
-def test_unused_block_table_entries_may_be_padding(pkg):
+def test_unused_block_table_entries_may_be_padding(pkg, checked):
     """Only the pages the call touches are checked: -1 padding past them is fine."""
     table = torch.tensor([[0, 1, -1, -1], [2, -1, -1, -1]], dtype=torch.int32)
     with pkg._runtime.override_config(**SMALL_TILES):
         _call(pkg, block_table=table)
+
+
+@pytest.mark.parametrize("mode", [None, True, False], ids=["auto", "on", "off"])
+def test_value_checks_follow_the_switch(pkg, monkeypatch, mode):
+    """FLASHGEN_CHECK_VALUES: auto checks tensors when that is free (CPU tensors here),
+    on always, off never; an int cache_seqlens is checked whatever the switch."""
+    monkeypatch.setattr(pkg._decode, "CHECK_VALUES", mode)
+    bad_table = torch.tensor([[0, 1, 2, 3], [11, 5, 6, 7]], dtype=torch.int32)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        if mode is False:
+            _call(pkg, block_table=bad_table)  # clamped in the kernel, not reported
+        else:
+            with pytest.raises(ValueError, match="page indices"):
+                _call(pkg, block_table=bad_table)
+        with pytest.raises(ValueError, match="exceeds the cache capacity"):
+            _call(pkg, cache_seqlens=64)
+
+
+def _clamped_expectation(k_cache, v_cache, table, lengths, k_new, v_new, capacity):
+    """What the kernels promise for out-of-range values: a length is clamped into
+    [0, capacity] before N_new is added (and the sum clamped to the capacity), a page
+    index into [0, num_blocks), and a new token whose position or page is out of range is
+    not written. Returns (k_want, v_want, clamped table, clamped total lengths)."""
+    n_new = k_new.shape[1]
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lengths):
+        for t in range(n_new):
+            j = n + t
+            if not 0 <= j < capacity:
+                continue
+            if table is None:
+                page, row = b, j
+            else:
+                page, row = int(table[b, j // k_cache.shape[1]]), j % k_cache.shape[1]
+                if not 0 <= page < k_cache.shape[0]:
+                    continue
+            k_want[page, row] = k_new[b, t]
+            v_want[page, row] = v_new[b, t]
+    clamped = None if table is None else table.clamp(0, k_cache.shape[0] - 1)
+    total = [min(min(max(n, 0), capacity) + n_new, capacity) for n in lengths]
+    return k_want, v_want, clamped, total
+
+
+@pytest.mark.parametrize("page_size,tiles", [(None, "small"), (5, "small"), (16, "small"),
+                                             (256, "planned")],
+                         ids=["contiguous", "paged5_per_row", "paged16_per_block",
+                              "paged256_planned"])
+def test_unchecked_bad_values_are_clamped(pkg, unchecked, device, poison, page_size, tiles):
+    """With the checks off, lengths beyond the cache (or negative) and page indices out of
+    the pool reach the kernels. They must stay inside the cache: Triton's interpreter
+    reads raw memory and would crash (or raise) on an out-of-bounds access, as a GPU
+    would fault. The answer is the clamped one (see _clamped_expectation)."""
+    capacity = 64 if page_size is None else -(-64 // page_size) * page_size
+    lengths = [10 ** 5, -3, 40, 20]  # past the cache, negative, then two valid ones
+    k_cache, v_cache, table = make_cache(4, 64, page_size=page_size, device=device, seed=40)
+    if table is not None:
+        table = table.clone()
+        table[2, 40 // page_size] = 10 ** 6  # element 2's append and reads hit a bad page
+        table[3, 0] = -7  # element 3 reads a negative page
+        table[0, -1] = 2 ** 31 - 1
+    g = torch.Generator().manual_seed(41)
+    k_new, v_new = (torch.randn(4, 1, H_KV, 64, generator=g).half().to(device) for _ in range(2))
+    q = queries(4, 2, 4, device=device, seed=42)
+    k_want, v_want, clamped, total = _clamped_expectation(
+        k_cache.cpu(), v_cache.cpu(), None if table is None else table.cpu(), lengths,
+        k_new.cpu(), v_new.cpu(), capacity)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with pkg._runtime.override_config(**SMALL_TILES) if tiles == "small" else _nothing():
+        out, lse = pkg.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                               cache_seqlens=seqlens, block_table=table,
+                                               causal=True, num_splits=3, return_lse=True)
+    assert torch.equal(k_cache.cpu(), k_want) and torch.equal(v_cache.cpu(), v_want)
+    assert_matches(out, lse, *reference(q, k_want, v_want, clamped, total, causal=True),
+                   torch.float16)
+
+
+class _CountOps(TorchDispatchMode):
+    """Records the torch (aten) ops issued inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+class _RecordLaunches:
+    """Stands in for _runtime.kernel: records (function, grid) instead of launching."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __call__(self, name, function="kernel"):
+        launches = self.launches
+
+        class Handle:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: launches.append((function, grid))
+        return Handle()
+
+
+def _no_sync(*args, **kwargs):
+    raise AssertionError("the hot path read a tensor's value on the host (a device sync)")
+
+
+# the ways a tensor's value reaches the host
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["out", "out_lse"])
+@pytest.mark.parametrize("n_new", [0, 1], ids=["no_new", "append"])
+@pytest.mark.parametrize("page_size", [None, 8, 256], ids=["contiguous", "paged8", "paged256"])
+def test_hot_path_reads_no_device_values(pkg, unchecked, monkeypatch, page_size, n_new,
+                                         return_lse):
+    """A server's call (tensor cache_seqlens, checks off): neither the first call (which
+    plans) nor a repeated one reads a device value, and a repeated call issues only its
+    allocations -- out, the split workspace, the LSE if asked for -- and its launches:
+    the append (if new keys), the split-KV kernel and the combine. The kernels are
+    recorded, not run."""
+    k_cache, v_cache, table = make_cache(2, 512, page_size=page_size, seed=43)
+    q = queries(2, 1, 4, seed=44)
+    seqlens = torch.tensor([100, 300], dtype=torch.int32)
+    k_new = v_new = None
+    if n_new:
+        k_new, v_new = (torch.zeros(2, n_new, H_KV, 64, dtype=torch.float16) for _ in range(2))
+    launches = _RecordLaunches()
+    monkeypatch.setattr(pkg._decode, "_plans", {})
+    monkeypatch.setattr(pkg._runtime, "kernel", launches)
+
+    def call():
+        return pkg.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                           cache_seqlens=seqlens, block_table=table,
+                                           causal=True, return_lse=return_lse)
+
+    with pkg._runtime.override_config(**SMALL_TILES), torch.inference_mode():
+        with monkeypatch.context() as m:
+            for name in SYNCS:
+                m.setattr(torch.Tensor, name, _no_sync)
+            call()  # plans
+            del launches.launches[:]
+            with _CountOps() as counted:
+                call()
+    assert counted.ops == ["empty"] * (2 + return_lse), counted.ops
+    kinds = [function for function, _ in launches.launches]
+    assert kinds == ["append"] * bool(n_new) + ["kernel", "combine"], kinds
+    assert len(pkg._decode._plans) == 1
 
 
 def test_bad_layouts_and_kinds(pkg):

@@ -19,20 +19,50 @@ Head dim 128, fp16 inputs, mask `causal`. Two kernels:
   computed against the largest lse_s, so it cannot overflow; a split that saw no key has
   lse_s = -inf and weight 0, and a row no split saw gets out = 0, lse = -inf.
 
-Key lengths are ragged: batch element b attends to its first L_b = SEQLENS[b] + N_NEW
-cache positions (the new keys were appended in place before the launch). Query token i
-sits at cache position L_b - N_Q + i, and key j is visible to it when
+`decode_causal_d128_fp16_append` -- one program per (batch element, new token): copies the new keys and
+  values of all KV heads into the cache in place (through the block table when paged),
+  before the attention kernel runs on the same stream.
+
+The grid is sized on the host from quantities it knows without reading the device: the
+cache capacity (N_cache, or max_pages * PAGE_SIZE when paged) picks the split count, never
+max(cache_seqlens). Each program reads its own L_b and divides *its own* band of keys
+into NUM_SPLITS equal runs of key blocks, so a short element gets short splits, and the
+splits past the end of a very short element are empty. An empty split (or a row of a
+split that saw no key) is nearly free: its query loads are masked off, its loops do not
+run, and it writes only its lse_s = -inf, never the partial output; the combine reads
+out_s only where lse_s > -inf, so the never-written partials are never read (the
+workspace is torch.empty, not zeroed).
+
+Key lengths are ragged: batch element b attends to its first L_b = SEQLENS[b] + LEN_ADD
+cache positions (LEN_ADD = N_new; with one length for the whole batch there is no SEQLENS
+tensor and LEN_ADD carries it). The new keys were appended in place before the launch.
+Query token i sits at cache position L_b - N_Q + i, and key j is visible to it when
     j < L_b,  j <= pos + WIN_RIGHT (MASK_RIGHT),  j >= pos - WIN_LEFT (MASK_LEFT).
 The splits partition the key blocks the program's rows can see at all (the band), so a
-sliding window splits only the window, and a ragged batch gets shorter splits for its
-shorter elements. Blocks every row sees in full run without mask arithmetic.
+sliding window splits only the window. Blocks every row sees in full run without mask
+arithmetic.
+
+Memory safety does not depend on the caller's values: the host does not read
+cache_seqlens or the block table on the hot path (see _decode.py), so the kernels clamp
+what they read from them. L_b is clamped into [0, CAPACITY] (a cache length < 0 counts as
+0), and every page index read from the block table into [0, NUM_BLOCKS). Bad lengths or
+pages therefore give a wrong answer, never an out-of-bounds access. The append kernel
+skips (does not write) a new token whose position lies outside [0, CAPACITY) or whose page
+is out of range, so it never writes outside the cache either.
 
 Paging: with PAGED, key position j of batch b lives in page BT[b, j // PAGE_SIZE] at row
-j % PAGE_SIZE. The lookup is done per key row (a gather), not per block, so any page
-size >= 1 works, including pages smaller than BLOCK_N. A contiguous cache
-(B, N_cache, H_kv, d) has its own constexpr path (PAGED = False) that addresses
-b * stride + j * stride_n directly: the same code with no table load and no
-division, rather than faking a block table of one page per batch element.
+j % PAGE_SIZE. With PAGE_BLOCKS (set by the host when PAGE_SIZE % BLOCK_N == 0, i.e.
+pages of whole key blocks) a key block never straddles a page, so each block needs ONE
+page index (a scalar) and then loads a contiguous [BLOCK_N, d] tile, exactly like the
+contiguous path. Smaller or odd pages use a per-key-row lookup (a gather of BLOCK_N
+indices), so any page size >= 1 works. Either way the indices are loaded one block
+ahead (a loop-carried `page_next`, positions clamped to the last key so the table is
+never read past its row): a K/V load that waited on a table load in the same iteration
+cost the software pipeliner a stage (one K/V buffer in flight instead of two at
+num_stages=3: seen in the sm_90 TTGIR, compiled offline), the likely main cause of the
+paged path's slowdown (to be confirmed by timing on the GPU). A
+contiguous cache (B, N_cache, H_kv, d) has its own constexpr path (PAGED = False) that
+addresses b * stride + j * stride_n directly, with no table.
 """
 import triton
 import triton.language as tl
@@ -50,29 +80,38 @@ MASK_RIGHT = tl.constexpr(True)
 LN2 = tl.constexpr(0.6931471805599453)
 
 
-# Lengths, head counts, page size and window extents change from call to call: keep
-# Triton from specialising on their values so a new length reuses the binary.
-@triton.jit(do_not_specialize=["N_Q", "N_NEW", "H_Q", "KV_GROUP", "WIN_LEFT", "WIN_RIGHT"])
+
+# Lengths, head counts, page size, capacity and window extents change from call to call:
+# keep Triton from specialising on their values so a new length reuses the binary.
+@triton.jit(do_not_specialize=["N_Q", "LEN_ADD", "H_Q", "KV_GROUP", "WIN_LEFT", "WIN_RIGHT",
+                               "CAPACITY", "NUM_BLOCKS", "LP_OFF"])
 def decode_causal_d128_fp16_kernel(
     Q, K, V,  # Q: (B, N_Q, H_Q, d); K, V: cache (B, N_cache, H_kv, d) or pages (P, PAGE_SIZE, H_kv, d)
-    O, LSE,  # one split: O like Q (written), LSE (B, H_Q, N_Q) fp32 contiguous
-    OP, LP,  # several splits: partial outputs (B, H_Q, N_Q, S, HEAD_DIM) and LSEs (B, H_Q, N_Q, S), fp32
-    SEQLENS,  # (B,) int32: tokens in the cache before this call's new keys
-    BT,  # (B, max_pages) int32 block table (PAGED only)
+    O, LSE,  # one split: O like Q (written), LSE (B, H_Q, N_Q) fp32 contiguous (if STORE_LSE)
+    OP,  # several splits: fp32 workspace, partial outputs (B, H_Q, N_Q, S, HEAD_DIM) at OP,
+    #      their LSEs (B, H_Q, N_Q, S) at OP + LP_OFF
+    SEQLENS,  # (B,) int32: tokens in the cache before this call's new keys (PER_ROW_LENS only)
+    BT,  # (B, max_pages) int32 block table, unit stride along pages (PAGED only)
     stride_qb, stride_qn, stride_qh,
     stride_kp, stride_kn, stride_kh,  # kp: batch stride, or page stride when PAGED
     stride_vp, stride_vn, stride_vh,
     stride_ob, stride_on, stride_oh,
     stride_bt,
     N_Q,  # query tokens per batch element
-    N_NEW,  # keys appended by this call (already in the cache)
+    LEN_ADD,  # L_b = SEQLENS[b] + LEN_ADD (N_new; or the whole length without SEQLENS)
     H_Q,  # query heads
     KV_GROUP,  # query heads per key/value head
     PAGE_SIZE,
     QK_SCALE_LOG2,  # softmax scale * log2(e)
     WIN_LEFT, WIN_RIGHT,  # band extents relative to a query's cache position
+    CAPACITY,  # cache positions per batch element: L_b is clamped to it
+    NUM_BLOCKS,  # pages in the pool (PAGED): page indices are clamped below it
+    LP_OFF,  # offset of the partial LSEs in the workspace OP
     PAGED: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: one page load per key block
+    PER_ROW_LENS: tl.constexpr,  # SEQLENS holds one length per batch element
     SPLIT: tl.constexpr,  # write partials for the combine kernel instead of O and LSE
+    STORE_LSE: tl.constexpr,  # one split: write LSE (the caller asked for it)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -92,7 +131,12 @@ def decode_causal_d128_fp16_kernel(
     q_head = kv_h * KV_GROUP + offs_r // N_Q  # [BLOCK_M] query head of each row
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
 
-    n_k = tl.load(SEQLENS + b) + N_NEW  # L_b: keys this batch element attends to
+    # L_b: keys this batch element attends to, clamped into [0, CAPACITY] so that a bad
+    # cache_seqlens can never make the loops below read outside the cache
+    n_k = LEN_ADD
+    if PER_ROW_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), CAPACITY) + LEN_ADD
+    n_k = tl.minimum(tl.maximum(n_k, 0), CAPACITY)
     q_pos = n_k - N_Q + q_tok  # [BLOCK_M] cache position of each query
 
     # 64-bit base offsets: page * stride can exceed 2**31 elements on large caches
@@ -106,15 +150,6 @@ def decode_causal_d128_fp16_kernel(
         k_base = K + b64 * stride_kp + kv_h.to(tl.int64) * stride_kh
         v_base = V + b64 * stride_vp + kv_h.to(tl.int64) * stride_vh
         bt_row = BT
-
-    # ------------------------------------------------------------------------------------
-    # Load the stacked query tile once
-    # ------------------------------------------------------------------------------------
-    offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
-    q0 = tl.load(Q + q_rows[:, None] + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-    acc0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
 
     # ------------------------------------------------------------------------------------
     # The keys any row of this tile can see (the band), then this split's share of them
@@ -138,18 +173,51 @@ def decode_causal_d128_fp16_kernel(
     # [start, mid_lo) and [mid_hi, end) straddle an edge; [mid_lo, mid_hi) is seen in full
     mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
     mid_hi = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, end), mid_lo)
+    # an empty split (past the end of a short element) loads nothing: its query loads are
+    # masked off, its loops run zero times, it stores only lse = -inf
+    load_q = offs_r < tl.where(start < end, n_rows, 0)  # [BLOCK_M]: row_ok, or none
+    last_pos = tl.maximum(n_k - 1, 0)  # page-index loads never pass the last key's page
+
+    # ------------------------------------------------------------------------------------
+    # Load the stacked query tile once
+    # ------------------------------------------------------------------------------------
+    offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
+    q0 = tl.load(Q + q_rows[:, None] + offs_d0[None, :], mask=load_q[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
+    acc0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
 
     # Phase 1: blocks on the lower (left) edge of a sliding window, masked
     if MASK_LEFT:
+        # the page indices of the loop's first block (each iteration loads the next block's);
+        # positions are clamped to the last key, so the table is never read past its row
+        if PAGED:
+            if PAGE_BLOCKS:
+                page_next = tl.load(bt_row + tl.minimum(start, last_pos) // PAGE_SIZE)
+            else:
+                page_next = tl.load(bt_row + tl.minimum(start + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+        else:
+            page_next = 0
         for n0 in range(start, mid_lo, BLOCK_N):
             pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
             key_ok = pos < end  # [BLOCK_N]; end <= L_b
             if PAGED:
-                # per-row page lookup: any page size works, pages need not be contiguous
-                page = tl.load(bt_row + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)  # [BLOCK_N]
-                slot = (pos % PAGE_SIZE).to(tl.int64)
-                k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
-                v_rows = page * stride_vp + slot * stride_vn
+                if PAGE_BLOCKS:
+                    # the block lies inside one page: one scalar page index (loaded by the
+                    # previous iteration, so the K/V loads do not wait on it), a contiguous tile
+                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
+                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
+                    slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
+                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                    v_rows = page * stride_vp + slot * stride_vn
+                else:
+                    # per-row page lookup (a gather): any page size works; the indices were
+                    # loaded by the previous iteration, so the K/V loads do not wait on them
+                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
+                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
+                    slot = (pos % PAGE_SIZE).to(tl.int64)
+                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                    v_rows = page * stride_vp + slot * stride_vn
             else:
                 k_rows = pos.to(tl.int64) * stride_kn
                 v_rows = pos.to(tl.int64) * stride_vn
@@ -177,14 +245,34 @@ def decode_causal_d128_fp16_kernel(
             m_i = m_new
 
     # Phase 2: blocks every row may see in full -- the bulk of the work, no mask arithmetic
+    # the page indices of the loop's first block (each iteration loads the next block's);
+    # positions are clamped to the last key, so the table is never read past its row
+    if PAGED:
+        if PAGE_BLOCKS:
+            page_next = tl.load(bt_row + tl.minimum(mid_lo, last_pos) // PAGE_SIZE)
+        else:
+            page_next = tl.load(bt_row + tl.minimum(mid_lo + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+    else:
+        page_next = 0
     for n0 in range(mid_lo, mid_hi, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
         if PAGED:
-            # per-row page lookup: any page size works, pages need not be contiguous
-            page = tl.load(bt_row + pos // PAGE_SIZE).to(tl.int64)  # [BLOCK_N]
-            slot = (pos % PAGE_SIZE).to(tl.int64)
-            k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
-            v_rows = page * stride_vp + slot * stride_vn
+            if PAGE_BLOCKS:
+                # the block lies inside one page: one scalar page index (loaded by the
+                # previous iteration, so the K/V loads do not wait on it), a contiguous tile
+                page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
+                page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
+                slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
+                k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                v_rows = page * stride_vp + slot * stride_vn
+            else:
+                # per-row page lookup (a gather): any page size works; the indices were
+                # loaded by the previous iteration, so the K/V loads do not wait on them
+                page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
+                page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
+                slot = (pos % PAGE_SIZE).to(tl.int64)
+                k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                v_rows = page * stride_vp + slot * stride_vn
         else:
             k_rows = pos.to(tl.int64) * stride_kn
             v_rows = pos.to(tl.int64) * stride_vn
@@ -203,15 +291,35 @@ def decode_causal_d128_fp16_kernel(
         m_i = m_new
 
     # Phase 3: the causal/window edge and the ragged end of the split, masked
+    # the page indices of the loop's first block (each iteration loads the next block's);
+    # positions are clamped to the last key, so the table is never read past its row
+    if PAGED:
+        if PAGE_BLOCKS:
+            page_next = tl.load(bt_row + tl.minimum(mid_hi, last_pos) // PAGE_SIZE)
+        else:
+            page_next = tl.load(bt_row + tl.minimum(mid_hi + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+    else:
+        page_next = 0
     for n0 in range(mid_hi, end, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
         key_ok = pos < end  # [BLOCK_N]; end <= L_b
         if PAGED:
-            # per-row page lookup: any page size works, pages need not be contiguous
-            page = tl.load(bt_row + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)  # [BLOCK_N]
-            slot = (pos % PAGE_SIZE).to(tl.int64)
-            k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
-            v_rows = page * stride_vp + slot * stride_vn
+            if PAGE_BLOCKS:
+                # the block lies inside one page: one scalar page index (loaded by the
+                # previous iteration, so the K/V loads do not wait on it), a contiguous tile
+                page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
+                page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
+                slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
+                k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                v_rows = page * stride_vp + slot * stride_vn
+            else:
+                # per-row page lookup (a gather): any page size works; the indices were
+                # loaded by the previous iteration, so the K/V loads do not wait on them
+                page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
+                page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
+                slot = (pos % PAGE_SIZE).to(tl.int64)
+                k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                v_rows = page * stride_vp + slot * stride_vn
         else:
             k_rows = pos.to(tl.int64) * stride_kn
             v_rows = pos.to(tl.int64) * stride_vn
@@ -247,20 +355,25 @@ def decode_causal_d128_fp16_kernel(
     out_row = (b64 * H_Q + q_head.to(tl.int64)) * N_Q + q_tok.to(tl.int64)  # [BLOCK_M] (b, h, i)
     if SPLIT:
         part = out_row * num_splits + split  # [BLOCK_M] row of the partials
-        tl.store(LP + part, lse2, mask=row_ok)
-        tl.store(OP + part[:, None] * HEAD_DIM + offs_d0[None, :], acc0 * inv_l[:, None], mask=row_ok[:, None])
+        tl.store(OP + LP_OFF + part, lse2, mask=row_ok)
+        # only rows that saw a key write their partial output: the combine reads out_s
+        # only where lse_s > -inf
+        tl.store(OP + part[:, None] * HEAD_DIM + offs_d0[None, :], acc0 * inv_l[:, None], mask=(row_ok & seen)[:, None])
     else:
-        tl.store(LSE + out_row, lse2 * LN2, mask=row_ok)
+        if STORE_LSE:
+            tl.store(LSE + out_row, lse2 * LN2, mask=row_ok)
         o_rows = b64 * stride_ob + q_tok.to(tl.int64) * stride_on + q_head.to(tl.int64) * stride_oh  # [BLOCK_M]
         tl.store(O + o_rows[:, None] + offs_d0[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N_Q", "H_Q", "NUM_SPLITS"])
+@triton.jit(do_not_specialize=["N_Q", "H_Q", "NUM_SPLITS", "LP_OFF"])
 def decode_causal_d128_fp16_combine(
-    OP, LP,  # partial outputs (B, H_Q, N_Q, NUM_SPLITS, HEAD_DIM) and LSEs (log2 units), fp32
-    O, LSE,  # O like Q; LSE (B, H_Q, N_Q) fp32 contiguous, natural log
+    OP,  # workspace: partial outputs (B, H_Q, N_Q, NUM_SPLITS, HEAD_DIM) fp32 at OP, their
+    #      LSEs (log2 units; -inf: that split wrote no partial output for the row) at OP + LP_OFF
+    O, LSE,  # O like Q; LSE (B, H_Q, N_Q) fp32 contiguous, natural log (if STORE_LSE)
     stride_ob, stride_on, stride_oh,
-    N_Q, H_Q, NUM_SPLITS,
+    N_Q, H_Q, NUM_SPLITS, LP_OFF,
+    STORE_LSE: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
 ):
     row = tl.program_id(0).to(tl.int64)  # (b * H_Q + h) * N_Q + i
@@ -270,15 +383,67 @@ def decode_causal_d128_fp16_combine(
     offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
     s_ok = offs_s < NUM_SPLITS
     part = row * NUM_SPLITS + offs_s  # [BLOCK_S]
-    lse_s = tl.load(LP + part, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+    lse_s = tl.load(OP + LP_OFF + part, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
+    has_out = lse_s > float("-inf")  # [BLOCK_S] splits that wrote a partial output
     m = tl.max(lse_s, 0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp2(-inf) = 0
     w = tl.exp2(lse_s - m_ref)  # [BLOCK_S]
     total = tl.sum(w, 0)
     seen = total > 0.0
     w = w / tl.where(seen, total, 1.0)
-    tl.store(LSE + row, tl.where(seen, (m_ref + tl.log2(tl.where(seen, total, 1.0))) * LN2, float("-inf")))
+    if STORE_LSE:
+        tl.store(LSE + row, tl.where(seen, (m_ref + tl.log2(tl.where(seen, total, 1.0))) * LN2, float("-inf")))
     o_row = b * stride_ob + tok * stride_on + h * stride_oh
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
-    o_s0 = tl.load(OP + part[:, None] * HEAD_DIM + offs_d0[None, :], mask=s_ok[:, None], other=0.0)  # [BLOCK_S, D0_SIZE]
+    o_s0 = tl.load(OP + part[:, None] * HEAD_DIM + offs_d0[None, :], mask=has_out[:, None], other=0.0)  # [BLOCK_S, D0_SIZE]
     tl.store(O + o_row + offs_d0, tl.sum(o_s0 * w[:, None], 0).to(O.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["N_NEW", "H_KV", "LEN_ADD", "CAPACITY", "NUM_BLOCKS"])
+def decode_causal_d128_fp16_append(
+    KN, VN,  # new keys and values (B, N_NEW, H_KV, HEAD_DIM)
+    K, V,  # the cache, as in the attention kernel
+    SEQLENS,  # (B,) int32 (PER_ROW_LENS only)
+    BT,  # (B, max_pages) int32 (PAGED only)
+    stride_knb, stride_knn, stride_knh,
+    stride_vnb, stride_vnn, stride_vnh,
+    stride_kp, stride_kn, stride_kh,
+    stride_vp, stride_vn, stride_vh,
+    stride_bt,
+    N_NEW, H_KV,
+    LEN_ADD,  # new token t of element b goes to position SEQLENS[b] + LEN_ADD + t
+    PAGE_SIZE,
+    CAPACITY,  # positions outside [0, CAPACITY) are skipped, never written
+    NUM_BLOCKS,  # so are pages outside [0, NUM_BLOCKS)
+    PAGED: tl.constexpr,
+    PER_ROW_LENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,  # H_KV rounded up to a power of two
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+):
+    b = tl.program_id(0) // N_NEW
+    t = tl.program_id(0) % N_NEW
+    b64 = b.to(tl.int64)
+    pos = LEN_ADD + t
+    if PER_ROW_LENS:
+        pos += tl.load(SEQLENS + b)
+    ok = (pos >= 0) & (pos < CAPACITY)  # (the host launches nothing when CAPACITY is 0)
+    pos = tl.minimum(tl.maximum(pos, 0), CAPACITY - 1)  # addresses stay in range
+    if PAGED:
+        page = tl.load(BT + b64 * stride_bt + pos // PAGE_SIZE)
+        ok = ok & (page >= 0) & (page < NUM_BLOCKS)
+        page = tl.minimum(tl.maximum(page, 0), NUM_BLOCKS - 1).to(tl.int64)
+        slot = (pos % PAGE_SIZE).to(tl.int64)
+        k_dst = K + page * stride_kp + slot * stride_kn
+        v_dst = V + page * stride_vp + slot * stride_vn
+    else:
+        k_dst = K + b64 * stride_kp + pos.to(tl.int64) * stride_kn
+        v_dst = V + b64 * stride_vp + pos.to(tl.int64) * stride_vn
+    offs_h = tl.arange(0, BLOCK_H).to(tl.int64)  # [BLOCK_H]
+    offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    inside = (offs_h < H_KV)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_H, BLOCK_D]
+    write = (offs_h < tl.where(ok, H_KV, 0))[:, None] & (offs_d < HEAD_DIM)[None, :]  # inside, if ok
+    t64 = t.to(tl.int64)
+    k_new = tl.load(KN + b64 * stride_knb + t64 * stride_knn + offs_h[:, None] * stride_knh + offs_d[None, :], mask=inside)
+    v_new = tl.load(VN + b64 * stride_vnb + t64 * stride_vnn + offs_h[:, None] * stride_vnh + offs_d[None, :], mask=inside)
+    tl.store(k_dst + offs_h[:, None] * stride_kh + offs_d[None, :], k_new, mask=write)
+    tl.store(v_dst + offs_h[:, None] * stride_vh + offs_d[None, :], v_new, mask=write)
