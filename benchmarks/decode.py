@@ -4,7 +4,7 @@ decode shapes: H_q = 32, H_kv = 8, d = 128, one new query token, bf16, batch 8 a
 length 4k / 16k / 64k.
 
     python benchmarks/decode.py [--out results.json] [--b 8 1] [--n 4096 16384 65536]
-                                [--splits 0 1 4 16] [--page 256]
+                                [--splits 0 1 4 16] [--page 256] [--no-graph]
 
 Decoding is memory-bound, so the figure of merit is bandwidth: GB/s counts q, K, V and the
 output once each (B*H_q*d*2 + 2*B*L*H_kv*d*2 + B*H_q*d*2 bytes), whatever the kernel
@@ -13,8 +13,20 @@ repeated to H_q heads if the backend refuses GQA (the row says so; its bytes are
 counted for the un-repeated K/V). Every provider's output is checked against a float32
 reference of batch element 0 before it is timed. Times are do_bench medians.
 
-flashgen is called as a server would call it: cache_seqlens is an int32 tensor on the GPU
-(so each call reads max(cache_seqlens) on the host -- one sync, included in the time).
+flashgen is called as a server would call it: cache_seqlens is an int32 tensor on the GPU,
+and the call reads no device value on the host (no sync; the grid comes from the cache
+capacity), so host time and GPU time overlap as they would in a serving loop. Rows:
+  flashgen_s{S}          contiguous cache, num_splits S (0 = the heuristic)
+  flashgen_append_s0     the same plus one new k/v token appended in place (the append
+                         kernel + attention over L keys, the last of them the new one)
+  flashgen_graph_s0      the flashgen_s0 call captured in a CUDA graph and replayed: the GPU
+                         time alone, without Python/launch overhead (possible now that the
+                         call never syncs)
+  flashgen_paged_s{S}    the same keys in a paged pool (--page, shuffled block table)
+  flashgen_paged_graph_s0
+and "host_us" (contiguous, paged): the Python + launch time of one call, measured over a
+loop of calls before synchronising. When host_us exceeds the graph time, the eager call
+is host-bound.
 `--splits` times flashgen at fixed split counts besides the automatic choice (0).
 """
 from __future__ import annotations
@@ -23,6 +35,7 @@ import argparse
 import json
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -87,6 +100,36 @@ def to_pages(cache, table, page):
     return pool
 
 
+def graph_provider(fn):
+    """fn captured in a CUDA graph (after a warm-up call that compiles): replaying it
+    returns the captured output tensor, rewritten in place."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
+def host_us(fn, calls=200):
+    """Microseconds of host time per call: Python, checks and launches, not the GPU."""
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return round(elapsed / calls * 1e6, 1)
+
+
 def measure(fn, ref, nbytes):
     out = fn()
     err = (out[0].float() - ref).abs().max().item()
@@ -102,6 +145,8 @@ def main(argv=None):
     ap.add_argument("--n", type=int, nargs="*", default=[4096, 16384, 65536])
     ap.add_argument("--splits", type=int, nargs="*", default=[0])
     ap.add_argument("--page", type=int, default=256)
+    ap.add_argument("--no-graph", dest="graph", action="store_false",
+                    help="skip the CUDA-graph rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -129,9 +174,21 @@ def main(argv=None):
                 torch.cuda.empty_cache()
 
             with torch.inference_mode():
+                def flashgen():
+                    return fg.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                                      causal=True)
                 for s in args.splits:
                     run(f"flashgen_s{s}", lambda s=s: lambda: fg.flash_attn_with_kvcache(
                         q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, num_splits=s))
+                row["host_us"] = host_us(flashgen)
+                # a decode step that appends its token: the last cached key is rewritten with
+                # itself, so the reference is unchanged
+                k_new, v_new = k_cache[:, n - 1:n].clone(), v_cache[:, n - 1:n].clone()
+                before = seqlens - 1
+                run("flashgen_append_s0", lambda: lambda: fg.flash_attn_with_kvcache(
+                    q, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True))
+                if args.graph:
+                    run("flashgen_graph_s0", lambda: graph_provider(flashgen))
                 for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                     note = {}
@@ -152,10 +209,16 @@ def main(argv=None):
                     k_pool, v_pool = to_pages(k_cache, table, args.page), to_pages(v_cache, table, args.page)
                     del k_cache, v_cache
                     torch.cuda.empty_cache()
+                    def paged():
+                        return fg.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,
+                                                          block_table=table, causal=True)
                     for s in args.splits:
                         run(f"flashgen_paged_s{s}", lambda s=s: lambda: fg.flash_attn_with_kvcache(
                             q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
                             causal=True, num_splits=s))
+                    row["paged_host_us"] = host_us(paged)
+                    if args.graph:
+                        run("flashgen_paged_graph_s0", lambda: graph_provider(paged))
                     del k_pool, v_pool
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -163,7 +226,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
-    cols = [c for c in rows[0] if c not in ("gpu", "b", "n", "page", "bytes")] if rows else []
+    skip = ("gpu", "b", "n", "page", "bytes", "host_us", "paged_host_us")
+    cols = [c for c in rows[0] if c not in skip] if rows else []
     print("\nGB/s (q, K, V, o counted once)\n")
     print("| B | L | " + " | ".join(cols) + " |")
     print("|---|---|" + "---|" * len(cols))
@@ -171,6 +235,9 @@ def main(argv=None):
         cells = [str(r[c]["GB/s"]) if isinstance(r.get(c), dict) else str(r.get(c, "-"))[:24]
                  for c in cols]
         print(f"| {r['b']} | {r['n']} | " + " | ".join(cells) + " |")
+    print("\nhost us per call (contiguous, paged): "
+          + ", ".join(f"B{r['b']} L{r['n']}: {r.get('host_us')}, {r.get('paged_host_us')}"
+                      for r in rows))
 
 
 if __name__ == "__main__":
