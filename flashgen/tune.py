@@ -47,6 +47,7 @@ DEFAULT_TRIALS = 30
 SAMPLERS = ("tpe", "grid")
 CHECK_PAD = 37          # the check's sequence length: 2 * the larger block + 37 (ragged)
 DROPOUT_P = 0.1         # dropout variants are called with this probability
+DROPOUT_SEED = 4321     # and this generator seed, so the check can replay their mask
 
 # |out - ref| / max(1, |ref|), elementwise max, per dtype (see tests/conftest.py)
 FWD_TOL = {"fp32": 1e-4, "fp16": 4e-3, "bf16": 3e-2}
@@ -55,6 +56,9 @@ BWD_TOL = {"fp32": 1e-3, "fp16": 2e-2, "bf16": 1e-1}
 ATTR_FAIL = "fail_reason"
 ATTR_INFEASIBLE = "infeasible"
 ATTR_WARM = "warm_start"
+ATTR_CONFIRMED = "confirmed"    # study attr: {"complete": n, "entries": [[config, ms, [ms...]]]}
+CONFIRM_TOP = 4                 # re-time this many best configs (and the default) at the end
+CONFIRM_ROUNDS = 3
 INTERRUPTED = "interrupted"
 
 
@@ -273,6 +277,7 @@ class StudyResult:
     pruned: int = 0
     space_size: int = 0
     stopped: str = ""
+    confirmed: bool = False    # best_ms/default_ms are back-to-back re-timings (see confirm)
     failures: list = field(default_factory=list)   # (config, reason) of failed trials
 
     @property
@@ -296,12 +301,24 @@ def _finished(study, space: Space) -> dict:
 
 def summarize(study, space: Space, *, variant: str = "", bucket: int = 0,
               stopped: str = "") -> StudyResult:
-    """The study's state as a StudyResult: best completed trial, the default config's time."""
+    """The study's state as a StudyResult: the best config and the default config's time,
+    from the study's confirmation round when it is current (see `confirm`), else from the
+    trials' own times."""
     f = _finished(study, space)
     result = StudyResult(name=study.study_name, variant=variant, bucket=bucket,
                          complete=len(f["complete"]), failed=len(f["failed"]),
                          pruned=len(f["pruned"]), space_size=len(space), stopped=stopped)
     result.failures = [(dict(t.params), t.user_attrs.get(ATTR_FAIL, "?")) for t in f["failed"]]
+    confirmed = study.user_attrs.get(ATTR_CONFIRMED)
+    if confirmed and confirmed.get("complete") == len(f["complete"]):
+        entries = [(space.config(cfg), ms) for cfg, ms, _ in confirmed["entries"]
+                   if ms is not None and space.check(space.config(cfg)) is None]
+        if entries:
+            result.best_config, result.best_ms = min(entries, key=lambda e: e[1])
+            default = space.default()
+            result.default_ms = next((ms for cfg, ms in entries if cfg == default), None)
+            result.confirmed = True
+            return result
     if f["complete"]:
         best = min(f["complete"], key=lambda t: (t.value, t.number))
         result.best_config = space.config(best.params)
@@ -337,7 +354,9 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
                sampler: str = "tpe", seed: int = 0, progress: Callable[[str], None] | None = None,
                user_attrs: Mapping[str, Any] | None = None, max_failures: int | None = None,
                max_measured: int | None = None, label: str | None = None,
-               n_startup_trials: int | None = None) -> StudyResult:
+               n_startup_trials: int | None = None, confirm_top: int = CONFIRM_TOP,
+               confirm_rounds: int = CONFIRM_ROUNDS,
+               retime: Callable[[dict], float] | None = None) -> StudyResult:
     """Create or resume the study `name` and run it until it has `n_trials` completed trials
     (counting those of earlier runs), `timeout` seconds pass, `max_failures` trials have
     failed (default n_trials), `max_measured` trials have been measured, or every feasible
@@ -347,7 +366,14 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
     with its message (KeyboardInterrupt and TuneAborted stop the study: the trial is marked
     interrupted and will be retried on resume). Points `space` rules out are never passed
     to `measure`; a trial that somehow holds one (e.g. enqueued by hand) is pruned with the
-    reason and does not count."""
+    reason and does not count.
+
+    At the end the `confirm_top` fastest configs and the default are re-timed back to back,
+    `confirm_rounds` times in rotating order, with `retime` (default: `measure.time` if the
+    measure has one, else `measure`); the winner and the default's time are the medians of
+    those re-timings. GPU times drift by several percent over minutes (clocks, heat), more
+    than the differences between the best configs, so trials timed far apart are not
+    compared directly. The round is stored on the study and redone only after new trials."""
     optuna = _optuna()
     from optuna.trial import TrialState
 
@@ -441,11 +467,61 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
         eta = _fmt_eta(per * max(n_trials - done, 0))
         say(f"{label}: trial {done}/{n_trials} [{_fmt_config(cfg)}] {note}; {best_text}; "
             f"ETA {eta}")
+    if confirm_top > 0:
+        confirm(study, space, retime or getattr(measure, "time", measure), top=confirm_top,
+                rounds=confirm_rounds, say=lambda line: say(f"{label}: {line}"))
     result = summarize(study, space, stopped=stopped)
     say(f"{label}: done ({stopped}): {result.complete} complete, {result.failed} failed"
         + (f", best {result.best_ms:.4f} ms [{_fmt_config(result.best_config)}]"
-           if result.best_ms else ""))
+           if result.best_ms else "")
+        + (f", default {result.default_ms:.4f} ms" if result.default_ms else "")
+        + (" (re-timed back to back)" if result.confirmed else ""))
     return result
+
+
+def confirm(study, space: Space, retime: Callable[[dict], float], *, top: int = CONFIRM_TOP,
+            rounds: int = CONFIRM_ROUNDS, say=None) -> dict | None:
+    """Re-time the study's `top` fastest configs and the default config back to back,
+    `rounds` times in rotating order, and store the medians on the study (ATTR_CONFIRMED).
+    Skipped when the stored round already covers every completed trial."""
+    from optuna.trial import TrialState
+
+    complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+    stored = study.user_attrs.get(ATTR_CONFIRMED)
+    if not complete or (stored and stored.get("complete") == len(complete)):
+        return stored
+    ranked, keys = [], set()
+    for t in sorted(complete, key=lambda t: (t.value, t.number)):
+        cfg = space.config(t.params)
+        if space.key(cfg) not in keys and len(ranked) < top:
+            ranked.append(cfg)
+            keys.add(space.key(cfg))
+    default = space.default()
+    with_default = space.key(default) not in keys and any(
+        space.key(space.config(t.params)) == space.key(default) for t in complete)
+    if with_default:
+        ranked.append(default)
+    if say:
+        say(f"re-timing the {len(keys)} fastest configs{' and the default' if with_default else ''}"
+            f", {rounds} rounds back to back")
+    times: list[list[float]] = [[] for _ in ranked]
+    for r in range(rounds):
+        for j in range(len(ranked)):
+            i = (j + r) % len(ranked)
+            try:
+                times[i].append(float(retime(dict(ranked[i]))))
+            except (KeyboardInterrupt, TuneAborted):
+                raise
+            except Exception:
+                times[i].append(math.inf)
+    entries = []
+    for cfg, ts in zip(ranked, times):
+        med = sorted(ts)[len(ts) // 2]
+        entries.append([cfg, med if math.isfinite(med) else None,
+                        [round(t, 6) if math.isfinite(t) else None for t in ts]])
+    data = {"complete": len(complete), "entries": entries}
+    study.set_user_attr(ATTR_CONFIRMED, data)
+    return data
 
 
 # ----------------------------------------------------------------------------------------
@@ -521,7 +597,7 @@ class Workload:
         variant's kind only: a backward config is never launched on the forward kernel."""
         torch = self.torch
         override = self.pkg._runtime.override_config
-        torch.manual_seed(4321)  # the dropout stream, identical for every config
+        torch.manual_seed(DROPOUT_SEED)  # the dropout stream, identical for every config
         if self.kind == "fwd":
             with override(**config):
                 return (self.call(q, k, v, window),)
@@ -532,8 +608,8 @@ class Workload:
     # -- the check ----------------------------------------------------------------------
     def check(self, config: Mapping) -> str | None:
         """None if `config` computes this variant correctly on fresh random inputs, else why
-        not. Reference: float64 (flashgen.reference); dropout variants, whose mask is
-        random: the same call with the planner's config and the same seed."""
+        not. Reference: float64 (flashgen.reference); for dropout variants with the keep mask
+        the call drew, replayed by the package's `dropout_mask` hook."""
         torch = self.torch
         from .reference import attention_ref, visible_mask
 
@@ -544,7 +620,12 @@ class Workload:
         q, k, v = self._inputs(2, h_q, h_kv, n, grad)
         do = torch.randn((2, n, h_q, self.d), device=self.device, dtype=self.dtype) if grad else None
         got = self._run(config, q, k, v, do, window)
-        if self.dropout:
+        keep, against = None, "the float64 reference"
+        if self.dropout and hasattr(self.pkg, "dropout_mask"):
+            torch.manual_seed(DROPOUT_SEED)   # replay the keep mask the call drew
+            keep = self.pkg.dropout_mask(2, h_q, n, n, DROPOUT_P, device=self.device)
+            against += " with the call's dropout mask"
+        if self.dropout and keep is None:  # a package without the replay hook
             if self.default is None:
                 return "no reference for a dropout variant (no default config given)"
             want = self._run(self.default, q, k, v, do, window)
@@ -553,12 +634,12 @@ class Workload:
             vis = visible_mask(n, n, causal=self.mask == "causal", window=window,
                                bottom_right=True)
             q64, k64, v64 = (t.detach().double().requires_grad_(grad) for t in (q, k, v))
-            ref, _ = attention_ref(q64, k64, v64, vis)
+            ref, _ = attention_ref(q64, k64, v64, vis, keep=keep,
+                                   dropout_p=DROPOUT_P if keep is not None else 0.0)
             if grad:
                 want = torch.autograd.grad(ref, (q64, k64, v64), do.double().transpose(1, 2))
             else:
                 want = (ref.transpose(1, 2),)
-            against = "the float64 reference"
         tol = (BWD_TOL if grad else FWD_TOL)[self.dtype_name]
         names = ("dq", "dk", "dv") if grad else ("out",)
         for name, x, ref in zip(names, got, want):
@@ -576,7 +657,7 @@ class Workload:
             grad = self.kind == "bwd"
             q, k, v = self._inputs(b, h, h, self.bucket, grad)
             if grad:
-                torch.manual_seed(4321)
+                torch.manual_seed(DROPOUT_SEED)
                 out = self.call(q, k, v)  # once, with the package's own forward config
                 do = torch.randn_like(out)
                 self._timed = (lambda: out.backward(do, retain_graph=True), [q, k, v])
@@ -765,6 +846,13 @@ def format_summary(results: Sequence[StudyResult]) -> str:
     return "\n".join(lines)
 
 
+def _gpu_names() -> list[str]:
+    """The name of every visible GPU (one worker each)."""
+    import torch
+
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
 def _visible_devices(n: int) -> list[str]:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env:
@@ -829,16 +917,19 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             raise FlashgenError("nothing to tune: no variant of a kind `flashgen tune` measures")
 
         if worker_index is None and workers > 1:
-            count = torch.cuda.device_count()
+            names_by_gpu = _gpu_names()
+            count = len(names_by_gpu)
             if workers > count:
                 say(f"--workers {workers}: this machine has {count} GPU(s); using {count} "
                     "worker(s), one per GPU")
                 workers = count
-            others = {torch.cuda.get_device_name(i) for i in range(workers)}
+            others = set(names_by_gpu[:workers])
             if len(others) > 1:
                 raise FlashgenError(f"--workers needs identical GPUs, found {sorted(others)}: "
                                     "tune each model separately with CUDA_VISIBLE_DEVICES")
-        if worker_index is None and workers > 1:
+        failed_workers = 0
+        spawned = worker_index is None and workers > 1
+        if spawned:
             args = [str(spec_path), "--trials", str(trials), "--storage", url,
                     "--sampler", sampler, "--seed", str(seed), "--variants", *names,
                     "--buckets", *map(str, bucket_list)]
@@ -847,26 +938,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             say(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {workers} "
                 f"{gpu.name} GPUs ({gpu.key}), storage {url}")
             failed_workers = _spawn_workers(args, workers, say)
-            results = []
-            optuna = _optuna()
-            for name in names:
-                facts = registry[name]
-                space = _space(facts["kind"], facts, gpu)
-                for bucket in bucket_list:
-                    sname = study_name(name, bucket, gpu.key)
-                    try:
-                        study = optuna.load_study(study_name=sname, storage=store)
-                    except KeyError:
-                        continue
-                    results.append(summarize(study, space, variant=name, bucket=bucket,
-                                             stopped="workers"))
-            _write_results(spec, gpu, results, say) if write else None
-            say("")
-            say(format_summary(results))
-            if failed_workers:
-                raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
-                                    "rerun the same command to resume")
-            return results
+            say("workers done; this process re-times the winners and writes the results")
+            # below, with timeout 0, no trial is added: the loop confirms and summarizes
 
         log(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {gpu.name} "
             f"({gpu.key}, {gpu.sram_bytes} B shared memory per block), {trials} trials per "
@@ -886,9 +959,10 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                 try:
                     result = tune_study(
                         storage=store, name=sname, space=space, measure=measure,
-                        n_trials=trials, timeout=timeout,
+                        n_trials=trials, timeout=0 if spawned else timeout,
                         warm_starts=_warm_starts(spec, facts["kind"], space), sampler=sampler,
                         seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
+                        confirm_top=CONFIRM_TOP if worker_index is None else 0,
                         user_attrs={"variant": name, "bucket": bucket, "gpu_key": gpu.key,
                                     "kind": facts["kind"], "spec": Path(spec.path).name,
                                     "spec_sha": spec.sha, "space_size": len(space),
@@ -902,6 +976,9 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         if worker_index is None:
             say("")
             say(format_summary(results))
+        if failed_workers:
+            raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
+                                "rerun the same command to resume")
         return results
 
 
