@@ -3,7 +3,12 @@
 from ._registry import BUCKETS, BUILT_FOR, PACKAGE, PLANNED, TARGET_GPU, TUNED, VARIANTS
 
 # GPU key -> what its tuning data was measured with (from specs/tuning/<package>/*.json)
-TUNING = {}
+TUNING = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'triton': '3.6.0',
+                                      'torch': '2.11.0',
+                                      'flashgen': '0.1.0',
+                                      'spec_sha': '56592f9e7964',
+                                      'variants': 4,
+                                      'buckets': 12}}
 
 
 def describe() -> str:
