@@ -35,9 +35,12 @@ def flat(text: str) -> str:
 
 @pytest.fixture
 def work(tmp_path) -> Path:
-    """A scratch working directory with specs/gpt2.yaml, as in a checkout."""
+    """A scratch working directory with specs/gpt2.yaml and its tuning data, as in a
+    checkout (the tuning files next to a spec are part of what a build reads)."""
     (tmp_path / "specs").mkdir()
     shutil.copy(GPT2, tmp_path / "specs" / "gpt2.yaml")
+    if (GPT2.parent / "tuning").is_dir():
+        shutil.copytree(GPT2.parent / "tuning", tmp_path / "specs" / "tuning")
     return tmp_path
 
 

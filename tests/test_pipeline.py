@@ -12,6 +12,7 @@ import importlib
 import math
 import os
 import re
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -169,6 +170,8 @@ def test_headers_name_spec_sha_and_nothing_machine_specific(tmp_path, spec_file,
     copy = tmp_path / "elsewhere" / spec_file.name
     copy.parent.mkdir()
     copy.write_bytes(data)
+    if (spec_file.parent / "tuning").is_dir():  # the tuning data travels with its spec
+        shutil.copytree(spec_file.parent / "tuning", copy.parent / "tuning")
     build(copy, tmp_path / "copy")
     builds.append(tmp_path / "copy")
 
