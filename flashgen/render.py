@@ -26,6 +26,7 @@ PACKAGE_FILES = {
     "_runtime.py": "package/runtime.py.j2",
     "_ops.py": "package/ops.py.j2",
     "_dropout.py": "package/dropout.py.j2",
+    "_band.py": "package/band.py.j2",
     "_registry.py": "package/registry.py.j2",
     "_describe.py": "package/describe.py.j2",
     "_module.py": "package/module.py.j2",

@@ -20,6 +20,7 @@ the band skip the mask arithmetic, blocks wholly outside are never visited.
 import triton
 import triton.language as tl
 
+from .._band import key_ranges
 from .._dropout import keep_mask
 
 # ----------------------------------------------------------------------------------------
@@ -276,20 +277,8 @@ def bwd_dropout_d64_fp32_dq_kernel(
     delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=0.0)  # [BLOCK_M]
 
     # the forward's key-block ranges, for this query block
-    m_last = tl.minimum(m_start + BLOCK_M, N_Q) - 1
-    lo = 0
-    full_lo = 0
-    full_hi = (N_K // BLOCK_N) * BLOCK_N
-    hi = N_K
-    if MASK_LEFT:
-        lo = (tl.maximum(m_start + LO_OFF, 0) // BLOCK_N) * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(m_last + LO_OFF, 0), BLOCK_N) * BLOCK_N
-    if MASK_RIGHT:
-        hi = tl.minimum(tl.maximum(m_last + HI_OFF + 1, 0), N_K)
-        full_hi = tl.minimum(full_hi, (tl.maximum(m_start + HI_OFF + 1, 0) // BLOCK_N) * BLOCK_N)
-    lo = tl.minimum(lo, hi)
-    full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
-    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    lo, full_lo, full_hi, hi = key_ranges(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N,
+                                          MASK_LEFT, MASK_RIGHT)
 
     if MASK_LEFT:
         for n0 in range(lo, full_lo, BLOCK_N):

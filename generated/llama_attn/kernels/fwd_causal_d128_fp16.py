@@ -20,6 +20,8 @@ outside it are never visited.
 import triton
 import triton.language as tl
 
+from .._band import key_ranges
+
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
@@ -98,20 +100,8 @@ def fwd_causal_d128_fp16_kernel(
     # ------------------------------------------------------------------------------------
     # Which key blocks this query block must visit, split by whether they need a mask
     # ------------------------------------------------------------------------------------
-    m_last = tl.minimum(m_start + BLOCK_M, N_Q) - 1  # last real query row of the block
-    lo = 0  # first key block touched
-    full_lo = 0  # first key block visible to every row (no left mask)
-    full_hi = (N_K // BLOCK_N) * BLOCK_N  # end of the blocks that need no mask at all
-    hi = N_K  # end of the keys any row of this block can see
-    if MASK_LEFT:
-        lo = (tl.maximum(m_start + LO_OFF, 0) // BLOCK_N) * BLOCK_N
-        full_lo = tl.cdiv(tl.maximum(m_last + LO_OFF, 0), BLOCK_N) * BLOCK_N
-    if MASK_RIGHT:
-        hi = tl.minimum(tl.maximum(m_last + HI_OFF + 1, 0), N_K)
-        full_hi = tl.minimum(full_hi, (tl.maximum(m_start + HI_OFF + 1, 0) // BLOCK_N) * BLOCK_N)
-    lo = tl.minimum(lo, hi)
-    full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
-    full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
+    lo, full_lo, full_hi, hi = key_ranges(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N,
+                                          MASK_LEFT, MASK_RIGHT)
 
     # Phase 1: blocks on the lower (left) edge of a sliding window, masked
     if MASK_LEFT:
