@@ -16,8 +16,9 @@ Kinds
 ``decode``  Single-token decode: like ``fwd``, but the query side is tiny (1 row per head, or a
             packed GQA group), so warps split the K/V block instead of the query rows.
 
-Shared-memory model (an ESTIMATE; the GPU tests check it against Triton's real allocation)
--------------------------------------------------------------------------------------------
+Shared-memory model (an ESTIMATE; `benchmarks/resources.py` compares it with Triton's real
+allocation on the GPU: it has been 20-25% above it for the shipped configs)
+------------------------------------------------------------------------------------
 All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, times ``dtype_bytes``:
 
 * fwd / decode:  Q tile                   block_m * d
@@ -36,8 +37,8 @@ Register model (fp32 accumulator + state elements per thread, also an estimate)
 -------------------------------------------------------------------------------
 * fwd / decode:  (O accumulator block_m*d + score tile block_m*block_n + m_i,l_i 2*block_m)
                  / (32*num_warps) + REG_OVERHEAD
-* bwd:           (dK,dV accumulators 2*block_n*d + score tile block_m*block_n + LSE,D 2*block_m)
-                 / (32*num_warps) + REG_OVERHEAD
+* bwd:           (dK,dV accumulators 2*block_n*d + the two live score tiles P^T and dP^T
+                 2*block_m*block_n + LSE,D 2*block_m) / (32*num_warps) + REG_OVERHEAD
 A config whose estimate exceeds MAX_ACC_REGS (200 of the 255 architectural registers; the rest is
 needed for MMA operand fragments, addresses and temporaries) is rejected as spilling.
 """
