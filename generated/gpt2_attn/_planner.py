@@ -17,7 +17,7 @@ Kinds
             packed GQA group), so warps split the K/V block instead of the query rows.
 
 Shared-memory model (an ESTIMATE; `benchmarks/resources.py` compares it with Triton's real
-allocation on the GPU: it has been 20-25% above it for the shipped configs)
+allocation on the GPU: it was 20-50% above it for the configs measured there)
 ------------------------------------------------------------------------------------
 All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, times ``dtype_bytes``:
 
