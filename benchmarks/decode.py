@@ -139,24 +139,21 @@ def measure(fn, ref, nbytes):
     return {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--b", type=int, nargs="*", default=[8, 1])
-    ap.add_argument("--n", type=int, nargs="*", default=[4096, 16384, 65536])
-    ap.add_argument("--splits", type=int, nargs="*", default=[0])
-    ap.add_argument("--page", type=int, default=256)
-    ap.add_argument("--no-graph", dest="graph", action="store_false",
-                    help="skip the CUDA-graph rows")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+ROW_META = ("gpu", "b", "n", "page", "bytes", "host_us", "paged_host_us")
 
+
+def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
+          log=print):
+    """One row per (B, KV length): {provider: {"ms", "GB/s"[, "gqa"]} or an error/WRONG
+    string} plus the keys of ROW_META. benchmarks/suite.py (`flashgen bench --suite decode`)
+    calls this too."""
     gpu = torch.cuda.get_device_name()
-    print(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
-          f"H_q {H_Q}, H_kv {H_KV}, d {D}, N_q 1")
+    log(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
+        f"H_q {H_Q}, H_kv {H_KV}, d {D}, N_q 1")
     rows = []
     torch.manual_seed(0)
-    for b in args.b:
-        for n in args.n:
+    for b in bs:
+        for n in ns:
             dev, dt = "cuda", torch.bfloat16
             q = torch.randn(b, 1, H_Q, D, device=dev, dtype=dt)
             k_cache = torch.randn(b, n, H_KV, D, device=dev, dtype=dt)
@@ -164,7 +161,7 @@ def main(argv=None):
             seqlens = torch.full((b,), n, dtype=torch.int32, device=dev)
             nbytes = 2 * (2 * b * H_Q * D + 2 * b * n * H_KV * D)
             ref = reference_b0(q, k_cache, v_cache, n)
-            row = {"gpu": gpu, "b": b, "n": n, "page": args.page, "bytes": nbytes}
+            row = {"gpu": gpu, "b": b, "n": n, "page": page, "bytes": nbytes}
 
             def run(name, make):
                 try:
@@ -177,7 +174,7 @@ def main(argv=None):
                 def flashgen():
                     return fg.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
                                                       causal=True)
-                for s in args.splits:
+                for s in splits:
                     run(f"flashgen_s{s}", lambda s=s: lambda: fg.flash_attn_with_kvcache(
                         q, k_cache, v_cache, cache_seqlens=seqlens, causal=True, num_splits=s))
                 row["host_us"] = host_us(flashgen)
@@ -187,7 +184,7 @@ def main(argv=None):
                 before = seqlens - 1
                 run("flashgen_append_s0", lambda: lambda: fg.flash_attn_with_kvcache(
                     q, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True))
-                if args.graph:
+                if graph:
                     run("flashgen_graph_s0", lambda: graph_provider(flashgen))
                 for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -203,30 +200,45 @@ def main(argv=None):
                 run("flex", lambda: flex_provider(q, k_cache, v_cache))
 
                 # the same keys in a paged pool with a shuffled block table
-                if n % args.page == 0:
-                    pages = n // args.page
+                if n % page == 0:
+                    pages = n // page
                     table = torch.randperm(b * pages, device=dev).to(torch.int32).view(b, pages)
-                    k_pool, v_pool = to_pages(k_cache, table, args.page), to_pages(v_cache, table, args.page)
+                    k_pool, v_pool = to_pages(k_cache, table, page), to_pages(v_cache, table, page)
                     del k_cache, v_cache
                     torch.cuda.empty_cache()
                     def paged():
                         return fg.flash_attn_with_kvcache(q, k_pool, v_pool, cache_seqlens=seqlens,
                                                           block_table=table, causal=True)
-                    for s in args.splits:
+                    for s in splits:
                         run(f"flashgen_paged_s{s}", lambda s=s: lambda: fg.flash_attn_with_kvcache(
                             q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
                             causal=True, num_splits=s))
                     row["paged_host_us"] = host_us(paged)
-                    if args.graph:
+                    if graph:
                         run("flashgen_paged_graph_s0", lambda: graph_provider(paged))
                     del k_pool, v_pool
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            log(json.dumps(row))
             torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--b", type=int, nargs="*", default=[8, 1])
+    ap.add_argument("--n", type=int, nargs="*", default=[4096, 16384, 65536])
+    ap.add_argument("--splits", type=int, nargs="*", default=[0])
+    ap.add_argument("--page", type=int, default=256)
+    ap.add_argument("--no-graph", dest="graph", action="store_false",
+                    help="skip the CUDA-graph rows")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    rows = bench(args.b, args.n, args.splits, args.page, args.graph,
+                 log=lambda s: print(s, flush=True))
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 
-    skip = ("gpu", "b", "n", "page", "bytes", "host_us", "paged_host_us")
+    skip = ROW_META
     cols = [c for c in rows[0] if c not in skip] if rows else []
     print("\nGB/s (q, K, V, o counted once)\n")
     print("| B | L | " + " | ".join(cols) + " |")

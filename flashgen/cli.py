@@ -1,4 +1,4 @@
-"""`flashgen build | plan | check | render | tune`.
+"""`flashgen build | plan | check | render | tune | bench`.
 
 Every user error (a bad spec, a bad flag) is printed as one paragraph and exits with
 status 2, without a traceback; anything else is a bug and keeps its traceback.
@@ -81,6 +81,12 @@ def _cmd_tune(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    from .bench import bench
+
+    return bench(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashgen",
@@ -147,6 +153,20 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     t.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     t.set_defaults(func=_cmd_tune)
+
+    from .bench import add_arguments as bench_arguments
+
+    be = sub.add_parser("bench", help="measure the generated packages beside SDPA, cuDNN, "
+                        "FlexAttention and naive PyTorch (GPU)",
+                        description="On a CUDA GPU: time the generated packages beside SDPA "
+                        "flash, SDPA cuDNN, FlexAttention and naive PyTorch in one run, at the "
+                        "H100 anchor table's shapes (training), with dropout, decoding, or the "
+                        "small seed shapes; every output is checked against a float32 "
+                        "reference first. Prints markdown tables of TFLOP/s with flashgen's "
+                        "ratio to each peer and writes JSON, CSV, markdown and a PNG plot "
+                        "under --out. --dry-run lists the cases without a GPU.")
+    bench_arguments(be)
+    be.set_defaults(func=_cmd_bench)
     return p
 
 

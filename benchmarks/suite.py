@@ -1,0 +1,657 @@
+"""One benchmark run over every suite: flashgen's generated packages beside the peers
+(SDPA flash, SDPA cuDNN, FlexAttention, naive PyTorch), measured side by side; the engine
+behind `flashgen bench` (flashgen/bench.py is the CLI wrapper).
+
+    python benchmarks/suite.py [--suite training|decode|dropout|small|all] [--dry-run] ...
+
+Suites:
+  training  the H100 anchor table's shapes (../shared/anchors/H100.md): bf16, B*N = 16k
+            tokens, H*d = 2048, d = 64 (generated/gpt2_attn) and 128 (generated/llama_attn),
+            N = 512 .. 16k, causal and not, fwd and bwd ("bwd" = `o.backward(do)` alone).
+  dropout   causal d=128, H=16, B*N = 16k, N = 1k/4k, p=0.1: flashgen built from
+            benchmarks/specs/dropout_d128.yaml (as benchmarks/dropout.py does) with and
+            without dropout, and the SDPA backends that take dropout_p, and naive PyTorch.
+  decode    benchmarks/decode.py's measurement (one query token, B=8, Hq=32, Hkv=8, d=128,
+            KV length 4k/16k/64k), imported and run as is; GB/s.
+  small     the seeds' small shapes: H=16, d=64, (B, N) = (4, 512), (8, 59), (1, 2048),
+            causal and not, forward; ms per call, plus flashgen's host dispatch time.
+
+Method: every provider's output is first checked against a float32 reference (SDPA's math
+backend on a slice: batch 0, heads 0-1); a wrong provider is marked WRONG and not timed; a
+provider that refuses a shape gets "error: ..." in its cell (never fatal). Times are
+`triton.testing.do_bench(..., return_mode="median")` with the L2 flushed between calls.
+FLOPs: forward 4*B*H*Nq*Nk*d, halved when causal; backward 2.5x the forward (the anchors'
+and the FlashAttention papers' convention). With dropout, the check is the provider at p=0
+against the reference, and at p>0 a finite output of the reference's magnitude.
+
+Host dispatch (small suite, flashgen): `host_us` is the CPU time of one call, from a
+perf_counter around 200 back-to-back calls after a synchronize, stopped *before* the final
+`torch.cuda.synchronize` (Python, argument checks, dispatch and launches; no GPU wait);
+`wall_us` is the same loop's time including the final synchronize, per call. When host_us
+exceeds the do_bench GPU time, the eager call is host-bound.
+
+Everything at module level is pure Python (the case list, the FLOP formula, the table, CSV
+and JSON writers); torch, triton and matplotlib are imported only when measuring/plotting.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+SUITES = ("training", "dropout", "decode", "small")
+TRAINING_N = (512, 1024, 2048, 4096, 8192, 16384)
+TRAINING_D = (64, 128)
+DROPOUT_N = (1024, 4096)
+DROPOUT_P = 0.1
+DECODE_B = (8,)
+DECODE_N = (4096, 16384, 65536)
+SMALL_SHAPES = ((4, 512), (8, 59), (1, 2048))
+SMALL_H, SMALL_D = 16, 64
+NAIVE_MAX_N = 8192  # naive attention materialises the N x N scores
+TOKENS, WIDTH = 16384, 2048  # B*N and H*d of the anchor table
+
+PACKAGES = {64: "gpt2_attn", 128: "llama_attn"}
+DROPOUT_SPEC = "benchmarks/specs/dropout_d128.yaml"
+DROPOUT_PACKAGE = "bench_dropout_attn"
+
+# provider name -> what it is (the dry run and the table's headers)
+PROVIDERS = {
+    "flashgen": "the generated package (gpt2_attn for d=64, llama_attn for d=128; "
+                "bench_dropout_attn for the dropout suite)",
+    "flashgen_p0": "flashgen's dropout package at p=0 (dropout suite: its own baseline)",
+    "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
+    "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
+    "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
+    "flex": "torch.compile(flex_attention), causal BlockMask from create_block_mask",
+    "naive": "PyTorch matmul-softmax-matmul (N <= 8192 only)",
+}
+TRAINING_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
+DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
+                     "naive")
+# decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
+# sdpa_flash, sdpa_cudnn, flex; --providers filters them by prefix
+DECODE_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex")
+
+CSV_FIELDS = ("gpu", "torch", "triton", "spec_sha", "suite", "mode", "d", "causal", "b", "h",
+              "h_kv", "n", "p", "provider", "status", "ms", "tflops", "gbps", "host_us",
+              "wall_us", "note")
+
+
+# ----------------------------------------------------------------------------------------
+# cases (pure)
+# ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    suite: str
+    mode: str  # fwd | bwd
+    d: int
+    causal: bool
+    b: int
+    h: int
+    n: int
+    p: float = 0.0
+    providers: tuple = field(default=(), compare=False)
+
+    def label(self) -> str:
+        causal = "causal" if self.causal else "full"
+        p = f" p={self.p}" if self.p else ""
+        if self.suite == "decode":
+            return (f"{self.suite:8s} 1 query token d={self.d} B={self.b} Hq={self.h} "
+                    f"Hkv={self.h // 4} KV={self.n}")
+        return (f"{self.suite:8s} {self.mode} d={self.d} {causal:6s} B={self.b} H={self.h} "
+                f"N={self.n}{p}")
+
+
+def _keep(names, wanted):
+    return tuple(n for n in names if wanted is None or any(
+        n == w or n.startswith(w + "_") for w in wanted))
+
+
+def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), providers=None):
+    """The cases a run measures, each with the providers it would try. `ns` overrides the
+    N list of the training and dropout suites (and the KV lengths of decode); `ds` the head
+    dims of training; `modes` applies to training and dropout; `providers` filters by name
+    (a name also selects its variants, e.g. flashgen -> flashgen_p0, flashgen_s0)."""
+    suites = SUITES if suite == "all" else (suite,)
+    cases = []
+    for s in suites:
+        if s == "training":
+            for mode in modes:
+                for d in (ds or TRAINING_D):
+                    h = WIDTH // d
+                    for causal in (False, True):
+                        for n in (ns or TRAINING_N):
+                            names = [x for x in TRAINING_PROVIDERS
+                                     if x != "naive" or n <= NAIVE_MAX_N]
+                            cases.append(Case(s, mode, d, causal, max(TOKENS // n, 1), h, n,
+                                              providers=_keep(names, providers)))
+        elif s == "dropout":
+            for n in (ns or DROPOUT_N):
+                for mode in modes:
+                    names = [x for x in DROPOUT_PROVIDERS if x != "naive" or n <= NAIVE_MAX_N]
+                    cases.append(Case(s, mode, 128, True, max(TOKENS // n, 1), 16, n,
+                                      DROPOUT_P, providers=_keep(names, providers)))
+        elif s == "decode":
+            for b in DECODE_B:
+                for n in (ns or DECODE_N):
+                    cases.append(Case(s, "fwd", 128, True, b, 32, n,
+                                      providers=_keep(DECODE_PROVIDERS, providers)))
+        elif s == "small":
+            for b, n in SMALL_SHAPES:
+                for causal in (False, True):
+                    cases.append(Case(s, "fwd", SMALL_D, causal, b, SMALL_H, n,
+                                      providers=_keep(TRAINING_PROVIDERS, providers)))
+        else:
+            raise ValueError(f"unknown suite {s!r}; one of {', '.join(SUITES)} or all")
+    return cases
+
+
+def flops(b, h, nq, nk, d, causal, mode):
+    """FLOPs of one call (../shared/anchors/H100.md): forward 4*B*H*Nq*Nk*d, halved when
+    causal; backward 2.5x the forward. GQA counts query heads."""
+    f = 4 * b * h * nq * nk * d
+    if causal:
+        f /= 2
+    return 2.5 * f if mode == "bwd" else float(f)
+
+
+def tflops(ms, b, h, n, d, causal, mode):
+    return flops(b, h, n, n, d, causal, mode) / (ms * 1e-3) / 1e12
+
+
+def spec_sha(package_dir) -> str | None:
+    """The spec sha a generated package records in its header line."""
+    init = Path(package_dir) / "__init__.py"
+    if not init.is_file():
+        return None
+    m = re.search(r"\bsha ([0-9a-f]+)", init.read_text().split("\n", 1)[0])
+    return m.group(1) if m else None
+
+
+def gpu_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3'."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
+
+
+def result_name(suite, ns=None, ds=None, modes=("fwd", "bwd"), providers=None) -> str:
+    """bench_<suite>[_<modes>][_d<D>][_n<N>][_<providers>]: runs split by filter (to fit a
+    time limit) write separate files instead of overwriting each other."""
+    parts = ["bench", suite]
+    if modes and set(modes) != {"fwd", "bwd"}:
+        parts.append("-".join(modes))
+    if ds:
+        parts.append("d" + "-".join(map(str, ds)))
+    if ns:
+        parts.append("n" + "-".join(map(str, ns)))
+    if providers:
+        parts.append("-".join(providers))
+    return "_".join(parts)
+
+
+def dry_run_text(cases) -> str:
+    lines = [f"{len(cases)} cases"]
+    for c in cases:
+        lines.append(f"  {c.label()}: {', '.join(c.providers) or '(no provider selected)'}")
+    used = sorted({p for c in cases for p in c.providers})
+    lines.append("providers:")
+    for p in used:
+        desc = PROVIDERS.get(p) or PROVIDERS.get(p.split("_")[0], "")
+        lines.append(f"  {p}: {desc}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------
+# writers (pure)
+# ----------------------------------------------------------------------------------------
+
+def _metric(row):
+    """The number a table cell shows: TFLOP/s (training, dropout), GB/s (decode), ms (small)."""
+    if row.get("status") != "ok":
+        return None
+    if row["suite"] == "decode":
+        return row.get("gbps")
+    if row["suite"] == "small":
+        return row.get("ms")
+    return row.get("tflops")
+
+
+def _cell(row):
+    if row is None:
+        return "–"
+    if row.get("status") != "ok":
+        return str(row.get("status", "?"))[:40].replace("|", "/")
+    v = _metric(row)
+    text = "–" if v is None else (f"{v:.4f}" if row["suite"] == "small" else f"{v:.1f}")
+    if row["suite"] == "small" and row.get("host_us") is not None:
+        text += f" (host {row['host_us']:.1f} us)"
+    return text
+
+
+def _group_key(row):
+    return (row["suite"], row["mode"], row["d"], row["causal"], row.get("p") or 0.0)
+
+
+def markdown_tables(rows) -> str:
+    """One markdown table per (suite, mode, d, causal, p): a line per shape, a column per
+    provider, then flashgen's ratio to each peer (a speed ratio: > 1 means flashgen is
+    faster; for the small suite's ms it is peer_ms / flashgen_ms)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(_group_key(r), []).append(r)
+    units = {"decode": "GB/s", "small": "ms per call"}
+    out = []
+    for (suite, mode, d, causal, p), grp in groups.items():
+        providers = list(dict.fromkeys(r["provider"] for r in grp))
+        base = next((x for x in providers if x in ("flashgen", "flashgen_s0")), None)
+        peers = [x for x in providers if not x.startswith("flashgen")]
+        shapes = list(dict.fromkeys((r["b"], r["n"]) for r in grp))
+        cell = {(r["b"], r["n"], r["provider"]): r for r in grp}
+        title = (f"**{suite}: {mode}, d={d}, {'causal' if causal else 'not causal'}"
+                 f"{f', p={p}' if p else ''}** ({units.get(suite, 'TFLOP/s')})")
+        head = ["B", "N", *providers] + ([f"{base} vs {x}" for x in peers] if base else [])
+        out += [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for b, n in shapes:
+            cells = [str(b), str(n)] + [_cell(cell.get((b, n, x))) for x in providers]
+            if base:
+                mine = _metric(cell.get((b, n, base)) or {})
+                for x in peers:
+                    theirs = _metric(cell.get((b, n, x)) or {})
+                    if mine and theirs:
+                        ratio = theirs / mine if suite == "small" else mine / theirs
+                        cells.append(f"{ratio:.2f}")
+                    else:
+                        cells.append("–")
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def csv_text(rows) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for r in rows:
+        w.writerow({k: ("" if r.get(k) is None else r.get(k)) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def write_results(rows, out_dir, name, meta=None) -> dict:
+    """<name>.json ({"meta", "rows"}), <name>.csv and <name>.md under out_dir; returns
+    {kind: path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{name}.json", "csv": out_dir / f"{name}.csv",
+             "md": out_dir / f"{name}.md"}
+    paths["json"].write_text(json.dumps({"meta": meta or {}, "rows": rows}, indent=1) + "\n")
+    paths["csv"].write_text(csv_text(rows))
+    header = ""
+    if meta:
+        header = (f"# flashgen bench: {meta.get('gpu')}, torch {meta.get('torch')}, "
+                  f"triton {meta.get('triton')}\n\n")
+    paths["md"].write_text(header + markdown_tables(rows))
+    return paths
+
+
+def plot(rows, path) -> str | None:
+    """TFLOP/s against N per provider, one subplot per (mode, d, causal) of the training
+    and dropout suites. Returns the path, or None (with a message) without matplotlib or
+    without such rows."""
+    series = {}
+    for r in rows:
+        if r["suite"] not in ("training", "dropout") or r.get("status") != "ok":
+            continue
+        key = (r["suite"], r["mode"], r["d"], r["causal"])
+        series.setdefault(key, {}).setdefault(r["provider"], []).append((r["n"], r["tflops"]))
+    if not series:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("flashgen bench: matplotlib is not installed; skipping the plot", file=sys.stderr)
+        return None
+    keys = sorted(series, key=lambda k: (k[0] != "training", k))
+    cols = min(4, len(keys))
+    nrows = math.ceil(len(keys) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
+    for ax, key in zip(axes.flat, keys):
+        for prov, pts in sorted(series[key].items()):
+            pts.sort()
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=prov)
+        suite, mode, d, causal = key
+        ax.set_title(f"{'' if suite == 'training' else suite + ' '}{mode} d={d}"
+                     f"{' causal' if causal else ''}", fontsize=10)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------
+# measuring (GPU)
+# ----------------------------------------------------------------------------------------
+
+TOL = 3e-2  # bf16 output against the float32 reference (as attention.py)
+
+
+def _raise_recompile_limit(limit=1024):
+    """So that no FlexAttention shape silently falls back to eager after dynamo's default
+    8 recompiles."""
+    import torch._dynamo
+    for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                 "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+
+
+class Providers:
+    """Callables fn(q, k, v, causal, p) -> out for each provider name; built lazily."""
+
+    def __init__(self):
+        import torch  # noqa: F401
+        if str(ROOT) not in sys.path:
+            sys.path.insert(0, str(ROOT))
+        if str(HERE) not in sys.path:
+            sys.path.insert(0, str(HERE))
+        self._pkgs = {}
+        self._flex = None
+        self._masks = {}
+
+    def package(self, d, dropout=False):
+        import importlib
+        key = "dropout" if dropout else d
+        if key not in self._pkgs:
+            if dropout:
+                import tempfile
+                from flashgen.build import build
+                tmp = tempfile.mkdtemp(prefix="flashgen-bench-")
+                build(ROOT / DROPOUT_SPEC, Path(tmp))
+                sys.path.insert(0, tmp)
+                mod = importlib.import_module(DROPOUT_PACKAGE)
+                self._pkgs[key] = (mod, spec_sha(Path(tmp) / DROPOUT_PACKAGE))
+            else:
+                name = PACKAGES[d]
+                mod = importlib.import_module(f"generated.{name}")
+                self._pkgs[key] = (mod, spec_sha(ROOT / "generated" / name))
+        return self._pkgs[key]
+
+    def get(self, name, case):
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if name in ("flashgen", "flashgen_p0"):
+            pkg, _ = self.package(case.d, dropout=case.suite == "dropout")
+            fixed_p = 0.0 if name == "flashgen_p0" else None
+
+            def run(q, k, v, causal, p):
+                return pkg.scaled_dot_product_attention(
+                    q, k, v, dropout_p=p if fixed_p is None else fixed_p, is_causal=causal)
+            return run
+        if name.startswith("sdpa_"):
+            backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                       "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                       "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+            def run(q, k, v, causal, p):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
+            return run
+        if name == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+            if self._flex is None:
+                _raise_recompile_limit()
+                self._flex = torch.compile(flex_attention, dynamic=False)
+            compiled = self._flex
+
+            def run(q, k, v, causal, p):
+                if p:
+                    raise NotImplementedError("FlexAttention has no dropout")
+                mask = None
+                if causal:
+                    key = (q.shape[2], k.shape[2])
+                    if key not in self._masks:
+                        self._masks[key] = create_block_mask(
+                            lambda b, h, qi, ki: qi >= ki, B=None, H=None, Q_LEN=key[0],
+                            KV_LEN=key[1], device=q.device)
+                    mask = self._masks[key]
+                return compiled(q, k, v, block_mask=mask)
+            return run
+        if name == "naive":
+            def run(q, k, v, causal, p):
+                s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+                if causal:
+                    nq, nk = s.shape[-2:]
+                    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq)
+                    s = s.masked_fill(~keep, float("-inf"))
+                a = torch.softmax(s.float(), dim=-1).to(q.dtype)
+                if p:
+                    a = F.dropout(a, p)
+                return a @ v
+            return run
+        raise ValueError(f"unknown provider {name!r}")
+
+
+def _reference(q, k, v, causal):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q[:1, :2].float(), k[:1, :2].float(),
+                                              v[:1, :2].float(), is_causal=causal)
+
+
+def _check(fn, q, k, v, case, ref):
+    """None if fn's output matches the reference, else the WRONG status."""
+    import torch
+    if case.p:
+        out0 = fn(q, k, v, case.causal, 0.0)
+        err = (out0[:1, :2].float() - ref).abs().max().item()
+        if not err < TOL:
+            return f"WRONG (p=0 max err {err:.3g})"
+        out = fn(q, k, v, case.causal, case.p)
+        if not torch.isfinite(out).all():
+            return "WRONG (non-finite output with dropout)"
+        ratio = out[:1, :2].float().abs().mean().item() / max(ref.abs().mean().item(), 1e-12)
+        if not 0.5 < ratio < 2.0:
+            return f"WRONG (dropout output magnitude {ratio:.2f}x the reference)"
+        return None
+    out = fn(q, k, v, case.causal, 0.0)
+    err = (out[:1, :2].float() - ref).abs().max().item()
+    return None if err < TOL else f"WRONG (max err {err:.3g})"
+
+
+def host_time_us(call, calls=200):
+    """(host_us, wall_us) per call over `calls` back-to-back calls: the CPU timer stops
+    before the final synchronize (host_us) and after it (wall_us)."""
+    import torch
+    call()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    return round(host / calls * 1e6, 2), round(wall / calls * 1e6, 2)
+
+
+def _timed_call(fn, q, k, v, case):
+    """The callable do_bench times: the forward, or the backward of one saved forward."""
+    import torch
+    if case.mode == "fwd":
+        return lambda: fn(q, k, v, case.causal, case.p)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, case.causal, case.p)
+    do = torch.randn_like(out)
+    return lambda: out.backward(do, retain_graph=True)
+
+
+def measure_attention(cases, meta, log=print):
+    """Rows for the training, dropout and small suites' cases."""
+    import torch
+    import triton
+
+    provs = Providers()
+    rows = []
+    torch.manual_seed(0)
+    for case in cases:
+        q, k, v = (torch.randn(case.b, case.h, case.n, case.d, device="cuda",
+                               dtype=torch.bfloat16) for _ in range(3))
+        ref = _reference(q, k, v, case.causal)
+        for name in case.providers:
+            row = {**meta, **{k_: v_ for k_, v_ in asdict(case).items() if k_ != "providers"},
+                   "provider": name, "h_kv": case.h, "status": "ok"}
+            try:
+                if name.startswith("flashgen"):
+                    row["spec_sha"] = provs.package(case.d, case.suite == "dropout")[1]
+                fn = provs.get(name, case)
+                wrong = _check(fn, q, k, v, case, ref)
+                if wrong:
+                    row["status"] = wrong
+                else:
+                    call = _timed_call(fn, q, k, v, case)
+                    ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+                    row["ms"] = round(ms, 4)
+                    row["tflops"] = round(tflops(ms, case.b, case.h, case.n, case.d,
+                                                 case.causal, case.mode), 1)
+                    if case.suite == "small" and name == "flashgen":
+                        row["host_us"], row["wall_us"] = host_time_us(call)
+                    del call
+            except Exception as e:  # a provider that refuses a shape is reported, not fatal
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:100]}"
+            rows.append(row)
+            log(f"{case.label()} {name:14s} {_cell(row)}")
+            torch.cuda.empty_cache()
+        del q, k, v, ref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def measure_decode(cases, meta, log=print):
+    """Rows for the decode suite, from benchmarks/decode.py's own measurement."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    import decode  # benchmarks/decode.py
+
+    _raise_recompile_limit()  # decode.py's FlexAttention rows compile one graph per shape
+
+    wanted = set(p for c in cases for p in c.providers)
+    by_b = {}
+    for c in cases:
+        by_b.setdefault(c.b, []).append(c.n)
+    sha = spec_sha(ROOT / "generated" / PACKAGES[128])
+    rows = []
+    for b, ns in by_b.items():
+        for drow in decode.bench(bs=[b], ns=ns, log=log):
+            for name, val in drow.items():
+                if name in decode.ROW_META or not _keep([name], wanted):
+                    continue
+                row = {**meta, "suite": "decode", "mode": "fwd", "d": decode.D,
+                       "causal": True, "b": drow["b"], "h": decode.H_Q, "h_kv": decode.H_KV,
+                       "n": drow["n"], "p": 0.0, "provider": name,
+                       "spec_sha": sha if name.startswith("flashgen") else None}
+                if isinstance(val, dict):
+                    row.update(status="ok", ms=val["ms"], gbps=val["GB/s"],
+                               note=f"gqa: {val['gqa']}" if val.get("gqa") else None)
+                    if name == "flashgen_s0":
+                        row["host_us"] = drow.get("host_us")
+                    elif name == "flashgen_paged_s0":
+                        row["host_us"] = drow.get("paged_host_us")
+                else:
+                    row["status"] = str(val)
+                rows.append(row)
+    return rows
+
+
+def environment():
+    import torch
+    import triton
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__}
+
+
+def run(suite="all", ns=None, ds=None, modes=("fwd", "bwd"), providers=None, out=None,
+        plot_it=True, log=print):
+    """Measure every case of the suite(s); write JSON/CSV/markdown (and a PNG) under out
+    (default benchmarks/results/<gpu-slug>/); print the tables. Returns (rows, paths)."""
+    cases = plan_cases(suite, ns, ds, modes, providers)
+    meta = environment()
+    log(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, bf16; "
+        f"{len(cases)} cases")
+    rows = []
+    rows += measure_attention([c for c in cases if c.suite != "decode"], meta, log)
+    decode_cases = [c for c in cases if c.suite == "decode"]
+    if decode_cases:
+        rows += measure_decode(decode_cases, meta, log)
+    out_dir = Path(out) if out else HERE / "results" / gpu_slug(meta["gpu"])
+    name = result_name(suite, ns, ds, modes, providers)
+    paths = write_results(rows, out_dir, name, meta)
+    if plot_it:
+        png = plot(rows, out_dir / f"{name}.png")
+        if png:
+            paths["png"] = Path(png)
+    log("")
+    log(markdown_tables(rows))
+    for kind, path in paths.items():
+        log(f"wrote {path}")
+    return rows, paths
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--suite", choices=(*SUITES, "all"), default="training",
+                    help="which shapes to measure (default training: the H100 anchor table)")
+    ap.add_argument("--n", type=int, nargs="+", metavar="N",
+                    help="sequence lengths of the training and dropout suites, KV lengths of "
+                    "decode (default: the anchor table's)")
+    ap.add_argument("--d", type=int, nargs="+", choices=TRAINING_D, metavar="D",
+                    help="head dims of the training suite (64 and/or 128; default both)")
+    ap.add_argument("--mode", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
+                    help="fwd and/or bwd (training and dropout suites; default both)")
+    ap.add_argument("--providers", nargs="+", metavar="NAME",
+                    help=f"only these providers ({', '.join(PROVIDERS)}; default all)")
+    ap.add_argument("--out", metavar="DIR",
+                    help="where the JSON, CSV, markdown and PNG go (default "
+                    "benchmarks/results/<gpu-slug>/)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="list the cases and providers without running anything (no GPU needed)")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    if args.dry_run:
+        print(dry_run_text(plan_cases(args.suite, args.n, args.d, args.mode, args.providers)))
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("benchmarks/suite.py: needs a CUDA GPU (use --dry-run to list the cases)",
+              file=sys.stderr)
+        return 2
+    run(args.suite, args.n, args.d, args.mode, args.providers, args.out, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

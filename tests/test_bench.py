@@ -1,0 +1,181 @@
+"""`flashgen bench` on a CPU: the dry run, the no-GPU error, the FLOP formula and the
+table / CSV / JSON writers on synthetic rows. The measuring itself needs a GPU."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flashgen.bench import load_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+suite = load_suite()
+
+
+def flashgen(*args: str, cwd: Path, env_extra=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "flashgen", *map(str, args)], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_help(tmp_path):
+    res = flashgen("bench", "--help", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    text = " ".join(res.stdout.split())
+    for frag in ("--suite", "--n", "--d", "--mode", "--out", "--providers", "--dry-run",
+                 "training", "decode", "dropout", "small", "all"):
+        assert frag in text, frag
+    top = flashgen("--help", cwd=tmp_path)
+    assert " bench " in " ".join(top.stdout.split())
+
+
+def test_dry_run_lists_anchor_shapes_and_providers(tmp_path):
+    res = flashgen("bench", "--dry-run", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert out.startswith("48 cases")  # 2 modes x 2 d x 2 causal x 6 N
+    for mode in ("fwd", "bwd"):
+        # B*N = 16k, H*d = 2048
+        assert f"training {mode} d=64 full   B=32 H=32 N=512:" in out
+        assert f"training {mode} d=128 causal B=1 H=16 N=16384:" in out
+    line = next(x for x in out.splitlines() if "d=128 full   B=2 H=16 N=8192" in x)
+    assert line.split(": ")[1] == "flashgen, sdpa_flash, sdpa_cudnn, flex, naive"
+    line = next(x for x in out.splitlines() if "d=64 full   B=1 H=32 N=16384" in x)
+    assert "naive" not in line  # N > 8192: naive would materialise N^2
+    for p in ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex", "naive"):
+        assert f"\n  {p}: " in out
+    assert "would write bench_training.json" in out
+
+
+def test_dry_run_all_suites_and_filters(tmp_path):
+    res = flashgen("bench", "--dry-run", "--suite", "all", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "dropout  fwd d=128 causal B=16 H=16 N=1024 p=0.1: flashgen_p0, flashgen, " \
+           "sdpa_flash, sdpa_cudnn, sdpa_efficient, naive" in out
+    assert "decode   1 query token d=128 B=8 Hq=32 Hkv=8 KV=65536" in out
+    for b, n in ((4, 512), (8, 59), (1, 2048)):
+        for c in ("full  ", "causal"):
+            assert f"small    fwd d=64 {c} B={b} H=16 N={n}:" in out
+    res = flashgen("bench", "--dry-run", "--mode", "fwd", "--d", "128", "--n", "4096",
+                   "--providers", "flashgen", "sdpa_cudnn", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("2 cases")
+    assert "training fwd d=128 causal B=4 H=16 N=4096: flashgen, sdpa_cudnn" in res.stdout
+    assert "bench_training_fwd_d128_n4096_flashgen-sdpa_cudnn" in res.stdout
+
+
+def test_unknown_provider_is_a_usage_error(tmp_path):
+    res = flashgen("bench", "--dry-run", "--providers", "fa9", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "unknown provider fa9" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_no_cuda_exits_2_with_a_message(tmp_path):
+    res = flashgen("bench", "--suite", "small", cwd=tmp_path,
+                   env_extra={"CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 2
+    assert res.stdout == ""
+    err = res.stderr.strip()
+    assert err.startswith("flashgen bench: error: no CUDA GPU") and "--dry-run" in err
+    assert "Traceback" not in err
+
+
+def test_flops_formula():
+    # anchor convention: fwd 4*B*H*Nq*Nk*d, halved when causal, bwd 2.5x
+    assert suite.flops(2, 16, 8192, 8192, 128, False, "fwd") == 4 * 2 * 16 * 8192**2 * 128
+    assert suite.flops(2, 16, 8192, 8192, 128, True, "fwd") == 2 * 2 * 16 * 8192**2 * 128
+    assert suite.flops(1, 1, 10, 10, 8, True, "bwd") == 2.5 * 1600
+    # 1 ms at B=1, H=16, N=16k, d=128, non-causal fwd = 2.2e15 FLOP/s
+    assert suite.tflops(1.0, 1, 16, 16384, 128, False, "fwd") == pytest.approx(2199.02, abs=0.01)
+
+
+def synthetic_rows():
+    meta = {"gpu": "Fake GPU", "torch": "2.x", "triton": "3.x"}
+    rows = []
+    for prov, ms in (("flashgen", 1.0), ("sdpa_flash", 2.0), ("sdpa_cudnn", 0.5)):
+        rows.append({**meta, "suite": "training", "mode": "fwd", "d": 128, "causal": False,
+                     "b": 4, "h": 16, "h_kv": 16, "n": 4096, "p": 0.0, "provider": prov,
+                     "status": "ok", "ms": ms, "spec_sha": "abc" if prov == "flashgen" else None,
+                     "tflops": round(suite.tflops(ms, 4, 16, 4096, 128, False, "fwd"), 1)})
+    rows.append({**meta, "suite": "training", "mode": "fwd", "d": 128, "causal": False, "b": 4,
+                 "h": 16, "h_kv": 16, "n": 4096, "p": 0.0, "provider": "flex",
+                 "status": "WRONG (max err 0.5)"})
+    rows.append({**meta, "suite": "small", "mode": "fwd", "d": 64, "causal": True, "b": 8,
+                 "h": 16, "n": 59, "p": 0.0, "provider": "flashgen", "status": "ok",
+                 "ms": 0.02, "tflops": 0.1, "host_us": 35.5, "wall_us": 36.0})
+    rows.append({**meta, "suite": "small", "mode": "fwd", "d": 64, "causal": True, "b": 8,
+                 "h": 16, "n": 59, "p": 0.0, "provider": "sdpa_flash", "status": "ok",
+                 "ms": 0.04, "tflops": 0.05})
+    rows.append({**meta, "suite": "decode", "mode": "fwd", "d": 128, "causal": True, "b": 8,
+                 "h": 32, "h_kv": 8, "n": 4096, "p": 0.0, "provider": "flashgen_s0",
+                 "status": "ok", "ms": 0.07, "gbps": 2000.0})
+    rows.append({**meta, "suite": "decode", "mode": "fwd", "d": 128, "causal": True, "b": 8,
+                 "h": 32, "h_kv": 8, "n": 4096, "p": 0.0, "provider": "sdpa_cudnn",
+                 "status": "ok", "ms": 0.065, "gbps": 2070.0})
+    return meta, rows
+
+
+def test_markdown_tables_show_values_and_ratios():
+    _, rows = synthetic_rows()
+    text = suite.markdown_tables(rows)
+    assert "**training: fwd, d=128, not causal** (TFLOP/s)" in text
+    head = "| B | N | flashgen | sdpa_flash | sdpa_cudnn | flex | flashgen vs sdpa_flash | " \
+           "flashgen vs sdpa_cudnn | flashgen vs flex |"
+    assert head in text
+    tf = suite.tflops(1.0, 4, 16, 4096, 128, False, "fwd")
+    line = next(x for x in text.splitlines() if x.startswith("| 4 | 4096 |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[2] == f"{tf:.1f}"
+    assert cells[5].startswith("WRONG")
+    assert cells[6:] == ["2.00", "0.50", "–"]
+    # small: ms, host time, ratio = peer ms / flashgen ms
+    assert "**small: fwd, d=64, causal** (ms per call)" in text
+    assert "| 8 | 59 | 0.0200 (host 35.5 us) | 0.0400 | 2.00 |" in text
+    # decode: GB/s, flashgen_s0 as flashgen
+    assert "| 8 | 4096 | 2000.0 | 2070.0 | 0.97 |" in text
+
+
+def test_write_results_csv_json_md(tmp_path):
+    meta, rows = synthetic_rows()
+    paths = suite.write_results(rows, tmp_path / "out", "bench_test", meta)
+    assert set(paths) == {"json", "csv", "md"}
+    data = json.loads(paths["json"].read_text())
+    assert data["meta"] == meta and data["rows"] == rows
+    parsed = list(csv.DictReader(io.StringIO(paths["csv"].read_text())))
+    assert len(parsed) == len(rows)
+    assert list(parsed[0]) == list(suite.CSV_FIELDS)
+    assert parsed[0]["provider"] == "flashgen" and parsed[0]["spec_sha"] == "abc"
+    assert parsed[0]["gpu"] == "Fake GPU" and parsed[0]["torch"] == "2.x"
+    assert float(parsed[0]["tflops"]) == rows[0]["tflops"]
+    assert parsed[3]["status"].startswith("WRONG") and parsed[3]["ms"] == ""
+    assert parsed[-1]["gbps"] == "2070.0"
+    md = paths["md"].read_text()
+    assert md.startswith("# flashgen bench: Fake GPU, torch 2.x, triton 3.x")
+
+
+def test_plot_writes_png_or_skips(tmp_path, capsys):
+    _, rows = synthetic_rows()
+    path = suite.plot(rows, tmp_path / "p.png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert path is None
+        assert "matplotlib is not installed" in capsys.readouterr().err
+    else:
+        assert Path(path).stat().st_size > 0
+
+
+def test_helpers():
+    assert suite.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert suite.spec_sha(ROOT / "generated" / "gpt2_attn")  # a hex sha from the header
+    assert suite.result_name("training") == "bench_training"
+    assert suite.result_name("training", None, [64], ["bwd"]) == "bench_training_bwd_d64"
