@@ -120,6 +120,7 @@ def test_p_zero_runs_the_variant_without_dropout(pkg, monkeypatch):
         return real(name, function)
 
     monkeypatch.setattr(pkg._runtime, "kernel", spy)
+    pkg._runtime._forward_plans.clear()  # cached launch plans would skip the lookup
     q, k, v = (torch.randn(1, 16, 2, 64) for _ in range(3))
     pkg.flash_attn_func(q, k, v, dropout_p=0.0, causal=True)
     pkg.flash_attn_func(q, k, v, dropout_p=0.25, causal=True)

@@ -32,7 +32,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             "attn_mask is not supported: flashgen kernels build their masks in the kernel. "
             "Use is_causal=True, or flash_attn_func(..., window_size=(left, right)) for a "
             "sliding window")
-    _runtime.check_tensors(query, key, value, layout="(B, H, N, d)")
+    _runtime.check_tensors(query, key, value)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(
             f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
@@ -51,8 +51,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 4-D (B, N, H, d) torch.Tensor, got {got}")
-    _runtime.check_tensors(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                           layout="(B, N, H, d)")
+    _runtime.check_tensors(q, k, v, bnhd=True)
     window = _runtime.check_window(window_size)
     out, lse = _attention(q, k, v, bnhd=True, causal=bool(causal), window=window,
                           bottom_right=True, scale=softmax_scale, dropout_p=dropout_p)

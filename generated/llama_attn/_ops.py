@@ -22,15 +22,20 @@ def _heads_view(bnhd: bool):
     return (lambda t: t.transpose(1, 2)) if bnhd else (lambda t: t)
 
 
+def _run_forward(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
+                 dropout_p: float, rng):
+    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
+    lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
+                           dropout_p=dropout_p, rng=rng, bnhd=bnhd)
+    return out, lse
+
+
 def _forward_impl(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
                   dropout_p: float):
     """(out, lse, rng): rng is the (seed, stream) of the call's dropout, a CPU int64
     tensor that the backward needs to regenerate the same mask (zeros without dropout)."""
-    view = _heads_view(bnhd)
-    out = torch.empty(q.shape, device=q.device, dtype=q.dtype)
     rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else _NO_RNG.clone()
-    lse = _runtime.forward(view(q), view(k), view(v), view(out), mask=mask, lo=lo, hi=hi,
-                           scale=scale, dropout_p=dropout_p, rng=rng)
+    out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)
     return out, lse, rng
 
 
@@ -116,6 +121,6 @@ def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
                                               or v.requires_grad)
     if needs_grad or torch.compiler.is_compiling():
         out, lse, _ = fwd_op(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
-    else:
-        out, lse, _ = _forward_impl(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
-    return out, lse
+        return out, lse
+    rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
+    return _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)

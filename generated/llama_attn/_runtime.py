@@ -29,9 +29,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_tensors(q, k, v, *, layout: str) -> None:
-    """Check q, k, v given as (B, H, N, d) views; `layout` names the caller's convention
-    in messages."""
+def bhnd(dims, bnhd: bool) -> tuple:
+    """A shape or stride of a (B, N, H, d) tensor (bnhd) or a (B, H, N, d) one, read in
+    (B, H, N, d) order: flash-attn's layout is served without a transposed view."""
+    return (dims[0], dims[2], dims[1], dims[3]) if bnhd else tuple(dims)
+
+
+def check_tensors(q, k, v, *, bnhd: bool = False) -> None:
+    """Check q, k, v given as (B, N, H, d) tensors (bnhd) or (B, H, N, d) ones."""
+    layout = "(B, N, H, d)" if bnhd else "(B, H, N, d)"
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -51,8 +57,8 @@ def check_tensors(q, k, v, *, layout: str) -> None:
         raise ValueError(
             f"{PACKAGE} was built for dtypes {list(BUILT_FOR['dtypes'])}, not {q.dtype}: add it "
             f"to `dtypes` in {BUILT_FOR['spec']} and rebuild, or cast the inputs")
-    bq, hq, nq, d = q.shape
-    bk, hk, nk, dk = k.shape
+    bq, hq, nq, d = bhnd(q.shape, bnhd)
+    bk, hk, nk, dk = bhnd(k.shape, bnhd)
     if k.shape != v.shape:
         raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if bk != bq:
@@ -201,11 +207,13 @@ def override_config(**config):
     saved = dict(_override)
     _override.clear()
     _override.update(config)
+    _forward_plans.clear()  # plans hold the config they were made with
     try:
         yield
     finally:
         _override.clear()
         _override.update(saved)
+        _forward_plans.clear()
 
 
 def launch_config(name: str, device: torch.device, n: int) -> dict:
@@ -259,30 +267,48 @@ def _dropout():
     return _dropout
 
 
+_forward_plans = {}
+_MAX_PLANS = 1024
+
+
+def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
+    """Everything about a forward launch that depends only on shapes, strides, dtype,
+    device and mask: computed once per call signature, then reused."""
+    batch, h_q, n_q, d = bhnd(q.shape, bnhd)
+    _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
+    name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
+    cfg = launch_config(name, q.device, max(n_q, n_k))
+    grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
+    args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
+            *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
+            n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
+    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return kernel(name)[grid], args, meta
+
+
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
-            dropout_p: float = 0.0, rng=None):
-    """Run the forward kernel on (B, H, N, d) views; writes o in place, returns the LSE
-    as a contiguous (B, H, N_q) fp32 tensor. `rng` is the call's (seed, stream) tensor
-    when dropout_p > 0."""
-    batch, h_q, n_q, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
-    name = find_variant("fwd", mask, dropout_p > 0.0, d, _DTYPE_NAMES[q.dtype])
-    drop = _dropout().launch_args(rng, dropout_p) if dropout_p > 0.0 else (0, 0, 0, 1.0)
+            dropout_p: float = 0.0, rng=None, bnhd: bool = False):
+    """Run the forward kernel on (B, H, N, d) tensors, or (B, N, H, d) ones with bnhd;
+    writes o in place, returns the LSE as a contiguous (B, H, N_q) fp32 tensor. `rng` is
+    the call's (seed, stream) tensor when dropout_p > 0."""
+    shape = q.shape
+    batch, h_q, n_q, _ = bhnd(shape, bnhd)
     lse = torch.empty((batch, h_q, n_q), device=q.device, dtype=torch.float32)
     if batch * h_q * n_q == 0:
         return lse
-    cfg = launch_config(name, q.device, max(n_q, n_k))
-    grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
-    kernel(name)[grid](
-        q, k, v, o, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, *drop,
-        BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    dropout = dropout_p > 0.0
+    key = (bnhd, shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
+           q.device, mask, lo, hi, scale, dropout)
+    plan = _forward_plans.get(key)
+    if plan is None:
+        if len(_forward_plans) >= _MAX_PLANS:
+            _forward_plans.clear()
+        plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
+                                                   dropout)
+    launch, args, meta = plan
+    drop = _dropout().launch_args(rng, dropout_p) if dropout else (0, 0, 0, 1.0)
+    launch(q, k, v, o, lse, *args, *drop, **meta)
     return lse
 
 
