@@ -45,7 +45,6 @@ Forward only: the decode kernels have no autograd formula. A call that would nee
 gradient (grad mode on and an input that requires grad) raises ValueError; call it under
 `torch.no_grad()` / `torch.inference_mode()` or pass detached tensors.
 """
-import math
 import os
 
 import torch
@@ -126,21 +125,13 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     devices = {t.device for _, t in named}
     if len(devices) != 1:
         raise ValueError(f"q, the caches and k, v must be on one device, got {sorted(map(str, devices))}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _runtime._interpreting()):
-        raise ValueError(
-            f"inputs are on {q.device}; {PACKAGE} kernels run on CUDA GPUs. Move them with "
-            ".cuda(), or set TRITON_INTERPRET=1 before importing to run on the CPU in "
-            "Triton's interpreter (slow; for tests)")
+    _runtime.check_device(q.device)
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) != 1:
         raise ValueError(
             "q, k_cache, v_cache (and k, v) must share a dtype, got "
             + ", ".join(f"{n} {t.dtype}" for n, t in named))
-    dtype = _runtime._DTYPE_NAMES.get(q.dtype)
-    if dtype not in BUILT_FOR["dtypes"]:
-        raise ValueError(
-            f"{PACKAGE} was built for dtypes {list(BUILT_FOR['dtypes'])}, not {q.dtype}: add it "
-            f"to `dtypes` in {BUILT_FOR['spec']} and rebuild, or cast the inputs")
+    _runtime.check_dtype_built(q.dtype)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {_shape(k_cache)} "
                          f"and {_shape(v_cache)}")
@@ -148,22 +139,9 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     h_kv, d_cache = k_cache.shape[2], k_cache.shape[3]
     if d_cache != d:
         raise ValueError(f"q has head dim {d} but the cache has {d_cache}")
-    if d not in BUILT_FOR["head_dims"]:
-        raise ValueError(
-            f"{PACKAGE} was built for head dims {list(BUILT_FOR['head_dims'])}, not {d}: add "
-            f"{d} to `head_dims` in {BUILT_FOR['spec']} and rebuild")
-    if h_kv == 0 or h_q % h_kv != 0:
-        raise ValueError(
-            f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA")
-    if h_q != h_kv and not BUILT_FOR["gqa"]:
-        raise ValueError(
-            f"{h_q} query heads with {h_kv} key/value heads is GQA, which {PACKAGE} was built "
-            f"without: set `gqa: true` in {BUILT_FOR['spec']} and rebuild")
-    for name, t in named:
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(
-                f"{name} must have unit stride in its last (head) dimension, got strides "
-                f"{tuple(t.stride())}; pass {name}.contiguous()")
+    _runtime.check_head_dim_built(d)
+    _runtime.check_heads(h_q, h_kv)
+    _runtime.check_unit_stride(named)
 
     paged = block_table is not None
     if paged:

@@ -35,28 +35,62 @@ def bhnd(dims, bnhd: bool) -> tuple:
     return (dims[0], dims[2], dims[1], dims[3]) if bnhd else tuple(dims)
 
 
+def check_device(device) -> None:
+    if device.type != "cuda" and not (device.type == "cpu" and _interpreting()):
+        raise ValueError(
+            f"inputs are on {device}; {PACKAGE} kernels run on CUDA GPUs. Move them with "
+            ".cuda(), or set TRITON_INTERPRET=1 before importing to run on the CPU in "
+            "Triton's interpreter (slow; for tests)")
+
+
+def check_dtype_built(dtype) -> None:
+    if _DTYPE_NAMES.get(dtype) not in BUILT_FOR["dtypes"]:
+        raise ValueError(
+            f"{PACKAGE} was built for dtypes {list(BUILT_FOR['dtypes'])}, not {dtype}: add it "
+            f"to `dtypes` in {BUILT_FOR['spec']} and rebuild, or cast the inputs")
+
+
+def check_head_dim_built(d: int) -> None:
+    if d not in BUILT_FOR["head_dims"]:
+        raise ValueError(
+            f"{PACKAGE} was built for head dims {list(BUILT_FOR['head_dims'])}, not {d}: add "
+            f"{d} to `head_dims` in {BUILT_FOR['spec']} and rebuild")
+
+
+def check_heads(h_q: int, h_kv: int) -> None:
+    if h_kv == 0 or h_q % h_kv != 0:
+        raise ValueError(
+            f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA")
+    if h_q != h_kv and not BUILT_FOR["gqa"]:
+        raise ValueError(
+            f"{h_q} query heads with {h_kv} key/value heads is GQA, which {PACKAGE} was built "
+            f"without: set `gqa: true` in {BUILT_FOR['spec']} and rebuild")
+
+
+def check_unit_stride(named) -> None:
+    """`named`: (name, tensor) pairs; the kernels need the head dim contiguous."""
+    for name, t in named:
+        if t.stride(-1) != 1 and t.shape[-1] > 1:
+            raise ValueError(
+                f"{name} must have unit stride in its last (head) dimension, got strides "
+                f"{tuple(t.stride())}; pass {name}.contiguous()")
+
+
 def check_tensors(q, k, v, *, bnhd: bool = False) -> None:
     """Check q, k, v given as (B, N, H, d) tensors (bnhd) or (B, H, N, d) ones."""
     layout = "(B, N, H, d)" if bnhd else "(B, H, N, d)"
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    named = (("q", q), ("k", k), ("v", v))
+    for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must be 4-D {layout}, got shape {tuple(t.shape)}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
-    if q.device.type != "cuda" and not (q.device.type == "cpu" and _interpreting()):
-        raise ValueError(
-            f"inputs are on {q.device}; {PACKAGE} kernels run on CUDA GPUs. Move them with "
-            ".cuda(), or set TRITON_INTERPRET=1 before importing to run on the CPU in "
-            "Triton's interpreter (slow; for tests)")
+    check_device(q.device)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    dtype = _DTYPE_NAMES.get(q.dtype)
-    if dtype not in BUILT_FOR["dtypes"]:
-        raise ValueError(
-            f"{PACKAGE} was built for dtypes {list(BUILT_FOR['dtypes'])}, not {q.dtype}: add it "
-            f"to `dtypes` in {BUILT_FOR['spec']} and rebuild, or cast the inputs")
+    check_dtype_built(q.dtype)
     bq, hq, nq, d = bhnd(q.shape, bnhd)
     bk, hk, nk, dk = bhnd(k.shape, bnhd)
     if k.shape != v.shape:
@@ -65,22 +99,9 @@ def check_tensors(q, k, v, *, bnhd: bool = False) -> None:
         raise ValueError(f"q has batch {bq} but k, v have batch {bk}")
     if dk != d:
         raise ValueError(f"q has head dim {d} but k, v have {dk}")
-    if d not in BUILT_FOR["head_dims"]:
-        raise ValueError(
-            f"{PACKAGE} was built for head dims {list(BUILT_FOR['head_dims'])}, not {d}: add "
-            f"{d} to `head_dims` in {BUILT_FOR['spec']} and rebuild")
-    if hk == 0 or hq % hk != 0:
-        raise ValueError(
-            f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for GQA/MQA")
-    if hq != hk and not BUILT_FOR["gqa"]:
-        raise ValueError(
-            f"{hq} query heads with {hk} key/value heads is GQA, which {PACKAGE} was built "
-            f"without: set `gqa: true` in {BUILT_FOR['spec']} and rebuild")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1 and t.shape[-1] > 1:
-            raise ValueError(
-                f"{name} must have unit stride in its last (head) dimension, got strides "
-                f"{tuple(t.stride())}; pass {name}.contiguous()")
+    check_head_dim_built(d)
+    check_heads(hq, hk)
+    check_unit_stride(named)
 
 
 def check_dropout(dropout_p) -> None:
