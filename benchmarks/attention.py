@@ -9,6 +9,11 @@ FLOPs = 4*B*H*N*N*d for the forward, halved when causal, and 2.5x that for the b
 `o.backward(do, retain_graph=True)`. Each provider's output is checked against SDPA's math
 backend in float32 on a slice of the same inputs before it is timed. Times are do_bench
 medians with the L2 flushed between calls.
+
+Superseded by `flashgen bench --suite training` (benchmarks/suite.py), which adds
+FlexAttention and naive PyTorch and writes CSV/JSON/plots. Kept until that suite has
+been run on the GPU, because the committed H100 results in benchmarks/results/ came
+from this script.
 """
 from __future__ import annotations
 

@@ -5,8 +5,12 @@ backends with dropout, in one run (bf16, causal, d=128, H=16, B*N=16k, p=0.1).
 
 The bar: flashgen's dropout forward and backward each >= 0.85x its own no-dropout speed,
 and >= 1.3x cuDNN's dropout speed. Correctness of dropout is the tests' job (exact mask
-replay); here each provider's output is only checked for NaN and for the expected mean
-keep rate's effect on magnitude being sane.
+replay); here each provider's output is only checked for NaN.
+
+Superseded by `flashgen bench --suite dropout` (benchmarks/suite.py), which adds
+FlexAttention and naive PyTorch and writes CSV/JSON/plots. Kept until that suite has
+been run on the GPU, because the committed H100 results in benchmarks/results/ came
+from this script.
 """
 import argparse
 import importlib

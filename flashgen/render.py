@@ -14,7 +14,7 @@ import jinja2
 from . import planner_core
 from .spec import Spec
 from .tuning_data import load_tuned
-from .variants import Variant, variants_for
+from .variants import Variant
 
 TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
 PLANNER_SOURCE = Path(planner_core.__file__)
