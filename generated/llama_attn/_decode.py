@@ -266,9 +266,8 @@ class _Plan:
     __slots__ = (
         "n_new", "capacity", "page_size", "int_lens", "device_values", "on_cpu", "empty",
         "out_shape", "lse_shape", "dtype", "device", "split", "ws_numel",
-        "kernel", "grid", "strides", "tail", "kw", "kw_lse",
-        "combine", "combine_grid", "combine_tail", "combine_kw", "combine_kw_lse",
-        "append", "append_grid", "append_strides", "append_tail", "append_kw",
+        "kernel", "kernel_lse", "strides", "tail", "combine", "combine_lse", "combine_tail",
+        "append", "append_strides", "append_tail",
     )
 
 
@@ -298,6 +297,10 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
         window_size if type(window_size) is tuple else tuple(window_size),
         num_splits, type(num_splits),
         tuple(sorted(override.items())) if override else None,
+        # Triton specialises pointers on 16-byte alignment; a plan's launchers keep the
+        # kernels compiled for the alignment they first saw
+        _runtime.alignments(*(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+                              if isinstance(t, torch.Tensor))),
     )
 
 
@@ -328,16 +331,17 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     # ---- the append: one program per (batch element, new token), all KV heads at once
     plan.append = None
     if n_new and batch and capacity:  # (no room at all: nothing could be written)
-        plan.append = _runtime.kernel(name, "append")
-        plan.append_grid = (batch * n_new,)
+        append_grid = (batch * n_new,)
         plan.append_strides = (
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0) if paged else 0, n_new, h_kv)
         plan.append_tail = (page_size, capacity, num_blocks)
-        plan.append_kw = dict(PAGED=paged, PER_ROW_LENS=per_row, BLOCK_H=_next_pow2(h_kv),
-                              BLOCK_D=_next_pow2(d))
+        plan.append = _runtime.Launcher(
+            _runtime.kernel(name, "append"), append_grid,
+            dict(PAGED=paged, PER_ROW_LENS=per_row, BLOCK_H=_next_pow2(h_kv),
+                 BLOCK_D=_next_pow2(d)))
 
     # ---- launch config and the split factor, from the capacity
     cfg = _runtime.launch_config(name, q.device, max(capacity, 1))
@@ -365,8 +369,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     win_left = left if left >= 0 else unbounded
 
     out_strides = (h_q * d * n_q, h_q * d, d)  # out is allocated contiguous like q's shape
-    plan.kernel = _runtime.kernel(name)
-    plan.grid = (batch * h_kv, row_blocks, splits)
+    grid = (batch * h_kv, row_blocks, splits)
     plan.strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -378,18 +381,20 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
                  capacity, num_blocks, lp_off)
     # (a paged cache of capacity 0 has an empty table: nothing to read, take the plain path)
     paged_reads = paged and capacity > 0
-    plan.kw = dict(PAGED=paged_reads, PAGE_BLOCKS=paged_reads and page_size % block_n == 0,
-                   PER_ROW_LENS=per_row, SPLIT=plan.split, STORE_LSE=False,
-                   BLOCK_M=block_m, BLOCK_N=block_n,
-                   num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    plan.kw_lse = dict(plan.kw, STORE_LSE=True)
-    plan.combine = None
+    kw = dict(PAGED=paged_reads, PAGE_BLOCKS=paged_reads and page_size % block_n == 0,
+              PER_ROW_LENS=per_row, SPLIT=plan.split, BLOCK_M=block_m, BLOCK_N=block_n,
+              num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    # one launcher per value of STORE_LSE (return_lse) -- each is its own compiled kernel
+    fn = _runtime.kernel(name)
+    plan.kernel = _runtime.Launcher(fn, grid, dict(kw, STORE_LSE=False))
+    plan.kernel_lse = _runtime.Launcher(fn, grid, dict(kw, STORE_LSE=True))
+    plan.combine = plan.combine_lse = None
     if plan.split:
-        plan.combine = _runtime.kernel(name, "combine")
-        plan.combine_grid = (rows,)
+        fn = _runtime.kernel(name, "combine")
         plan.combine_tail = (*out_strides, n_q, h_q, splits, lp_off)
-        plan.combine_kw = dict(STORE_LSE=False, BLOCK_S=_next_pow2(splits))
-        plan.combine_kw_lse = dict(plan.combine_kw, STORE_LSE=True)
+        kw = dict(BLOCK_S=_next_pow2(splits))
+        plan.combine = _runtime.Launcher(fn, (rows,), dict(kw, STORE_LSE=False))
+        plan.combine_lse = _runtime.Launcher(fn, (rows,), dict(kw, STORE_LSE=True))
     return plan
 
 
@@ -440,9 +445,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
     # ---- append the new keys and values in place (through the block table when paged)
     if plan.append is not None:
-        plan.append[plan.append_grid](
-            k, v, k_cache, v_cache, seqlens, bt, *plan.append_strides, start,
-            *plan.append_tail, **plan.append_kw)
+        plan.append(k, v, k_cache, v_cache, seqlens, bt, *plan.append_strides, start,
+                    *plan.append_tail)
 
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     lse = (torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
@@ -450,11 +454,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if plan.empty:
         return (out, lse) if return_lse else out
     ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=plan.device) if plan.split else out
-    plan.kernel[plan.grid](
+    (plan.kernel_lse if return_lse else plan.kernel)(
         q, k_cache, v_cache, out, lse, ws, seqlens, bt, *plan.strides, start + plan.n_new,
-        *plan.tail, **(plan.kw_lse if return_lse else plan.kw))
+        *plan.tail)
     if plan.combine is not None:
-        plan.combine[plan.combine_grid](
-            ws, out, lse, *plan.combine_tail,
-            **(plan.combine_kw_lse if return_lse else plan.combine_kw))
+        (plan.combine_lse if return_lse else plan.combine)(ws, out, lse, *plan.combine_tail)
     return (out, lse) if return_lse else out

@@ -196,6 +196,72 @@ def kernel(name: str, function: str = "kernel"):
     return fn
 
 
+class Launcher:
+    """One kernel launch with a fixed grid and fixed compile-time arguments, called with
+    the run-time arguments only.
+
+    Triton's `kernel[grid](...)` binds and specialises every argument on every call (tens
+    of microseconds of Python). A Launcher goes through that path once, keeps the compiled
+    kernel it returns, and from then on hands the arguments straight to the compiled
+    kernel's C launcher -- the call Triton itself makes last. That is valid because a
+    Launcher belongs to one call signature (the plan caches key on shapes, strides, dtype,
+    device and pointer alignment, everything Triton specialises on; the arguments that
+    change per call are `do_not_specialize`). Launch hooks (profilers) and the CPU
+    interpreter always take Triton's own path."""
+
+    __slots__ = ("fn", "grid", "meta", "tail", "compiled", "device")
+
+    def __init__(self, fn, grid, meta):
+        self.fn, self.grid, self.meta = fn, tuple(grid) + (1,) * (3 - len(grid)), meta
+        self.tail = self.compiled = self.device = None
+
+    def __call__(self, *args):
+        compiled = self.compiled
+        if (compiled is not None and _launch_hooks.launch_enter_hook is None
+                and _current_device() == self.device):
+            compiled.run(*self.grid, _raw_stream(self.device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *self.tail)
+            return
+        compiled = self.fn[self.grid](*args, **self.meta)
+        if self.compiled is None and _fast_launch_ok(compiled):
+            names = list(getattr(self.fn, "arg_names", ()))[len(args):]
+            if all(n in self.meta for n in names):  # the compile-time args come last
+                self.tail = tuple(self.meta[n] for n in names)
+                self.device = _current_device()
+                self.compiled = compiled
+
+
+_launch_hooks = _current_device = _raw_stream = None
+
+
+def _fast_launch_ok(compiled) -> bool:
+    """Whether compiled kernels may be launched directly (a CUDA kernel compiled by a
+    Triton whose launcher we know; never in the interpreter)."""
+    global _launch_hooks, _current_device, _raw_stream
+    if _interpreting() or not all(hasattr(compiled, a) for a in
+                                  ("run", "function", "packed_metadata")):
+        return False
+    if _launch_hooks is None:
+        try:
+            from triton import knobs
+            _launch_hooks = knobs.runtime
+            _current_device = torch._C._cuda_getDevice
+            _raw_stream = torch._C._cuda_getCurrentRawStream
+        except (ImportError, AttributeError):
+            return False
+    return True
+
+
+def int_widths(*values) -> tuple:
+    """Which ints fit in 32 bits: Triton compiles an i32 or a 64-bit argument by value."""
+    return tuple(-0x80000000 <= x <= 0x7FFFFFFF for x in values)
+
+
+def alignments(*tensors) -> tuple:
+    """Which tensors start on a 16-byte boundary: Triton specialises pointers on it."""
+    return tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def nearest_bucket(n: int) -> int:
     """The sequence-length bucket closest to n on a log scale."""
     n = max(n, 1)
@@ -305,7 +371,7 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
             n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return kernel(name)[grid], args, meta
+    return Launcher(kernel(name), grid, meta), args
 
 
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
@@ -319,17 +385,20 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     if batch * h_q * n_q == 0:
         return lse
     dropout = dropout_p > 0.0
+    drop = _dropout().launch_args(rng, dropout_p) if dropout else (0, 0, 0, 1.0)
+    # Triton types an int argument by its value (i32 or wider), so the seed's and stream's
+    # widths are part of the signature a launch plan is valid for
     key = (bnhd, shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
-           q.device, mask, lo, hi, scale, dropout)
+           q.device, mask, lo, hi, scale, dropout, alignments(q, k, v),
+           dropout and int_widths(drop[0], drop[1]))
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
             _forward_plans.clear()
         plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
                                                    dropout)
-    launch, args, meta = plan
-    drop = _dropout().launch_args(rng, dropout_p) if dropout else (0, 0, 0, 1.0)
-    launch(q, k, v, o, lse, *args, *drop, **meta)
+    launch, args = plan
+    launch(q, k, v, o, lse, *args, *drop)
     return lse
 
 
