@@ -26,19 +26,28 @@ def main():
     ap.add_argument("--block-n", type=int, nargs="*", default=[32, 64, 128])
     ap.add_argument("--warps", type=int, nargs="*", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="*", default=[2, 3, 4])
+    ap.add_argument("--tile", action="append", default=[],
+                    help="explicit tile m,n,w,s (repeatable; replaces the product above)")
+    ap.add_argument("--dq", action="append", default=[],
+                    help="bwd: the dq_tile knob, e.g. 128x64w8s3 or mirror (repeatable)")
+    ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--out")
     args = ap.parse_args()
     pkg = importlib.import_module(PACKAGES[args.d])
     h, b = 2048 // args.d, max(16384 // args.n, 1)
     rows = []
-    for causal in (False, True):
+    tiles = ([tuple(int(x) for x in t.split(",")) for t in args.tile] or
+             list(itertools.product(args.block_m, args.block_n, args.warps, args.stages)))
+    dqs = [dict(dq_tile=t) for t in args.dq] or [{}]
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    for causal in causals:
         q, k, v = (torch.randn(b, h, args.n, args.d, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         flops = 4 * b * h * args.n * args.n * args.d * (0.5 if causal else 1) * (2.5 if args.mode == "bwd" else 1)
         ref = None
-        for bm, bn, w, s in itertools.product(args.block_m, args.block_n, args.warps, args.stages):
-            cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+        for (bm, bn, w, s), dq in itertools.product(tiles, dqs):
+            cfg = dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **dq)
             try:
                 with pkg._runtime.override_config(**cfg):
                     out = pkg.scaled_dot_product_attention(q, k, v, is_causal=causal)

@@ -72,9 +72,23 @@ def _needs_sm90(config, facts: Facts) -> str | None:  # for knobs such as tma / 
 #   Knob("grid_order", ("row", "col"), "row"),
 #   Knob("num_splits", (1, 2, 4, 8, 16), 1),          # decode
 # A knob here must also be read by its template and runtime (with the same default).
+def _dq_tile(config, facts: Facts) -> str | None:
+    """The dQ kernel's own tile must pass the planner's backward resource model, read with
+    its roles swapped (the resident rows are the dQ kernel's query rows)."""
+    m, n, w, st = planner_core.dq_tile(config)
+    cand = planner_core.evaluate("bwd", TileConfig(n, m, w, st),
+                                 planner_core.padded_head_dim(facts.head_dim),
+                                 facts.dtype_bytes, facts.sram_bytes)
+    return None if cand.rejected is None else cand.rejected
+
+
 KNOBS: dict[str, tuple[Knob, ...]] = {
     "fwd": (),
-    "bwd": (),
+    # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
+    "bwd": (
+        Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",
+                         "64x32w4s4"), planner_core.DQ_MIRROR, _dq_tile),
+    ),
     "decode": (),
 }
 

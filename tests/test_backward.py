@@ -54,11 +54,12 @@ def flash_grads(pkg, q, k, v, do, *, causal=False, window=(-1, -1), tiles=TILES)
     return q.grad, k.grad, v.grad
 
 
-def check_flash(pkg, device, b, n_q, n_k, h_q, h_kv, d, dtype, causal=False, window=(-1, -1)):
+def check_flash(pkg, device, b, n_q, n_k, h_q, h_kv, d, dtype, causal=False, window=(-1, -1),
+                tiles=TILES):
     q = leaf(b, n_q, h_q, d, dtype=dtype, device=device)
     k, v = (leaf(b, n_k, h_kv, d, dtype=dtype, device=device) for _ in range(2))
     do = torch.randn(b, n_q, h_q, d, dtype=dtype, device=device)
-    grads = flash_grads(pkg, q, k, v, do, causal=causal, window=window)
+    grads = flash_grads(pkg, q, k, v, do, causal=causal, window=window, tiles=tiles)
     vis = visible_mask(n_q, n_k, causal=causal, window=window, bottom_right=True)
     assert_grads(grads, reference_grads(q, k, v, do, vis), dtype)
 
@@ -84,6 +85,16 @@ def test_head_dims_not_powers_of_two(pkg, device, poison, d):
 @pytest.mark.parametrize("h_q,h_kv", [(8, 2), (8, 1)], ids=["gqa4to1", "gqa8to1"])
 def test_gqa_sums_over_shared_heads(pkg, device, poison, h_q, h_kv):
     check_flash(pkg, device, 1, 33, 40, h_q, h_kv, 64, torch.float32, causal=True)
+
+
+@pytest.mark.parametrize("window,causal", [((-1, -1), True), ((20, 5), False)],
+                         ids=["causal", "window20_5"])
+def test_dq_tile_knobs(pkg, device, poison, window, causal):
+    """The dQ kernel on a tile of its own (the dq_* knobs), not the dK/dV tile's mirror:
+    64 query rows per program stepping over 16 keys, against 16 x 32 for dK/dV."""
+    tiles = dict(TILES, dq_tile="64x16w4s3")
+    check_flash(pkg, device, 1, 100, 90, 4, 2, 64, torch.float32, causal=causal, window=window,
+                tiles=tiles)
 
 
 def test_batch3(pkg, device, poison):

@@ -5,6 +5,7 @@ generator state, same Philox stream), so the forward and all three gradients can
 exactly against a float64 reference that applies that very mask:
     out = (softmax(S) * keep / (1 - p)) @ V.
 """
+import contextlib
 import math
 
 import pytest
@@ -39,13 +40,14 @@ def reference(q, k, v, keep, p, visible, do):
     return out.detach(), q64.grad, k64.grad, v64.grad
 
 
-def run(pkg, device, b, n_q, n_k, h_q, h_kv, d, dtype, p, causal=False, window=(-1, -1), seed=0):
+def run(pkg, device, b, n_q, n_k, h_q, h_kv, d, dtype, p, causal=False, window=(-1, -1), seed=0,
+        tiles=TILES):
     q = torch.randn(b, n_q, h_q, d, dtype=dtype, device=device, requires_grad=True)
     k, v = (torch.randn(b, n_k, h_kv, d, dtype=dtype, device=device, requires_grad=True)
             for _ in range(2))
     do = torch.randn(b, n_q, h_q, d, dtype=dtype, device=device)
     torch.manual_seed(seed)
-    with pkg._runtime.override_config(**TILES):
+    with pkg._runtime.override_config(**tiles) if tiles else contextlib.nullcontext():
         out = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window)
         out.backward(do)
     torch.manual_seed(seed)
@@ -75,6 +77,17 @@ def test_gqa_window_fp16_head_dim_80(pkg, device, poison):
     got, ref = run(pkg, device, 2, 48, 48, 4, 1, 80, torch.float16, 0.1, causal=True,
                    window=(16, -1))
     assert_close_all(got, ref, torch.float16)
+
+
+@pytest.mark.gpu
+def test_direct_launch_with_seeds_of_both_widths(pkg):
+    """Repeated calls of one shape reuse a launch plan that calls the compiled kernel
+    directly; Triton compiles a seed below 2**31 as i32 and a larger one as i64, so seeds
+    alternating between the two must each get the right mask."""
+    for seed in (3, 2**40 + 5, 11, 2**40 + 7):
+        got, ref = run(pkg, "cuda", 2, 70, 70, 2, 2, 64, torch.float16, 0.2, causal=True,
+                       seed=seed, tiles=None)
+        assert_close_all(got, ref, torch.float16)
 
 
 def test_keep_rate_matches_one_minus_p(pkg, device):

@@ -213,7 +213,9 @@ def test_large_logits_stay_finite(pkg, device, poison):
     k, v = (rand(1, 33, 1, 64, dtype=dt, device=device) * 30 for _ in range(2))
     out, lse, ref_out, ref_lse = run_flash(pkg, q, k, v, causal=True)
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double().cpu(), ref_out.cpu(), atol=1e-3, rtol=1e-4)
+    # fp32 scores of magnitude ~1e3 carry ~1e-4 of rounding, which moves outputs of
+    # magnitude |v| ~ 30 by up to ~2e-3 (seen); a broken online softmax is off by O(|v|)
+    torch.testing.assert_close(out.double().cpu(), ref_out.cpu(), atol=1e-2, rtol=1e-4)
     torch.testing.assert_close(lse.double().cpu(), ref_lse.cpu(), atol=1e-3, rtol=1e-5)
 
 
@@ -323,3 +325,26 @@ def test_new_lengths_reuse_the_compiled_kernel(pkg):
     for cache in fn.device_caches.values():
         compiled += next(len(c) for c in cache if isinstance(c, dict))
     assert 1 <= compiled <= 2, f"{compiled} binaries for one variant"
+
+
+@pytest.mark.gpu
+def test_direct_launch_repeats_are_right(pkg):
+    """After its first call a launch plan hands arguments straight to the compiled kernel
+    (runtime.Launcher). Repeated calls with new values must still be right, and a tensor
+    of the same shape whose storage starts off a 16-byte boundary (Triton specialised the
+    first binary on alignment) must get its own plan, not the aligned binary."""
+    def check(q, k, v):
+        out, lse, ref_out, ref_lse = run_flash(pkg, q, k, v, causal=True, tiles=None)
+        assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+
+    shape = (2, 100, 4, 64)
+    for _ in range(3):
+        check(*(rand(*shape, dtype=torch.float16, device="cuda") for _ in range(3)))
+    launcher = next(plan[0] for key, plan in pkg._runtime._forward_plans.items()
+                    if key[1] == torch.Size(shape))
+    assert launcher.compiled is not None, "the plan never took the direct path"
+    # the same shape and strides, storage 2 bytes past an aligned address
+    base = rand(2 * 100 * 4 * 64 + 1, dtype=torch.float16, device="cuda")
+    q = base[1:].view(shape)
+    assert q.data_ptr() % 16 != 0
+    check(q, *(rand(*shape, dtype=torch.float16, device="cuda") for _ in range(2)))

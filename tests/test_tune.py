@@ -569,7 +569,9 @@ def _load_tune_vs_grid():
 
 def test_tune_vs_grid_compares_a_quarter_budget_with_the_exhaustive_grid():
     tvg = _load_tune_vs_grid()
-    space = space_for("bwd", 64, 2, **H100)
+    # the tile space alone: with the dQ knob TPE happens to hit the grid's best, and this
+    # test needs a run that does not (for `confirm`)
+    space = space_for("bwd", 64, 2, **H100, knobs={})
     cost = tvg.synthetic_cost(space, salt="t")
     row = tvg.compare(space, cost, storage=optuna.storages.InMemoryStorage(), name="t",
                       seeds=(0, 1))

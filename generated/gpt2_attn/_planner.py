@@ -139,6 +139,23 @@ def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(chunks)
 
 
+DQ_MIRROR = "mirror"
+
+
+def dq_tile(config) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of the backward's dQ kernel from a launch
+    config: its `dq_tile` knob "MxNwWsS" (M query rows resident, N keys per step), or by
+    default ("mirror") the dK/dV tile with its roles swapped -- block_n query rows
+    resident, block_m keys per step."""
+    value = config.get("dq_tile", DQ_MIRROR)
+    if value == DQ_MIRROR:
+        return config["block_n"], config["block_m"], config["num_warps"], config["num_stages"]
+    m, rest = value.split("x")
+    n, rest = rest.split("w")
+    w, stages = rest.split("s")
+    return int(m), int(n), int(w), int(stages)
+
+
 def fa1_blocks(sram_bytes: int, head_dim: int, dtype_bytes: int) -> tuple[int, int]:
     """FlashAttention-1 rule: with M = SRAM size in elements (sram_bytes // dtype_bytes),
     Bc = ceil(M / (4 d)), Br = min(Bc, d).  Returns (Bc, Br)."""
@@ -187,7 +204,8 @@ def _warp_dim(kind: str) -> str:
     return "block_m" if kind == "fwd" else "block_n"
 
 
-def _evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: int) -> Candidate:
+def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: int) -> Candidate:
+    """The resource model's verdict on one tile: its estimates and why it is rejected."""
     smem = smem_estimate(kind, cfg.block_m, cfg.block_n, d, dtype_bytes, cfg.num_stages)
     regs = regs_estimate(kind, cfg.block_m, cfg.block_n, d, cfg.num_warps)
     reasons = []
@@ -303,7 +321,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
     target_m, target_n = _targets(kind, bc, br)
 
     all_cands = [
-        _evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes)
+        evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes)
         for bm in BLOCK_SIZES for bn in BLOCK_SIZES for nw in WARP_COUNTS for ns in STAGE_COUNTS
     ]
     feasible = sorted((c for c in all_cands if c.rejected is None),
@@ -317,7 +335,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
             value = getattr(explicit, field)
             if value not in allowed:
                 raise ValueError(f"tile config {explicit}: {field} {value} not in {allowed}")
-        cand = _evaluate(kind, explicit, d, dtype_bytes, sram_bytes)
+        cand = evaluate(kind, explicit, d, dtype_bytes, sram_bytes)
         if cand.rejected is not None:
             raise ValueError(f"tile config {explicit} infeasible for {what}: {cand.rejected}")
         chosen = explicit

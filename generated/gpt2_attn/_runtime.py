@@ -448,8 +448,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi, *drop,
         BLOCK_M=block_m, BLOCK_N=block_n, **launch,
     )
-    # dQ: the mirror image, a program per block_n query rows stepping over block_m keys
-    kernel(name, "dq_kernel")[(batch * h_q, triton_cdiv(n_q, block_n))](
+    # dQ: by default the mirror image, a program per block_n query rows stepping over
+    # block_m keys; the dq_tile knob ("MxNwWsS") gives it a tile and launch of its own
+    dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)
+    kernel(name, "dq_kernel")[(batch * h_q, triton_cdiv(n_q, dq_m))](
         q, k, v, do, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -457,5 +459,5 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi, *drop,
-        BLOCK_M=block_n, BLOCK_N=block_m, **launch,
+        BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_w, num_stages=dq_s,
     )
