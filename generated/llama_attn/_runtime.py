@@ -217,7 +217,7 @@ class Launcher:
 
     def __call__(self, *args):
         compiled = self.compiled
-        if (compiled is not None and _launch_hooks.launch_enter_hook is None
+        if (compiled is not None and _no_hooks(_launch_hooks.launch_enter_hook)
                 and _current_device() == self.device):
             compiled.run(*self.grid, _raw_stream(self.device), compiled.function,
                          compiled.packed_metadata, None, None, None, *args, *self.tail)
@@ -232,6 +232,11 @@ class Launcher:
 
 
 _launch_hooks = _current_device = _raw_stream = None
+
+
+def _no_hooks(hook) -> bool:
+    """No launch hook is installed: None, or (Triton >= 3.5) an empty HookChain."""
+    return not getattr(hook, "calls", hook)
 
 
 def _fast_launch_ok(compiled) -> bool:
