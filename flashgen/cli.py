@@ -71,7 +71,8 @@ def _cmd_tune(args) -> int:
     from .tune import tune
 
     try:
-        tune(args.spec, trials=args.trials, timeout=args.timeout, storage=args.storage,
+        tune(args.spec, trials=args.trials, timeout=args.timeout,
+             budget=args.budget if args.budget > 0 else None, storage=args.storage,
              workers=args.workers, variants=args.variants, buckets=args.buckets,
              sampler=args.sampler, seed=args.seed, worker_index=args.worker_index)
     except KeyboardInterrupt:
@@ -122,7 +123,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="one small shape per variant")
     c.set_defaults(func=_cmd_check)
 
-    from .tune import DEFAULT_TRIALS, SAMPLERS
+    from .tune import DEFAULT_BUDGET, DEFAULT_TRIALS, SAMPLERS
 
     t = sub.add_parser("tune", help="autotune launch configs on this GPU with Optuna (resumable)",
                        description="On a CUDA GPU: one Optuna study per (kernel variant, "
@@ -137,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
                    f"{DEFAULT_TRIALS})")
     t.add_argument("--timeout", type=float, metavar="S",
                    help="stop each study after S seconds (it resumes on the next run)")
+    t.add_argument("--budget", type=float, default=DEFAULT_BUDGET, metavar="S",
+                   help=f"the whole run's time: each study gets the seconds left divided by "
+                   f"the studies left (default {DEFAULT_BUDGET:g}, so a whole spec tunes in "
+                   "under 15 minutes; 0 = no limit)")
     t.add_argument("--storage", metavar="URL",
                    help="Optuna storage: an RDB URL or a journal file path (default "
                    "sqlite:///<repo>/.flashgen/tune.db)")

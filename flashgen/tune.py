@@ -44,6 +44,9 @@ from .space import Space, space_for
 TOKENS = 16384          # B * N of the timed shape
 HIDDEN = 2048           # H * d of the timed shape
 DEFAULT_TRIALS = 30
+DEFAULT_BUDGET = 840.0     # seconds for a whole `flashgen tune` run (spec under 15 min)
+DECODE_B = 8               # decode timing: sequences ...
+DECODE_KV_HEADS = 8        # ... and key/value heads (Llama-3-8B's serving shape)
 SAMPLERS = ("tpe", "grid")
 CHECK_PAD = 37          # the check's sequence length: 2 * the larger block + 37 (ragged)
 DROPOUT_P = 0.1         # dropout variants are called with this probability
@@ -693,6 +696,62 @@ class Workload:
             raise
 
 
+class DecodeWorkload(Workload):
+    """The calls a decoding variant's trials make, through the package's public
+    `flash_attn_with_kvcache`: one new query token against a KV cache whose capacity is
+    the bucket. The check uses ragged cache lengths (one full, one about half) against
+    the float64 reference per batch element; the timing uses a serving shape, DECODE_B
+    sequences with DECODE_KV_HEADS key/value heads (4 query heads each with GQA), every
+    cache full."""
+
+    def call_decode(self, q, k_cache, v_cache, lens, window=None):
+        return self.pkg.flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=lens, causal=self.mask == "causal",
+            window_size=self.window if window is None else window)
+
+    def _cache(self, b, h_kv, n, h_q):
+        torch = self.torch
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(2000 + self._seed)
+        self._seed += 1
+        def rnd(*shape):  # noqa: E306
+            return torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
+        return rnd(b, 1, h_q, self.d), rnd(b, n, h_kv, self.d), rnd(b, n, h_kv, self.d)
+
+    def check(self, config: Mapping) -> str | None:
+        torch = self.torch
+        from .reference import attention_ref, visible_mask
+
+        n = self.check_n or 2 * config["block_n"] + CHECK_PAD
+        h_kv = 2
+        h_q = h_kv * (4 if self.gqa else 1)
+        window = tuple(min(w, n // 3) if w >= 0 else w for w in self.window)
+        q, k_cache, v_cache = self._cache(2, h_kv, n, h_q)
+        lens = torch.tensor([n, n // 2 + 3], dtype=torch.int32, device=self.device)
+        with self.pkg._runtime.override_config(**config):
+            got = self.call_decode(q, k_cache, v_cache, lens, window)
+        tol = FWD_TOL[self.dtype_name]
+        for b, length in enumerate(lens.tolist()):
+            vis = visible_mask(1, length, causal=self.mask == "causal", window=window,
+                               bottom_right=True)
+            ref, _ = attention_ref(q[b:b + 1].transpose(1, 2), k_cache[b:b + 1, :length].transpose(1, 2),
+                                   v_cache[b:b + 1, :length].transpose(1, 2), vis)
+            err = _rel_err(got[b:b + 1], ref.transpose(1, 2))
+            if not err <= tol:
+                return (f"out differs from the float64 reference: max rel err {err:.3g} > "
+                        f"{tol:g} (cache length {length} of {n})")
+        return None
+
+    def _timing_setup(self):
+        if self._timed is None:
+            torch = self.torch
+            h_q = DECODE_KV_HEADS * (4 if self.gqa else 1)
+            q, k_cache, v_cache = self._cache(DECODE_B, DECODE_KV_HEADS, self.bucket, h_q)
+            lens = torch.full((DECODE_B,), self.bucket, dtype=torch.int32, device=self.device)
+            self._timed = (lambda: self.call_decode(q, k_cache, v_cache, lens), None)
+        return self._timed
+
+
 def _cuda_broken(torch) -> bool:
     try:
         torch.cuda.synchronize()
@@ -708,12 +767,13 @@ def gpu_measure(pkg, variant: str, bucket: int, device, *, spec=None,
     facts = pkg._registry.VARIANTS[variant]
     window = (spec.window.left, spec.window.right) if spec is not None and spec.window else (-1, -1)
     gqa = bool(spec.gqa) if spec is not None else False
-    return Workload(pkg, variant, facts, bucket, device, window=window, gqa=gqa,
+    workload = DecodeWorkload if facts["kind"] == "decode" else Workload
+    return workload(pkg, variant, facts, bucket, device, window=window, gqa=gqa,
                     default=default)
 
 
-# Kinds `flashgen tune` can measure today; a new kind (decode) adds its Workload here.
-MEASURED_KINDS = ("fwd", "bwd")
+# Kinds `flashgen tune` can measure; a new kind adds its Workload in gpu_measure.
+MEASURED_KINDS = ("fwd", "bwd", "decode")
 
 
 # ----------------------------------------------------------------------------------------
@@ -883,7 +943,37 @@ def _spawn_workers(args: Sequence[str], n: int, say) -> int:
     return bad
 
 
+class Budget:
+    """A whole run's time budget (`--budget`), shared out between the studies still to
+    run: each study gets the time left divided by the studies left, so a fast study's
+    savings go to the later ones and the run ends near the budget (plus the last study's
+    confirmation round)."""
+
+    def __init__(self, seconds: float | None, studies: int):
+        self.seconds, self.left = seconds, max(studies, 1)
+        self.started = time.monotonic()
+
+    def share(self) -> float | None:
+        if self.seconds is None:
+            return None
+        remaining = self.seconds - (time.monotonic() - self.started)
+        return max(remaining, 0.0) / max(self.left, 1)
+
+    def done(self) -> None:
+        self.left -= 1
+
+    def skip(self, n: int) -> None:
+        self.left -= n
+
+
+def _min_none(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return b if a is None else a
+    return min(a, b)
+
+
 def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = None,
+         budget: float | None = None,
          storage: str | None = None, workers: int = 1, variants: Sequence[str] | None = None,
          buckets: Sequence[int] | None = None, sampler: str = "tpe", seed: int = 0,
          worker_index: int | None = None, say: Callable[[str], None] | None = None,
@@ -935,6 +1025,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                     "--buckets", *map(str, bucket_list)]
             if timeout is not None:
                 args += ["--timeout", str(timeout)]
+            args += ["--budget", str(budget or 0)]
             say(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {workers} "
                 f"{gpu.name} GPUs ({gpu.key}), storage {url}")
             failed_workers = _spawn_workers(args, workers, say)
@@ -945,22 +1036,34 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             f"({gpu.key}, {gpu.sram_bytes} B shared memory per block), {trials} trials per "
             f"study, sampler {sampler}, storage {url}")
         results = []
+        clock = Budget(budget, len(names) * len(bucket_list))
+        winners: dict = {}   # (kind, bucket) -> best configs so far, newest first
         for name in names:
             facts = registry[name]
             try:
                 space = _space(facts["kind"], facts, gpu)
             except ValueError as e:
                 log(f"{name}: skipped, no feasible config on this GPU: {e}")
+                clock.skip(len(bucket_list))
                 continue
+            previous = None
             for bucket in bucket_list:
                 sname = study_name(name, bucket, gpu.key)
                 measure = gpu_measure(pkg, name, bucket, device, spec=spec,
                                       default=space.default())
+                # what won nearby is the best first guess: the neighbouring bucket of this
+                # variant, then the same kind's other variants at this bucket
+                starts = _warm_starts(spec, facts["kind"], space)
+                if previous is not None:
+                    starts.append((f"best@{previous[0]}", previous[1]))
+                starts += [("best of " + v, c) for v, c in winners.get((facts["kind"], bucket), [])[:2]]
+                share = clock.share()
                 try:
                     result = tune_study(
                         storage=store, name=sname, space=space, measure=measure,
-                        n_trials=trials, timeout=0 if spawned else timeout,
-                        warm_starts=_warm_starts(spec, facts["kind"], space), sampler=sampler,
+                        n_trials=trials,
+                        timeout=0 if spawned else _min_none(timeout, share),
+                        warm_starts=starts, sampler=sampler,
                         seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
                         confirm_top=CONFIRM_TOP if worker_index is None else 0,
                         user_attrs={"variant": name, "bucket": bucket, "gpu_key": gpu.key,
@@ -969,8 +1072,12 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                                     **{f"version_{k}": v for k, v in versions().items()}})
                 finally:
                     measure.close()
+                    clock.done()
                 result.variant, result.bucket = name, bucket
                 results.append(result)
+                if result.best_config is not None:
+                    previous = (bucket, result.best_config)
+                    winners.setdefault((facts["kind"], bucket), []).insert(0, (name, result.best_config))
                 if write and worker_index is None:
                     _write_results(spec, gpu, [result], say)
         if worker_index is None:

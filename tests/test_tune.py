@@ -25,9 +25,9 @@ from flashgen.build import build  # noqa: E402
 from flashgen.cli import main as cli_main  # noqa: E402
 from flashgen.space import KNOBS, Knob, space_for  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
-from flashgen.tune import (ATTR_FAIL, ATTR_INFEASIBLE, ATTR_WARM, GpuInfo, StudyResult,  # noqa: E402
-                           WrongAnswer, Workload, _write_results, format_summary, study_name,
-                           tune_study)
+from flashgen.tune import (ATTR_FAIL, ATTR_INFEASIBLE, ATTR_WARM, Budget,  # noqa: E402
+                           DecodeWorkload, GpuInfo, StudyResult, WrongAnswer, Workload,
+                           _write_results, format_summary, gpu_measure, study_name, tune_study)
 
 from packages import build_and_import  # noqa: E402
 
@@ -520,6 +520,65 @@ def check_pkg(tmp_path_factory):
     yield pkg
     for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[mod]
+
+
+@pytest.fixture(scope="module")
+def decode_pkg(tmp_path_factory):
+    name = f"fgtunedecode_{uuid.uuid4().hex[:8]}"
+    pkg = build_and_import(tmp_path_factory.mktemp("decode"), name,
+                           "head_dims: [32]\ndtypes: [fp32]\nmasks: [causal, sliding_window]\n"
+                           "window: {left: 16, right: 0}\ngqa: true\ndecode: true\n")
+    yield pkg
+    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[mod]
+
+
+@pytest.mark.parametrize("mask", ["causal", "window"])
+def test_the_decode_measure_checks_ragged_caches_and_rejects_a_wrong_answer(
+        decode_pkg, mask, monkeypatch):
+    """Decoding variants are tuned too: the check runs flash_attn_with_kvcache on a ragged
+    cache (GQA 4:1) against the float64 reference, with the config's split count."""
+    name = f"decode_{mask}_d32_fp32"
+    work = gpu_measure(decode_pkg, name, 4096, "cpu")
+    assert isinstance(work, DecodeWorkload) and work.gqa is False
+    work = DecodeWorkload(decode_pkg, name, decode_pkg._registry.VARIANTS[name], 4096, "cpu",
+                          window=(16, 0), gqa=True, check_n=50)
+    for splits in (0, 1, 4):
+        cfg = {"block_m": 16, "block_n": 16, "num_warps": 2, "num_stages": 1,
+               "num_splits": splits}
+        assert work.check(cfg) is None, splits
+    real = decode_pkg.flash_attn_with_kvcache
+
+    def off_by_a_bit(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[1:] += 0.01 * out.abs().max()   # wrong only for the half-full cache
+        return out
+
+    monkeypatch.setattr(decode_pkg, "flash_attn_with_kvcache", off_by_a_bit)
+    reason = work.check(cfg)
+    assert reason is not None and reason.startswith("out differs"), reason
+    assert "cache length 28 of 50" in reason
+
+
+def test_decode_space_has_the_split_knob():
+    space = space_for("decode", 128, 2, **H100)
+    assert space.default()["num_splits"] == 0
+    assert {p["num_splits"] for p in space.points()} == {0, 1, 2, 4, 8, 16, 32}
+
+
+def test_budget_shares_the_time_left_among_the_studies_left(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("flashgen.tune.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    clock = Budget(120.0, 4)
+    assert clock.share() == 30.0
+    now[0] += 10.0          # the first study finished early
+    clock.done()
+    assert clock.share() == pytest.approx(110.0 / 3)
+    clock.skip(1)
+    assert clock.share() == pytest.approx(55.0)
+    now[0] += 500.0         # over budget: studies still get their warm starts, no more
+    assert clock.share() == 0.0
+    assert Budget(None, 3).share() is None
 
 
 @pytest.mark.parametrize("kind, dropout", [("fwd", False), ("bwd", False), ("fwd", True)])
