@@ -359,11 +359,13 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
                max_measured: int | None = None, label: str | None = None,
                n_startup_trials: int | None = None, confirm_top: int = CONFIRM_TOP,
                confirm_rounds: int = CONFIRM_ROUNDS,
-               retime: Callable[[dict], float] | None = None) -> StudyResult:
+               retime: Callable[[dict], float] | None = None,
+               min_trials: int = 0) -> StudyResult:
     """Create or resume the study `name` and run it until it has `n_trials` completed trials
     (counting those of earlier runs), `timeout` seconds pass, `max_failures` trials have
     failed (default n_trials), `max_measured` trials have been measured, or every feasible
-    point has been measured.
+    point has been measured. The timeout never stops a study before `min_trials` trials
+    (so a budgeted run still measures each study's first warm start, the default).
 
     `measure(config)` returns milliseconds, or a WrongAnswer; an exception fails the trial
     with its message (KeyboardInterrupt and TuneAborted stop the study: the trial is marked
@@ -411,7 +413,8 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
         if max_measured is not None and done + failed >= max_measured:
             stopped = f"{max_measured} measured"
             break
-        if timeout is not None and time.monotonic() - started >= timeout:
+        if (timeout is not None and time.monotonic() - started >= timeout
+                and done + failed >= min_trials):
             stopped = "timeout"
             break
         if failed >= max_failures:
@@ -1065,7 +1068,11 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                         timeout=0 if spawned else _min_none(timeout, share),
                         warm_starts=starts, sampler=sampler,
                         seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
-                        confirm_top=CONFIRM_TOP if worker_index is None else 0,
+                        # a budgeted run re-times fewer configs: the round is not free
+                        confirm_top=(0 if worker_index is not None else
+                                     CONFIRM_TOP if budget is None else 2),
+                        confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
+                        min_trials=1,
                         user_attrs={"variant": name, "bucket": bucket, "gpu_key": gpu.key,
                                     "kind": facts["kind"], "spec": Path(spec.path).name,
                                     "spec_sha": spec.sha, "space_size": len(space),

@@ -647,3 +647,19 @@ def test_tune_vs_grid_compares_a_quarter_budget_with_the_exhaustive_grid():
     row2 = tvg.compare(space, cost, storage=optuna.storages.InMemoryStorage(), name="t",
                        confirm=lambda a, b: (1.0, 1.02))
     assert row2["runs"][0]["ratio"] == pytest.approx(1.02) and row2["runs"][0]["within_bar"]
+
+
+def test_a_zero_timeout_still_measures_min_trials(storage):
+    """A budgeted run whose time is spent still measures each study's first warm start
+    (the default config), so every variant gets a default-vs-tuned row."""
+    space = fwd_space()
+    calls = []
+
+    def measure(cfg):
+        calls.append(cfg)
+        return 1.0
+
+    result = tune_study(storage=storage, name="min", space=space, measure=measure, n_trials=10,
+                        timeout=0.0, warm_starts=[("planner", space.default())],
+                        progress=quiet, min_trials=1, confirm_top=0)
+    assert result.stopped == "timeout" and calls == [space.default()]
