@@ -30,6 +30,8 @@ def main():
                     help="explicit tile m,n,w,s (repeatable; replaces the product above)")
     ap.add_argument("--dq", action="append", default=[],
                     help="bwd: the dq_tile knob, e.g. 128x64w8s3 or mirror (repeatable)")
+    ap.add_argument("--fused", type=int, nargs="*", default=[],
+                    help="bwd: fused_dq knob values to try (0, 1)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -39,6 +41,8 @@ def main():
     tiles = ([tuple(int(x) for x in t.split(",")) for t in args.tile] or
              list(itertools.product(args.block_m, args.block_n, args.warps, args.stages)))
     dqs = [dict(dq_tile=t) for t in args.dq] or [{}]
+    if args.fused:
+        dqs = [dict(dq, fused_dq=bool(f)) for dq in dqs for f in args.fused]
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     for causal in causals:
         q, k, v = (torch.randn(b, h, args.n, args.d, device="cuda", dtype=torch.bfloat16,

@@ -441,9 +441,16 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         n_q, h_q, BLOCK_M=PREPROCESS_BLOCK,
     )
     group = h_q // h_kv
+    fused = bool(cfg.get("fused_dq", False))
+    if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
+        dq_acc = torch.zeros((batch * h_q, n_q, d), device=q.device, dtype=torch.float32)
+        locks = torch.zeros((batch * h_q * triton_cdiv(n_q, block_m),), device=q.device,
+                            dtype=torch.int32)
+    else:
+        dq_acc = locks = delta  # unused
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
     kernel(name, "dkdv_kernel")[(batch * h_kv, triton_cdiv(n_k, block_n))](
-        q, k, v, do, lse, delta, dk, dv,
+        q, k, v, do, lse, delta, dk, dv, dq_acc, locks,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -451,8 +458,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi, *drop,
-        BLOCK_M=block_m, BLOCK_N=block_n, **launch,
+        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, **launch,
     )
+    if fused:
+        dq.copy_(dq_acc.view(batch, h_q, n_q, d))
+        return
     # dQ: by default the mirror image, a program per block_n query rows stepping over
     # block_m keys; the dq_tile knob ("MxNwWsS") gives it a tile and launch of its own
     dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)

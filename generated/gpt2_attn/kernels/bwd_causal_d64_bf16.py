@@ -12,6 +12,17 @@ and the log-sum-exp the forward saved, P = exp(Q K^T * scale - LSE). Three launc
 3. `bwd_causal_d64_bf16_dq_kernel`: one program owns a block of queries and walks the key blocks it
    sees, accumulating dQ += dS K * scale. With dS = P * (dO V^T - D).
 
+With FUSED_DQ (the `fused_dq` knob) the third launch goes away: the dK/dV kernel, which
+has dS in registers anyway, also forms dS K for its query block and adds it into an fp32
+dQ buffer -- five matrix products per block pair instead of seven. The additions into one
+block of dQ rows come from several programs, so they take turns in a fixed order (a
+per-block counter, acquire/release): the first key block that sees the rows adds first,
+then the next. Programs walk their query blocks from the last down, so all of them start
+together and each trails the previous key block's program by one addition; a program
+only ever waits for programs launched before it (lower program ids), which cannot
+deadlock. A fixed order of fp32 additions keeps the result bitwise reproducible,
+which atomics would not.
+
 Each output element is written by exactly one program and no atomics are used, so the
 gradients are bitwise reproducible run to run. The band mask is the forward's: key j is
 visible to query i when i + LO_OFF <= j <= i + HI_OFF and j < N_K; blocks wholly inside
@@ -59,10 +70,22 @@ def bwd_causal_d64_bf16_preprocess(
 
 
 
+@triton.jit
+def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
+    """The first key block whose dK/dV program visits the query block at m0 (the programs
+    visit [lo, hi) of query rows, below): it adds into that block's dQ rows first, and
+    every later key block up to the last visitor follows in order."""
+    first = 0
+    if MASK_LEFT:
+        first = tl.maximum(m0 + LO_OFF, 0) // BLOCK_N
+    return first
+
+
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
                                "RNG_OFFSET", "DROP_THRESHOLD"])
 def bwd_causal_d64_bf16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32, contiguous
+    DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -78,11 +101,13 @@ def bwd_causal_d64_bf16_dkdv_kernel(
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
+    FUSED_DQ: tl.constexpr,  # also accumulate dQ (in turns) instead of a dQ kernel
 ):
     bkv = tl.program_id(0)
     b = bkv // H_KV
     kv_h = bkv % H_KV
-    n_start = tl.program_id(1) * BLOCK_N
+    pid_n = tl.program_id(1)
+    n_start = pid_n * BLOCK_N
     offs_n = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     col_ok = offs_n < N_K
@@ -125,9 +150,16 @@ def bwd_causal_d64_bf16_dkdv_kernel(
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
         lse_base = LSE + bh.to(tl.int64) * N_Q
         delta_base = DELTA + bh.to(tl.int64) * N_Q
+        dq_base = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM
+        lock_base = LOCKS + bh.to(tl.int64) * tl.cdiv(N_Q, BLOCK_M)
 
-        # Phase 1: query blocks on the diagonal (causal / right edge), masked
-        for m0 in range(lo, full_lo, BLOCK_M):
+        # The query blocks are walked from the last down: with FUSED_DQ every program
+        # then reaches a block of dQ rows one short step after the program of the key
+        # block before it, whose turn there comes just before its own.
+        # Phase 3: the window's left edge and the ragged end of the queries, masked
+        steps = tl.cdiv(hi - full_hi, BLOCK_M)
+        for t in range(0, steps):
+            m0 = full_hi + (steps - 1 - t) * BLOCK_M
             q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
             do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
             # rows past N_Q read LSE = +inf so that their probabilities are exactly 0
@@ -160,10 +192,27 @@ def bwd_causal_d64_bf16_dkdv_kernel(
             ds_t = ds_t.to(Q.dtype.element_ty)
             dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
             dk0 += tl.dot(ds_t, q0)  # [BLOCK_N, D0_SIZE]
-
+            if FUSED_DQ:
+                # this key block's share of dQ for the query block: dS K * scale
+                ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
+                dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
+                # wait for our turn at these rows: the key blocks before ours add first
+                lock = lock_base + m0 // BLOCK_M
+                turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
+                while tl.atomic_add(lock, 0, sem="acquire") != turn:
+                    pass
+                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                # .cg: read from L2, where the previous program's additions are
+                dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
+                tl.store(dq_ptrs0, dq0, mask=dq_ok0)
+                tl.debug_barrier()  # every thread's stores are done before the hand-over
+                tl.atomic_xchg(lock, turn + 1, sem="release")
 
         # Phase 2: query blocks that see the whole key block, no mask arithmetic
-        for m0 in range(full_lo, full_hi, BLOCK_M):
+        steps = tl.cdiv(full_hi - full_lo, BLOCK_M)
+        for t in range(0, steps):
+            m0 = full_lo + (steps - 1 - t) * BLOCK_M
             q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
             do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
             lse = tl.load(lse_base + m0 + offs_m)  # [BLOCK_M]
@@ -188,10 +237,27 @@ def bwd_causal_d64_bf16_dkdv_kernel(
             ds_t = ds_t.to(Q.dtype.element_ty)
             dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
             dk0 += tl.dot(ds_t, q0)  # [BLOCK_N, D0_SIZE]
+            if FUSED_DQ:
+                # this key block's share of dQ for the query block: dS K * scale
+                ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
+                dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
+                # wait for our turn at these rows: the key blocks before ours add first
+                lock = lock_base + m0 // BLOCK_M
+                turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
+                while tl.atomic_add(lock, 0, sem="acquire") != turn:
+                    pass
+                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                # .cg: read from L2, where the previous program's additions are
+                dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
+                tl.store(dq_ptrs0, dq0, mask=dq_ok0)
+                tl.debug_barrier()  # every thread's stores are done before the hand-over
+                tl.atomic_xchg(lock, turn + 1, sem="release")
 
-
-        # Phase 3: the window's left edge and the ragged end of the queries, masked
-        for m0 in range(full_hi, hi, BLOCK_M):
+        # Phase 1: query blocks on the diagonal (causal / right edge), masked
+        steps = tl.cdiv(full_lo - lo, BLOCK_M)
+        for t in range(0, steps):
+            m0 = lo + (steps - 1 - t) * BLOCK_M
             q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
             do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
             # rows past N_Q read LSE = +inf so that their probabilities are exactly 0
@@ -224,7 +290,22 @@ def bwd_causal_d64_bf16_dkdv_kernel(
             ds_t = ds_t.to(Q.dtype.element_ty)
             dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
             dk0 += tl.dot(ds_t, q0)  # [BLOCK_N, D0_SIZE]
-
+            if FUSED_DQ:
+                # this key block's share of dQ for the query block: dS K * scale
+                ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
+                dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
+                # wait for our turn at these rows: the key blocks before ours add first
+                lock = lock_base + m0 // BLOCK_M
+                turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
+                while tl.atomic_add(lock, 0, sem="acquire") != turn:
+                    pass
+                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                # .cg: read from L2, where the previous program's additions are
+                dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
+                tl.store(dq_ptrs0, dq0, mask=dq_ok0)
+                tl.debug_barrier()  # every thread's stores are done before the hand-over
+                tl.atomic_xchg(lock, turn + 1, sem="release")
 
     dk_base = DK + b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh
     dv_base = DV + b.to(tl.int64) * stride_dvb + kv_h.to(tl.int64) * stride_dvh
