@@ -7,8 +7,8 @@ TUNING = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'triton': '3.6.0',
                                       'torch': '2.11.0',
                                       'flashgen': '0.1.0',
                                       'spec_sha': '5443c302873d',
-                                      'variants': 13,
-                                      'buckets': 71}}
+                                      'variants': 18,
+                                      'buckets': 108}}
 
 
 def describe() -> str:
