@@ -88,10 +88,8 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     "bwd": (
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",
                          "64x32w4s4"), planner_core.DQ_MIRROR, _dq_tile),
-        # dQ inside the dK/dV kernel (no dQ kernel; its tile is then moot)
-        Knob("fused_dq", (False, True), False,
-             lambda c, f: ("the dQ kernel's tile is unused with fused_dq"
-                           if c["fused_dq"] and c["dq_tile"] != planner_core.DQ_MIRROR else None)),
+        # (`fused_dq=True`, dQ inside the dK/dV kernel, is reachable through
+        # override_config but not tuned: 2x slower on the H100, see docs/PERF_NOTES.md)
     ),
     # split-KV factor (0 = the package's heuristic from batch, heads, length and SMs)
     "decode": (Knob("num_splits", (0, 1, 2, 4, 8, 16, 32), 0),),

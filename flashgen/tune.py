@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from . import __version__, tuning_data
+from . import __version__, planner_core, tuning_data
 from .errors import FlashgenError
 from .space import Space, space_for
 
@@ -47,6 +47,7 @@ DEFAULT_TRIALS = 30
 DEFAULT_BUDGET = 840.0     # seconds for a whole `flashgen tune` run (spec under 15 min)
 DECODE_B = 8               # decode timing: sequences ...
 DECODE_KV_HEADS = 8        # ... and key/value heads (Llama-3-8B's serving shape)
+assert DECODE_B * DECODE_KV_HEADS == planner_core.TUNED_DECODE_PROGRAMS  # the runtime rescales by it
 SAMPLERS = ("tpe", "grid")
 CHECK_PAD = 37          # the check's sequence length: 2 * the larger block + 37 (ragged)
 DROPOUT_P = 0.1         # dropout variants are called with this probability

@@ -254,6 +254,26 @@ def test_num_splits_agree(pkg, device, poison):
         torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=0)
 
 
+def test_a_tuned_split_count_keeps_its_grid_for_other_batches(pkg):
+    """num_splits tuned at 8 sequences x 8 KV heads (64 programs) is rescaled so that a
+    call with fewer programs keeps about the same grid: 4 splits at 64 programs become
+    64 x 4 / 4 = 64 splits at 1 sequence x 4 KV heads -- capped by the key blocks (4 each
+    at least) -- and stay 4 at 64 programs."""
+    def splits(batch, h_kv, capacity):
+        k_cache = torch.zeros(batch, capacity, h_kv, 64, dtype=torch.float16)
+        q = torch.zeros(batch, 1, h_kv, 64, dtype=torch.float16)
+        with pkg._runtime.override_config(block_m=16, block_n=16, num_warps=4, num_stages=2,
+                                          num_splits=4):
+            plan = pkg._decode._make_plan(q, k_cache, k_cache, None, None, None, None, None,
+                                          False, (-1, -1), 0)
+        return plan.kernel.grid[2]
+
+    assert splits(8, 8, 4096) == 4
+    assert splits(1, 4, 4096) == 64            # 4 * 64 / 4
+    assert splits(1, 4, 256) == 4              # 16 key blocks: at least 4 per split
+    assert splits(16, 8, 4096) == 2            # more programs than tuned: fewer splits
+
+
 @pytest.mark.parametrize("dtype,d", [(torch.bfloat16, 64), (torch.float32, 64),
                                      (torch.float16, 80)], ids=["bf16", "fp32", "d80"])
 def test_dtypes_and_head_dims(pkg, device, poison, dtype, d):

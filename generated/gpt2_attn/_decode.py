@@ -49,7 +49,7 @@ import os
 
 import torch
 
-from . import _runtime
+from . import _planner, _runtime
 from ._registry import BUILT_FOR, PACKAGE, TARGET_GPU, VARIANTS
 
 # Split-KV heuristic (num_splits=0): enough programs for about WAVES waves over the SMs,
@@ -352,11 +352,17 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     left, right = window
     keys = capacity if left < 0 else min(capacity, left + n_q + max(right, 0))
     n_blocks = _cdiv(keys, block_n)
-    splits = num_splits or cfg.get("num_splits", 0)
+    programs = batch * h_kv * row_blocks
+    splits = num_splits
+    if not splits and cfg.get("num_splits"):
+        # a tuned split count was measured with TUNED_DECODE_PROGRAMS programs per split;
+        # keep the grid that won (programs x splits), whatever this call's batch and heads
+        splits = max(1, min(round(cfg["num_splits"] * _planner.TUNED_DECODE_PROGRAMS / programs),
+                            max(n_blocks // MIN_BLOCKS_PER_SPLIT, 1), MAX_SPLITS))
     if not splits:
         sms = (_runtime.gpu_key(q.device)[2] if q.device.type == "cuda"
                else TARGET_GPU.get("sm_count") or _SM_FALLBACK)
-        splits = num_splits_heuristic(batch * h_kv * row_blocks, n_blocks, sms)
+        splits = num_splits_heuristic(programs, n_blocks, sms)
     plan.split = splits > 1
     rows = batch * h_q * n_q
     plan.ws_numel = rows * splits * (d + 1)  # partial outputs, then their LSEs

@@ -139,6 +139,10 @@ def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(chunks)
 
 
+# `flashgen tune` times decoding with 8 sequences x 8 KV heads = 64 programs per split; a
+# tuned num_splits is rescaled at run time to keep the same total grid for other shapes.
+TUNED_DECODE_PROGRAMS = 64
+
 DQ_MIRROR = "mirror"
 
 
