@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--fused", type=int, nargs="*", default=[],
                     help="bwd: fused_dq knob values to try (0, 1)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
+    ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--out")
     args = ap.parse_args()
     pkg = importlib.import_module(PACKAGES[args.d])
@@ -45,7 +46,8 @@ def main():
         dqs = [dict(dq, fused_dq=bool(f)) for dq in dqs for f in args.fused]
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     for causal in causals:
-        q, k, v = (torch.randn(b, h, args.n, args.d, device="cuda", dtype=torch.bfloat16,
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        q, k, v = (torch.randn(b, h, args.n, args.d, device="cuda", dtype=dtype,
                                requires_grad=True) for _ in range(3))
         do = torch.randn_like(q)
         flops = 4 * b * h * args.n * args.n * args.d * (0.5 if causal else 1) * (2.5 if args.mode == "bwd" else 1)
