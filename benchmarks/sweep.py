@@ -32,6 +32,10 @@ def main():
                     help="bwd: the dq_tile knob, e.g. 128x64w8s3 or mirror (repeatable)")
     ap.add_argument("--fused", type=int, nargs="*", default=[],
                     help="bwd: fused_dq knob values to try (0, 1)")
+    ap.add_argument("--tma", type=int, nargs="*", default=[],
+                    help="fwd: tma knob values to try (0, 1)")
+    ap.add_argument("--ws", type=int, nargs="*", default=[],
+                    help="fwd: warp_specialize knob values to try (0, 1)")
     ap.add_argument("--causal", choices=["both", "yes", "no"], default="both")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     ap.add_argument("--out")
@@ -42,6 +46,10 @@ def main():
     tiles = ([tuple(int(x) for x in t.split(",")) for t in args.tile] or
              list(itertools.product(args.block_m, args.block_n, args.warps, args.stages)))
     dqs = [dict(dq_tile=t) for t in args.dq] or [{}]
+    if args.tma:
+        dqs = [dict(dq, tma=bool(t)) for dq in dqs for t in args.tma]
+    if args.ws:
+        dqs = [dict(dq, warp_specialize=bool(w)) for dq in dqs for w in args.ws]
     if args.fused:
         dqs = [dict(dq, fused_dq=bool(f)) for dq in dqs for f in args.fused]
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]

@@ -103,6 +103,18 @@ def test_gqa(pkg, device, poison, h_q, h_kv):
     assert_matches(*run_flash(pkg, q, k, v, causal=True), dt)
 
 
+@pytest.mark.parametrize("d,causal", [(64, False), (80, True), (96, False)],
+                         ids=["d64", "d80_causal", "d96"])
+def test_tensor_descriptors_and_warp_specialization(pkg, device, poison, d, causal):
+    """The Hopper knobs: unmasked K/V blocks loaded through tensor descriptors (rows past
+    N_K and columns past the head dim read as zero) inside a warp-specialised loop."""
+    tiles = dict(SMALL_TILES, tma=True, warp_specialize=True)
+    q = rand(2, 70, 4, d, dtype=torch.float16, device=device)
+    k, v = (rand(2, 83, 2, d, dtype=torch.float16, device=device) for _ in range(2))
+    out, lse, ref_out, ref_lse = run_flash(pkg, q, k, v, causal=causal, tiles=tiles)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+
+
 def test_batch3(pkg, device, poison):
     dt = torch.float16
     q, k, v = (rand(3, 31, 2, 64, dtype=dt, device=device) for _ in range(3))

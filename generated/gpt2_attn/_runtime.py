@@ -374,9 +374,29 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
-    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"],
+    # tensor descriptors need 16-byte aligned row strides and bases; otherwise plain loads
+    row_bytes = _DTYPE_BYTES[_DTYPE_NAMES[q.dtype]]
+    tma = bool(cfg.get("tma", False)) and all(
+        (s * row_bytes) % 16 == 0 for s in (*bhnd(k.stride(), bnhd)[:3], *bhnd(v.stride(), bnhd)[:3])
+    ) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    if tma:
+        _descriptor_allocator()
+    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
+                WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launcher(kernel(name), grid, meta), args
+
+
+def _descriptor_allocator() -> None:
+    """Tensor descriptors made inside a kernel need global scratch memory, which Triton
+    takes from the allocator set with triton.set_allocator; set one (torch's caching
+    allocator) unless the application already has."""
+    import triton
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(
+            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,

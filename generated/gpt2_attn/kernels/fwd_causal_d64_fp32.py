@@ -60,6 +60,8 @@ def fwd_causal_d64_fp32_kernel(
     DROP_SCALE,  # 1 / (1 - p), folded into the final normalisation
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
+    WARP_SPECIALIZE: tl.constexpr,  # split the unmasked loop into producer/consumer warps
 ):
     # ------------------------------------------------------------------------------------
     # Which queries this program owns
@@ -94,6 +96,10 @@ def fwd_causal_d64_fp32_kernel(
     k_ptrs0 = k_base + offs_n[:, None] * stride_kn + offs_d0[None, :]  # [BLOCK_N, D0_SIZE]
     v_ptrs0 = v_base + offs_n[:, None] * stride_vn + offs_d0[None, :]  # [BLOCK_N, D0_SIZE]
     acc0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
+    if USE_TMA:
+        # rows past N_K and columns past HEAD_DIM read as zeros
+        k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N_K, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, D0_SIZE])
+        v_desc0 = tl.make_tensor_descriptor(v_base, shape=[N_K, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, D0_SIZE])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
 
@@ -135,8 +141,11 @@ def fwd_causal_d64_fp32_kernel(
             m_i = m_new
 
     # Phase 2: blocks every row may see in full -- the bulk of the work, no mask arithmetic
-    for n0 in range(full_lo, full_hi, BLOCK_N):
-        k0 = tl.load(k_ptrs0 + n0 * stride_kn)  # [BLOCK_N, D0_SIZE]
+    for n0 in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        if USE_TMA:
+            k0 = k_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
+        else:
+            k0 = tl.load(k_ptrs0 + n0 * stride_kn)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
         s = s * QK_SCALE_LOG2
@@ -150,7 +159,10 @@ def fwd_causal_d64_fp32_kernel(
             keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
-        v0 = tl.load(v_ptrs0 + n0 * stride_vn)  # [BLOCK_N, D0_SIZE]
+        if USE_TMA:
+            v0 = v_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
+        else:
+            v0 = tl.load(v_ptrs0 + n0 * stride_vn)  # [BLOCK_N, D0_SIZE]
         acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
         m_i = m_new
 
