@@ -83,7 +83,12 @@ def _dq_tile(config, facts: Facts) -> str | None:
 
 
 KNOBS: dict[str, tuple[Knob, ...]] = {
-    "fwd": (),
+    # unmasked K/V blocks through tensor descriptors (TMA): +9% at 256x64 w8 s3 on the H100,
+    # -3% at 128x64 w8 s3 (benchmarks/results/H100_sweep_fwd_tma_ws_d128.json). The
+    # template's warp_specialize option is left out: no gain measured, and Triton 3.6's
+    # warp-specialisation pass fails on 4-warp tiles.
+    "fwd": (Knob("tma", (False, True), False,
+                 lambda c, f: _needs_sm90(c, f) if c["tma"] else None),),
     # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
     "bwd": (
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",

@@ -38,7 +38,8 @@ FAKE_KEY = "Fake GPU 80GB|sm90|132sm"
 
 
 def fwd_space(**kw):
-    return space_for("fwd", 64, 2, **{**H100, **kw})
+    """The forward's tile space without template knobs (tests of the tuner's machinery)."""
+    return space_for("fwd", 64, 2, **{**H100, "knobs": {}, **kw})
 
 
 def cost_of(space, salt="", block_m=128):
@@ -83,16 +84,15 @@ def test_space_is_the_planners_feasible_set_for_the_real_smem():
     assert len(fwd_space(sram_bytes=49152)) < len(fwd_space())
 
 
-def test_a_knob_is_one_table_line_with_its_feasibility(monkeypatch):
+def test_a_knob_is_one_table_line_with_its_feasibility():
+    """The forward's real `tma` knob: one line in KNOBS, feasible on sm90 only."""
+    assert [k.name for k in KNOBS["fwd"]] == ["tma"]
     base = fwd_space()
-    needs_sm90 = Knob("tma", (False, True), False,
-                      lambda c, f: "needs sm90" if c["tma"] and f.capability < (9, 0) else None)
-    monkeypatch.setitem(KNOBS, "fwd", (needs_sm90,))
-    hopper = fwd_space()
-    ampere = fwd_space(capability=(8, 0))
+    hopper = space_for("fwd", 64, 2, **H100)
+    ampere = space_for("fwd", 64, 2, **{**H100, "capability": (8, 0)})
     assert hopper.names[-1] == "tma" and len(hopper) == 2 * len(base)
     assert len(ampere) == len(base) and all(p["tma"] is False for p in ampere.points())
-    assert ampere.check({**base.default(), "tma": True}) == "tma=True: needs sm90"
+    assert ampere.check({**base.default(), "tma": True}).startswith("tma=True: needs sm90")
     assert hopper.default() == {**base.default(), "tma": False}
     # tuning data that predates the knob is completed with its default
     assert tuning_data._config_only("fwd", base.default()) == {**base.default(), "tma": False}
@@ -401,7 +401,7 @@ def tuned_pkg(tmp_path_factory):
                          "seqlen_buckets: [1024, 2048, 4096, 8192]\n"
                          "gpu: {name: H100, sram_bytes: 232448, sm_count: 132}\n")
     spec = load_spec(spec_path)
-    space = fwd_space()
+    space = space_for("fwd", 64, 2, **H100)   # with the forward's knobs, as `tune` uses it
     storage = f"sqlite:///{root / 'tune.db'}"
     results = []
     for bucket, block_m in ((1024, 64), (8192, 128)):   # different winners per bucket
@@ -443,8 +443,9 @@ def test_the_best_config_reaches_the_built_package(tuned_pkg):
     assert list(tuned) == [FAKE_KEY]     # the other GPU had only a dropped variant
     assert tuned[FAKE_KEY] == {"fwd_causal_d64_fp16": {1024: best[1024], 8192: best[8192]}}
     for cfg in tuned[FAKE_KEY]["fwd_causal_d64_fp16"].values():
-        assert list(cfg) == ["block_m", "block_n", "num_warps", "num_stages"]  # configs only
-        assert all(type(v) is int for v in cfg.values())
+        assert list(cfg) == ["block_m", "block_n", "num_warps", "num_stages", "tma"]  # configs only
+        assert all(type(cfg[k]) is int for k in ("block_m", "block_n", "num_warps", "num_stages"))
+        assert type(cfg["tma"]) is bool
     text = pkg.describe()
     assert f"{FAKE_KEY}: 1 of 2 variants, 2 (variant, bucket) configs" in text
     assert f"triton {data['versions']['triton']}" in text
