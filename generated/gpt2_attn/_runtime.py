@@ -379,12 +379,10 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     tma = bool(cfg.get("tma", False)) and all(
         (s * row_bytes) % 16 == 0 for s in (*bhnd(k.stride(), bnhd)[:3], *bhnd(v.stride(), bnhd)[:3])
     ) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-    if tma:
-        _descriptor_allocator()
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return Launcher(kernel(name), grid, meta), args
+    return Launcher(kernel(name), grid, meta), args, tma
 
 
 def _descriptor_allocator() -> None:
@@ -422,7 +420,9 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
             _forward_plans.clear()
         plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
                                                    dropout)
-    launch, args = plan
+    launch, args, tma = plan
+    if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
+        _descriptor_allocator()
     launch(q, k, v, o, lse, *args, *drop)
     return lse
 
