@@ -3,8 +3,9 @@
 
 A call (1) checks its arguments, (2) appends the new keys/values, if any, into the cache in
 place (the variant's `_append` kernel: one launch for k and v), (3) launches the split-KV
-kernel of the `decode_*` variant over the (batch x KV head, query-row block, split) grid
-and (4), when the keys were split, the combine kernel that reduces the partials.
+kernel of the `decode_*` variant over the (batch x KV head, query-row block, split) grid;
+when the keys were split, the split of each tile that finishes last reduces the partials
+in the same launch.
 
 The hot path never waits for the GPU and does little Python:
   * no device->host sync: the grid is sized from what the host knows without reading
@@ -12,13 +13,13 @@ The hot path never waits for the GPU and does little Python:
     N_new and the shapes -- never from max(cache_seqlens). The split count heuristic works
     from the capacity; each program reads its own L_b on the device and splits its own
     keys, and a split past the end of a short element exits at once (see the kernel
-    template's docstring for how the combine skips it).
+    template's docstring for how the reduction skips it).
   * everything derived from the arguments' shapes, strides, dtypes and devices (and
     causal, window_size, num_splits, softmax_scale and a forced launch config) -- the
     checks that depend only on them, the variant, launch config, split count, grid and
     stride arguments, the kernel handles -- is computed on the first call and kept in
     `_plans`. A repeated call builds that key, allocates the output (plus one fp32
-    workspace when split, plus the LSE when return_lse) and launches 1 to 3 kernels.
+    workspace when split, plus the LSE when return_lse) and launches 1 or 2 kernels.
 
 Checking values (cache_seqlens, block-table entries) -- the trade-off. Reading a CUDA
 tensor's values on the host costs a device->host sync every call, which for decoding
@@ -54,7 +55,7 @@ from ._registry import BUILT_FOR, PACKAGE, TARGET_GPU, VARIANTS
 
 # Split-KV heuristic (num_splits=0): enough programs for about WAVES waves over the SMs,
 # but never a split shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays for a
-# query load, a partial write and a share of the combine), and at most MAX_SPLITS. It
+# query load, a partial write and a share of the reduction), and at most MAX_SPLITS. It
 # sees the cache capacity, not the lengths in use (those stay on the device).
 WAVES = 2
 MIN_BLOCKS_PER_SPLIT = 4
@@ -266,7 +267,7 @@ class _Plan:
     __slots__ = (
         "n_new", "capacity", "page_size", "int_lens", "device_values", "on_cpu", "empty",
         "out_shape", "lse_shape", "dtype", "device", "split", "ws_numel",
-        "kernel", "kernel_lse", "strides", "tail", "combine", "combine_lse", "combine_tail",
+        "kernel", "kernel_lse", "strides", "tail", "tiles",
         "append", "append_strides", "append_tail",
     )
 
@@ -394,14 +395,26 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     fn = _runtime.kernel(name)
     plan.kernel = _runtime.Launcher(fn, grid, dict(kw, STORE_LSE=False))
     plan.kernel_lse = _runtime.Launcher(fn, grid, dict(kw, STORE_LSE=True))
-    plan.combine = plan.combine_lse = None
+    plan.tiles = batch * h_kv * row_blocks
     if plan.split:
-        fn = _runtime.kernel(name, "combine")
-        plan.combine_tail = (*out_strides, n_q, h_q, splits, lp_off)
-        kw = dict(BLOCK_S=_next_pow2(splits))
-        plan.combine = _runtime.Launcher(fn, (rows,), dict(kw, STORE_LSE=False))
-        plan.combine_lse = _runtime.Launcher(fn, (rows,), dict(kw, STORE_LSE=True))
+        _ticket_counters(q.device, plan.tiles)  # allocated now, not on the hot path
     return plan
+
+
+# The split kernel's ticket counters, one int32 per tile, all 0 between launches (the last
+# split of a tile resets its counter). One set per (device, stream): launches on one
+# stream run in order, so they can share a set; two streams running at once cannot.
+_tickets = {}
+
+
+def _ticket_counters(device, tiles):
+    stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
+              else 0)
+    counters = _tickets.get((device, stream))
+    if counters is None or counters.numel() < tiles:
+        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
+        _tickets[(device, stream)] = counters
+    return counters
 
 
 # ----------------------------------------------------------------------------------------
@@ -459,10 +472,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
            if return_lse else out)  # without return_lse, out stands in (STORE_LSE=False)
     if plan.empty:
         return (out, lse) if return_lse else out
-    ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=plan.device) if plan.split else out
+    if plan.split:
+        ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=plan.device)
+        counters = _ticket_counters(plan.device, plan.tiles)
+    else:
+        ws = counters = out
     (plan.kernel_lse if return_lse else plan.kernel)(
-        q, k_cache, v_cache, out, lse, ws, seqlens, bt, *plan.strides, start + plan.n_new,
-        *plan.tail)
-    if plan.combine is not None:
-        (plan.combine_lse if return_lse else plan.combine)(ws, out, lse, *plan.combine_tail)
+        q, k_cache, v_cache, out, lse, ws, counters, seqlens, bt, *plan.strides,
+        start + plan.n_new, *plan.tail)
     return (out, lse) if return_lse else out

@@ -169,7 +169,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0 instead of NaN
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
-            s_t = tl.dot(k0, tl.trans(q0), input_precision="ieee")
+            s_t = tl.dot(k0, tl.trans(q0), input_precision="tf32x3")
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
@@ -179,7 +179,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
                 visible = visible & (offs_n[:, None] >= rows + LO_OFF)
             p_t = tl.where(visible, p_t, 0.0)
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v0, tl.trans(do0), input_precision="ieee")
+            dp_t = tl.dot(v0, tl.trans(do0), input_precision="tf32x3")
             if DROPOUT:
                 # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
@@ -191,12 +191,12 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
-            dv0 += tl.dot(p_t, do0, input_precision="ieee")  # [BLOCK_N, D0_SIZE]
-            dk0 += tl.dot(ds_t, q0, input_precision="ieee")  # [BLOCK_N, D0_SIZE]
+            dv0 += tl.dot(p_t, do0, input_precision="tf32x3")  # [BLOCK_N, D0_SIZE]
+            dk0 += tl.dot(ds_t, q0, input_precision="tf32x3")  # [BLOCK_N, D0_SIZE]
             if FUSED_DQ:
                 # this key block's share of dQ for the query block: dS K * scale
                 ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
-                dq0 = tl.dot(ds, k0, input_precision="ieee") * SCALE  # [BLOCK_M, D0_SIZE]
+                dq0 = tl.dot(ds, k0, input_precision="tf32x3") * SCALE  # [BLOCK_M, D0_SIZE]
                 # wait for our turn at these rows: the key blocks before ours add first
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
@@ -221,10 +221,10 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0 instead of NaN
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
-            s_t = tl.dot(k0, tl.trans(q0), input_precision="ieee")
+            s_t = tl.dot(k0, tl.trans(q0), input_precision="tf32x3")
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v0, tl.trans(do0), input_precision="ieee")
+            dp_t = tl.dot(v0, tl.trans(do0), input_precision="tf32x3")
             if DROPOUT:
                 # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
@@ -236,12 +236,12 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
-            dv0 += tl.dot(p_t, do0, input_precision="ieee")  # [BLOCK_N, D0_SIZE]
-            dk0 += tl.dot(ds_t, q0, input_precision="ieee")  # [BLOCK_N, D0_SIZE]
+            dv0 += tl.dot(p_t, do0, input_precision="tf32x3")  # [BLOCK_N, D0_SIZE]
+            dk0 += tl.dot(ds_t, q0, input_precision="tf32x3")  # [BLOCK_N, D0_SIZE]
             if FUSED_DQ:
                 # this key block's share of dQ for the query block: dS K * scale
                 ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
-                dq0 = tl.dot(ds, k0, input_precision="ieee") * SCALE  # [BLOCK_M, D0_SIZE]
+                dq0 = tl.dot(ds, k0, input_precision="tf32x3") * SCALE  # [BLOCK_M, D0_SIZE]
                 # wait for our turn at these rows: the key blocks before ours add first
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
@@ -267,7 +267,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0 instead of NaN
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
-            s_t = tl.dot(k0, tl.trans(q0), input_precision="ieee")
+            s_t = tl.dot(k0, tl.trans(q0), input_precision="tf32x3")
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
@@ -277,7 +277,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
                 visible = visible & (offs_n[:, None] >= rows + LO_OFF)
             p_t = tl.where(visible, p_t, 0.0)
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v0, tl.trans(do0), input_precision="ieee")
+            dp_t = tl.dot(v0, tl.trans(do0), input_precision="tf32x3")
             if DROPOUT:
                 # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
@@ -289,12 +289,12 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
-            dv0 += tl.dot(p_t, do0, input_precision="ieee")  # [BLOCK_N, D0_SIZE]
-            dk0 += tl.dot(ds_t, q0, input_precision="ieee")  # [BLOCK_N, D0_SIZE]
+            dv0 += tl.dot(p_t, do0, input_precision="tf32x3")  # [BLOCK_N, D0_SIZE]
+            dk0 += tl.dot(ds_t, q0, input_precision="tf32x3")  # [BLOCK_N, D0_SIZE]
             if FUSED_DQ:
                 # this key block's share of dQ for the query block: dS K * scale
                 ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
-                dq0 = tl.dot(ds, k0, input_precision="ieee") * SCALE  # [BLOCK_M, D0_SIZE]
+                dq0 = tl.dot(ds, k0, input_precision="tf32x3") * SCALE  # [BLOCK_M, D0_SIZE]
                 # wait for our turn at these rows: the key blocks before ours add first
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
@@ -366,7 +366,7 @@ def bwd_dropout_d64_fp32_dq_kernel(
             k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
             v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
             # scores in log2 units: [BLOCK_M, BLOCK_N]
-            s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
+            s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
             p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
@@ -375,35 +375,35 @@ def bwd_dropout_d64_fp32_dq_kernel(
             if MASK_LEFT:
                 visible = visible & (cols >= offs_m[:, None] + LO_OFF)
             p = tl.where(visible, p, 0.0)
-            dp = tl.dot(do0, tl.trans(v0), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+            dp = tl.dot(do0, tl.trans(v0), input_precision="tf32x3")  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
                 keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
-            dq0 += tl.dot(ds, k0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
+            dq0 += tl.dot(ds, k0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
 
 
     for n0 in range(full_lo, full_hi, BLOCK_N):
         k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
         v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
-        s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
+        s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
-        dp = tl.dot(do0, tl.trans(v0), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        dp = tl.dot(do0, tl.trans(v0), input_precision="tf32x3")  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
-        dq0 += tl.dot(ds, k0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
+        dq0 += tl.dot(ds, k0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
 
 
     for n0 in range(full_hi, hi, BLOCK_N):
         k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
         v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
-        s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
+        s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K
@@ -412,13 +412,13 @@ def bwd_dropout_d64_fp32_dq_kernel(
         if MASK_LEFT:
             visible = visible & (cols >= offs_m[:, None] + LO_OFF)
         p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do0, tl.trans(v0), input_precision="ieee")  # [BLOCK_M, BLOCK_N]
+        dp = tl.dot(do0, tl.trans(v0), input_precision="tf32x3")  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
-        dq0 += tl.dot(ds, k0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
+        dq0 += tl.dot(ds, k0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
 
 
     dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh

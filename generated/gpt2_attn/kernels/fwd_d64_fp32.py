@@ -114,7 +114,7 @@ def fwd_d64_fp32_kernel(
         for n0 in range(lo, full_lo, BLOCK_N):
             k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
             # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
-            s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
+            s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
             s = s * QK_SCALE_LOG2
             # this block straddles an edge of the band: hide what the query may not see
             cols = (n0 + offs_n)[None, :]
@@ -137,7 +137,7 @@ def fwd_d64_fp32_kernel(
                 p = tl.where(keep, p, 0.0)
             p = p.to(V.dtype.element_ty)
             v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
+            acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
             m_i = m_new
 
     # Phase 2: blocks every row may see in full -- the bulk of the work, no mask arithmetic
@@ -147,7 +147,7 @@ def fwd_d64_fp32_kernel(
         else:
             k0 = tl.load(k_ptrs0 + n0 * stride_kn)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
-        s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
+        s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         s = s * QK_SCALE_LOG2
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         m_ref = m_new
@@ -163,14 +163,14 @@ def fwd_d64_fp32_kernel(
             v0 = v_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
         else:
             v0 = tl.load(v_ptrs0 + n0 * stride_vn)  # [BLOCK_N, D0_SIZE]
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
         m_i = m_new
 
     # Phase 3: the diagonal band and the ragged end of the keys, masked
     for n0 in range(full_hi, hi, BLOCK_N):
         k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
-        s = tl.dot(q0, tl.trans(k0), input_precision="ieee")
+        s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         s = s * QK_SCALE_LOG2
         # this block straddles an edge of the band: hide what the query may not see
         cols = (n0 + offs_n)[None, :]
@@ -193,7 +193,7 @@ def fwd_d64_fp32_kernel(
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="ieee")  # [BLOCK_M, D0_SIZE]
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
         m_i = m_new
 
     # ------------------------------------------------------------------------------------

@@ -11,13 +11,14 @@ Head dim 128, bf16 inputs, mask `causal`. Two kernels:
   read from HBM once, not once per query head. The program streams the keys of its split
   in [BLOCK_N, HEAD_DIM] blocks with the forward kernel's online softmax (exp2, scores in
   log2 units) and writes either the final output (one split) or a partial output
-  normalised by its own row sum plus that split's log-sum-exp (several splits).
-
-`decode_causal_d128_bf16_combine` -- one program per output row (batch, query head, query token):
-  the log-sum-exp reduction of the partials,
+  normalised by its own row sum plus that split's log-sum-exp (several splits). With
+  several splits, the split of a tile that finishes last (it draws the last ticket of
+  the tile's counter) then reduces the tile's partials in the same launch:
       lse = log sum_s exp(lse_s),   out = sum_s exp(lse_s - lse) out_s,
   computed against the largest lse_s, so it cannot overflow; a split that saw no key has
-  lse_s = -inf and weight 0, and a row no split saw gets out = 0, lse = -inf.
+  lse_s = -inf and weight 0, and a row no split saw gets out = 0, lse = -inf. A second
+  "combine" launch cost more than a wave of extra splits gained at 4k keys on the H100,
+  so the tuner kept one split there and left half of the SMs idle.
 
 `decode_causal_d128_bf16_append` -- one program per (batch element, new token): copies the new keys and
   values of all KV heads into the cache in place (through the block table when paged),
@@ -29,7 +30,7 @@ max(cache_seqlens). Each program reads its own L_b and divides *its own* band of
 into NUM_SPLITS equal runs of key blocks, so a short element gets short splits, and the
 splits past the end of a very short element are empty. An empty split (or a row of a
 split that saw no key) is nearly free: its query loads are masked off, its loops do not
-run, and it writes only its lse_s = -inf, never the partial output; the combine reads
+run, and it writes only its lse_s = -inf, never the partial output; the reduction reads
 out_s only where lse_s > -inf, so the never-written partials are never read (the
 workspace is torch.empty, not zeroed).
 
@@ -90,6 +91,8 @@ def decode_causal_d128_bf16_kernel(
     O, LSE,  # one split: O like Q (written), LSE (B, H_Q, N_Q) fp32 contiguous (if STORE_LSE)
     OP,  # several splits: fp32 workspace, partial outputs (B, H_Q, N_Q, S, HEAD_DIM) at OP,
     #      their LSEs (B, H_Q, N_Q, S) at OP + LP_OFF
+    CNT,  # several splits: int32 ticket counter per (batch x KV head, row block) tile, all 0
+    #       on entry and left 0 on exit
     SEQLENS,  # (B,) int32: tokens in the cache before this call's new keys (PER_ROW_LENS only)
     BT,  # (B, max_pages) int32 block table, unit stride along pages (PAGED only)
     stride_qb, stride_qn, stride_qh,
@@ -110,7 +113,7 @@ def decode_causal_d128_bf16_kernel(
     PAGED: tl.constexpr,
     PAGE_BLOCKS: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: one page load per key block
     PER_ROW_LENS: tl.constexpr,  # SEQLENS holds one length per batch element
-    SPLIT: tl.constexpr,  # write partials for the combine kernel instead of O and LSE
+    SPLIT: tl.constexpr,  # write partials; the last split of a tile reduces them
     STORE_LSE: tl.constexpr,  # one split: write LSE (the caller asked for it)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -353,50 +356,49 @@ def decode_causal_d128_bf16_kernel(
     inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)  # [BLOCK_M]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # log2 units
     out_row = (b64 * H_Q + q_head.to(tl.int64)) * N_Q + q_tok.to(tl.int64)  # [BLOCK_M] (b, h, i)
+    final = True  # this program writes the output
     if SPLIT:
         part = out_row * num_splits + split  # [BLOCK_M] row of the partials
         tl.store(OP + LP_OFF + part, lse2, mask=row_ok)
-        # only rows that saw a key write their partial output: the combine reads out_s
+        # only rows that saw a key write their partial output: the reduction reads out_s
         # only where lse_s > -inf
         tl.store(OP + part[:, None] * HEAD_DIM + offs_d0[None, :], acc0 * inv_l[:, None], mask=(row_ok & seen)[:, None])
-    else:
+        # ---- The split of this tile that finishes last reduces all the partials, so no
+        # second kernel launch is needed: each split takes a ticket from the tile's counter
+        # after its stores (release), and the one holding the last ticket reads the others'
+        # partials (acquire, through L2) and resets the counter for the next call.
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()  # every thread's partial stores precede the ticket
+        ticket = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+        final = ticket == num_splits - 1
+        if final:
+            tl.atomic_xchg(CNT + tile, 0, sem="relaxed")
+            # log-sum-exp reduction against the largest lse_s, so nothing overflows;
+            # a split that saw no key has lse_s = -inf and weight 0; splits are added
+            # in a fixed order whoever is last, so the result is deterministic
+            first = out_row * num_splits  # [BLOCK_M]
+            m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            for s_idx in range(num_splits):
+                lse_s = tl.load(OP + LP_OFF + first + s_idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                m_all = tl.maximum(m_all, lse_s)
+            m_ref_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # every split empty
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
+            for s_idx in range(num_splits):
+                lse_s = tl.load(OP + LP_OFF + first + s_idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                has_out = lse_s > float("-inf")  # [BLOCK_M] this split wrote the row
+                w = tl.exp2(lse_s - m_ref_all)  # [BLOCK_M]
+                total += w
+                o_s = tl.load(OP + (first + s_idx)[:, None] * HEAD_DIM + offs_d0[None, :], mask=(row_ok & has_out)[:, None], other=0.0, cache_modifier=".cg")  # [BLOCK_M, D0_SIZE]
+                acc0 += o_s * w[:, None]
+            seen = total > 0.0
+            inv_l = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
+            lse2 = tl.where(seen, m_ref_all + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
+    if final:
         if STORE_LSE:
             tl.store(LSE + out_row, lse2 * LN2, mask=row_ok)
         o_rows = b64 * stride_ob + q_tok.to(tl.int64) * stride_on + q_head.to(tl.int64) * stride_oh  # [BLOCK_M]
         tl.store(O + o_rows[:, None] + offs_d0[None, :], (acc0 * inv_l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
-
-
-@triton.jit(do_not_specialize=["N_Q", "H_Q", "NUM_SPLITS", "LP_OFF"])
-def decode_causal_d128_bf16_combine(
-    OP,  # workspace: partial outputs (B, H_Q, N_Q, NUM_SPLITS, HEAD_DIM) fp32 at OP, their
-    #      LSEs (log2 units; -inf: that split wrote no partial output for the row) at OP + LP_OFF
-    O, LSE,  # O like Q; LSE (B, H_Q, N_Q) fp32 contiguous, natural log (if STORE_LSE)
-    stride_ob, stride_on, stride_oh,
-    N_Q, H_Q, NUM_SPLITS, LP_OFF,
-    STORE_LSE: tl.constexpr,
-    BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of two
-):
-    row = tl.program_id(0).to(tl.int64)  # (b * H_Q + h) * N_Q + i
-    tok = row % N_Q
-    h = (row // N_Q) % H_Q
-    b = row // (N_Q * H_Q)
-    offs_s = tl.arange(0, BLOCK_S)  # [BLOCK_S]
-    s_ok = offs_s < NUM_SPLITS
-    part = row * NUM_SPLITS + offs_s  # [BLOCK_S]
-    lse_s = tl.load(OP + LP_OFF + part, mask=s_ok, other=float("-inf"))  # [BLOCK_S]
-    has_out = lse_s > float("-inf")  # [BLOCK_S] splits that wrote a partial output
-    m = tl.max(lse_s, 0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)  # every split empty: weights exp2(-inf) = 0
-    w = tl.exp2(lse_s - m_ref)  # [BLOCK_S]
-    total = tl.sum(w, 0)
-    seen = total > 0.0
-    w = w / tl.where(seen, total, 1.0)
-    if STORE_LSE:
-        tl.store(LSE + row, tl.where(seen, (m_ref + tl.log2(tl.where(seen, total, 1.0))) * LN2, float("-inf")))
-    o_row = b * stride_ob + tok * stride_on + h * stride_oh
-    offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
-    o_s0 = tl.load(OP + part[:, None] * HEAD_DIM + offs_d0[None, :], mask=has_out[:, None], other=0.0)  # [BLOCK_S, D0_SIZE]
-    tl.store(O + o_row + offs_d0, tl.sum(o_s0 * w[:, None], 0).to(O.dtype.element_ty))
 
 
 @triton.jit(do_not_specialize=["N_NEW", "H_KV", "LEN_ADD", "CAPACITY", "NUM_BLOCKS"])
