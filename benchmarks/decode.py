@@ -11,7 +11,9 @@ output once each (B*H_q*d*2 + 2*B*L*H_kv*d*2 + B*H_q*d*2 bytes), whatever the ke
 re-reads. SDPA gets q (B, H_q, 1, d) and K/V (B, H_kv, L, d) with enable_gqa=True, or K/V
 repeated to H_q heads if the backend refuses GQA (the row says so; its bytes are still
 counted for the un-repeated K/V). Every provider's output is checked against a float32
-reference of batch element 0 before it is timed. Times are do_bench medians.
+reference of batch element 0 before it is timed. Times are do_bench medians (its L2 flush
+writes 256 MB); each provider is also timed with a read-only flush (rows "<name>_rf",
+see `read_flush_ms`), which does not charge the timed kernel for the flush's writeback.
 
 flashgen is called as a server would call it: cache_seqlens is an int32 tensor on the GPU,
 and the call reads no device value on the host (no sync; the grid comes from the cache
@@ -130,13 +132,45 @@ def host_us(fn, calls=200):
     return round(elapsed / calls * 1e6, 1)
 
 
+_CLEAN_FLUSH = None
+
+
+def read_flush_ms(fn, reps=100):
+    """Median ms of fn() with L2 flushed by READING 256 MB before each call.
+
+    do_bench flushes by writing 256 MB of zeros, which leaves up to the L2's 50 MB of
+    dirty lines to be written back to HBM while the timed kernel runs. For a memory-bound
+    kernel of ~60 us that writeback is a large share of the time: on the H100 it costs a
+    4k-key decode (134 MB read) ~8 us, and a plain copy of K likewise (2.7 -> 3.1 TB/s;
+    benchmarks/results/H100_flush_experiment.log). A read leaves L2 as cold for the
+    kernel's inputs with nothing to write back. Same inputs, same providers: only the
+    flush differs."""
+    global _CLEAN_FLUSH
+    if _CLEAN_FLUSH is None:
+        _CLEAN_FLUSH = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        _CLEAN_FLUSH.sum()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return times[len(times) // 2]
+
+
 def measure(fn, ref, nbytes):
     out = fn()
     err = (out[0].float() - ref).abs().max().item()
     if not err < TOL:
         return f"WRONG (max err {err:.3g})"
     ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    return {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1)}
+    clean = read_flush_ms(fn)
+    return {"ms": round(ms, 4), "GB/s": round(nbytes / ms / 1e6, 1),
+            "ms_read_flush": round(clean, 4), "GB/s_read_flush": round(nbytes / clean / 1e6, 1)}
 
 
 ROW_META = ("gpu", "b", "n", "page", "bytes", "host_us", "paged_host_us")

@@ -577,6 +577,9 @@ def measure_decode(cases, meta, log=print):
                         row["host_us"] = drow.get("host_us")
                     elif name == "flashgen_paged_s0":
                         row["host_us"] = drow.get("paged_host_us")
+                    if "ms_read_flush" in val:  # the same call, L2 flushed by a read
+                        rows.append(dict(row, provider=name + "_rf", ms=val["ms_read_flush"],
+                                         gbps=val["GB/s_read_flush"], host_us=None))
                 else:
                     row["status"] = str(val)
                 rows.append(row)

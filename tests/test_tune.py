@@ -577,9 +577,22 @@ def test_budget_shares_the_time_left_among_the_studies_left(monkeypatch):
     assert clock.share() == pytest.approx(110.0 / 3)
     clock.skip(1)
     assert clock.share() == pytest.approx(55.0)
-    now[0] += 500.0         # over budget: studies still get their warm starts, no more
-    assert clock.share() == 0.0
-    assert Budget(None, 3).share() is None
+    assert not clock.spent()
+    now[0] += 500.0         # over budget: `tune` skips the studies left
+    assert clock.share() == 0.0 and clock.spent()
+    assert Budget(None, 3).share() is None and not Budget(None, 3).spent()
+
+
+def test_a_study_with_one_config_is_not_retimed(storage):
+    """Re-timing compares configs back to back; with a single config measured (a budgeted
+    study that only reached its default) there is nothing to compare, and at the long
+    buckets each timing of a slow variant costs seconds."""
+    space = fwd_space()
+    retimed = []
+    r = tune_study(storage=storage, name="one", space=space, measure=lambda cfg: 2.0,
+                   n_trials=1, warm_starts=[("planner", space.default())], progress=quiet,
+                   retime=lambda cfg: retimed.append(cfg) or 1.0, confirm_top=2)
+    assert retimed == [] and not r.confirmed and r.best_ms == 2.0 == r.default_ms
 
 
 @pytest.mark.parametrize("kind, dropout", [("fwd", False), ("bwd", False), ("fwd", True)])
