@@ -1086,61 +1086,76 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             f"study, sampler {sampler}, storage {url}")
         results = []
         skipped = 0
-        clock = Budget(budget, len(names) * len(bucket_list))
-        winners: dict = {}   # (kind, bucket) -> best configs so far, newest first
+        spaces = {}
         for name in names:
-            facts = registry[name]
             try:
-                space = _space(facts["kind"], facts, gpu)
+                spaces[name] = _space(registry[name]["kind"], registry[name], gpu)
             except ValueError as e:
                 log(f"{name}: skipped, no feasible config on this GPU: {e}")
-                clock.skip(len(bucket_list))
+        studies = [(name, bucket) for name in names if name in spaces for bucket in bucket_list]
+        attrs = {"gpu_key": gpu.key, "spec": Path(spec.path).name, "spec_sha": spec.sha,
+                 **{f"version_{k}": v for k, v in versions().items()}}
+
+        def run_study(name, bucket, starts, **kw):
+            facts, space = registry[name], spaces[name]
+            measure = gpu_measure(pkg, name, bucket, device, spec=spec, default=space.default())
+            try:
+                return tune_study(
+                    storage=store, name=study_name(name, bucket, gpu.key), space=space,
+                    measure=measure, n_trials=trials, warm_starts=starts, sampler=sampler,
+                    seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
+                    user_attrs={"variant": name, "bucket": bucket, "kind": facts["kind"],
+                                "space_size": len(space), **attrs}, **kw)
+            finally:
+                measure.close()
+
+        if budget is not None and not spawned and worker_index is None:
+            # Phase 1: every study measures its default config first, so each variant and
+            # bucket gets a default-vs-tuned row and the planner's choice is checked on
+            # this GPU; at the long buckets a slow variant's single call can take longer
+            # than an even share of the budget would give it. Phase 2 shares what is left.
+            t0 = time.monotonic()
+            for name, bucket in studies:
+                run_study(name, bucket, _warm_starts(spec, registry[name]["kind"], spaces[name]),
+                          timeout=0, min_trials=1, confirm_top=0)
+            log(f"defaults measured for {len(studies)} studies in {time.monotonic() - t0:.0f} s")
+            budget = max(budget - (time.monotonic() - t0), 0.0)
+        clock = Budget(budget, len(studies))
+        winners: dict = {}   # (kind, bucket) -> best configs so far, newest first
+        previous: dict = {}  # variant -> (bucket, best config) of its last study
+        for name, bucket in studies:
+            kind = registry[name]["kind"]
+            if clock.spent():
+                # the run's time is up: later studies keep their stored trials (a rerun
+                # resumes them) and dispatch keeps the planner's config
+                log(f"{name}@{bucket}: skipped, the --budget is spent")
+                skipped += 1
+                clock.done()
                 continue
-            previous = None
-            for bucket in bucket_list:
-                sname = study_name(name, bucket, gpu.key)
-                if clock.spent():
-                    # the run's time is up: later studies keep their stored trials (a
-                    # rerun resumes them) and dispatch keeps the planner's config
-                    log(f"{name}@{bucket}: skipped, the --budget of {budget:g} s is spent")
-                    skipped += 1
-                    clock.done()
-                    continue
-                measure = gpu_measure(pkg, name, bucket, device, spec=spec,
-                                      default=space.default())
-                # what won nearby is the best first guess: the neighbouring bucket of this
-                # variant, then the same kind's other variants at this bucket
-                starts = _warm_starts(spec, facts["kind"], space)
-                if previous is not None:
-                    starts.append((f"best@{previous[0]}", previous[1]))
-                starts += [("best of " + v, c) for v, c in winners.get((facts["kind"], bucket), [])[:2]]
-                share = clock.share()
-                try:
-                    result = tune_study(
-                        storage=store, name=sname, space=space, measure=measure,
-                        n_trials=trials,
-                        timeout=0 if spawned else _min_none(timeout, share),
-                        warm_starts=starts, sampler=sampler,
-                        seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
-                        # a budgeted run re-times fewer configs: the round is not free
-                        confirm_top=(0 if worker_index is not None else
-                                     CONFIRM_TOP if budget is None else 2),
-                        confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
-                        min_trials=1,
-                        user_attrs={"variant": name, "bucket": bucket, "gpu_key": gpu.key,
-                                    "kind": facts["kind"], "spec": Path(spec.path).name,
-                                    "spec_sha": spec.sha, "space_size": len(space),
-                                    **{f"version_{k}": v for k, v in versions().items()}})
-                finally:
-                    measure.close()
-                    clock.done()
-                result.variant, result.bucket = name, bucket
-                results.append(result)
-                if result.best_config is not None:
-                    previous = (bucket, result.best_config)
-                    winners.setdefault((facts["kind"], bucket), []).insert(0, (name, result.best_config))
-                if write and worker_index is None:
-                    _write_results(spec, gpu, [result], say)
+            # what won nearby is the best first guess: the neighbouring bucket of this
+            # variant, then the same kind's other variants at this bucket
+            starts = _warm_starts(spec, kind, spaces[name])
+            if name in previous:
+                starts.append((f"best@{previous[name][0]}", previous[name][1]))
+            starts += [("best of " + v, c) for v, c in winners.get((kind, bucket), [])[:2]]
+            try:
+                result = run_study(
+                    name, bucket, starts,
+                    timeout=0 if spawned else _min_none(timeout, clock.share()),
+                    # a budgeted run re-times fewer configs: the round is not free
+                    confirm_top=(0 if worker_index is not None else
+                                 CONFIRM_TOP if budget is None else 2),
+                    confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
+                    min_trials=1)
+            finally:
+                clock.done()
+            result.variant, result.bucket = name, bucket
+            results.append(result)
+            if result.best_config is not None:
+                previous[name] = (bucket, result.best_config)
+                winners.setdefault((kind, bucket), []).insert(0, (name, result.best_config))
+            if write and worker_index is None:
+                _write_results(spec, gpu, [result], say)
         if worker_index is None:
             say("")
             say(format_summary(results))
