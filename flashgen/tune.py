@@ -1126,11 +1126,16 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         for name, bucket in studies:
             kind = registry[name]["kind"]
             if clock.spent():
-                # the run's time is up: later studies keep their stored trials (a rerun
-                # resumes them) and dispatch keeps the planner's config
-                log(f"{name}@{bucket}: skipped, the --budget is spent")
+                # the run's time is up: a later study keeps what it has (its default, from
+                # phase 1; a rerun resumes it) and still gets its row and tuning entry
+                log(f"{name}@{bucket}: no more trials, the --budget is spent")
                 skipped += 1
                 clock.done()
+                result = run_study(name, bucket, [], timeout=0, min_trials=0, confirm_top=0)
+                result.variant, result.bucket = name, bucket
+                results.append(result)
+                if write and worker_index is None:
+                    _write_results(spec, gpu, [result], say)
                 continue
             # what won nearby is the best first guess: the neighbouring bucket of this
             # variant, then the same kind's other variants at this bucket
@@ -1160,8 +1165,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             say("")
             say(format_summary(results))
             if skipped:
-                say(f"{skipped} studies skipped: the --budget ran out; run the same command "
-                    "again to tune them")
+                say(f"{skipped} studies got no trials past their default: the --budget ran "
+                    "out; run the same command again to tune them further")
         if failed_workers:
             raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
                                 "rerun the same command to resume")
