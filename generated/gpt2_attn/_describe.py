@@ -7,8 +7,8 @@ TUNING = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'triton': '3.6.0',
                                       'torch': '2.11.0',
                                       'flashgen': '0.1.0',
                                       'spec_sha': '56592f9e7964',
-                                      'variants': 14,
-                                      'buckets': 78}}
+                                      'variants': 24,
+                                      'buckets': 144}}
 
 
 def describe() -> str:
