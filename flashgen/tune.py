@@ -305,6 +305,13 @@ def _finished(study, space: Space) -> dict:
     return dict(trials=trials, complete=complete, failed=failed, pruned=pruned, waiting=waiting)
 
 
+def _trial_seconds(finished: dict) -> float:
+    """The median time a measured trial of this study took (0 before any)."""
+    times = sorted(t.user_attrs["measure_s"] for t in finished["complete"] + finished["failed"]
+                   if "measure_s" in t.user_attrs)
+    return times[len(times) // 2] if times else 0.0
+
+
 def summarize(study, space: Space, *, variant: str = "", bucket: int = 0,
               stopped: str = "") -> StudyResult:
     """The study's state as a StudyResult: the best config and the default config's time,
@@ -416,8 +423,11 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
         if max_measured is not None and done + failed >= max_measured:
             stopped = f"{max_measured} measured"
             break
-        if (timeout is not None and time.monotonic() - started >= timeout
-                and done + failed >= min_trials):
+        # a trial that would run past the timeout is not started: in a budgeted run the
+        # time it would take goes to the studies after this one instead of being taken
+        # from them (the first trials' times, compile included, are the estimate)
+        if (timeout is not None and done + failed >= min_trials
+                and time.monotonic() - started + _trial_seconds(f) > timeout):
             stopped = "timeout"
             break
         if failed >= max_failures:

@@ -583,6 +583,28 @@ def test_budget_shares_the_time_left_among_the_studies_left(monkeypatch):
     assert Budget(None, 3).share() is None and not Budget(None, 3).spent()
 
 
+def test_a_trial_that_would_overrun_the_timeout_is_not_started(storage, monkeypatch):
+    """Each trial here takes 3 s (fake clock). With 7 s, the study runs two trials and
+    stops: a third would end at 9 s. Before, it started one whenever the clock still read
+    under the timeout, and ended at 9 s, taking the overrun from later studies."""
+    now = [0.0]
+    monkeypatch.setattr("flashgen.tune.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    space = fwd_space()
+
+    def measure(cfg):
+        now[0] += 3.0
+        return 1.0
+
+    r = tune_study(storage=storage, name="overrun", space=space, measure=measure, n_trials=10,
+                   timeout=7.0, warm_starts=[("planner", space.default())], progress=quiet,
+                   min_trials=1, confirm_top=0)
+    assert r.complete == 2 and r.stopped == "timeout" and now[0] == 6.0
+    # a study whose share is below one trial still measures its min_trials
+    r = tune_study(storage=storage, name="short", space=space, measure=measure, n_trials=10,
+                   timeout=1.0, progress=quiet, min_trials=1, confirm_top=0)
+    assert r.complete == 1
+
+
 def test_a_study_with_one_config_is_not_retimed(storage):
     """Re-timing compares configs back to back; with a single config measured (a budgeted
     study that only reached its default) there is nothing to compare, and at the long
