@@ -25,9 +25,10 @@ from flashgen.build import build  # noqa: E402
 from flashgen.cli import main as cli_main  # noqa: E402
 from flashgen.space import KNOBS, Knob, space_for  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
+from flashgen.measure import DecodeWorkload, Workload, WrongAnswer, gpu_measure  # noqa: E402
 from flashgen.tune import (ATTR_FAIL, ATTR_INFEASIBLE, ATTR_WARM, Budget,  # noqa: E402
-                           DecodeWorkload, GpuInfo, StudyResult, WrongAnswer, Workload,
-                           _write_results, format_summary, gpu_measure, study_name, tune_study)
+                           GpuInfo, StudyResult, _write_results, format_summary, study_name,
+                           tune_study)
 
 from packages import build_and_import  # noqa: E402
 
