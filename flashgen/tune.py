@@ -693,9 +693,6 @@ class Budget:
     def done(self) -> None:
         self.left -= 1
 
-    def skip(self, n: int) -> None:
-        self.left -= n
-
 
 def _min_none(a: float | None, b: float | None) -> float | None:
     if a is None or b is None:
@@ -812,28 +809,22 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                 # phase 1; a rerun resumes it) and still gets its row and tuning entry
                 log(f"{name}@{bucket}: no more trials, the --budget is spent")
                 skipped += 1
-                clock.done()
-                result = run_study(name, bucket, [], timeout=0, min_trials=0, confirm_top=0)
-                result.variant, result.bucket = name, bucket
-                results.append(result)
-                if write and worker_index is None:
-                    _write_results(spec, gpu, [result], say)
-                continue
-            # what won nearby is the best first guess: the neighbouring bucket of this
-            # variant, then the same kind's other variants at this bucket
-            starts = _warm_starts(spec, kind, spaces[name])
-            if name in previous:
-                starts.append((f"best@{previous[name][0]}", previous[name][1]))
-            starts += [("best of " + v, c) for v, c in winners.get((kind, bucket), [])[:2]]
+                starts, kw = [], dict(timeout=0, min_trials=0, confirm_top=0)
+            else:
+                # what won nearby is the best first guess: the neighbouring bucket of this
+                # variant, then the same kind's other variants at this bucket
+                starts = _warm_starts(spec, kind, spaces[name])
+                if name in previous:
+                    starts.append((f"best@{previous[name][0]}", previous[name][1]))
+                starts += [("best of " + v, c) for v, c in winners.get((kind, bucket), [])[:2]]
+                kw = dict(timeout=0 if spawned else _min_none(timeout, clock.share()),
+                          # a budgeted run re-times fewer configs: the round is not free
+                          confirm_top=(0 if worker_index is not None else
+                                       CONFIRM_TOP if budget is None else 2),
+                          confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
+                          min_trials=1)
             try:
-                result = run_study(
-                    name, bucket, starts,
-                    timeout=0 if spawned else _min_none(timeout, clock.share()),
-                    # a budgeted run re-times fewer configs: the round is not free
-                    confirm_top=(0 if worker_index is not None else
-                                 CONFIRM_TOP if budget is None else 2),
-                    confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
-                    min_trials=1)
+                result = run_study(name, bucket, starts, **kw)
             finally:
                 clock.done()
             result.variant, result.bucket = name, bucket

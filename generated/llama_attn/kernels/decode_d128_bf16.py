@@ -16,9 +16,8 @@ Head dim 128, bf16 inputs, mask `none`. Two kernels:
   the tile's counter) then reduces the tile's partials in the same launch:
       lse = log sum_s exp(lse_s),   out = sum_s exp(lse_s - lse) out_s,
   computed against the largest lse_s, so it cannot overflow; a split that saw no key has
-  lse_s = -inf and weight 0, and a row no split saw gets out = 0, lse = -inf. A second
-  "combine" launch cost more than a wave of extra splits gained at 4k keys on the H100,
-  so the tuner kept one split there and left half of the SMs idle.
+  lse_s = -inf and weight 0, and a row no split saw gets out = 0, lse = -inf. Doing it
+  here saves the second ("combine") launch that splitting used to cost.
 
 `decode_d128_bf16_append` -- one program per (batch element, new token): copies the new keys and
   values of all KV heads into the cache in place (through the block table when paged),
