@@ -3,13 +3,13 @@ swapped for cheaper stand-ins (not for use: the stand-ins are not random). On th
 
     python benchmarks/dropout_rng_experiment.py
 
-  philox10 -- what ships: Philox4x32-10, 8 keep decisions per call
+  philox10 -- what ships: Philox4x32-10, 8 keep decisions per call, laid out as the
+              tensor-core accumulator holds them (rows r and r+8, pairs of adjacent
+              columns 8 apart), so the mask is built with no layout conversion
   philox7  -- Philox4x32-7 (passes BigCrush per Salmon et al. 2011, less margin)
   hash     -- one multiply-xorshift per 8 decisions: the cost of everything but Philox
-  mma_layout -- Philox4x32-10 with the 8 draws of a call laid out as the tensor-core
-              accumulator holds them (rows r and r+8, columns 8 apart, pairs of adjacent
-              columns), so the mask is built in registers with no layout conversion
-              (a real generator, a different element-to-draw mapping; see MMA_LAYOUT)
+  row_major -- Philox4x32-10 with the first mapping: 8 draws for 8 neighbouring keys of
+              one row, converted to the accumulator's layout (see ROW_MAJOR)
 and p = 0 (no dropout code) as the baseline. `--check` instead runs each package's forward
 and backward against a float64 reference with the package's replayed mask (CPU
 interpreter or GPU) and checks the keep rate.
@@ -39,46 +39,35 @@ STANDINS = {
     "hash": ("h = (c0 * 0x9E3779B9) ^ (c1 * 0x85EBCA6B) ^ (c2 * 0xC2B2AE35) ^ c3\n"
              "    r0 = h * 0x27D4EB2F\n    r1 = r0 ^ (r0 >> 15)\n    r2 = r1 * 0x165667B1\n"
              "    r3 = r2 ^ (r2 >> 13)"),
-    "mma_layout": None,  # MMA_LAYOUT replaces the whole keep_mask
+    "row_major": None,  # ROW_MAJOR replaces the whole keep_mask
 }
 
 
-# keep_mask with a mapping that matches the accumulator's register layout. Element (row, col)
-# with row = row0 + 16 g + 8 wh + rr and col = col0 + 16 q + 8 wl + 2 t + k takes half k of
-# word 2 wh + wl of the Philox call with counter (4 (col0 / 16 + q) + t, row0 + 16 g + rr).
-# Hopper's MMA accumulator gives each thread rows rr and rr + 8 of a 16-row slab and columns
-# 2t, 2t + 1, then every 8th column: the joined axes (wh, wl, k) are exactly those
-# in-thread positions, so the 7-D permute + reshape below is free. Compiled offline for
-# sm_90 (Triton 3.6 and 3.9) inside a QK^T / exp2 / where loop: no convert_layout beyond
-# the p = 0 kernel's, where the shipped join/reshape adds three (and 24-80 registers).
-# Needs tiles of >= 16 rows and columns starting at multiples of 16.
-MMA_LAYOUT = """@triton.jit
-def keep_mask(SEED, RNG_OFFSET, bh, rows, col_start, DROP_THRESHOLD,
+# The keep mask's first mapping (shipped until the mapping moved to the accumulator's layout):
+# the 8 draws of a Philox call decide 8 neighbouring keys of one row, so the mask is built
+# row-major and converted to the accumulator's layout (three convert_layouts per block in
+# the forward, compiled offline for sm_90).
+ROW_MAJOR = """@triton.jit
+def keep_mask(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    row0 = tl.min(rows, 0)  # the tile's first row (rows is row0 + arange)
-    g = tl.arange(0, BLOCK_R // 16)
-    rr = tl.arange(0, 8)
-    q = tl.arange(0, BLOCK_C // 16)
-    t = tl.arange(0, 4)
-    zero = tl.zeros([BLOCK_R // 16, 8, BLOCK_C // 16, 4], dtype=tl.uint32)
-    crow = (row0 + 16 * g[:, None] + rr[None, :]).to(tl.uint32)  # [R/16, 8]
-    ccol = (4 * (col_start // 16 + q[:, None]) + t[None, :]).to(tl.uint32)  # [C/16, 4]
-    c0 = zero + ccol[None, None, :, :]
-    c1 = zero + crow[:, :, None, None]
+    rows = row_start + tl.arange(0, BLOCK_R)
+    zero = tl.zeros([BLOCK_R, BLOCK_C // 8], dtype=tl.uint32)
+    groups = (col_start // 8 + tl.arange(0, BLOCK_C // 8)).to(tl.uint32)  # [BLOCK_C // 8]
+    c0 = zero + groups[None, :]
+    c1 = zero + rows.to(tl.uint32)[:, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + RNG_OFFSET.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)
-    x = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [g, rr, q, t, wl, wh]
-    y = tl.join(x & 0xFFFF, x >> 16)  # [g, rr, q, t, wl, wh, k]
-    y = tl.permute(y, (0, 5, 1, 2, 4, 3, 6))  # [g, wh, rr, q, wl, t, k]
-    return tl.reshape(y, [BLOCK_R, BLOCK_C]) >= DROP_THRESHOLD
+    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)  # 4 x [BLOCK_R, BLOCK_C // 8] uint32
+    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK_R, BLOCK_C // 2])
+    draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), [BLOCK_R, BLOCK_C])  # 16-bit
+    return draws >= DROP_THRESHOLD
 """
 
 
 def _swap_keep_mask(text):
     start = text.index("@triton.jit\ndef keep_mask(")
     end = text.index("@triton.jit", start + 1)
-    return text[:start] + MMA_LAYOUT + "\n\n" + text[end:]
+    return text[:start] + ROW_MAJOR + "\n\n" + text[end:]
 
 
 def main():

@@ -2,10 +2,11 @@
 """Attention dropout inside the fused kernels.
 
 The keep mask is never stored. Every kernel that needs it -- the forward, and both backward
-kernels -- regenerates it from Triton's counter-based Philox generator: the counter of a
-(query row i, key j) element is (j // 8, i, batch * heads + head, the call's stream), the
-key is the call's seed. One Philox evaluation gives four 32-bit words, i.e. eight 16-bit
-uniform draws, which decide eight neighbouring keys; a key is dropped when its draw is below
+kernels -- regenerates it from Triton's counter-based Philox generator, keyed by the call's
+seed, with counters (key column group, query row group, batch * heads + head, the call's
+stream). One Philox evaluation gives four 32-bit words, i.e. eight 16-bit uniform draws,
+which decide eight elements of one 16 x 16 block: rows i and i + 8, four column pairs
+(`keep_mask` says which, and why). An element is dropped when its draw is below
 round(p * 65536), so the keep rate is 1 - p to within 1/65536.
 
 Seed and stream come from PyTorch's default generator of the device (torch.manual_seed makes
@@ -24,20 +25,34 @@ _SEED_MASK = (1 << 63) - 1  # Triton passes the seed as a signed 64-bit integer
 
 
 @triton.jit
-def keep_mask(SEED, RNG_OFFSET, bh, rows, col_start, DROP_THRESHOLD,
+def keep_mask(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
               BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """[BLOCK_R, BLOCK_C] bool: which (row, col_start + c) elements survive dropout.
-    col_start must be a multiple of 8."""
-    zero = tl.zeros([BLOCK_R, BLOCK_C // 8], dtype=tl.uint32)
-    groups = (col_start // 8 + tl.arange(0, BLOCK_C // 8)).to(tl.uint32)  # [BLOCK_C // 8]
-    c0 = zero + groups[None, :]
-    c1 = zero + rows.to(tl.uint32)[:, None]
+    """[BLOCK_R, BLOCK_C] bool: which elements (row_start + r, col_start + c) survive
+    dropout. row_start and col_start must be multiples of 16 (every caller's tiles are
+    aligned blocks of >= 16 rows and columns), BLOCK_R and BLOCK_C multiples of 16."""
+    # Element (row, col), with row = 16 G + 8 wh + rr and col = 16 Q + 8 wl + 2 t + k, takes
+    # 16-bit half k of word 2 wh + wl of the Philox call with counter (4 Q + t, 16 G + rr):
+    # a function of (row, col) alone, so any tiling regenerates the same mask. The mapping
+    # follows the tensor-core accumulator, where one thread holds rows rr and rr + 8 of a
+    # 16-row slab and columns 2t, 2t + 1 and those 8 further on: the eight draws of one
+    # call land on one thread's eight elements, so building the mask moves no data between
+    # threads (a row-major mapping cost the forward three layout conversions per block).
+    g = tl.arange(0, BLOCK_R // 16)
+    rr = tl.arange(0, 8)
+    q = tl.arange(0, BLOCK_C // 16)
+    t = tl.arange(0, 4)
+    zero = tl.zeros([BLOCK_R // 16, 8, BLOCK_C // 16, 4], dtype=tl.uint32)
+    crow = (row_start + 16 * g[:, None] + rr[None, :]).to(tl.uint32)  # [R/16, 8]: 16 G + rr
+    ccol = (4 * (col_start // 16 + q[:, None]) + t[None, :]).to(tl.uint32)  # [C/16, 4]: 4 Q + t
+    c0 = zero + ccol[None, None, :, :]
+    c1 = zero + crow[:, :, None, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + RNG_OFFSET.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)  # 4 x [BLOCK_R, BLOCK_C // 8] uint32
-    words = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), [BLOCK_R, BLOCK_C // 2])
-    draws = tl.reshape(tl.join(words & 0xFFFF, words >> 16), [BLOCK_R, BLOCK_C])  # 16-bit
-    return draws >= DROP_THRESHOLD
+    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)  # 4 x [R/16, 8, C/16, 4] uint32
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [g, rr, q, t, wl, wh]
+    draws = tl.join(words & 0xFFFF, words >> 16)  # [g, rr, q, t, wl, wh, k] 16-bit
+    draws = tl.permute(draws, (0, 5, 1, 2, 4, 3, 6))  # [g, wh, rr, q, wl, t, k]
+    return tl.reshape(draws, [BLOCK_R, BLOCK_C]) >= DROP_THRESHOLD
 
 
 @triton.jit(do_not_specialize=["SEED", "RNG_OFFSET", "N_Q", "N_K", "DROP_THRESHOLD"])
@@ -47,8 +62,8 @@ def keep_mask_kernel(OUT, SEED, RNG_OFFSET, N_Q, N_K, DROP_THRESHOLD,
     bh = tl.program_id(2)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    keep = keep_mask(SEED, RNG_OFFSET, bh, rows, tl.program_id(1) * BLOCK_N, DROP_THRESHOLD,
-                     BLOCK_M, BLOCK_N)
+    keep = keep_mask(SEED, RNG_OFFSET, bh, tl.program_id(0) * BLOCK_M, tl.program_id(1) * BLOCK_N,
+                     DROP_THRESHOLD, BLOCK_M, BLOCK_N)
     ok = (rows[:, None] < N_Q) & (cols[None, :] < N_K)
     tl.store(OUT + bh.to(tl.int64) * N_Q * N_K + rows[:, None] * N_K + cols[None, :],
              keep.to(tl.int8), mask=ok)

@@ -134,7 +134,7 @@ def fwd_causal_dropout_d64_bf16_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
                 # the softmax denominator counts every key; only the P @ V product is dropped
-                keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 p = tl.where(keep, p, 0.0)
             p = p.to(V.dtype.element_ty)
             v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
@@ -157,7 +157,7 @@ def fwd_causal_dropout_d64_bf16_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             # the softmax denominator counts every key; only the P @ V product is dropped
-            keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         if USE_TMA:
@@ -190,7 +190,7 @@ def fwd_causal_dropout_d64_bf16_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             # the softmax denominator counts every key; only the P @ V product is dropped
-            keep = keep_mask(SEED, RNG_OFFSET, bh, offs_m, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
