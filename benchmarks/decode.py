@@ -49,6 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import generated.llama_attn as fg  # noqa: E402
+from flashgen.measure import read_flush_ms  # noqa: E402  (the tuner times decode this way)
 
 H_Q, H_KV, D = 32, 8, 128
 TOL = 2e-2  # bf16 output against the float32 reference
@@ -130,36 +131,6 @@ def host_us(fn, calls=200):
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return round(elapsed / calls * 1e6, 1)
-
-
-_CLEAN_FLUSH = None
-
-
-def read_flush_ms(fn, reps=100):
-    """Median ms of fn() with L2 flushed by READING 256 MB before each call.
-
-    do_bench flushes by writing 256 MB of zeros, which leaves up to the L2's 50 MB of
-    dirty lines to be written back to HBM while the timed kernel runs. For a memory-bound
-    kernel of ~60 us that writeback is a large share of the time: on the H100 it costs a
-    4k-key decode (134 MB read) ~8 us, and a plain copy of K likewise (2.7 -> 3.1 TB/s;
-    benchmarks/results/H100_flush_experiment.log). A read leaves L2 as cold for the
-    kernel's inputs with nothing to write back. Same inputs, same providers: only the
-    flush differs."""
-    global _CLEAN_FLUSH
-    if _CLEAN_FLUSH is None:
-        _CLEAN_FLUSH = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
-    fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        _CLEAN_FLUSH.sum()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    times = sorted(s.elapsed_time(e) for s, e in events)
-    return times[len(times) // 2]
 
 
 def measure(fn, ref, nbytes):

@@ -123,6 +123,38 @@ def bench_ms(fn, grads=None) -> float:
     return float(sorted(times)[len(times) // 2])
 
 
+def read_flush_ms(fn, reps: int = 100) -> float:
+    """Median milliseconds of `fn()` with L2 flushed by READING 256 MB before each call.
+
+    do_bench flushes by writing 256 MB, which leaves up to the L2's 50 MB of dirty lines to
+    be written back to HBM while the timed kernel runs. A memory-bound kernel of tens of
+    microseconds (decoding) pays that writeback inside its own time, ~8 us of a 4k-key
+    decode on the H100 (benchmarks/results/H100_flush_experiment.log), and the noise it
+    adds is as large as the differences between split counts. A read leaves L2 as cold for
+    the kernel's inputs with nothing to write back. `flashgen bench --suite decode` reports
+    both (`_rf` rows)."""
+    import torch
+
+    global _READ_FLUSH
+    if _READ_FLUSH is None:
+        _READ_FLUSH = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        _READ_FLUSH.sum()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    times = sorted(s.elapsed_time(e) for s, e in events)
+    return float(times[len(times) // 2])
+
+
+_READ_FLUSH = None
+
+
 class Workload:
     """The calls one variant's trials make: a correctness check at a small shape and the
     timing at the bucket's shape, through the built package's public flash_attn_func
@@ -325,6 +357,13 @@ class DecodeWorkload(Workload):
             lens = torch.full((DECODE_B,), self.bucket, dtype=torch.int32, device=self.device)
             self._timed = (lambda: self.call_decode(q, k_cache, v_cache, lens), None)
         return self._timed
+
+    def time(self, config: Mapping) -> float:
+        # memory-bound: timed with a read flush (see read_flush_ms), like the `_rf` rows of
+        # `flashgen bench --suite decode`
+        fn, _ = self._timing_setup()
+        with self.pkg._runtime.override_config(**config):
+            return read_flush_ms(fn)
 
 
 def _cuda_broken(torch) -> bool:

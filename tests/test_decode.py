@@ -340,13 +340,38 @@ def test_return_lse_or_not_and_repeated_calls(pkg, device):
 
 def test_split_heuristic(pkg):
     h = pkg._decode.num_splits_heuristic
-    assert h(8 * 8, 32, 132) == 5  # 64 programs -> ~2 waves over 132 SMs
-    assert h(1 * 8, 512, 132) == 33
-    assert h(264, 512, 132) == 1  # the grid already fills two waves
+    assert h(8 * 8, 32, 132) == 2  # 64 programs -> 128: one wave over 132 SMs
+    assert h(1 * 8, 512, 132) == 16
+    assert h(132, 512, 132) == 1  # the grid already fills a wave
+    assert h(264, 512, 132) == 1
     assert h(8, 6, 132) == 1  # too few key blocks to split
     assert h(8, 8, 132) == 2  # splits keep >= 4 key blocks each
     assert h(1, 10 ** 6, 132) == 128  # capped
     assert h(8, 0, 132) == 1
+
+
+def test_paged_cache_fills_a_wave_over_a_tuned_split(pkg, monkeypatch):
+    """A tuned split count was timed on a contiguous cache; a paged call takes at least the
+    heuristic's one wave of programs (its block-table loads want more programs in flight),
+    a contiguous call keeps the tuned count (rescaled to the tuned grid). Plans only: no
+    launch."""
+    capacity = 4096
+    k_cache, v_cache, table = make_cache(2, capacity, page_size=64, seed=40)
+    flat_k, flat_v, _ = make_cache(2, capacity, seed=40)
+    q = queries(2, 1, 4, seed=41)
+    lens = torch.tensor([1000, 9], dtype=torch.int32)
+    planned = pkg._runtime.launch_config
+    monkeypatch.setattr(pkg._runtime, "launch_config",
+                        lambda *a: {**planned(*a), "num_splits": 1, "block_n": 16})
+    d = pkg._decode
+    sms = d.TARGET_GPU.get("sm_count") or 132
+    programs = 2 * H_KV  # one row block: the group's 4 query rows fit one tile
+    n_blocks = capacity // 16
+    splits = {name: d._make_plan(q, kc, vc, None, None, lens, bt, None, False, (-1, -1), 0).kernel.grid[2]
+              for name, kc, vc, bt in (("paged", k_cache, v_cache, table),
+                                       ("flat", flat_k, flat_v, None))}
+    assert splits["flat"] == pkg._planner.TUNED_DECODE_PROGRAMS // programs
+    assert splits["paged"] == d.num_splits_heuristic(programs, n_blocks, sms) > splits["flat"]
 
 
 # ---------------------------------------------------------------------------------------

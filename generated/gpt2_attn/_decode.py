@@ -53,11 +53,15 @@ import torch
 from . import _planner, _runtime
 from ._registry import BUILT_FOR, PACKAGE, TARGET_GPU, VARIANTS
 
-# Split-KV heuristic (num_splits=0): enough programs for about WAVES waves over the SMs,
-# but never a split shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays for a
-# query load, a partial write and a share of the reduction), and at most MAX_SPLITS. It
-# sees the cache capacity, not the lengths in use (those stay on the device).
-WAVES = 2
+# Split-KV heuristic (num_splits=0): as many splits as keep the grid within ONE wave over
+# the SMs, but never a split shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays
+# for a query load, a partial write and a share of the reduction), and at most MAX_SPLITS.
+# A decode program holds its SM alone (its K/V stages fill the shared memory), and a
+# second wave costs more than the SMs it adds. On the H100 (llama shapes, bf16, L2 flushed
+# by a read): at B=8, 4k keys (64 programs unsplit), 5 splits (~2.5 waves) took 0.0607 ms
+# and 1 split 0.0551 (`flashgen tune`); at B=1, 64k keys, 8-16 splits (64-128 programs)
+# ran 2770-2793 GB/s and 24-32 splits 2244-2307 (benchmarks/decode_sweep.py). It sees the
+# cache capacity, not the lengths in use (those stay on the device).
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
 # The stacked query tile (KV_GROUP x N_q rows) grows to at most this many rows; a larger
@@ -96,7 +100,7 @@ def num_splits_heuristic(programs: int, n_blocks: int, sm_count: int) -> int:
     capacity: the largest length the call could have)."""
     if programs <= 0 or n_blocks <= 0:
         return 1
-    want = _cdiv(WAVES * sm_count, programs)  # 1 once the grid already fills the waves
+    want = max(sm_count // programs, 1)  # 1 once the grid already fills a wave
     return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
@@ -360,10 +364,17 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         # keep the grid that won (programs x splits), whatever this call's batch and heads
         splits = max(1, min(round(cfg["num_splits"] * _planner.TUNED_DECODE_PROGRAMS / programs),
                             max(n_blocks // MIN_BLOCKS_PER_SPLIT, 1), MAX_SPLITS))
+    sms = (_runtime.gpu_key(q.device)[2] if q.device.type == "cuda"
+           else TARGET_GPU.get("sm_count") or _SM_FALLBACK)
     if not splits:
-        sms = (_runtime.gpu_key(q.device)[2] if q.device.type == "cuda"
-               else TARGET_GPU.get("sm_count") or _SM_FALLBACK)
         splits = num_splits_heuristic(programs, n_blocks, sms)
+    elif paged and capacity and not num_splits and not _runtime._override:
+        # The tuner times a contiguous cache. A paged one also waits on a block-table load
+        # per page, which more programs in flight hide: at B=8, 4k keys, pages of 256, the
+        # H100 ran 2388 GB/s at the tuned 1 split and 2454 at 2 (contiguous: 2543 at 1).
+        # So a paged call fills at least the heuristic's one wave (a forced config, as in
+        # the tuner and the tests, is taken as it is).
+        splits = max(splits, num_splits_heuristic(programs, n_blocks, sms))
     plan.split = splits > 1
     rows = batch * h_q * n_q
     plan.ws_numel = rows * splits * (d + 1)  # partial outputs, then their LSEs

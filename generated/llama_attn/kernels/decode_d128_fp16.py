@@ -78,6 +78,8 @@ D0_SIZE = tl.constexpr(128)
 MASK_LEFT = tl.constexpr(False)
 MASK_RIGHT = tl.constexpr(False)
 LN2 = tl.constexpr(0.6931471805599453)
+# Splits the reduction reads per step (one load of their LSEs, one of their partial outputs)
+SPLIT_CHUNK = tl.constexpr(8)
 
 
 
@@ -372,26 +374,35 @@ def decode_d128_fp16_kernel(
         final = ticket == num_splits - 1
         if final:
             tl.atomic_xchg(CNT + tile, 0, sem="relaxed")
-            # log-sum-exp reduction against the largest lse_s, so nothing overflows;
-            # a split that saw no key has lse_s = -inf and weight 0; splits are added
-            # in a fixed order whoever is last, so the result is deterministic
+            # log-sum-exp reduction, one pass over the splits in chunks of SPLIT_CHUNK
+            # with a running maximum (like the online softmax), so nothing overflows: a
+            # chunk's LSEs and partial outputs are loaded by one [BLOCK_M, SPLIT_CHUNK]
+            # and one [BLOCK_M, SPLIT_CHUNK, d] load, whose round trips to L2 overlap; a
+            # loop over single splits paid one round trip per split, serialised, after
+            # the last split finished. A split that saw no key has lse_s = -inf and
+            # weight 0. The order of the additions is fixed, whoever is last, so the
+            # result is deterministic.
             first = out_row * num_splits  # [BLOCK_M]
+            offs_s = tl.arange(0, SPLIT_CHUNK)  # [SPLIT_CHUNK]
             m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for s_idx in range(num_splits):
-                lse_s = tl.load(OP + LP_OFF + first + s_idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                m_all = tl.maximum(m_all, lse_s)
-            m_ref_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # every split empty
             total = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
-            for s_idx in range(num_splits):
-                lse_s = tl.load(OP + LP_OFF + first + s_idx, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                has_out = lse_s > float("-inf")  # [BLOCK_M] this split wrote the row
-                w = tl.exp2(lse_s - m_ref_all)  # [BLOCK_M]
-                total += w
-                o_s = tl.load(OP + (first + s_idx)[:, None] * HEAD_DIM + offs_d0[None, :], mask=(row_ok & has_out)[:, None], other=0.0, cache_modifier=".cg")  # [BLOCK_M, D0_SIZE]
-                acc0 += o_s * w[:, None]
+            for s0 in range(0, num_splits, SPLIT_CHUNK):
+                parts = first[:, None] + s0 + offs_s[None, :]  # [BLOCK_M, SPLIT_CHUNK]
+                in_range = row_ok[:, None] & (s0 + offs_s < num_splits)[None, :]
+                lse_s = tl.load(OP + LP_OFF + parts, mask=in_range, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_M, SPLIT_CHUNK]
+                has_out = in_range & (lse_s > float("-inf"))  # the split wrote this row
+                o_s0 = tl.load(OP + parts[:, :, None] * HEAD_DIM + offs_d0[None, None, :], mask=has_out[:, :, None], other=0.0, cache_modifier=".cg")  # [BLOCK_M, SPLIT_CHUNK, D0_SIZE]
+                m_new = tl.maximum(m_all, tl.max(lse_s, 1))  # [BLOCK_M]
+                m_ref_all = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split saw a key yet
+                alpha = tl.exp2(m_all - m_ref_all)  # [BLOCK_M]
+                w = tl.exp2(lse_s - m_ref_all[:, None])  # [BLOCK_M, SPLIT_CHUNK]
+                total = total * alpha + tl.sum(w, 1)
+                acc0 = acc0 * alpha[:, None] + tl.sum(o_s0 * w[:, :, None], 1)
+                m_all = m_new
             seen = total > 0.0
             inv_l = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
+            m_ref_all = tl.where(m_all == float("-inf"), 0.0, m_all)
             lse2 = tl.where(seen, m_ref_all + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
     if final:
         if STORE_LSE:
