@@ -37,6 +37,8 @@ def keep_mask(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
     # 16-row slab and columns 2t, 2t + 1 and those 8 further on: the eight draws of one
     # call land on one thread's eight elements, so building the mask moves no data between
     # threads (a row-major mapping cost the forward three layout conversions per block).
+    tl.static_assert(BLOCK_R % 16 == 0, "keep_mask tiles are whole 16 x 16 blocks")
+    tl.static_assert(BLOCK_C % 16 == 0, "keep_mask tiles are whole 16 x 16 blocks")
     g = tl.arange(0, BLOCK_R // 16)
     rr = tl.arange(0, 8)
     q = tl.arange(0, BLOCK_C // 16)
