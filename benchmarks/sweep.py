@@ -30,8 +30,9 @@ def main():
                     help="explicit tile m,n,w,s (repeatable; replaces the product above)")
     ap.add_argument("--dq", action="append", default=[],
                     help="bwd: the dq_tile knob, e.g. 128x64w8s3 or mirror (repeatable)")
-    ap.add_argument("--fused", type=int, nargs="*", default=[],
-                    help="bwd: fused_dq knob values to try (0, 1)")
+    ap.add_argument("--fused", nargs="*", default=[],
+                    help="bwd: fused_dq knob values to try (0, 1, loop, ptx, unordered, ptx_t, "
+                         "unordered_t)")
     ap.add_argument("--tma", type=int, nargs="*", default=[],
                     help="fwd: tma knob values to try (0, 1)")
     ap.add_argument("--ws", type=int, nargs="*", default=[],
@@ -51,7 +52,8 @@ def main():
     if args.ws:
         dqs = [dict(dq, warp_specialize=bool(w)) for dq in dqs for w in args.ws]
     if args.fused:
-        dqs = [dict(dq, fused_dq=bool(f)) for dq in dqs for f in args.fused]
+        knob = {"0": False, "1": True}
+        dqs = [dict(dq, fused_dq=knob.get(f, f)) for dq in dqs for f in args.fused]
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
     for causal in causals:
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -72,12 +74,17 @@ def main():
                         q.grad = None
                         out.backward(do, retain_graph=True)
                         result = q.grad.clone()
+                        q.grad = None  # a second run: are the gradients bitwise the same?
+                        out.backward(do, retain_graph=True)
+                        repeat = torch.equal(q.grad, result)
                         fn = lambda: out.backward(do, retain_graph=True)  # noqa: E731
                     if ref is None:
                         ref = result
                     err = (result.float() - ref.float()).abs().max().item()
                     ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
                 row = dict(causal=causal, **cfg, tflops=round(flops / ms / 1e9, 1), err=err)
+                if args.mode == "bwd":
+                    row["bitwise_repeat"] = repeat
             except Exception as e:
                 row = dict(causal=causal, **cfg, tflops=0.0, err=f"{type(e).__name__}")
             rows.append(row)

@@ -74,7 +74,8 @@ def _cmd_tune(args) -> int:
         tune(args.spec, trials=args.trials, timeout=args.timeout,
              budget=args.budget if args.budget > 0 else None, storage=args.storage,
              workers=args.workers, variants=args.variants, buckets=args.buckets,
-             sampler=args.sampler, seed=args.seed, worker_index=args.worker_index)
+             sampler=args.sampler, seed=args.seed, worker_index=args.worker_index,
+             tries=args.tries)
     except KeyboardInterrupt:
         print("flashgen tune: interrupted; finished trials are saved: run the same command "
               "again to resume", file=sys.stderr)
@@ -156,6 +157,10 @@ def parser() -> argparse.ArgumentParser:
                    help="tpe (Optuna's TPE over the feasible configs, default) or grid (every "
                    "feasible config, best-ranked first)")
     t.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    t.add_argument("--try", dest="tries", nargs="+", default=[], metavar="CFG",
+                   help="configs every study measures first (after the planner's and the "
+                   "tuning file's), e.g. 64x128w8s3 or 64x128w8s3:dq_tile=128x64w8s3; one "
+                   "whose tile or knobs a variant cannot take is left out for it")
     t.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     t.set_defaults(func=_cmd_tune)
 

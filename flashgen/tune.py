@@ -30,6 +30,7 @@ import importlib
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -605,7 +606,45 @@ def _space(kind, facts, gpu: GpuInfo) -> Space:
                      gpu.sm_count, gpu.capability)
 
 
-def _warm_starts(spec, kind: str, space: Space) -> list:
+def parse_try(text: str) -> dict:
+    """A `--try` config, "64x128w8s3" or "64x128w8s3:dq_tile=128x64w8s3,tma=1": a tile and
+    optional knob values, the latter still strings (each space reads them, see _try_config)."""
+    tile, _, knobs = text.partition(":")
+    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tile.strip())
+    if m is None:
+        raise FlashgenError(f"--try {text!r}: expected a tile BLOCK_MxBLOCK_NwWARPSsSTAGES such "
+                            "as 64x128w8s3, optionally followed by :knob=value,...")
+    cfg: dict = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, m.groups())))
+    for item in filter(None, (x.strip() for x in knobs.split(","))):
+        name, eq, value = item.partition("=")
+        if not eq or not name or not value:
+            raise FlashgenError(f"--try {text!r}: knob setting {item!r} is not name=value")
+        cfg[name] = value
+    return cfg
+
+
+def _try_config(space: Space, raw: Mapping) -> dict | None:
+    """`raw` (from parse_try) as a point of `space`, or None when it names a knob this kind
+    does not have or a value the knob does not take."""
+    out = {}
+    for name, value in raw.items():
+        if name not in space.names:
+            return None
+        if isinstance(value, str):
+            match = [c for c in space.choices(name) if str(c).lower() == value.lower() or
+                     (isinstance(c, bool) and value.lower() in (("1", "true") if c else ("0", "false")))]
+            if not match:
+                return None
+            value = match[0]
+        out[name] = value
+    return space.config(out)
+
+
+def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = None,
+                 tries: Sequence[Mapping] = ()) -> list:
+    """What a study measures first: the planner's config, the spec's explicit tile, the
+    config the tuning file already holds for this GPU and bucket ("tuned": a re-tune starts
+    from the last winner and cannot end slower) and the run's `--try` configs."""
     starts = [("planner", space.default())]
     explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
                                      "decode": "decode"}[kind], None)
@@ -613,7 +652,24 @@ def _warm_starts(spec, kind: str, space: Space) -> list:
         starts.append(("spec", {"block_m": explicit.block_m, "block_n": explicit.block_n,
                                 "num_warps": explicit.num_warps,
                                 "num_stages": explicit.num_stages}))
+    if incumbent is not None:
+        starts.append(("tuned", space.config(incumbent)))
+    for raw in tries:
+        cfg = _try_config(space, raw)
+        if cfg is not None:
+            starts.append(("try", cfg))
     return starts
+
+
+def _incumbents(spec, gpu_key: str) -> dict:
+    """{variant: {bucket: entry}} of the spec's tuning file for this GPU ({} if none)."""
+    path = tuning_data.tuning_path(spec, gpu_key)
+    if not path.exists():
+        return {}
+    try:
+        return tuning_data.read(path).get("configs", {})
+    except (OSError, ValueError):
+        return {}
 
 
 def format_summary(results: Sequence[StudyResult]) -> str:
@@ -705,7 +761,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
          storage: str | None = None, workers: int = 1, variants: Sequence[str] | None = None,
          buckets: Sequence[int] | None = None, sampler: str = "tpe", seed: int = 0,
          worker_index: int | None = None, say: Callable[[str], None] | None = None,
-         write: bool = True) -> list[StudyResult]:
+         write: bool = True, tries: Sequence[str] = ()) -> list[StudyResult]:
     """`flashgen tune`: returns one StudyResult per (variant, bucket) tuned."""
     from .spec import load_spec
 
@@ -716,6 +772,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         raise FlashgenError(f"--workers must be at least 1, got {workers}")
     if sampler not in SAMPLERS:
         raise FlashgenError(f"--sampler {sampler}: expected one of {', '.join(SAMPLERS)}")
+    tried = [parse_try(t) for t in tries]
     spec = load_spec(spec_path)
     torch = require_cuda()
     _optuna()
@@ -753,6 +810,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                     "--buckets", *map(str, bucket_list)]
             if timeout is not None:
                 args += ["--timeout", str(timeout)]
+            if tries:
+                args += ["--try", *tries]
             args += ["--budget", str(budget or 0)]
             say(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {workers} "
                 f"{gpu.name} GPUs ({gpu.key}), storage {url}")
@@ -775,6 +834,13 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         attrs = {"gpu_key": gpu.key, "spec": Path(spec.path).name, "spec_sha": spec.sha,
                  **{f"version_{k}": v for k, v in versions().items()}}
 
+        incumbents = _incumbents(spec, gpu.key)
+
+        def starts_for(name, bucket):
+            return _warm_starts(spec, registry[name]["kind"], spaces[name],
+                                incumbent=incumbents.get(name, {}).get(str(bucket)),
+                                tries=tried)
+
         def run_study(name, bucket, starts, **kw):
             facts, space = registry[name], spaces[name]
             measure = gpu_measure(pkg, name, bucket, device, spec=spec, default=space.default())
@@ -795,7 +861,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             # than an even share of the budget would give it. Phase 2 shares what is left.
             t0 = time.monotonic()
             for name, bucket in studies:
-                run_study(name, bucket, _warm_starts(spec, registry[name]["kind"], spaces[name]),
+                run_study(name, bucket, starts_for(name, bucket),
                           timeout=0, min_trials=1, confirm_top=0)
             log(f"defaults measured for {len(studies)} studies in {time.monotonic() - t0:.0f} s")
             budget = max(budget - (time.monotonic() - t0), 0.0)
@@ -813,7 +879,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             else:
                 # what won nearby is the best first guess: the neighbouring bucket of this
                 # variant, then the same kind's other variants at this bucket
-                starts = _warm_starts(spec, kind, spaces[name])
+                starts = starts_for(name, bucket)
                 if name in previous:
                     starts.append((f"best@{previous[name][0]}", previous[name][1]))
                 starts += [("best of " + v, c) for v, c in winners.get((kind, bucket), [])[:2]]

@@ -27,8 +27,9 @@ from flashgen.space import KNOBS, Knob, space_for  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 from flashgen.measure import DecodeWorkload, Workload, WrongAnswer, gpu_measure  # noqa: E402
 from flashgen.tune import (ATTR_FAIL, ATTR_INFEASIBLE, ATTR_WARM, Budget,  # noqa: E402
-                           GpuInfo, StudyResult, _write_results, format_summary, study_name,
-                           tune_study)
+                           GpuInfo, StudyResult, _warm_starts, _write_results, format_summary,
+                           parse_try, study_name, tune_study)
+from flashgen.errors import FlashgenError  # noqa: E402
 
 from packages import build_and_import  # noqa: E402
 
@@ -300,6 +301,32 @@ def test_warm_starts_are_enqueued_once_and_first(storage):
     assert sum(bool(t.user_attrs.get(ATTR_WARM)) for t in trials) == 2
     assert not any(t.state == TrialState.WAITING for t in trials)
     assert len(trials) == 6
+
+
+def test_try_configs_and_the_tuning_files_winner_are_warm_starts():
+    """`--try` strings become points of each variant's space (knob values read through the
+    space's choices); one a variant cannot take is left out for it, and the tuning file's
+    current winner ("tuned") comes before the tries."""
+    spec = load_spec(ROOT / "specs" / "llama.yaml")
+    bwd = space_for("bwd", 128, 2, **H100)
+    fwd = space_for("fwd", 128, 2, **H100)
+    tries = [parse_try("64x128w8s3"), parse_try("64x128w8s2:dq_tile=128x64w8s3"),
+             parse_try("64x128w8s3:dq_tile=nonsense")]
+    assert tries[1] == {"block_m": 64, "block_n": 128, "num_warps": 8, "num_stages": 2,
+                        "dq_tile": "128x64w8s3"}
+    incumbent = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3,
+                 "dq_tile": "mirror", "ms": 1.0, "default_ms": 1.2}
+    starts = _warm_starts(spec, "bwd", bwd, incumbent=incumbent, tries=tries)
+    assert [tag for tag, _ in starts] == ["planner", "tuned", "try", "try"]
+    assert starts[1][1] == bwd.config(incumbent) and "ms" not in starts[1][1]
+    assert starts[3][1]["dq_tile"] == "128x64w8s3" and starts[3][1]["num_stages"] == 2
+    assert all(bwd.check(cfg) is None for _, cfg in starts)
+    # the forward has no dq_tile knob: only the plain tile applies to it
+    assert [cfg for tag, cfg in _warm_starts(spec, "fwd", fwd, tries=tries) if tag == "try"] == [
+        fwd.config(tries[0])]
+    for bad in ("64x128", "64x128w8s3:dq_tile", "big"):
+        with pytest.raises(FlashgenError, match="--try"):
+            parse_try(bad)
 
 
 def test_a_small_space_is_measured_exhaustively_then_stops(storage):

@@ -435,6 +435,9 @@ def triton_cdiv(a: int, b: int) -> int:
 # The backward launches
 # ----------------------------------------------------------------------------------------
 PREPROCESS_BLOCK = 64
+# the fused_dq knob -> the dK/dV kernel's FUSED_DQ: 0 a dQ kernel of its own; 1 / 2 dQ
+# added in turns, waiting in a Triton loop (what the interpreter can run) / in inline PTX
+_FUSED_DQ_MODES = {False: 0, True: 2, "loop": 1, "ptx": 2}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
@@ -461,7 +464,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         n_q, h_q, BLOCK_M=PREPROCESS_BLOCK,
     )
     group = h_q // h_kv
-    fused = bool(cfg.get("fused_dq", False))
+    fused = _FUSED_DQ_MODES[cfg.get("fused_dq", False)]
+    if fused == 2 and _interpreting():  # the interpreter runs no inline PTX
+        fused = 1
     if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
         dq_acc = torch.zeros((batch * h_q, n_q, d), device=q.device, dtype=torch.float32)
         locks = torch.zeros((batch * h_q * triton_cdiv(n_q, block_m),), device=q.device,

@@ -21,7 +21,10 @@ then the next. Programs walk their query blocks from the last down, so all of th
 together and each trails the previous key block's program by one addition; a program
 only ever waits for programs launched before it (lower program ids), which cannot
 deadlock. A fixed order of fp32 additions keeps the result bitwise reproducible,
-which atomics would not.
+which atomics would not. On the GPU the wait and the hand-over's barrier are inline PTX
+(FUSED_DQ=2): as a Triton loop and tl.debug_barrier they stop the software pipelining of
+the loop around them (FUSED_DQ=1, what the interpreter runs). Even so it is slower than
+the dQ kernel on the H100 (the dK/dV kernel spills more), hence a knob that is off.
 
 Each output element is written by exactly one program and no atomics are used, so the
 gradients are bitwise reproducible run to run. The band mask is the forward's: key j is
@@ -72,6 +75,36 @@ def bwd_dropout_d64_fp16_preprocess(
 
 
 @triton.jit
+def wait_turn(lock, turn):
+    """Spin until the int32 at `lock` equals `turn` (acquire, GPU scope), as one inline PTX
+    loop that every thread runs; returns 0, computed from the value it saw, so that memory
+    operations addressed with it cannot be issued before the wait ends."""
+    locks = lock + tl.zeros([1], dtype=tl.int32)  # [1], held by every thread
+    turns = turn + tl.zeros([1], dtype=tl.int32)  # [1]
+    seen = tl.inline_asm_elementwise(
+        asm="""{
+        .reg .pred %p<1>;
+        WAIT_${:uid}:
+        ld.global.acquire.gpu.b32 $0, [$1];
+        setp.ne.s32 %p0, $0, $2;
+        @%p0 bra WAIT_${:uid};
+        }""",
+        constraints="=r,l,r", args=[locks, turns], dtype=tl.int32, is_pure=False, pack=1)
+    return tl.sum(seen - turns, axis=0)
+
+
+@triton.jit
+def cta_barrier():
+    """bar.sync over the whole program, as inline PTX; returns 0, for memory operations
+    that must not be issued before it to take in their address."""
+    zero = tl.zeros([1], dtype=tl.int32)  # [1], held by every thread
+    out = tl.inline_asm_elementwise(
+        asm="bar.sync 0;\n mov.u32 $0, $1;", constraints="=r,r", args=[zero],
+        dtype=tl.int32, is_pure=False, pack=1)
+    return tl.sum(out, axis=0)
+
+
+@triton.jit
 def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
     """The first key block whose dK/dV program visits the query block at m0 (the programs
     visit [lo, hi) of query rows, below): it adds into that block's dQ rows first, and
@@ -102,7 +135,7 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
-    FUSED_DQ: tl.constexpr,  # also accumulate dQ (in turns) instead of a dQ kernel
+    FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
 ):
     bkv = tl.program_id(0)
     b = bkv // H_KV
@@ -197,18 +230,33 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
                 # this key block's share of dQ for the query block: dS K * scale
                 ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
                 dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
-                # wait for our turn at these rows: the key blocks before ours add first
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
-                while tl.atomic_add(lock, 0, sem="acquire") != turn:
-                    pass
-                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
-                # .cg: read from L2, where the previous program's additions are
-                dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
-                tl.store(dq_ptrs0, dq0, mask=dq_ok0)
-                tl.debug_barrier()  # every thread's stores are done before the hand-over
-                tl.atomic_xchg(lock, turn + 1, sem="release")
+                if FUSED_DQ == 1:
+                    # wait for our turn at these rows (the key blocks before ours add
+                    # first) in a Triton loop: runs anywhere, but the loop inside the loop
+                    # stops Triton's software pipelining of this one
+                    while tl.atomic_add(lock, 0, sem="acquire") != turn:
+                        pass
+                    dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                    # .cg: read from L2, where the previous program's additions are
+                    dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
+                    tl.store(dq_ptrs0, dq0, mask=dq_ok0)
+                    tl.debug_barrier()  # every thread's stores are done before the hand-over
+                    tl.atomic_xchg(lock, turn + 1, sem="release")
+                elif FUSED_DQ == 2:
+                    # the same turns, but the wait is one PTX instruction sequence, so the
+                    # loop keeps its pipelining; the additions are fire-and-forget reductions
+                    # whose addresses depend on the wait's result (they cannot start early)
+                    go = wait_turn(lock, turn)
+                    dq_ptrs0 = dq_base + go + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                    tl.atomic_add(dq_ptrs0, dq0, mask=dq_ok0, sem="relaxed")
+                    # every thread's additions are issued before the hand-over (a PTX barrier:
+                    # tl.debug_barrier would stop the pipelining too)
+                    done = cta_barrier()
+                    tl.atomic_xchg(lock + done, turn + 1, sem="release")
 
         # Phase 2: query blocks that see the whole key block, no mask arithmetic
         steps = tl.cdiv(full_hi - full_lo, BLOCK_M)
@@ -242,18 +290,33 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
                 # this key block's share of dQ for the query block: dS K * scale
                 ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
                 dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
-                # wait for our turn at these rows: the key blocks before ours add first
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
-                while tl.atomic_add(lock, 0, sem="acquire") != turn:
-                    pass
-                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
-                # .cg: read from L2, where the previous program's additions are
-                dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
-                tl.store(dq_ptrs0, dq0, mask=dq_ok0)
-                tl.debug_barrier()  # every thread's stores are done before the hand-over
-                tl.atomic_xchg(lock, turn + 1, sem="release")
+                if FUSED_DQ == 1:
+                    # wait for our turn at these rows (the key blocks before ours add
+                    # first) in a Triton loop: runs anywhere, but the loop inside the loop
+                    # stops Triton's software pipelining of this one
+                    while tl.atomic_add(lock, 0, sem="acquire") != turn:
+                        pass
+                    dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                    # .cg: read from L2, where the previous program's additions are
+                    dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
+                    tl.store(dq_ptrs0, dq0, mask=dq_ok0)
+                    tl.debug_barrier()  # every thread's stores are done before the hand-over
+                    tl.atomic_xchg(lock, turn + 1, sem="release")
+                elif FUSED_DQ == 2:
+                    # the same turns, but the wait is one PTX instruction sequence, so the
+                    # loop keeps its pipelining; the additions are fire-and-forget reductions
+                    # whose addresses depend on the wait's result (they cannot start early)
+                    go = wait_turn(lock, turn)
+                    dq_ptrs0 = dq_base + go + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                    tl.atomic_add(dq_ptrs0, dq0, mask=dq_ok0, sem="relaxed")
+                    # every thread's additions are issued before the hand-over (a PTX barrier:
+                    # tl.debug_barrier would stop the pipelining too)
+                    done = cta_barrier()
+                    tl.atomic_xchg(lock + done, turn + 1, sem="release")
 
         # Phase 1: query blocks on the diagonal (causal / right edge), masked
         steps = tl.cdiv(full_lo - lo, BLOCK_M)
@@ -295,18 +358,33 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
                 # this key block's share of dQ for the query block: dS K * scale
                 ds = tl.trans(ds_t)  # [BLOCK_M, BLOCK_N]
                 dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
-                # wait for our turn at these rows: the key blocks before ours add first
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
-                while tl.atomic_add(lock, 0, sem="acquire") != turn:
-                    pass
-                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
-                # .cg: read from L2, where the previous program's additions are
-                dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
-                tl.store(dq_ptrs0, dq0, mask=dq_ok0)
-                tl.debug_barrier()  # every thread's stores are done before the hand-over
-                tl.atomic_xchg(lock, turn + 1, sem="release")
+                if FUSED_DQ == 1:
+                    # wait for our turn at these rows (the key blocks before ours add
+                    # first) in a Triton loop: runs anywhere, but the loop inside the loop
+                    # stops Triton's software pipelining of this one
+                    while tl.atomic_add(lock, 0, sem="acquire") != turn:
+                        pass
+                    dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                    # .cg: read from L2, where the previous program's additions are
+                    dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
+                    tl.store(dq_ptrs0, dq0, mask=dq_ok0)
+                    tl.debug_barrier()  # every thread's stores are done before the hand-over
+                    tl.atomic_xchg(lock, turn + 1, sem="release")
+                elif FUSED_DQ == 2:
+                    # the same turns, but the wait is one PTX instruction sequence, so the
+                    # loop keeps its pipelining; the additions are fire-and-forget reductions
+                    # whose addresses depend on the wait's result (they cannot start early)
+                    go = wait_turn(lock, turn)
+                    dq_ptrs0 = dq_base + go + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
+                    tl.atomic_add(dq_ptrs0, dq0, mask=dq_ok0, sem="relaxed")
+                    # every thread's additions are issued before the hand-over (a PTX barrier:
+                    # tl.debug_barrier would stop the pipelining too)
+                    done = cta_barrier()
+                    tl.atomic_xchg(lock + done, turn + 1, sem="release")
 
     dk_base = DK + b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh
     dv_base = DV + b.to(tl.int64) * stride_dvb + kv_h.to(tl.int64) * stride_dvh
