@@ -93,8 +93,10 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     "bwd": (
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",
                          "64x32w4s4"), planner_core.DQ_MIRROR, _dq_tile),
-        # (`fused_dq=True`, dQ inside the dK/dV kernel, is reachable through
-        # override_config but not tuned: 2x slower on the H100, see docs/PERF_NOTES.md)
+        # Reachable through override_config but not tuned, both measured slower on the
+        # H100 (docs/PERF_NOTES.md): `fused_dq=True` (dQ inside the dK/dV kernel) and
+        # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: -1 to -8%
+        # at 64x128 w8 s3, +1.5% at one 16k config).
     ),
     # split-KV factor (0 = the package's heuristic from batch, heads, length and SMs)
     "decode": (Knob("num_splits", (0, 1, 2, 4, 8, 16, 32), 0),),

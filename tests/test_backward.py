@@ -97,6 +97,19 @@ def test_dq_tile_knobs(pkg, device, poison, window, causal):
                 tiles=tiles)
 
 
+@pytest.mark.parametrize("n_q,n_k,d,window,causal", [
+    (100, 90, 64, (-1, -1), False),
+    (70, 100, 80, (-1, -1), True),
+    (64, 90, 64, (64, 16), False),
+], ids=["Nq100_Nk90", "causal_d80", "window64_16"])
+def test_tma_knob(pkg, device, poison, n_q, n_k, d, window, causal):
+    """The tma knob: unmasked Q/dO blocks (dK/dV kernel) and K/V blocks (dQ kernel) come
+    through tensor descriptors, the ragged and masked blocks through plain loads; d=80 has a
+    padded head-dim chunk the descriptor must read as zeros; GQA 2:1."""
+    check_flash(pkg, device, 2, n_q, n_k, 4, 2, d, torch.float32, causal=causal,
+                window=window, tiles=dict(TILES, tma=True))
+
+
 FUSED = dict(TILES, fused_dq=True)
 
 

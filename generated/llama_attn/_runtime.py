@@ -473,6 +473,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
                             dtype=torch.int32)
     else:
         dq_acc = locks = delta  # unused
+    # tensor descriptors (the tma knob) need 16-byte aligned bases and row strides
+    row_bytes = _DTYPE_BYTES[_DTYPE_NAMES[q.dtype]]
+    tma = bool(cfg.get("tma", False)) and all(
+        t.data_ptr() % 16 == 0 and all((s * row_bytes) % 16 == 0 for s in t.stride()[:3])
+        for t in (q, do, k, v))
+    if tma:
+        _descriptor_allocator()
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
     kernel(name, "dkdv_kernel")[(batch * h_kv, triton_cdiv(n_k, block_n))](
         q, k, v, do, lse, delta, dk, dv, dq_acc, locks,
@@ -483,7 +490,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dk.stride(0), dk.stride(1), dk.stride(2),
         dv.stride(0), dv.stride(1), dv.stride(2),
         n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi, *drop,
-        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, **launch,
+        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, USE_TMA=tma, **launch,
     )
     if fused:
         dq.copy_(dq_acc.view(batch, h_q, n_q, d))
@@ -499,5 +506,5 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         do.stride(0), do.stride(1), do.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2),
         n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi, *drop,
-        BLOCK_M=dq_m, BLOCK_N=dq_n, num_warps=dq_w, num_stages=dq_s,
+        BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, num_warps=dq_w, num_stages=dq_s,
     )

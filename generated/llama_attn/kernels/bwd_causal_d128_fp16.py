@@ -135,6 +135,7 @@ def bwd_causal_d128_fp16_dkdv_kernel(
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
+    USE_TMA: tl.constexpr,  # unmasked Q/dO blocks through tensor descriptors (Hopper TMA)
 ):
     bkv = tl.program_id(0)
     b = bkv // H_KV
@@ -185,6 +186,10 @@ def bwd_causal_d128_fp16_dkdv_kernel(
         delta_base = DELTA + bh.to(tl.int64) * N_Q
         dq_base = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM
         lock_base = LOCKS + bh.to(tl.int64) * tl.cdiv(N_Q, BLOCK_M)
+        if USE_TMA:
+            # columns past HEAD_DIM read as zeros
+            q_desc0 = tl.make_tensor_descriptor(q_base, shape=[N_Q, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, D0_SIZE])
+            do_desc0 = tl.make_tensor_descriptor(do_base, shape=[N_Q, HEAD_DIM], strides=[stride_dom, 1], block_shape=[BLOCK_M, D0_SIZE])
 
         # The query blocks are walked from the last down: with FUSED_DQ every program
         # then reaches a block of dQ rows one short step after the program of the key
@@ -261,8 +266,12 @@ def bwd_causal_d128_fp16_dkdv_kernel(
         steps = tl.cdiv(full_hi - full_lo, BLOCK_M)
         for t in range(0, steps):
             m0 = full_lo + (steps - 1 - t) * BLOCK_M
-            q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
-            do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
+            if USE_TMA:
+                q0 = q_desc0.load([m0, D0_OFFSET])  # [BLOCK_M, D0_SIZE]
+                do0 = do_desc0.load([m0, D0_OFFSET])  # [BLOCK_M, D0_SIZE]
+            else:
+                q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
+                do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
             lse = tl.load(lse_base + m0 + offs_m)  # [BLOCK_M]
             delta = tl.load(delta_base + m0 + offs_m)  # [BLOCK_M]
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0 instead of NaN
@@ -411,6 +420,7 @@ def bwd_causal_d128_fp16_dq_kernel(
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
+    USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
 ):
     bh = tl.program_id(0)
     b = bh // H_Q
@@ -430,6 +440,9 @@ def bwd_causal_d128_fp16_dq_kernel(
     q0 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     do0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     dq0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
+    if USE_TMA:
+        k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N_K, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, D0_SIZE])
+        v_desc0 = tl.make_tensor_descriptor(v_base, shape=[N_K, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, D0_SIZE])
     lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # [BLOCK_M]
     delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=0.0)  # [BLOCK_M]
@@ -462,8 +475,12 @@ def bwd_causal_d128_fp16_dq_kernel(
 
 
     for n0 in range(full_lo, full_hi, BLOCK_N):
-        k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
-        v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
+        if USE_TMA:
+            k0 = k_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
+            v0 = v_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
+        else:
+            k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
+            v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
