@@ -95,8 +95,8 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
                          "64x32w4s4"), planner_core.DQ_MIRROR, _dq_tile),
         # Reachable through override_config but not tuned, both measured slower on the
         # H100 (docs/PERF_NOTES.md): `fused_dq=True` (dQ inside the dK/dV kernel) and
-        # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: -1 to -8%
-        # at 64x128 w8 s3, +1.5% at one 16k config).
+        # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: 0 to -12%
+        # at 13 of 16 measured points, and the best 16k point without it stays ahead).
     ),
     # split-KV factor (0 = the package's heuristic from batch, heads, length and SMs)
     "decode": (Knob("num_splits", (0, 1, 2, 4, 8, 16, 32), 0),),
