@@ -30,7 +30,6 @@ import importlib
 import math
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -39,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from . import __version__, tuning_data
+from . import __version__, planner_core, tuning_data
 from .errors import FlashgenError
 from .measure import Measure, TuneAborted, WrongAnswer, _fmt_config, _reason, gpu_measure
-from .space import Space, space_for
+from .space import TILE_PARAMS, Space, space_for
 
 DEFAULT_TRIALS = 30
 DEFAULT_BUDGET = 840.0     # seconds for a whole `flashgen tune` run (spec under 15 min)
@@ -610,11 +609,10 @@ def parse_try(text: str) -> dict:
     """A `--try` config, "64x128w8s3" or "64x128w8s3:dq_tile=128x64w8s3,tma=1": a tile and
     optional knob values, the latter still strings (each space reads them, see _try_config)."""
     tile, _, knobs = text.partition(":")
-    m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", tile.strip())
-    if m is None:
-        raise FlashgenError(f"--try {text!r}: expected a tile BLOCK_MxBLOCK_NwWARPSsSTAGES such "
-                            "as 64x128w8s3, optionally followed by :knob=value,...")
-    cfg: dict = dict(zip(("block_m", "block_n", "num_warps", "num_stages"), map(int, m.groups())))
+    try:
+        cfg: dict = dict(zip(TILE_PARAMS, planner_core.parse_tile(tile)))
+    except ValueError as e:
+        raise FlashgenError(f"--try {text!r}: {e}, optionally followed by :knob=value,...") from None
     for item in filter(None, (x.strip() for x in knobs.split(","))):
         name, eq, value = item.partition("=")
         if not eq or not name or not value:
@@ -668,8 +666,9 @@ def _incumbents(spec, gpu_key: str) -> dict:
         return {}
     try:
         return tuning_data.read(path).get("configs", {})
-    except (OSError, ValueError):
-        return {}
+    except (OSError, ValueError) as e:
+        raise FlashgenError(f"{path}: cannot read the tuning file ({e}); restore it from git "
+                            "or delete it to tune from scratch") from None
 
 
 def format_summary(results: Sequence[StudyResult]) -> str:

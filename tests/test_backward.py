@@ -139,6 +139,13 @@ def test_fused_dq_is_deterministic(pkg, device):
         assert torch.equal(a, b)
 
 
+def test_unknown_fused_dq_value_is_a_clear_error(pkg):
+    q, k, v = (leaf(1, 40, 2, 64, dtype=torch.float32, device="cpu") for _ in range(3))
+    out = pkg.flash_attn_func(q, k, v)
+    with pkg._runtime.override_config(fused_dq="bogus"), pytest.raises(ValueError, match="fused_dq"):
+        out.backward(torch.randn_like(out))
+
+
 def test_batch3(pkg, device, poison):
     check_flash(pkg, device, 3, 31, 31, 2, 2, 64, torch.float16, causal=False)
 

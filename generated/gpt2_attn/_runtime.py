@@ -374,15 +374,19 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
-    # tensor descriptors need 16-byte aligned row strides and bases; otherwise plain loads
-    row_bytes = _DTYPE_BYTES[_DTYPE_NAMES[q.dtype]]
-    tma = bool(cfg.get("tma", False)) and all(
-        (s * row_bytes) % 16 == 0 for s in (*bhnd(k.stride(), bnhd)[:3], *bhnd(v.stride(), bnhd)[:3])
-    ) and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    tma = bool(cfg.get("tma", False)) and _descriptor_ready(
+        (k, bhnd(k.stride(), bnhd)), (v, bhnd(v.stride(), bnhd)))
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launcher(kernel(name), grid, meta), args, tma
+
+
+def _descriptor_ready(*tensors) -> bool:
+    """Whether (tensor, (B, H, N, d) strides) pairs can be read through tensor descriptors:
+    16-byte aligned bases and row strides (otherwise the kernels take plain loads)."""
+    return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in strides[:3])
+               for t, strides in tensors)
 
 
 def _descriptor_allocator() -> None:
@@ -456,6 +460,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     cfg = launch_config(name, q.device, max(n_q, n_k))
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
+    if fused is None:
+        raise ValueError(f"fused_dq={cfg['fused_dq']!r}: expected one of "
+                         f"{sorted(map(repr, _FUSED_DQ_MODES))}")
+    if fused == 2 and _interpreting():  # the interpreter runs no inline PTX
+        fused = 1
     delta = torch.empty((batch, h_q, n_q), device=q.device, dtype=torch.float32)
     kernel(name, "preprocess")[(batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK))](
         o, do, delta,
@@ -464,20 +474,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         n_q, h_q, BLOCK_M=PREPROCESS_BLOCK,
     )
     group = h_q // h_kv
-    fused = _FUSED_DQ_MODES[cfg.get("fused_dq", False)]
-    if fused == 2 and _interpreting():  # the interpreter runs no inline PTX
-        fused = 1
     if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
         dq_acc = torch.zeros((batch * h_q, n_q, d), device=q.device, dtype=torch.float32)
         locks = torch.zeros((batch * h_q * triton_cdiv(n_q, block_m),), device=q.device,
                             dtype=torch.int32)
     else:
         dq_acc = locks = delta  # unused
-    # tensor descriptors (the tma knob) need 16-byte aligned bases and row strides
-    row_bytes = _DTYPE_BYTES[_DTYPE_NAMES[q.dtype]]
-    tma = bool(cfg.get("tma", False)) and all(
-        t.data_ptr() % 16 == 0 and all((s * row_bytes) % 16 == 0 for s in t.stride()[:3])
-        for t in (q, do, k, v))
+    tma = bool(cfg.get("tma", False)) and _descriptor_ready(*((t, t.stride()) for t in (q, do, k, v)))
     if tma:
         _descriptor_allocator()
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows

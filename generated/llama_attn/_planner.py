@@ -44,6 +44,7 @@ needed for MMA operand fragments, addresses and temporaries) is rejected as spil
 """
 
 import math
+import re
 from dataclasses import dataclass
 
 KINDS = ("fwd", "bwd", "decode")
@@ -154,10 +155,17 @@ def dq_tile(config) -> tuple[int, int, int, int]:
     value = config.get("dq_tile", DQ_MIRROR)
     if value == DQ_MIRROR:
         return config["block_n"], config["block_m"], config["num_warps"], config["num_stages"]
-    m, rest = value.split("x")
-    n, rest = rest.split("w")
-    w, stages = rest.split("s")
-    return int(m), int(n), int(w), int(stages)
+    return parse_tile(value)
+
+
+def parse_tile(text: str) -> tuple[int, int, int, int]:
+    """(block_m, block_n, num_warps, num_stages) of a tile written "MxNwWsS", e.g.
+    "128x64w8s3" (the dq_tile knob's values, `flashgen tune --try`); ValueError otherwise."""
+    match = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)", text.strip())
+    if match is None:
+        raise ValueError(f"{text!r} is not a tile BLOCK_MxBLOCK_NwWARPSsSTAGES such as 64x128w8s3")
+    m, n, w, stages = map(int, match.groups())
+    return m, n, w, stages
 
 
 def fa1_blocks(sram_bytes: int, head_dim: int, dtype_bytes: int) -> tuple[int, int]:

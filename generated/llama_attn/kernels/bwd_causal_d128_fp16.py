@@ -236,14 +236,14 @@ def bwd_causal_d128_fp16_dkdv_kernel(
                 dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
+                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
                 if FUSED_DQ == 1:
                     # wait for our turn at these rows (the key blocks before ours add
                     # first) in a Triton loop: runs anywhere, but the loop inside the loop
                     # stops Triton's software pipelining of this one
                     while tl.atomic_add(lock, 0, sem="acquire") != turn:
                         pass
-                    dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
                     # .cg: read from L2, where the previous program's additions are
                     dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
                     tl.store(dq_ptrs0, dq0, mask=dq_ok0)
@@ -254,9 +254,7 @@ def bwd_causal_d128_fp16_dkdv_kernel(
                     # loop keeps its pipelining; the additions are fire-and-forget reductions
                     # whose addresses depend on the wait's result (they cannot start early)
                     go = wait_turn(lock, turn)
-                    dq_ptrs0 = dq_base + go + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
-                    tl.atomic_add(dq_ptrs0, dq0, mask=dq_ok0, sem="relaxed")
+                    tl.atomic_add(dq_ptrs0 + go, dq0, mask=dq_ok0, sem="relaxed")
                     # every thread's additions are issued before the hand-over (a PTX barrier:
                     # tl.debug_barrier would stop the pipelining too)
                     done = cta_barrier()
@@ -300,14 +298,14 @@ def bwd_causal_d128_fp16_dkdv_kernel(
                 dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
+                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
                 if FUSED_DQ == 1:
                     # wait for our turn at these rows (the key blocks before ours add
                     # first) in a Triton loop: runs anywhere, but the loop inside the loop
                     # stops Triton's software pipelining of this one
                     while tl.atomic_add(lock, 0, sem="acquire") != turn:
                         pass
-                    dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
                     # .cg: read from L2, where the previous program's additions are
                     dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
                     tl.store(dq_ptrs0, dq0, mask=dq_ok0)
@@ -318,9 +316,7 @@ def bwd_causal_d128_fp16_dkdv_kernel(
                     # loop keeps its pipelining; the additions are fire-and-forget reductions
                     # whose addresses depend on the wait's result (they cannot start early)
                     go = wait_turn(lock, turn)
-                    dq_ptrs0 = dq_base + go + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
-                    tl.atomic_add(dq_ptrs0, dq0, mask=dq_ok0, sem="relaxed")
+                    tl.atomic_add(dq_ptrs0 + go, dq0, mask=dq_ok0, sem="relaxed")
                     # every thread's additions are issued before the hand-over (a PTX barrier:
                     # tl.debug_barrier would stop the pipelining too)
                     done = cta_barrier()
@@ -368,14 +364,14 @@ def bwd_causal_d128_fp16_dkdv_kernel(
                 dq0 = tl.dot(ds, k0) * SCALE  # [BLOCK_M, D0_SIZE]
                 lock = lock_base + m0 // BLOCK_M
                 turn = pid_n - first_key_block(m0, LO_OFF, BLOCK_N)
+                dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
+                dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
                 if FUSED_DQ == 1:
                     # wait for our turn at these rows (the key blocks before ours add
                     # first) in a Triton loop: runs anywhere, but the loop inside the loop
                     # stops Triton's software pipelining of this one
                     while tl.atomic_add(lock, 0, sem="acquire") != turn:
                         pass
-                    dq_ptrs0 = dq_base + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
                     # .cg: read from L2, where the previous program's additions are
                     dq0 += tl.load(dq_ptrs0, mask=dq_ok0, other=0.0, cache_modifier=".cg")
                     tl.store(dq_ptrs0, dq0, mask=dq_ok0)
@@ -386,9 +382,7 @@ def bwd_causal_d128_fp16_dkdv_kernel(
                     # loop keeps its pipelining; the additions are fire-and-forget reductions
                     # whose addresses depend on the wait's result (they cannot start early)
                     go = wait_turn(lock, turn)
-                    dq_ptrs0 = dq_base + go + (m0 + offs_m)[:, None] * HEAD_DIM + offs_d0[None, :]
-                    dq_ok0 = ((m0 + offs_m) < N_Q)[:, None]
-                    tl.atomic_add(dq_ptrs0, dq0, mask=dq_ok0, sem="relaxed")
+                    tl.atomic_add(dq_ptrs0 + go, dq0, mask=dq_ok0, sem="relaxed")
                     # every thread's additions are issued before the hand-over (a PTX barrier:
                     # tl.debug_barrier would stop the pipelining too)
                     done = cta_barrier()
