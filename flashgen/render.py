@@ -12,11 +12,12 @@ from pathlib import Path
 import jinja2
 
 from . import planner_core
+from .resources import templates_dir
 from .spec import Spec
 from .tuning_data import load_tuned
 from .variants import Variant
 
-TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's copy
 PLANNER_SOURCE = Path(planner_core.__file__)
 
 # package file -> template that renders it
