@@ -9,6 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import __version__
 from .errors import FlashgenError
 
 EXIT_USAGE = 2
@@ -17,8 +18,19 @@ EXIT_USAGE = 2
 def _cmd_build(args) -> int:
     from .build import build
 
-    report = build(args.spec, Path(args.out))
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FlashgenError(f"--out {args.out} is a file; --out takes a folder (the package "
+                            f"is written to {args.out}/<package>/)")
+    try:
+        report = build(args.spec, out)
+    except (FileExistsError, NotADirectoryError, PermissionError) as e:
+        raise FlashgenError(f"--out {args.out}: cannot write the package there: "
+                            f"{e.strerror}: {e.filename}") from None
     print(report.summary())
+    print(f"import it as `import {report.root.name}` with {out} on sys.path (e.g. "
+          f"PYTHONPATH={out}), or as `from {out.resolve().name} import {report.root.name}` "
+          f"from {out.resolve().parent}")
     return 0
 
 
@@ -26,6 +38,8 @@ def _cmd_plan(args) -> int:
     from . import planner_core
     from .plan import plan_spec
     from .spec import load_spec
+
+    from .plan import format_summary
 
     spec = load_spec(args.spec)
     seen = set()
@@ -36,8 +50,11 @@ def _cmd_plan(args) -> int:
         seen.add(key)
         print(f"== {variant.kind} d={variant.head_dim} {variant.dtype_bytes}-byte dtypes "
               f"(e.g. {variant.name}) on {spec.gpu.name}")
-        print(planner_core.format_plan(plan))
+        print(planner_core.format_plan(plan) if args.all else format_summary(plan))
         print()
+    if not args.all:
+        print(f"(`flashgen plan {args.spec} --all` lists every candidate tile with its "
+              "estimates and why it was rejected)")
     return 0
 
 
@@ -93,6 +110,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashgen",
         description="Generate tuned FlashAttention Triton kernels from a YAML spec.")
+    p.add_argument("--version", action="version", version=f"flashgen {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     b = sub.add_parser("build", help="plan, render and write the package for a spec",
@@ -102,11 +120,16 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="generated", help="output folder (default: generated)")
     b.set_defaults(func=_cmd_build)
 
-    pl = sub.add_parser("plan", help="print the tile candidates and why each was rejected",
-                        description="Show the FlashAttention-1 rule's block sizes for the "
-                        "spec's GPU, every candidate tile with its shared-memory and "
-                        "register estimate, the chosen one, and why the others were dropped.")
+    pl = sub.add_parser("plan", help="summarise the chosen tiles (--all: every candidate)",
+                        description="For each kernel kind, head dim and dtype width of the "
+                        "spec: the FlashAttention-1 rule's block sizes for the spec's SRAM "
+                        "budget, the target tile the planner derives from them, the chosen "
+                        "tile with its shared-memory and register estimate, and how many "
+                        "candidates were feasible. --all lists every candidate and why each "
+                        "rejected one was dropped.")
     pl.add_argument("spec")
+    pl.add_argument("--all", action="store_true",
+                    help="every candidate tile (hundreds of lines per kernel kind)")
     pl.set_defaults(func=_cmd_plan)
 
     r = sub.add_parser("render", help="print a rendered kernel without writing anything",

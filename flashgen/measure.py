@@ -1,6 +1,6 @@
 """Stage 5a, measure: what one tuning trial does on the GPU -- check a launch config's
 output against a float64 reference at a small shape, then time it at a shape that fills the
-GPU (B*N = 16k tokens, H*d = 2048, as benchmarks/attention.py; decoding at 8 sequences x 8
+GPU (B*N = 16k tokens, H*d = 2048, as `flashgen bench`'s training suite; decoding at 8 sequences x 8
 KV heads with one query token). `flashgen tune` (flashgen/tune.py) runs the studies and
 hands each trial's config to a measure built here by :func:`gpu_measure`; the tests pass a
 synthetic measure instead.
@@ -158,7 +158,7 @@ _READ_FLUSH = None
 class Workload:
     """The calls one variant's trials make: a correctness check at a small shape and the
     timing at the bucket's shape, through the built package's public flash_attn_func
-    (tensors allocated (B, H, N, d) like benchmarks/attention.py and passed as (B, N, H, d)
+    (tensors allocated (B, H, N, d) like `flashgen bench` and passed as (B, N, H, d)
     views), with `_runtime.override_config(**config)` selecting the config."""
 
     def __init__(self, pkg, variant: str, facts: Mapping, bucket: int, device,

@@ -26,6 +26,22 @@ def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
         return planner_core.plan(variant.kind, variant.head_dim, variant.dtype_bytes,
                                  spec.gpu.sram_bytes, spec.gpu.sm_count, explicit=tile)
     except ValueError as e:
+        need = min_sram_bytes(variant.kind, variant.head_dim, variant.dtype_bytes)
+        if tile is None or (need is not None and need > spec.gpu.sram_bytes):
+            # nothing fits the budget at all: the budget is what to change, not the tile
+            needs = {v.name: min_sram_bytes(v.kind, v.head_dim, v.dtype_bytes)
+                     for v in variants_for(spec)}
+            worst = max(needs, key=lambda n: needs[n] or 0)
+            raise spec.error(
+                "gpu.sram_bytes",
+                f"{spec.gpu.sram_bytes} B of shared memory per block fits no tile of "
+                f"{variant.name} (its smallest feasible tile, {smallest_tile(variant)})",
+                f"at least {needs[worst]} B, what the most demanding kernel of this spec "
+                f"({worst}) needs for its smallest feasible tile; the planner picks larger, "
+                "faster tiles the more there is",
+                f"set gpu.sram_bytes to your GPU's per-block opt-in shared memory (>= "
+                f"{needs[worst]}; A100 166912, RTX 4090 101376, H100 232448), or drop the "
+                "head dims or dtypes that need more") from None
         raise spec.error(
             f"blocks.{key}",
             f"{variant.name}: {e}",
@@ -38,3 +54,76 @@ def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
 
 def plan_spec(spec: Spec) -> dict[Variant, planner_core.Plan]:
     return {v: plan_variant(spec, v) for v in variants_for(spec)}
+
+
+def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int):
+    """Every candidate tile that only a shared-memory budget could rule out."""
+    d = planner_core.padded_head_dim(head_dim)
+    big = 1 << 30
+    for bm in planner_core.BLOCK_SIZES:
+        for bn in planner_core.BLOCK_SIZES:
+            for nw in planner_core.WARP_COUNTS:
+                for ns in planner_core.STAGE_COUNTS:
+                    cand = planner_core.evaluate(kind, planner_core.TileConfig(bm, bn, nw, ns),
+                                                 d, dtype_bytes, big)
+                    if cand.rejected is None:
+                        yield cand
+
+
+def min_sram_bytes(kind: str, head_dim: int, dtype_bytes: int) -> int | None:
+    """The smallest shared-memory budget under which the planner finds a tile."""
+    return min((c.smem_bytes for c in _feasible_anywhere(kind, head_dim, dtype_bytes)),
+               default=None)
+
+
+def smallest_tile(variant: Variant) -> str:
+    best = min(_feasible_anywhere(variant.kind, variant.head_dim, variant.dtype_bytes),
+               key=lambda c: c.smem_bytes)
+    return f"{best.config} needs {best.smem_bytes} B"
+
+
+def format_summary(plan: planner_core.Plan) -> str:
+    """A few lines per plan: the FA-1 rule, how it becomes the planner's target tile, the
+    chosen tile and how many candidates were feasible (`flashgen plan`; --all lists them)."""
+    m_elems = plan.sram_bytes // plan.dtype_bytes
+    target_m, target_n = planner_core._targets(plan.kind, plan.fa1_bc, plan.fa1_br)
+    feasible = [c for c in plan.candidates if c.rejected is None]
+    chosen = next(c for c in plan.candidates if c.config == plan.chosen)
+    role = {
+        "fwd": ("block_m (resident Q rows) <- Bc", "block_n (streamed K/V rows) <- Br"),
+        "bwd": ("block_n (resident K/V rows) <- Bc", "block_m (streamed Q/dO rows) <- "
+                "max(Br / 4, 32): each query row streams Q, dO, P and dP"),
+        "decode": ("block_n (K/V rows) <- Bc", "block_m = 16 (one MMA tile of query rows)"),
+    }[plan.kind]
+    lines = [
+        f"FA-1 rule: M = {plan.sram_bytes} B / {plan.dtype_bytes} = {m_elems} elements; "
+        f"Bc = ceil(M / 4d) = {plan.fa1_bc}, Br = min(Bc, d) = {plan.fa1_br}",
+        f"  as a target tile: {role[0]}, {role[1]}; each floored to a power of two and "
+        f"clamped to 16..{planner_core.MAX_TARGET_TILE} (past 128 rows the register-resident "
+        f"accumulator spills or halves the CTAs in flight) -> block_m {target_m}, "
+        f"block_n {target_n}",
+        f"chosen: {plan.chosen} (block_m x block_n, warps, stages): "
+        f"{chosen.smem_bytes} B of {plan.sram_bytes} B shared memory, "
+        f"~{chosen.regs_per_thread} accumulator regs/thread",
+    ]
+    if (plan.chosen.block_m, plan.chosen.block_n) == (target_m, target_n):
+        lines.append("  = the target tile; warps and stages ranked by the preferred pipeline "
+                     f"depth ({planner_core.PREFERRED_STAGES[plan.kind]}) and fewer warps")
+    else:
+        at_target = [c for c in plan.candidates if (c.config.block_m, c.config.block_n)
+                     == (target_m, target_n)]
+        why = ("no such candidate" if not at_target else
+               next((c.rejected for c in at_target if c.rejected is None), None)
+               or min((c.rejected for c in at_target), key=len))
+        lines.append(f"  differs from the target tile {target_m}x{target_n}: "
+                     + ("it ranked lower" if why is None else f"there, {why}"))
+    counts = {}
+    for c in plan.candidates:
+        if c.rejected:
+            for reason in c.rejected.split("; "):
+                rule = ("smem" if reason.startswith("smem") else "registers" if "regs" in reason
+                        else "warps" if reason.startswith("num_warps") else "no pipelining")
+                counts[rule] = counts.get(rule, 0) + 1
+    lines.append(f"{len(feasible)} of {len(plan.candidates)} candidates feasible; rejections: "
+                 + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return "\n".join(lines)

@@ -15,7 +15,7 @@ next `flashgen build` embeds into the package's TUNED table.
 * A trial checks the config's output against a float64 reference on fresh random inputs at
   a small shape (a wrong answer fails the trial, with the reason, and is never chosen),
   then times it with CUDA events (triton.testing.do_bench, median, L2 flushed) at a shape
-  that fills the GPU: B*N = 16k tokens, H*d = 2048 (as benchmarks/attention.py).
+  that fills the GPU: B*N = 16k tokens, H*d = 2048 (as `flashgen bench`'s training suite).
   Compile errors, out-of-resources and wrong answers fail the trial; the study goes on.
 
 The measurement is injectable: ``tune_study(..., measure=callable)``; the tests use a

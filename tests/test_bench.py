@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.bench import load_suite
+from flashgen import bench_suite as suite
 
 ROOT = Path(__file__).resolve().parent.parent
-suite = load_suite()
+
 
 
 def flashgen(*args: str, cwd: Path, env_extra=None) -> subprocess.CompletedProcess:
@@ -162,8 +162,12 @@ def test_write_results_csv_json_md(tmp_path):
     assert md.startswith("# flashgen bench: Fake GPU, torch 2.x, triton 3.x")
 
 
-def test_plot_writes_png_or_skips(tmp_path, capsys):
+@pytest.mark.parametrize("only", [None, "training", "small", "decode"])
+def test_plot_writes_png_or_skips(tmp_path, capsys, only):
+    """Every suite's table gets a plot (not only training's) when matplotlib is there."""
     _, rows = synthetic_rows()
+    if only:
+        rows = [r for r in rows if r["suite"] == only]
     path = suite.plot(rows, tmp_path / "p.png")
     try:
         import matplotlib  # noqa: F401
@@ -171,7 +175,63 @@ def test_plot_writes_png_or_skips(tmp_path, capsys):
         assert path is None
         assert "matplotlib is not installed" in capsys.readouterr().err
     else:
-        assert Path(path).stat().st_size > 0
+        assert Path(path).read_bytes().startswith(b"\x89PNG")
+
+
+def test_plot_points_per_suite():
+    _, rows = synthetic_rows()
+    points = [suite._plot_point(r) for r in rows]
+    assert points[0] == (("training", "fwd", 128, False, 0), 4096, rows[0]["tflops"], "TFLOP/s")
+    assert points[3] is None  # WRONG rows are not plotted
+    assert points[4] == (("small", "fwd", 64, True, 0), 8 * 59, 0.02, "ms")
+    assert points[6] == (("decode", "fwd", 128, True, 8), 4096, 2000.0, "GB/s")
+
+
+USER_SPEC = """\
+package: my_attn
+head_dims: [80]
+dtypes: [bf16]
+masks: [causal]
+gpu:
+  name: RTX 4090
+  sram_bytes: 101376
+"""
+
+
+def test_bench_takes_a_users_spec(tmp_path):
+    (tmp_path / "my.yaml").write_text(USER_SPEC)
+    res = flashgen("bench", "--dry-run", "--spec", "my.yaml", "--n", "1024", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    lines = [x for x in res.stdout.splitlines() if x.startswith("  training")]
+    # the spec's head dim and only its causal mask, both modes
+    assert len(lines) == 2, res.stdout
+    assert all("d=80 causal B=16 H=25 N=1024" in x for x in lines), lines
+    assert "would write bench_training_my_attn_n1024.json" in res.stdout
+
+
+@pytest.mark.parametrize("text, args, message", [
+    (USER_SPEC.replace("[bf16]", "[fp16]"), (), "add bf16 to `dtypes`"),
+    (USER_SPEC, ("--d", "64"), "has head dims [80]"),
+    (USER_SPEC, ("--suite", "decode"), "--spec times the training and small suites"),
+    (USER_SPEC.replace("head_dims: [80]", "head_dims: [81]"), (), "my.yaml:2"),
+])
+def test_bench_spec_errors_exit_2(tmp_path, text, args, message):
+    (tmp_path / "my.yaml").write_text(text)
+    res = flashgen("bench", "--dry-run", "--spec", "my.yaml", *args, cwd=tmp_path)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
+
+
+def test_bench_without_spec_rejects_other_head_dims(tmp_path):
+    res = flashgen("bench", "--dry-run", "--d", "80", cwd=tmp_path)
+    assert res.returncode == 2 and "pass --spec" in res.stderr, res.stderr
+
+
+def test_bundled_specs_are_found_outside_the_checkout(tmp_path):
+    from flashgen.resources import bundled_spec, templates_dir
+    for name in (*suite.SPECS.values(), suite.DROPOUT_SPEC):
+        assert bundled_spec(name).is_file(), name
+    assert (templates_dir() / "fwd.py.j2").is_file()
 
 
 def test_helpers():

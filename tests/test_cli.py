@@ -123,7 +123,11 @@ GOOD = [
       8: "blocks:",
       9: "  forward: {block_m: 128, block_n: 128, num_warps: 4, num_stages: 2}"},
      9, "blocks.forward", ["smem 114688 B > budget 16384 B"]),
-], ids=["malformed-yaml", "unknown-key", "wrong-type", "tile-too-large"])
+    ({7: "  sram_bytes: 16384"}, 7, "gpu.sram_bytes",  # fp16 d=64: the backward needs more
+     ["16384 B of shared memory per block fits no tile of bwd_d64_fp16",
+      "Expected: at least 18688 B",
+      "set gpu.sram_bytes to your GPU's per-block opt-in shared memory (>= 18688"]),
+], ids=["malformed-yaml", "unknown-key", "wrong-type", "tile-too-large", "budget-too-small"])
 def test_bad_spec_is_one_paragraph_exit_2(tmp_path, edit, line, key, fragments):
     lines = list(GOOD)
     for number, text in edit.items():
@@ -164,14 +168,16 @@ def test_build_writes_package_and_is_idempotent(work):
 
     first = flashgen("build", "specs/gpt2.yaml", "--out", "out", cwd=work)
     assert first.returncode == 0, first.stderr
-    assert first.stdout == f"{Path('out', 'gpt2_attn')}: {n} written, 0 unchanged, 0 removed\n"
+    assert first.stdout.splitlines()[0] == f"{Path('out', 'gpt2_attn')}: {n} written, 0 unchanged, 0 removed"
+    # how to import a package built with --out
+    assert "`import gpt2_attn` with out on sys.path (e.g. PYTHONPATH=out)" in flat(first.stdout)
     pkg = work / "out" / "gpt2_attn"
     for rel, text in files.items():
         assert (pkg / rel).read_text() == text, rel
 
     second = flashgen("build", "specs/gpt2.yaml", "--out", "out", cwd=work)
     assert second.returncode == 0, second.stderr
-    assert second.stdout == f"{Path('out', 'gpt2_attn')}: 0 written, {n} unchanged, 0 removed\n"
+    assert second.stdout.splitlines()[0] == f"{Path('out', 'gpt2_attn')}: 0 written, {n} unchanged, 0 removed"
 
     # --out defaults to generated/ in the working directory
     third = flashgen("build", "specs/gpt2.yaml", cwd=work)
@@ -180,8 +186,37 @@ def test_build_writes_package_and_is_idempotent(work):
     assert (work / "generated" / "gpt2_attn" / "__init__.py").read_text() == files["__init__.py"]
 
 
-def test_plan_prints_fa1_numbers_choice_and_rejections(work):
+def test_plan_summary_explains_the_rule_and_the_choice(work):
     res = flashgen("plan", "specs/gpt2.yaml", cwd=work)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    spec = load_spec(GPT2)
+    plans = plan_spec(spec)
+    sections = {(v.kind, v.head_dim, v.dtype_bytes) for v in plans}
+    assert len(out.splitlines()) < 12 * len(sections)  # a summary, not 375 candidates each
+    assert out.count("FA-1 rule: M = 232448 B / 2 = 116224 elements; Bc = ceil(M / 4d) = 454, "
+                     "Br = min(Bc, d) = 64") == 2  # fwd and bwd, 2-byte dtypes
+    # the rule's Bc/Br become a target tile, and the line says how
+    assert "block_m (resident Q rows) <- Bc, block_n (streamed K/V rows) <- Br" in out
+    assert "-> block_m 32, block_n 128" in out  # bwd: streamed Br / 4, resident Bc clamped
+    for p in plans.values():
+        assert f"chosen: {p.chosen} " in out
+    assert "candidates feasible; rejections: " in out
+    assert "--all` lists every candidate" in out
+    assert "rank  block_m" not in out
+
+
+def test_plan_summary_says_why_the_choice_differs_from_the_target(tmp_path):
+    # 36 KiB, fp32 d=128: the FA-1 target tile does not fit, the summary says why
+    (tmp_path / "s.yaml").write_text("\n".join(GOOD).replace("[64]", "[128]").replace(
+        "[fp16]", "[fp32]").replace("232448", "101376") + "\n")
+    res = flashgen("plan", "s.yaml", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "differs from the target tile" in res.stdout, res.stdout
+
+
+def test_plan_all_prints_fa1_numbers_choice_and_rejections(work):
+    res = flashgen("plan", "specs/gpt2.yaml", "--all", cwd=work)
     assert res.returncode == 0, res.stderr
     out = res.stdout
     # FA-1: M = sram // dtype bytes elements, Bc = ceil(M / 4d), Br = min(Bc, d)
@@ -228,3 +263,26 @@ def test_render_unknown_variant_names_the_available_ones(work):
     listing = flashgen("render", "specs/gpt2.yaml", cwd=work)
     assert listing.returncode == 0, listing.stderr
     assert listing.stdout.splitlines()[0] == "variants: " + ", ".join(names)
+
+
+def test_sram_bytes_the_error_suggests_builds(tmp_path):
+    """The budget the sram_bytes error asks for is enough (and one byte less is not)."""
+    for budget, code in ((18688, 0), (18687, 2)):
+        (tmp_path / "s.yaml").write_text("\n".join(GOOD).replace("232448", str(budget))
+                                         + "\n")
+        res = flashgen("build", "s.yaml", "--out", "out", cwd=tmp_path)
+        assert res.returncode == code, (budget, res.stderr)
+
+
+def test_version(tmp_path):
+    from flashgen import __version__
+    res = flashgen("--version", cwd=tmp_path)
+    assert res.returncode == 0 and res.stdout.strip() == f"flashgen {__version__}"
+
+
+@pytest.mark.parametrize("out", ["afile", "afile/sub"])
+def test_build_out_a_file_exits_2(work, out):
+    (work / "afile").write_text("not a folder")
+    res = flashgen("build", "specs/gpt2.yaml", "--out", out, cwd=work)
+    msg = assert_user_error(res, "build")
+    assert msg.startswith(f"--out {out}"), msg

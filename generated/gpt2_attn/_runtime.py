@@ -183,6 +183,26 @@ def _fix_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _fix_interpreter_index() -> None:
+    """Triton's CPU interpreter (seen with triton 3.6) holds a scalar as a 1-element array
+    and converts it to a Python int with int(array), which NumPy >= 2.4 refuses for arrays
+    that are not 0-d ("only 0-dimensional arrays can be converted"): every `range(lo, hi)`
+    over run-time bounds fails. Convert through .item() instead. Only ever applied under
+    TRITON_INTERPRET."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_flashgen_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._flashgen_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 def kernel(name: str, function: str = "kernel"):
     """The @triton.jit function `<name>_<function>` of a variant; its module is imported on
     first use only."""
@@ -191,6 +211,7 @@ def kernel(name: str, function: str = "kernel"):
     if fn is None:
         if _interpreting():
             _fix_interpreter_bf16_dot()
+            _fix_interpreter_index()
         module = importlib.import_module(f".kernels.{name}", __package__)
         fn = _kernels[key] = getattr(module, f"{name}_{function}")
     return fn

@@ -2,16 +2,21 @@
 (SDPA flash, SDPA cuDNN, FlexAttention, naive PyTorch), measured side by side; the engine
 behind `flashgen bench` (flashgen/bench.py is the CLI wrapper).
 
-    python benchmarks/suite.py [--suite training|decode|dropout|small|all] [--dry-run] ...
+    flashgen bench [--suite training|decode|dropout|small|all] [--spec SPEC] [--dry-run] ...
+
+The flashgen packages are built from their specs into a temporary folder at the start of a
+run: specs/gpt2.yaml (d=64) and specs/llama.yaml (d=128), specs/bench/dropout_d128.yaml for
+the dropout suite (the copies inside the installed package when flashgen is installed from a
+wheel), or the user's `--spec`, which replaces them for the head dims it was built for.
 
 Suites:
-  training  the H100 anchor table's shapes (../shared/anchors/H100.md): bf16, B*N = 16k
-            tokens, H*d = 2048, d = 64 (generated/gpt2_attn) and 128 (generated/llama_attn),
+  training  the H100 anchor table's shapes (docs/H100_ANCHORS.md): bf16, B*N = 16k
+            tokens, H*d = 2048, d = 64 (gpt2_attn) and 128 (llama_attn),
             N = 512 .. 16k, causal and not, fwd and bwd ("bwd" = `o.backward(do)` alone).
   dropout   causal d=128, H=16, B*N = 16k, N = 1k/4k, p=0.1: flashgen built from
-            benchmarks/specs/dropout_d128.yaml (as benchmarks/dropout.py does) with and
+            specs/bench/dropout_d128.yaml with and
             without dropout, and the SDPA backends that take dropout_p, and naive PyTorch.
-  decode    benchmarks/decode.py's measurement (one query token, B=8, Hq=32, Hkv=8, d=128,
+  decode    flashgen/bench_decode.py's measurement (one query token, B=8, Hq=32, Hkv=8, d=128,
             KV length 4k/16k/64k), imported and run as is; GB/s.
   small     the seeds' small shapes: H=16, d=64, (B, N) = (4, 512), (8, 59), (1, 2048),
             causal and not, forward; ms per call, plus flashgen's host dispatch time.
@@ -46,8 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from .resources import CHECKOUT_DIR, bundled_spec
 
 SUITES = ("training", "dropout", "decode", "small")
 TRAINING_N = (512, 1024, 2048, 4096, 8192, 16384)
@@ -61,9 +65,9 @@ SMALL_H, SMALL_D = 16, 64
 NAIVE_MAX_N = 8192  # naive attention materialises the N x N scores
 TOKENS, WIDTH = 16384, 2048  # B*N and H*d of the anchor table
 
-PACKAGES = {64: "gpt2_attn", 128: "llama_attn"}
-DROPOUT_SPEC = "benchmarks/specs/dropout_d128.yaml"
-DROPOUT_PACKAGE = "bench_dropout_attn"
+# head dim -> the example spec whose package the training suite times
+SPECS = {64: "gpt2.yaml", 128: "llama.yaml"}
+DROPOUT_SPEC = "bench/dropout_d128.yaml"
 
 # provider name -> what it is (the dry run and the table's headers)
 PROVIDERS = {
@@ -79,7 +83,7 @@ PROVIDERS = {
 TRAINING_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
-# decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
+# bench_decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
 # sdpa_flash, sdpa_cudnn, flex; --providers filters them by prefix
 DECODE_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex")
 
@@ -119,11 +123,13 @@ def _keep(names, wanted):
         n == w or n.startswith(w + "_") for w in wanted))
 
 
-def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), providers=None):
+def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), providers=None,
+               causals=(False, True)):
     """The cases a run measures, each with the providers it would try. `ns` overrides the
     N list of the training and dropout suites (and the KV lengths of decode); `ds` the head
     dims of training; `modes` applies to training and dropout; `providers` filters by name
-    (a name also selects its variants, e.g. flashgen -> flashgen_p0, flashgen_s0)."""
+    (a name also selects its variants, e.g. flashgen -> flashgen_p0, flashgen_s0); `causals`
+    the causalities of the training and small suites (a user's spec may lack a mask)."""
     suites = SUITES if suite == "all" else (suite,)
     cases = []
     for s in suites:
@@ -131,7 +137,7 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
             for mode in modes:
                 for d in (ds or TRAINING_D):
                     h = WIDTH // d
-                    for causal in (False, True):
+                    for causal in causals:
                         for n in (ns or TRAINING_N):
                             names = [x for x in TRAINING_PROVIDERS
                                      if x != "naive" or n <= NAIVE_MAX_N]
@@ -150,7 +156,7 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
                                       providers=_keep(DECODE_PROVIDERS, providers)))
         elif s == "small":
             for b, n in SMALL_SHAPES:
-                for causal in (False, True):
+                for causal in causals:
                     cases.append(Case(s, "fwd", SMALL_D, causal, b, SMALL_H, n,
                                       providers=_keep(TRAINING_PROVIDERS, providers)))
         else:
@@ -159,7 +165,7 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
 
 
 def flops(b, h, nq, nk, d, causal, mode):
-    """FLOPs of one call (../shared/anchors/H100.md): forward 4*B*H*Nq*Nk*d, halved when
+    """FLOPs of one call (docs/H100_ANCHORS.md): forward 4*B*H*Nq*Nk*d, halved when
     causal; backward 2.5x the forward. GQA counts query heads."""
     f = 4 * b * h * nq * nk * d
     if causal:
@@ -169,6 +175,37 @@ def flops(b, h, nq, nk, d, causal, mode):
 
 def tflops(ms, b, h, n, d, causal, mode):
     return flops(b, h, n, n, d, causal, mode) / (ms * 1e-3) / 1e12
+
+
+_packages = {}
+
+
+def load_package(spec_path, d=None, dropout=False):
+    """(module, spec sha) of the package built from spec_path (default: the example spec
+    for head dim d, or the dropout suite's), built once per process into a temporary folder
+    and imported under a name of its own (so a user's spec may reuse an example's package
+    name)."""
+    import importlib.util
+    import tempfile
+
+    from .build import build_spec
+    from .spec import load_spec
+
+    if spec_path is None:
+        spec_path = bundled_spec(DROPOUT_SPEC if dropout else SPECS[d])
+    spec = load_spec(spec_path)
+    key = (str(Path(spec_path).resolve()), spec.sha)
+    if key not in _packages:
+        out = Path(tempfile.mkdtemp(prefix="flashgen-bench-"))
+        root = build_spec(spec, out).root
+        name = f"flashgen_bench_{spec.package}_{spec.sha}"
+        mspec = importlib.util.spec_from_file_location(
+            name, root / "__init__.py", submodule_search_locations=[str(root)])
+        module = importlib.util.module_from_spec(mspec)
+        sys.modules[name] = module
+        mspec.loader.exec_module(module)
+        _packages[key] = (module, spec.sha)
+    return _packages[key]
 
 
 def spec_sha(package_dir) -> str | None:
@@ -185,10 +222,12 @@ def gpu_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "gpu"
 
 
-def result_name(suite, ns=None, ds=None, modes=("fwd", "bwd"), providers=None) -> str:
-    """bench_<suite>[_<modes>][_d<D>][_n<N>][_<providers>]: runs split by filter (to fit a
-    time limit) write separate files instead of overwriting each other."""
-    parts = ["bench", suite]
+def result_name(suite, ns=None, ds=None, modes=("fwd", "bwd"), providers=None,
+                package=None) -> str:
+    """bench_<suite>[_<package>][_<modes>][_d<D>][_n<N>][_<providers>]: runs split by filter
+    (to fit a time limit), or of a user's spec (its package name), write separate files
+    instead of overwriting each other."""
+    parts = ["bench", suite] + ([package] if package else [])
     if modes and set(modes) != {"fwd", "bwd"}:
         parts.append("-".join(modes))
     if ds:
@@ -304,16 +343,32 @@ def write_results(rows, out_dir, name, meta=None) -> dict:
     return paths
 
 
+def _plot_point(r):
+    """(panel key, x, y, y label) of a measured row, or None."""
+    if r.get("status") != "ok":
+        return None
+    if r["suite"] in ("training", "dropout") and r.get("tflops") is not None:
+        return (r["suite"], r["mode"], r["d"], r["causal"], 0), r["n"], r["tflops"], "TFLOP/s"
+    if r["suite"] == "decode" and r.get("gbps") is not None:
+        return (r["suite"], "fwd", r["d"], True, r["b"]), r["n"], r["gbps"], "GB/s"
+    if r["suite"] == "small" and r.get("ms") is not None:
+        return (r["suite"], r["mode"], r["d"], r["causal"], 0), r["b"] * r["n"], r["ms"], "ms"
+    return None
+
+
 def plot(rows, path) -> str | None:
-    """TFLOP/s against N per provider, one subplot per (mode, d, causal) of the training
-    and dropout suites. Returns the path, or None (with a message) without matplotlib or
-    without such rows."""
-    series = {}
+    """One panel per (suite, mode, d, causal[, B]) with a line per provider: TFLOP/s
+    against N (training, dropout), GB/s against the KV length (decode, a panel per batch),
+    ms against B*N tokens (small). Returns the path, or None (with a message) without
+    matplotlib or without measured rows."""
+    series, ylabels = {}, {}
     for r in rows:
-        if r["suite"] not in ("training", "dropout") or r.get("status") != "ok":
+        point = _plot_point(r)
+        if point is None:
             continue
-        key = (r["suite"], r["mode"], r["d"], r["causal"])
-        series.setdefault(key, {}).setdefault(r["provider"], []).append((r["n"], r["tflops"]))
+        key, x, y, ylabel = point
+        ylabels[key] = ylabel
+        series.setdefault(key, {}).setdefault(r["provider"], []).append((x, y))
     if not series:
         return None
     try:
@@ -323,7 +378,8 @@ def plot(rows, path) -> str | None:
     except ImportError:
         print("flashgen bench: matplotlib is not installed; skipping the plot", file=sys.stderr)
         return None
-    keys = sorted(series, key=lambda k: (k[0] != "training", k))
+    order = {"training": 0, "dropout": 1, "decode": 2, "small": 3}
+    keys = sorted(series, key=lambda k: (order.get(k[0], 9), k))
     cols = min(4, len(keys))
     nrows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
@@ -331,12 +387,12 @@ def plot(rows, path) -> str | None:
         for prov, pts in sorted(series[key].items()):
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=prov)
-        suite, mode, d, causal = key
+        suite, mode, d, causal, b = key
         ax.set_title(f"{'' if suite == 'training' else suite + ' '}{mode} d={d}"
-                     f"{' causal' if causal else ''}", fontsize=10)
+                     f"{' causal' if causal else ''}{f' B={b}' if b else ''}", fontsize=10)
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("N")
-        ax.set_ylabel("TFLOP/s")
+        ax.set_xlabel({"decode": "KV length", "small": "B*N tokens"}.get(suite, "N"))
+        ax.set_ylabel(ylabels[key])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     for ax in list(axes.flat)[len(keys):]:
@@ -351,7 +407,7 @@ def plot(rows, path) -> str | None:
 # measuring (GPU)
 # ----------------------------------------------------------------------------------------
 
-TOL = 3e-2  # bf16 output against the float32 reference (as attention.py)
+TOL = 3e-2  # bf16 output against the float32 reference (as every suite)
 
 
 def _raise_recompile_limit(limit=1024):
@@ -365,35 +421,19 @@ def _raise_recompile_limit(limit=1024):
 
 
 class Providers:
-    """Callables fn(q, k, v, causal, p) -> out for each provider name; built lazily."""
+    """Callables fn(q, k, v, causal, p) -> out for each provider name; built lazily.
+    `spec`: the user's spec, whose package serves flashgen at its head dims."""
 
-    def __init__(self):
+    def __init__(self, spec=None):
         import torch  # noqa: F401
-        if str(ROOT) not in sys.path:
-            sys.path.insert(0, str(ROOT))
-        if str(HERE) not in sys.path:
-            sys.path.insert(0, str(HERE))
-        self._pkgs = {}
+        self.spec = spec
         self._flex = None
         self._masks = {}
 
     def package(self, d, dropout=False):
-        import importlib
-        key = "dropout" if dropout else d
-        if key not in self._pkgs:
-            if dropout:
-                import tempfile
-                from flashgen.build import build
-                tmp = tempfile.mkdtemp(prefix="flashgen-bench-")
-                build(ROOT / DROPOUT_SPEC, Path(tmp))
-                sys.path.insert(0, tmp)
-                mod = importlib.import_module(DROPOUT_PACKAGE)
-                self._pkgs[key] = (mod, spec_sha(Path(tmp) / DROPOUT_PACKAGE))
-            else:
-                name = PACKAGES[d]
-                mod = importlib.import_module(f"generated.{name}")
-                self._pkgs[key] = (mod, spec_sha(ROOT / "generated" / name))
-        return self._pkgs[key]
+        if self.spec is not None and not dropout:
+            return load_package(self.spec)
+        return load_package(None, d, dropout)
 
     def get(self, name, case):
         import torch
@@ -506,12 +546,13 @@ def _timed_call(fn, q, k, v, case):
     return lambda: out.backward(do, retain_graph=True)
 
 
-def measure_attention(cases, meta, log=print):
-    """Rows for the training, dropout and small suites' cases."""
+def measure_attention(cases, meta, log=print, spec=None, progress=None):
+    """Rows for the training, dropout and small suites' cases. `spec`: a user's spec whose
+    package is flashgen (see Providers); `progress` advances once per provider measured."""
     import torch
     import triton
 
-    provs = Providers()
+    provs = Providers(spec)
     rows = []
     torch.manual_seed(0)
     for case in cases:
@@ -541,6 +582,8 @@ def measure_attention(cases, meta, log=print):
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:100]}"
             rows.append(row)
             log(f"{case.label()} {name:14s} {_cell(row)}")
+            if progress is not None:
+                progress.advance(f"{case.label().strip()} {name}")
             torch.cuda.empty_cache()
         del q, k, v, ref
         torch.cuda.empty_cache()
@@ -548,21 +591,19 @@ def measure_attention(cases, meta, log=print):
 
 
 def measure_decode(cases, meta, log=print):
-    """Rows for the decode suite, from benchmarks/decode.py's own measurement."""
-    if str(HERE) not in sys.path:
-        sys.path.insert(0, str(HERE))
-    import decode  # benchmarks/decode.py
+    """Rows for the decode suite, from flashgen/bench_decode.py's own measurement."""
+    from . import bench_decode as decode
 
-    _raise_recompile_limit()  # decode.py's FlexAttention rows compile one graph per shape
+    _raise_recompile_limit()  # bench_decode.py's FlexAttention rows compile one graph per shape
 
     wanted = set(p for c in cases for p in c.providers)
     by_b = {}
     for c in cases:
         by_b.setdefault(c.b, []).append(c.n)
-    sha = spec_sha(ROOT / "generated" / PACKAGES[128])
+    package, sha = load_package(None, 128)
     rows = []
     for b, ns in by_b.items():
-        for drow in decode.bench(bs=[b], ns=ns, log=log):
+        for drow in decode.bench(bs=[b], ns=ns, log=log, package=package):
             for name, val in drow.items():
                 if name in decode.ROW_META or not _keep([name], wanted):
                     continue
@@ -593,21 +634,41 @@ def environment():
             "triton": triton.__version__}
 
 
+def default_out_dir(gpu: str) -> Path:
+    """benchmarks/results/<gpu-slug>/ of the checkout flashgen runs from; from an installed
+    wheel, ./flashgen-bench/<gpu-slug>/ under the working directory."""
+    results = CHECKOUT_DIR / "benchmarks" / "results"
+    base = results if results.parent.is_dir() else Path.cwd() / "flashgen-bench"
+    return base / gpu_slug(gpu)
+
+
 def run(suite="all", ns=None, ds=None, modes=("fwd", "bwd"), providers=None, out=None,
-        plot_it=True, log=print):
+        plot_it=True, log=print, spec=None, progress=True):
     """Measure every case of the suite(s); write JSON/CSV/markdown (and a PNG) under out
-    (default benchmarks/results/<gpu-slug>/); print the tables. Returns (rows, paths)."""
-    cases = plan_cases(suite, ns, ds, modes, providers)
+    (default: see default_out_dir); print the tables. `spec`: a user's spec, whose package
+    is timed as flashgen at its head dims (and only with its masks). Returns (rows, paths)."""
+    from .progress import Progress
+
+    causals, package, case_ds = (False, True), None, ds
+    if spec is not None:
+        causals, package = spec_causals(spec), spec_package(spec)
+        case_ds = ds or spec_head_dims(spec)
+    cases = plan_cases(suite, ns, case_ds, modes, providers, causals)
     meta = environment()
     log(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, bf16; "
         f"{len(cases)} cases")
+    attention = [c for c in cases if c.suite != "decode"]
+    bar = Progress(sum(len(c.providers) for c in attention), "flashgen bench") if (
+        progress and attention) else None
     rows = []
-    rows += measure_attention([c for c in cases if c.suite != "decode"], meta, log)
+    rows += measure_attention(attention, meta, log, spec=spec, progress=bar)
+    if bar is not None:
+        bar.close()
     decode_cases = [c for c in cases if c.suite == "decode"]
     if decode_cases:
         rows += measure_decode(decode_cases, meta, log)
-    out_dir = Path(out) if out else HERE / "results" / gpu_slug(meta["gpu"])
-    name = result_name(suite, ns, ds, modes, providers)
+    out_dir = Path(out) if out else default_out_dir(meta["gpu"])
+    name = result_name(suite, ns, ds, modes, providers, package)
     paths = write_results(rows, out_dir, name, meta)
     if plot_it:
         png = plot(rows, out_dir / f"{name}.png")
@@ -620,41 +681,45 @@ def run(suite="all", ns=None, ds=None, modes=("fwd", "bwd"), providers=None, out
     return rows, paths
 
 
+def spec_causals(spec_path) -> tuple:
+    """The causalities a spec's package serves (its `none` and `causal` masks)."""
+    from .spec import load_spec
+    masks = load_spec(spec_path).masks
+    return tuple(c for c, m in ((False, "none"), (True, "causal")) if m in masks)
+
+
+def spec_head_dims(spec_path) -> list:
+    from .spec import load_spec
+    return list(load_spec(spec_path).head_dims)
+
+
+def spec_package(spec_path) -> str:
+    from .spec import load_spec
+    return load_spec(spec_path).package
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--suite", choices=(*SUITES, "all"), default="training",
                     help="which shapes to measure (default training: the H100 anchor table)")
+    ap.add_argument("--spec", metavar="SPEC",
+                    help="time the package of this spec as flashgen (training and small "
+                    "suites, at its head dims and masks; it needs bf16) instead of the "
+                    "example specs' packages")
     ap.add_argument("--n", type=int, nargs="+", metavar="N",
                     help="sequence lengths of the training and dropout suites, KV lengths of "
                     "decode (default: the anchor table's)")
-    ap.add_argument("--d", type=int, nargs="+", choices=TRAINING_D, metavar="D",
-                    help="head dims of the training suite (64 and/or 128; default both)")
+    ap.add_argument("--d", type=int, nargs="+", metavar="D",
+                    help="head dims of the training suite (default: 64 and 128, or the "
+                    "--spec's head dims)")
     ap.add_argument("--mode", nargs="+", choices=("fwd", "bwd"), default=["fwd", "bwd"],
                     help="fwd and/or bwd (training and dropout suites; default both)")
     ap.add_argument("--providers", nargs="+", metavar="NAME",
                     help=f"only these providers ({', '.join(PROVIDERS)}; default all)")
     ap.add_argument("--out", metavar="DIR",
                     help="where the JSON, CSV, markdown and PNG go (default "
-                    "benchmarks/results/<gpu-slug>/)")
-    ap.add_argument("--no-plot", dest="plot", action="store_false", help="skip the PNG")
+                    "benchmarks/results/<gpu-slug>/ in a checkout, ./flashgen-bench/<gpu-slug>/ "
+                    "otherwise)")
+    ap.add_argument("--no-plot", dest="plot", action="store_false",
+                    help="skip the PNG (written whenever matplotlib is installed)")
     ap.add_argument("--dry-run", action="store_true",
                     help="list the cases and providers without running anything (no GPU needed)")
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    if args.dry_run:
-        print(dry_run_text(plan_cases(args.suite, args.n, args.d, args.mode, args.providers)))
-        return 0
-    import torch
-    if not torch.cuda.is_available():
-        print("benchmarks/suite.py: needs a CUDA GPU (use --dry-run to list the cases)",
-              file=sys.stderr)
-        return 2
-    run(args.suite, args.n, args.d, args.mode, args.providers, args.out, args.plot)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

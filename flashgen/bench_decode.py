@@ -3,8 +3,11 @@ paged KV cache) beside SDPA's flash and cuDNN backends and FlexAttention, at Lla
 decode shapes: H_q = 32, H_kv = 8, d = 128, one new query token, bf16, batch 8 and 1, KV
 length 4k / 16k / 64k.
 
-    python benchmarks/decode.py [--out results.json] [--b 8 1] [--n 4096 16384 65536]
-                                [--splits 0 1 4 16] [--page 256] [--no-graph]
+    python -m flashgen.bench_decode [--out results.json] [--b 8 1] [--n 4096 16384 65536]
+                                    [--splits 0 1 4 16] [--page 256] [--no-graph]
+
+(`flashgen bench --suite decode` runs the same measurement.) The flashgen package is
+specs/llama.yaml's, built into a temporary folder.
 
 Decoding is memory-bound, so the figure of merit is bandwidth: GB/s counts q, K, V and the
 output once each (B*H_q*d*2 + 2*B*L*H_kv*d*2 + B*H_q*d*2 bytes), whatever the kernel
@@ -36,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -45,11 +47,9 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from .measure import read_flush_ms  # (the tuner times decode this way)
 
-import generated.llama_attn as fg  # noqa: E402
-from flashgen.measure import read_flush_ms  # noqa: E402  (the tuner times decode this way)
+fg = None  # the generated package under test (llama_attn's kind: d=128, GQA, decode)
 
 H_Q, H_KV, D = 32, 8, 128
 TOL = 2e-2  # bf16 output against the float32 reference
@@ -148,10 +148,16 @@ ROW_META = ("gpu", "b", "n", "page", "bytes", "host_us", "paged_host_us")
 
 
 def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
-          log=print):
+          log=print, package=None):
     """One row per (B, KV length): {provider: {"ms", "GB/s"[, "gqa"]} or an error/WRONG
-    string} plus the keys of ROW_META. benchmarks/suite.py (`flashgen bench --suite decode`)
-    calls this too."""
+    string} plus the keys of ROW_META. `package`: the generated package to time (default:
+    specs/llama.yaml's, built now). flashgen/bench_suite.py (`flashgen bench --suite
+    decode`) calls this too."""
+    global fg
+    if package is None:
+        from .bench_suite import load_package
+        package = load_package(None, 128)[0]
+    fg = package
     gpu = torch.cuda.get_device_name()
     log(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
         f"H_q {H_Q}, H_kv {H_KV}, d {D}, N_q 1")
