@@ -8,25 +8,65 @@
 
 Each one validates its arguments, turns its mask convention into the kernels' band
 offsets and calls the autograd-aware operator in `_ops`; tensors are never copied.
+
+Validation runs once per call signature (shapes, strides, dtypes, devices and the scalar
+arguments): a call whose signature passed before skips straight to the launch, so the host
+time of a repeated call is a dictionary lookup plus the launch (torch.compile traces the
+full path; the cache is eager-only).
 """
 import torch
 
 from . import _ops, _runtime
 
+_checked = {}  # call signature -> (mask, lo, hi, scale), for calls that passed validation
+_MAX_CHECKED = 4096
 
-def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p):
+
+def _remember(signature, band):
+    if len(_checked) >= _MAX_CHECKED:
+        _checked.clear()
+    _checked[signature] = band
+
+
+def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p,
+               need_lse=True):
     """q, k, v in the caller's layout. Returns (out in q's layout, LSE (B, H, N_q) fp32)."""
     _runtime.check_dropout(dropout_p)
     n_q, n_k = (q.shape[1], k.shape[1]) if bnhd else (q.shape[2], k.shape[2])
     scale = _runtime.softmax_scale(scale, q.shape[-1])
     mask, lo, hi = _runtime.band(n_q, n_k, causal, window, bottom_right)
     return _ops.attention(q, k, v, bnhd=bnhd, mask=mask, lo=lo, hi=hi, scale=scale,
-                          dropout_p=float(dropout_p))
+                          dropout_p=float(dropout_p), need_lse=need_lse)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, d)."""
+    if attn_mask is None and not torch.compiler.is_compiling():
+        try:
+            signature = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
+                         value.stride(), query.dtype, key.dtype, value.dtype, query.device,
+                         key.device, value.device, dropout_p, is_causal, scale, enable_gqa)
+            band = _checked.get(signature)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable argument
+            signature = band = None
+        if band is not None:
+            out, _ = _ops.attention(query, key, value, bnhd=False, mask=band[0], lo=band[1],
+                                    hi=band[2], scale=band[3], dropout_p=float(dropout_p),
+                                    need_lse=False)
+            return out
+        out = _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                            enable_gqa)
+        if signature is not None:
+            n_q, n_k = query.shape[2], key.shape[2]
+            mask, lo, hi = _runtime.band(n_q, n_k, bool(is_causal), (-1, -1), False)
+            _remember(signature, (mask, lo, hi, _runtime.softmax_scale(scale, query.shape[-1])))
+        return out
+    return _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """scaled_dot_product_attention with every argument checked."""
     if attn_mask is not None:
         raise NotImplementedError(
             "attn_mask is not supported: flashgen kernels build their masks in the kernel. "
@@ -38,7 +78,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
             "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
     out, _ = _attention(query, key, value, bnhd=False, causal=bool(is_causal),
-                        window=(-1, -1), bottom_right=False, scale=scale, dropout_p=dropout_p)
+                        window=(-1, -1), bottom_right=False, scale=scale, dropout_p=dropout_p,
+                        need_lse=False)
     return out
 
 
@@ -47,6 +88,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     """Drop-in for flash_attn.flash_attn_func on (B, N, H, d) tensors. With return_lse,
     returns (out, lse) where lse is (B, H, N_q) fp32 in natural log (-inf for a row that
     sees no key)."""
+    if not torch.compiler.is_compiling():
+        try:
+            signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+                         q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, dropout_p,
+                         softmax_scale, causal, window_size, "bnhd")
+            band = _checked.get(signature)
+        except (AttributeError, TypeError):  # not tensors, or an unhashable argument
+            signature = band = None
+        if band is not None:
+            out, lse = _ops.attention(q, k, v, bnhd=True, mask=band[0], lo=band[1],
+                                      hi=band[2], scale=band[3], dropout_p=float(dropout_p),
+                                      need_lse=return_lse)
+            return (out, lse) if return_lse else out
+        result = _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                return_lse)
+        if signature is not None:
+            window = _runtime.check_window(window_size)
+            mask, lo, hi = _runtime.band(q.shape[1], k.shape[1], bool(causal), window, True)
+            _remember(signature,
+                      (mask, lo, hi, _runtime.softmax_scale(softmax_scale, q.shape[-1])))
+        return result
+    return _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse)
+
+
+def _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse):
+    """flash_attn_func with every argument checked."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -54,7 +121,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     _runtime.check_tensors(q, k, v, bnhd=True)
     window = _runtime.check_window(window_size)
     out, lse = _attention(q, k, v, bnhd=True, causal=bool(causal), window=window,
-                          bottom_right=True, scale=softmax_scale, dropout_p=dropout_p)
+                          bottom_right=True, scale=softmax_scale, dropout_p=dropout_p,
+                          need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 

@@ -321,12 +321,14 @@ def override_config(**config):
     _override.clear()
     _override.update(config)
     _forward_plans.clear()  # plans hold the config they were made with
+    _backward_plans.clear()
     try:
         yield
     finally:
         _override.clear()
         _override.update(saved)
         _forward_plans.clear()
+        _backward_plans.clear()
 
 
 def launch_config(name: str, device: torch.device, n: int) -> dict:
@@ -389,6 +391,11 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     device and mask: computed once per call signature, then reused."""
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
     _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
+    lse_shape = (batch, h_q, n_q)
+    scratch = (torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+               if batch * h_q * n_q <= _SCRATCH_MAX else None)
+    if batch * h_q * n_q == 0:
+        return None, (), False, lse_shape, scratch
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
@@ -400,7 +407,7 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return Launcher(kernel(name), grid, meta), args, tma
+    return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch
 
 
 def _descriptor_ready(*tensors) -> bool:
@@ -422,30 +429,44 @@ def _descriptor_allocator() -> None:
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
+_NO_DROP = (0, 0, 0, 1.0)
+_SCRATCH_MAX = 1 << 20  # LSE elements: a no-grad call's LSE up to this size goes to a scratch buffer
+
+
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
-            dropout_p: float = 0.0, rng=None, bnhd: bool = False):
+            dropout_p: float = 0.0, rng=None, bnhd: bool = False, need_lse: bool = True):
     """Run the forward kernel on (B, H, N, d) tensors, or (B, N, H, d) ones with bnhd;
     writes o in place, returns the LSE as a contiguous (B, H, N_q) fp32 tensor. `rng` is
-    the call's (seed, stream) tensor when dropout_p > 0."""
-    shape = q.shape
-    batch, h_q, n_q, _ = bhnd(shape, bnhd)
-    lse = torch.empty((batch, h_q, n_q), device=q.device, dtype=torch.float32)
-    if batch * h_q * n_q == 0:
-        return lse
-    dropout = dropout_p > 0.0
-    drop = _dropout().launch_args(rng, dropout_p) if dropout else (0, 0, 0, 1.0)
-    # Triton types an int argument by its value (i32 or wider), so the seed's and stream's
-    # widths are part of the signature a launch plan is valid for
-    key = (bnhd, shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
-           q.device, mask, lo, hi, scale, dropout, alignments(q, k, v),
-           dropout and int_widths(drop[0], drop[1]))
+    the call's (seed, stream) tensor when dropout_p > 0. With need_lse=False (a call that
+    discards the LSE) a small LSE is written to a scratch buffer of the launch plan, saving
+    an allocation per call; what it returns then is only valid until the next such call.
+
+    This runs on every call: everything derived from the call's shapes, strides, dtype,
+    device, mask and pointer alignment is computed once per signature (a launch plan) and
+    the call itself is a dictionary lookup, an allocation and the launch."""
+    if dropout_p > 0.0:
+        drop = _dropout().launch_args(rng, dropout_p)
+        # Triton types an int argument by its value (i32 or wider), so the seed's and
+        # stream's widths are part of the signature a launch plan is valid for
+        widths = int_widths(drop[0], drop[1])
+    else:
+        drop, widths = _NO_DROP, None
+    key = (bnhd, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
+           q.device, mask, lo, hi, scale, widths, q.data_ptr() % 16 == 0,
+           k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
             _forward_plans.clear()
         plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
-                                                   dropout)
-    launch, args, tma = plan
+                                                   widths is not None)
+    launch, args, tma, lse_shape, scratch = plan
+    if need_lse or scratch is None:
+        lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+    else:
+        lse = scratch
+    if launch is None:  # an empty batch, head or query axis: nothing to launch
+        return lse
     if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
         _descriptor_allocator()
     launch(q, k, v, o, lse, *args, *drop)
@@ -465,70 +486,99 @@ PREPROCESS_BLOCK = 64
 _FUSED_DQ_MODES = {False: 0, True: 2, "loop": 1, "ptx": 2}
 
 
+_backward_plans = {}
+
+
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
              dropout_p: float = 0.0, rng=None):
     """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
-    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream."""
-    batch, h_q, n_q, d = q.shape
-    h_kv, n_k = k.shape[1], k.shape[2]
-    if batch * h_q * n_q * n_k == 0:
+    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream.
+
+    Like the forward, everything but the tensors' addresses and the dropout stream is
+    computed once per call signature (a backward plan: three Launchers and their integer
+    arguments), so a repeated call allocates its scratch and launches three kernels."""
+    if dropout_p > 0.0:
+        drop = _dropout().launch_args(rng, dropout_p)
+        widths = int_widths(drop[0], drop[1])
+    else:
+        drop, widths = _NO_DROP, None
+    key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
+           dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
+           widths, alignments(q, k, v, do, o, dq, dk, dv))
+    plan = _backward_plans.get(key)
+    if plan is None:
+        if len(_backward_plans) >= _MAX_PLANS:
+            _backward_plans.clear()
+        plan = _backward_plans[key] = _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo,
+                                                     hi, scale, widths is not None)
+    if plan is None:  # empty: no key, query, batch or head
         dq.zero_()
         dk.zero_()
         dv.zero_()
         return
-    name = find_variant("bwd", mask, dropout_p > 0.0, d, _DTYPE_NAMES[q.dtype])
-    drop = _dropout().launch_args(rng, dropout_p) if dropout_p > 0.0 else (0, 0, 0, 1.0)
+    (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, delta_shape, fused, acc_shape,
+     locks_shape, tma) = plan
+    delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
+    pre(o, do, delta, *pre_args)
+    if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
+        dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
+        locks = torch.zeros(locks_shape, device=q.device, dtype=torch.int32)
+    else:
+        dq_acc = locks = delta  # unused
+    if tma:
+        _descriptor_allocator()
+    dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop)
+    if fused:
+        dq.copy_(dq_acc.view(dq.shape))
+        return
+    dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop)
+
+
+def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
+    """The launches of a backward call signature (see backward), or None when it is empty."""
+    batch, h_q, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    if batch * h_q * n_q * n_k == 0:
+        return None
+    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     block_m, block_n = cfg["block_m"], cfg["block_n"]
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
     if fused is None:
         raise ValueError(f"fused_dq={cfg['fused_dq']!r}: expected one of "
                          f"{sorted(map(repr, _FUSED_DQ_MODES))}")
     if fused == 2 and _interpreting():  # the interpreter runs no inline PTX
         fused = 1
-    delta = torch.empty((batch, h_q, n_q), device=q.device, dtype=torch.float32)
-    kernel(name, "preprocess")[(batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK))](
-        o, do, delta,
-        o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        n_q, h_q, BLOCK_M=PREPROCESS_BLOCK,
-    )
+    pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
+                   dict(BLOCK_M=PREPROCESS_BLOCK))
+    pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+                n_q, h_q)
     group = h_q // h_kv
-    if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
-        dq_acc = torch.zeros((batch * h_q, n_q, d), device=q.device, dtype=torch.float32)
-        locks = torch.zeros((batch * h_q * triton_cdiv(n_q, block_m),), device=q.device,
-                            dtype=torch.int32)
-    else:
-        dq_acc = locks = delta  # unused
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(*((t, t.stride()) for t in (q, do, k, v)))
-    if tma:
-        _descriptor_allocator()
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
-    kernel(name, "dkdv_kernel")[(batch * h_kv, triton_cdiv(n_k, block_n))](
-        q, k, v, do, lse, delta, dk, dv, dq_acc, locks,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
-        n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi, *drop,
-        BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, USE_TMA=tma, **launch,
-    )
-    if fused:
-        dq.copy_(dq_acc.view(batch, h_q, n_q, d))
-        return
+    dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(n_k, block_n)),
+                    dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, USE_TMA=tma,
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    dkdv_args = (q.stride(0), q.stride(1), q.stride(2),
+                 k.stride(0), k.stride(1), k.stride(2),
+                 v.stride(0), v.stride(1), v.stride(2),
+                 do.stride(0), do.stride(1), do.stride(2),
+                 dk.stride(0), dk.stride(1), dk.stride(2),
+                 dv.stride(0), dv.stride(1), dv.stride(2),
+                 n_q, n_k, h_kv, group, scale * LOG2E, scale, lo, hi)
     # dQ: by default the mirror image, a program per block_n query rows stepping over
     # block_m keys; the dq_tile knob ("MxNwWsS") gives it a tile and launch of its own
     dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)
-    kernel(name, "dq_kernel")[(batch * h_q, triton_cdiv(n_q, dq_m))](
-        q, k, v, do, lse, delta, dq,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi, *drop,
-        BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, num_warps=dq_w, num_stages=dq_s,
-    )
+    dq_launch = Launcher(kernel(name, "dq_kernel"), (batch * h_q, triton_cdiv(n_q, dq_m)),
+                         dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, num_warps=dq_w,
+                              num_stages=dq_s))
+    dq_args = (q.stride(0), q.stride(1), q.stride(2),
+               k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2),
+               do.stride(0), do.stride(1), do.stride(2),
+               dq.stride(0), dq.stride(1), dq.stride(2),
+               n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi)
+    acc_shape = (batch * h_q, n_q, d)
+    locks_shape = (batch * h_q * triton_cdiv(n_q, block_m),)
+    return (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, (batch, h_q, n_q), fused,
+            acc_shape, locks_shape, tma)

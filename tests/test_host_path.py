@@ -1,0 +1,155 @@
+"""The per-call host path of the generated package: validation once per call signature,
+launch plans (forward and backward) reused, the eager autograd path off the custom-op
+dispatcher, and torch.compile still on the operators."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from packages import build_and_import
+
+TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("host"), "fg_test_host", """
+        head_dims: [32]
+        dtypes: [fp32]
+        masks: [none, causal]
+        dropout: true
+        """)
+
+
+def qkv(b=1, h=2, n=40, d=32, device="cpu", grad=False):
+    return [torch.randn(b, h, n, d, device=device).requires_grad_(grad) for _ in range(3)]
+
+
+def sdpa_ref(q, k, v, causal):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=causal)
+
+
+def test_a_repeated_signature_skips_validation(pkg, device, monkeypatch):
+    q, k, v = qkv(device=device)
+    pkg.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validated again")
+    monkeypatch.setattr(pkg._runtime, "check_tensors", refuse)
+    q, k, v = qkv(device=device)  # new tensors, same signature
+    out = pkg.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out.double(), sdpa_ref(q, k, v, True), atol=2e-5, rtol=2e-5)
+    # another signature (length, strides, scalar argument) is validated again
+    for call in (lambda: pkg.scaled_dot_product_attention(*qkv(n=41, device=device)),
+                 lambda: pkg.scaled_dot_product_attention(
+                     *(t.transpose(2, 3).contiguous().transpose(2, 3) for t in qkv(device=device))),
+                 lambda: pkg.scaled_dot_product_attention(q, k, v, is_causal=False)):
+        with pytest.raises(AssertionError, match="validated again"):
+            call()
+
+
+def test_a_cached_signature_still_rejects_bad_arguments(pkg, device):
+    q, k, v = qkv(device=device)
+    pkg.scaled_dot_product_attention(q, k, v)
+    pkg.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+        pkg.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
+    with pytest.raises(NotImplementedError):
+        pkg.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must share a dtype"):
+        pkg.scaled_dot_product_attention(q, k.double(), v)
+    with pytest.raises(ValueError, match="window_size"):
+        pkg.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                            window_size=(-2, 0))
+
+
+def test_outputs_and_returned_lse_are_never_shared(pkg, device):
+    """A no-grad call that drops the LSE writes it to a scratch buffer; the outputs and
+    an LSE the caller asked for are fresh tensors every call."""
+    q, k, v = qkv(device=device)
+    a = pkg.scaled_dot_product_attention(q, k, v)
+    a_copy = a.clone()
+    b = pkg.scaled_dot_product_attention(*qkv(device=device))
+    assert a.data_ptr() != b.data_ptr() and torch.equal(a, a_copy)
+    t = [x.transpose(1, 2) for x in (q, k, v)]
+    o1, l1 = pkg.flash_attn_func(*t, return_lse=True)
+    l1_copy = l1.clone()
+    pkg.flash_attn_func(*t)  # drops its LSE
+    o2, l2 = pkg.flash_attn_func(*t, return_lse=True)
+    assert l1.data_ptr() != l2.data_ptr() and torch.equal(l1, l1_copy) and torch.equal(l1, l2)
+
+
+def test_eager_autograd_runs_off_the_custom_op_dispatcher(pkg, device, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("custom op dispatched in eager mode")
+    monkeypatch.setattr(pkg._ops, "fwd_op", refuse)
+    monkeypatch.setattr(pkg._ops, "bwd_op", refuse)
+    q, k, v = qkv(device=device, grad=True)
+    do = torch.randn_like(q)
+    with pkg._runtime.override_config(**TILES):
+        pkg.scaled_dot_product_attention(q, k, v, is_causal=True).backward(do)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*refs, is_causal=True).backward(do.double())
+    for got, ref in zip((q, k, v), refs):
+        torch.testing.assert_close(got.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_backward_plans_are_made_once_per_signature(pkg, device):
+    plans = pkg._runtime._backward_plans
+    before = len(plans)
+    for _ in range(3):
+        q, k, v = qkv(n=33, device=device, grad=True)
+        pkg.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    assert len(plans) == before + 1
+    launches = next(reversed(plans.values()))
+    if device == "cuda":  # after the first call, the launches skip Triton's binding
+        assert all(launches[i].compiled is not None for i in (0, 2, 4))
+
+
+def test_torch_compile_uses_the_operators(pkg):
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    def f(q, k, v):
+        return pkg.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+    q, k, v = qkv(grad=True)
+    loss = torch.compile(f, backend=backend, fullgraph=True)(q, k, v)
+    loss.backward()
+    assert any(pkg._ops.NAMESPACE in g for g in graphs), graphs
+    assert q.grad is not None
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_replays_forward_and_backward(pkg):
+    """Captured in a CUDA graph (no host syncs on the call path), replayed on new inputs."""
+    q, k, v = qkv(b=2, n=100, device="cuda", grad=True)
+    do = torch.randn_like(q)
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # warm up: compile, make the plans
+            pkg.scaled_dot_product_attention(*static, is_causal=True).backward(do)
+    torch.cuda.current_stream().wait_stream(stream)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pkg.scaled_dot_product_attention(*static, is_causal=True)
+        out.backward(do)
+    with torch.no_grad():
+        for s, t in zip(static, (q, k, v)):
+            s.copy_(t)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.double(), sdpa_ref(q, k, v, True), atol=2e-5, rtol=2e-5)
+    refs = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    F.scaled_dot_product_attention(*refs, is_causal=True).backward(do.double())
+    for s, ref in zip(static, refs):
+        torch.testing.assert_close(s.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
