@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import planner_core
+from . import families, planner_core
 from .resources import templates_dir
 from .spec import Spec
 from .tuning_data import load_tuned
@@ -19,6 +19,8 @@ from .variants import Variant
 
 TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's copy
 PLANNER_SOURCE = Path(planner_core.__file__)
+FAMILIES_SOURCE = Path(families.__file__)
+GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2"}
 
 # package file -> template that renders it
 PACKAGE_FILES = {
@@ -89,6 +91,38 @@ def render_kernel(spec: Spec, variant: Variant, env: jinja2.Environment | None =
     return env.get_template(variant.template).render(**kernel_context(spec, variant))
 
 
+def gluon_reason(variant: Variant) -> str | None:
+    """Why `variant` has no Gluon kernel; None when it has one."""
+    return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
+
+
+def gluon_context(spec: Spec, variant: Variant) -> dict:
+    template = GLUON_TEMPLATES[variant.kind]
+    consumers = list(range(families.CONSUMERS))
+    return {
+        "header": header(f"templates/{template}", spec),
+        "name": variant.name,
+        "head_dim": variant.head_dim,
+        "head_dim_pad": families.head_dim_pad(variant.head_dim),
+        "dtype": variant.dtype,
+        "mask": variant.mask,
+        "mask_left": variant.mask == "sliding_window",
+        "mask_right": variant.mask in ("causal", "sliding_window"),
+        "longest_first": variant.mask in ("causal", "sliding_window"),
+        "consumers": consumers,
+        # the first consumer runs in the kernel's own warps; each other one is a 4-warp
+        # worker, and the producer a 1-warp worker
+        "worker_warps": ", ".join(["4"] * (len(consumers) - 1) + ["1"]),
+        "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
+        "gluon_triton": " / ".join(families.GLUON_TRITON),
+    }
+
+
+def render_gluon_kernel(spec: Spec, variant: Variant, env: jinja2.Environment | None = None) -> str:
+    env = env or environment()
+    return env.get_template(GLUON_TEMPLATES[variant.kind]).render(**gluon_context(spec, variant))
+
+
 def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     variants = {
         v.name: {"kind": v.kind, "mask": v.mask, "dropout": v.dropout,
@@ -96,6 +130,7 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
         for v in plans
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
+    gluon = {v.name: gluon_reason(v) for v in plans}
     built_for = {
         "spec": Path(spec.path).name, "sha": spec.sha,
         "head_dims": spec.head_dims, "dtypes": spec.dtypes, "masks": spec.masks,
@@ -111,6 +146,7 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
         "variants": literal(variants),
         "planned": literal(planned),
         "tuned": literal(tuned),
+        "gluon": literal(gluon),
     }
 
 
@@ -132,6 +168,9 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
         "masks": list(spec.masks),
         **registry_context(spec, plans, tuned),
         "tuning_info": literal(tuning_info or {}),
+        # a sliding-window-only package applies the spec's window to calls without one
+        "default_window": literal((spec.window.left, spec.window.right)
+                                  if spec.masks == ("sliding_window",) else None),
     }
     files = {}
     for rel, template in PACKAGE_FILES.items():
@@ -139,8 +178,18 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
             header=header(f"templates/{template}", spec), **common)
     files["_planner.py"] = (header("flashgen/planner_core.py", spec) + "\n"
                             + PLANNER_SOURCE.read_text())
+    files["_families.py"] = (header("flashgen/families.py", spec) + "\n"
+                             + FAMILIES_SOURCE.read_text())
     files["kernels/__init__.py"] = (header("flashgen/render.py", spec) + "\n"
                                     '"""One module per kernel variant, named canonically."""\n')
+    gluon = [v for v in plans if gluon_reason(v) is None]
+    if gluon:
+        files["kernels/gluon/__init__.py"] = (
+            header("flashgen/render.py", spec) + "\n"
+            '"""The Gluon family (Hopper): one module per variant that has one, named like its\n'
+            '`tl` kernel in kernels/. Imported only on a GPU and Triton they were verified on."""\n')
     for variant in plans:
         files[f"kernels/{variant.name}.py"] = render_kernel(spec, variant, env)
+    for variant in gluon:
+        files[f"kernels/gluon/{variant.name}.py"] = render_gluon_kernel(spec, variant, env)
     return files

@@ -911,3 +911,40 @@ TUNED = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'fwd_d64_fp16': {512: {'block_m': 
                                                                               'num_warps': 4,
                                                                               'num_stages': 4,
                                                                               'dq_tile': 'mirror'}}}}
+
+# canonical variant name -> None when it has a Gluon (Hopper) kernel in kernels/gluon/,
+# else why not (the `tl` kernel serves it everywhere)
+GLUON = {'fwd_d64_fp16': None,
+ 'fwd_d64_bf16': None,
+ 'fwd_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3',
+ 'fwd_dropout_d64_fp16': "no Gluon dropout yet: the `tl` kernel's in-register Philox mask "
+                         'serves it',
+ 'fwd_dropout_d64_bf16': "no Gluon dropout yet: the `tl` kernel's in-register Philox mask "
+                         'serves it',
+ 'fwd_dropout_d64_fp32': "no Gluon dropout yet: the `tl` kernel's in-register Philox mask "
+                         'serves it',
+ 'fwd_causal_d64_fp16': None,
+ 'fwd_causal_d64_bf16': None,
+ 'fwd_causal_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
+                        'tf32x3',
+ 'fwd_causal_dropout_d64_fp16': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
+                                'mask serves it',
+ 'fwd_causal_dropout_d64_bf16': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
+                                'mask serves it',
+ 'fwd_causal_dropout_d64_fp32': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
+                                'mask serves it',
+ 'bwd_d64_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_d64_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_d64_fp32': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_dropout_d64_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_dropout_d64_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_dropout_d64_fp32': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_causal_d64_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_causal_d64_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_causal_d64_fp32': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_causal_dropout_d64_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every '
+                                'GPU',
+ 'bwd_causal_dropout_d64_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every '
+                                'GPU',
+ 'bwd_causal_dropout_d64_fp32': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every '
+                                'GPU'}

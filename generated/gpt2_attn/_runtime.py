@@ -13,8 +13,8 @@ import os
 
 import torch
 
-from . import _planner
-from ._registry import BUCKETS, BUILT_FOR, PACKAGE, PLANNED, TARGET_GPU, TUNED, VARIANTS
+from . import _families, _planner
+from ._registry import BUCKETS, BUILT_FOR, GLUON, PACKAGE, PLANNED, TARGET_GPU, TUNED, VARIANTS
 
 LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -203,16 +203,17 @@ def _fix_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
-def kernel(name: str, function: str = "kernel"):
-    """The @triton.jit function `<name>_<function>` of a variant; its module is imported on
-    first use only."""
-    key = (name, function)
+def kernel(name: str, function: str = "kernel", family: str = "tl"):
+    """The @triton.jit (or, for the Gluon family, @gluon.jit) function `<name>_<function>`
+    of a variant; its module is imported on first use only."""
+    key = (name, function, family)
     fn = _kernels.get(key)
     if fn is None:
         if _interpreting():
             _fix_interpreter_bf16_dot()
             _fix_interpreter_index()
-        module = importlib.import_module(f".kernels.{name}", __package__)
+        where = ".kernels.gluon" if family == "gluon" else ".kernels"
+        module = importlib.import_module(f"{where}.{name}", __package__)
         fn = _kernels[key] = getattr(module, f"{name}_{function}")
     return fn
 
@@ -332,8 +333,21 @@ def override_config(**config):
 
 
 def launch_config(name: str, device: torch.device, n: int) -> dict:
-    """Tuned config for this GPU and length bucket if there is one, else the planner's."""
+    """Tuned config for this GPU and length bucket if there is one, else the planner's. On
+    a GPU the Gluon family runs on (gluon_ready), a variant with a Gluon kernel whose tuned
+    entry has no `family` (it was tuned before that knob existed) or has no tuned entry
+    takes the Gluon default: measured faster than the tuned `tl` winners at every training
+    shape on the H100 (docs/PERF_NOTES.md).
+
+    FLASHGEN_FAMILY=gluon sends every call a Gluon kernel can serve to it, whatever the
+    tuning data or override_config say (how the GPU tests run the `tl` family's cases on
+    the Gluon family); FLASHGEN_FAMILY=tl keeps every call on `tl`."""
+    if (_FORCED_FAMILY == "gluon" and GLUON.get(name, "not a variant") is None
+            and gluon_ready(device) is None):
+        return dict(_families.GLUON_DEFAULT)
     if _override:
+        if _override.get("family") == "gluon":
+            return {**PLANNED[name], **_families.GLUON_DEFAULT, **_override}
         return {**PLANNED[name], **_override}
     if device.type != "cuda":
         return PLANNED[name]
@@ -343,15 +357,51 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     if config is None:
         gpu, smem, sms = gpu_key(device)
         tuned = TUNED.get(gpu, {}).get(name)
+        gluon = GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
         if tuned:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
+            if gluon and "family" not in config:
+                config = _families.GLUON_DEFAULT
+        elif gluon:
+            config = _families.GLUON_DEFAULT
         else:
             facts = VARIANTS[name]
             plan = _planner.plan(facts["kind"], facts["head_dim"], _DTYPE_BYTES[facts["dtype"]], smem, sms)
             config = plan.chosen.as_dict()
         config = _configs[cache_key] = dict(config)
     return config
+
+
+_gluon_ready = {}
+_FORCED_FAMILY = os.environ.get("FLASHGEN_FAMILY", "")
+
+
+def gluon_ready(device) -> "str | None":
+    """Why the Gluon kernels cannot run on `device` (None when they can): they need a
+    Hopper GPU, a Triton version they were verified on, and a real GPU (Gluon does not run
+    in Triton's interpreter). FLASHGEN_FAMILY=tl turns them off."""
+    if _FORCED_FAMILY == "tl":
+        return "FLASHGEN_FAMILY=tl"
+    if _interpreting():
+        return "Triton's interpreter runs `tl` kernels only"
+    if getattr(device, "type", "cpu") != "cuda":
+        return "not a CUDA device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    reason = _gluon_ready.get(index, False)
+    if reason is False:
+        import triton
+
+        cap = torch.cuda.get_device_capability(index)
+        if tuple(cap) not in _families.GLUON_CAPABILITIES:
+            reason = f"sm{cap[0]}{cap[1]}: the Gluon kernels are written for Hopper (sm90)"
+        elif not _families.triton_ok(triton.__version__):
+            reason = (f"Triton {triton.__version__}: the Gluon kernels were verified on "
+                      f"{', '.join(_families.GLUON_TRITON)}")
+        else:
+            reason = None
+        _gluon_ready[index] = reason
+    return reason
 
 
 # ----------------------------------------------------------------------------------------
@@ -398,6 +448,12 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
         return None, (), False, lse_shape, scratch
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
     cfg = launch_config(name, q.device, max(n_q, n_k))
+    if cfg.get("family") == "gluon":
+        why = gluon_call_reason(name, q, k, v, o, bnhd)
+        if why is None:
+            return (_gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale), (), False,
+                    lse_shape, scratch)
+        cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
     args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
@@ -408,6 +464,86 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch
+
+
+def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
+    """Why this call cannot take the Gluon kernel of `name` (None when it can): the variant
+    must have one, the device must run it, and TMA must accept every tensor (16-byte
+    aligned base and (B, H, N) strides; the head dim is unit-stride already)."""
+    reason = GLUON.get(name, "not a variant")
+    if reason is not None:
+        return reason
+    reason = gluon_ready(q.device)
+    if reason is not None:
+        return reason
+    if not _descriptor_ready(*((t, bhnd(t.stride(), bnhd)) for t in (q, k, v, o))):
+        return "TMA needs 16-byte aligned tensors and strides"
+    return None
+
+
+class _GluonForward:
+    """A Gluon forward launch for one call signature: the TMA descriptors are made per call
+    (they hold the tensors' addresses), the rest once."""
+
+    __slots__ = ("launch", "bnhd", "q_box", "kv_box", "layouts", "args")
+
+    def __init__(self, launch, bnhd, q_box, kv_box, layouts, args):
+        self.launch, self.bnhd, self.q_box, self.kv_box = launch, bnhd, q_box, kv_box
+        self.layouts, self.args = layouts, args
+
+    def _desc(self, t, box, layout):
+        # dims (B, H, N, d): a box never crosses a head or a batch, and one that runs past
+        # N reads zeros / stores nothing. Built without the dataclass's checks, which the
+        # plan made once for this signature (alignment is part of the plan's key).
+        d = _TensorDescriptor.__new__(_TensorDescriptor)
+        d.base = t
+        d.shape = list(bhnd(t.shape, self.bnhd))
+        d.strides = list(bhnd(t.stride(), self.bnhd))
+        d.block_shape = box
+        d.layout = layout
+        d.padding = "zero"
+        return d
+
+    def __call__(self, q, k, v, o, lse, *drop):
+        qo_layout, kv_layout = self.layouts
+        self.launch(self._desc(q, self.q_box, qo_layout), self._desc(k, self.kv_box, kv_layout),
+                    self._desc(v, self.kv_box, kv_layout), self._desc(o, self.q_box, qo_layout),
+                    lse, *self.args)
+
+
+_TensorDescriptor = None
+
+
+def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
+    global _TensorDescriptor
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    _TensorDescriptor = TensorDescriptor
+    batch, h_q, n_q, d = bhnd(q.shape, bnhd)
+    _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
+    d_pad = _families.head_dim_pad(d)
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
+    kv_box = [1, 1, cfg["block_n"], d_pad]
+    layouts = (gl.NVMMASharedLayout.get_default_for(q_box, dtype),
+               gl.NVMMASharedLayout.get_default_for(kv_box, dtype))
+    _, _, sms = gpu_key(q.device)
+    num_m = triton_cdiv(n_q, cfg["block_m"])
+    tiles = batch * h_q * num_m
+    # heads whose K and V fit in a share of L2 together (the longest-first order walks
+    # them as a group); L2 size from the device, 50 MB if it does not say
+    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
+    kv_head_bytes = 2 * n_k * d * q.element_size()
+    head_group = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1)) * (h_q // h_kv)
+    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
+                PINGPONG=bool(cfg.get("pingpong", True)),
+                CONSUMER_REGS=_families.CONSUMER_REGS, PRODUCER_REGS=_families.PRODUCER_REGS,
+                num_warps=4)
+    launch = Launcher(kernel(name, family="gluon"), (min(tiles, sms),), meta)
+    args = (n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
+            head_group)
+    return _GluonForward(launch, bnhd, q_box, kv_box, layouts, args)
 
 
 def _descriptor_ready(*tensors) -> bool:
@@ -469,7 +605,7 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         return lse
     if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
         _descriptor_allocator()
-    launch(q, k, v, o, lse, *args, *drop)
+    launch(q, k, v, o, lse, *args, *drop)  # a _GluonForward takes the same arguments
     return lse
 
 

@@ -677,3 +677,28 @@ TUNED = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'fwd_d128_fp16': {512: {'block_m':
                                                                           'num_warps': 4,
                                                                           'num_stages': 3,
                                                                           'num_splits': 0}}}}
+
+# canonical variant name -> None when it has a Gluon (Hopper) kernel in kernels/gluon/,
+# else why not (the `tl` kernel serves it everywhere)
+GLUON = {'fwd_d128_fp16': None,
+ 'fwd_d128_bf16': None,
+ 'fwd_causal_d128_fp16': None,
+ 'fwd_causal_d128_bf16': None,
+ 'fwd_window_d128_fp16': None,
+ 'fwd_window_d128_bf16': None,
+ 'bwd_d128_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_d128_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_causal_d128_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_causal_d128_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_window_d128_fp16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'bwd_window_d128_bf16': 'no Gluon bwd kernel yet: the `tl` kernel serves it on every GPU',
+ 'decode_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every GPU',
+ 'decode_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every GPU',
+ 'decode_causal_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                            'GPU',
+ 'decode_causal_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                            'GPU',
+ 'decode_window_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                            'GPU',
+ 'decode_window_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                            'GPU'}

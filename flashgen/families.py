@@ -1,0 +1,99 @@
+"""Kernel families: the same variant, written for different hardware.
+
+Every variant has a `tl` kernel (``templates/<kind>.py.j2``, `triton.language`): it runs on
+any GPU Triton supports and in Triton's interpreter. Some variants also get a `gluon`
+kernel (``templates/gluon/<kind>.py.j2``): the FlashAttention-3 schedule for Hopper
+(warp-specialised TMA producer, ping-pong wgmma consumers, persistent grid), written in
+Triton's lower-level Gluon dialect. Both carry the variant's canonical name
+(``kernels/<name>.py`` and ``kernels/gluon/<name>.py``); which one a call runs is part of
+its launch config (``family``), so tuning may pick either.
+
+This module says which variants have a Gluon kernel and why the others do not; the
+package's runtime repeats the device-side checks (GPU, Triton version, strides) on every
+call signature and falls back to `tl` when one fails. Standard library only: its source
+is copied into every generated package next to the planner.
+"""
+from __future__ import annotations
+
+# Triton versions the Gluon templates were compiled and run on. Gluon's API changes between
+# releases (warp_specialize's signature did in 3.5 -> 3.6), so any other version takes the
+# `tl` kernels rather than risk a compile error at the first call.
+GLUON_TRITON = ("3.6",)
+
+# compute capabilities the Gluon kernels are written for: wgmma, setmaxnreg and TMA are
+# sm_90(a) instructions, and Blackwell (sm_100) has different tensor-core instructions
+GLUON_CAPABILITIES = ((9, 0),)
+
+# head dims with a Gluon kernel; 96 is padded to 128 inside the tiles (TMA zero-fills the
+# extra columns): 33% more tensor-core work, still faster than the `tl` kernel at 96
+GLUON_HEAD_DIMS = (64, 96, 128)
+
+QUERY_ROWS_PER_CONSUMER = 64  # one wgmma M extent per warpgroup
+CONSUMERS = 2  # 3 (FA3's d=64 shape) spilled at 160 registers and ran 15% slower (PERF_NOTES)
+
+# What an untuned Gluon launch uses, measured on the H100 (docs/PERF_NOTES.md):
+# 128 x 128 tiles, a 2-deep K/V ring, ping-pong consumers at 240 registers, the producer
+# at 24 (FA3's split), and L2 groups of heads sized to a quarter of L2.
+GLUON_DEFAULT = {
+    "family": "gluon",
+    "block_m": CONSUMERS * QUERY_ROWS_PER_CONSUMER,
+    "block_n": 128,
+    "num_warps": 4,
+    "num_stages": 2,
+    "pingpong": True,
+    "l2_share": 4,
+}
+CONSUMER_REGS = 240
+PRODUCER_REGS = 24
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The power-of-two tile width a Gluon kernel uses for `head_dim`."""
+    p = 16
+    while p < head_dim:
+        p *= 2
+    return p
+
+
+def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | None:
+    """Why a variant has no Gluon kernel (None when it has one)."""
+    if kind != "fwd":
+        return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
+    if dropout:
+        return "no Gluon dropout yet: the `tl` kernel's in-register Philox mask serves it"
+    if dtype not in ("fp16", "bf16"):
+        return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
+    if head_dim not in GLUON_HEAD_DIMS:
+        return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
+                f"{', '.join(map(str, GLUON_HEAD_DIMS))}")
+    return None
+
+
+def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int) -> int:
+    """Shared memory of a Gluon forward tile: Q and O staging per consumer, the K/V ring,
+    and the mbarriers (a few hundred bytes; 1 KiB is reserved for them)."""
+    d = head_dim_pad(head_dim)
+    qo = 2 * CONSUMERS * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
+    kv = 2 * num_buffers * block_n * d * dtype_bytes
+    return qo + kv + 1024
+
+
+def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int) -> str | None:
+    """Why a Gluon launch config cannot run (None when it can): the tile shape is fixed by
+    the warpgroups, and the whole tile must fit in one block's shared memory."""
+    if config.get("block_m") != CONSUMERS * QUERY_ROWS_PER_CONSUMER:
+        return f"block_m must be {CONSUMERS} consumers x {QUERY_ROWS_PER_CONSUMER} rows"
+    if config.get("num_warps") != 4:
+        return "num_warps must be 4 (one warpgroup per partition)"
+    if config.get("block_n") not in (64, 128):
+        return "block_n must be 64 or 128 (S is one wgmma N extent; 256 spills)"
+    if config.get("num_stages") not in (2, 3, 4):
+        return "num_stages (the K/V ring depth) must be 2, 3 or 4"
+    need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"])
+    if need > sram_bytes:
+        return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
+    return None
+
+
+def triton_ok(version: str) -> bool:
+    return any(version == v or version.startswith(v + ".") for v in GLUON_TRITON)

@@ -1,0 +1,150 @@
+"""Compile a package's Gluon kernels for sm_90 on any machine, no GPU needed.
+
+Gluon does not run in Triton's interpreter, so the CPU test suite cannot execute these
+kernels; it can still prove that every rendered Gluon kernel compiles for Hopper with the
+Triton the package is verified on, through ptxas, and that what comes out is the design:
+wgmma instructions, the producer/consumer register split (setmaxnreg), shared memory
+within the GPU's budget. `python -m flashgen.gluon_compile SPEC` prints the table; the
+test (tests/test_gluon.py) runs it in a subprocess because the kernels must be imported
+with TRITON_INTERPRET unset.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import families
+
+H100_SMEM = 232448  # bytes one block may use on sm_90 (227 KiB)
+
+
+@dataclass
+class GluonResources:
+    variant: str
+    config: str
+    shared: int
+    registers: int      # at kernel entry (.maxnreg); the partitions re-split them with setmaxnreg
+    spill_bytes: int    # ptxas stack frame
+    wgmma: int          # wgmma.mma_async instructions in the PTX
+    setmaxnreg: tuple   # the register counts the partitions ask for
+
+    def row(self) -> str:
+        return (f"| {self.variant} | {self.config} | {self.shared} | {self.registers} | "
+                f"{self.spill_bytes} | {self.wgmma} | {', '.join(map(str, self.setmaxnreg))} |")
+
+
+def _ptxas_report(ptx: str) -> tuple[int, int]:
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"ptxas failed:\n{out.stderr}")
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    stack = re.search(r"(\d+) bytes stack frame", out.stderr)
+    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else 0
+
+
+def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) -> GluonResources:
+    """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    fn = getattr(module, f"{name}_kernel")
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
+    d_pad = families.head_dim_pad(head_dim)
+    t = torch.empty(1, 1, 64, head_dim, dtype=tdtype)  # only its dtype and alignment matter
+
+    def desc(box):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                                gl.NVMMASharedLayout.get_default_for(box, gdtype))
+
+    q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
+    kv_box = [1, 1, config["block_n"], d_pad]
+    runtime = dict(desc_q=desc(q_box), desc_k=desc(kv_box), desc_v=desc(kv_box),
+                   desc_o=desc(q_box), LSE=torch.empty(1))
+    const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
+                 NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
+                 CONSUMER_REGS=families.CONSUMER_REGS, PRODUCER_REGS=families.PRODUCER_REGS)
+    sig, constexprs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+            constexprs[(i,)] = const[arg]
+        elif arg in runtime:
+            sig[arg] = mangle_type(runtime[arg])
+        elif arg == "qk_scale":
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    compiled = triton.compile(GluonASTSource(fn, sig, constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=config["num_warps"]))
+    ptx = compiled.asm["ptx"]
+    regs, stack = _ptxas_report(ptx)
+    tile = f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
+        "" if config.get("pingpong", True) else " no-pingpong")
+    return GluonResources(
+        variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
+        spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})))
+
+
+def compile_package(package_dir: Path, configs=None, variants=None, log=None) -> list[GluonResources]:
+    """Compile every Gluon kernel of a generated package (at each of `configs`, default
+    the untuned Gluon default)."""
+    package_dir = Path(package_dir).resolve()
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    sys.path.insert(0, str(package_dir.parent))
+    registry = importlib.import_module(f"{package_dir.name}._registry")
+    configs = configs or [families.GLUON_DEFAULT]
+    out = []
+    for name, reason in registry.GLUON.items():
+        if reason is not None or (variants and name not in variants):
+            continue
+        facts = registry.VARIANTS[name]
+        module = importlib.import_module(f"{package_dir.name}.kernels.gluon.{name}")
+        for config in configs:
+            res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config)
+            if log:
+                log(res.row())
+            out.append(res)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m flashgen.gluon_compile",
+                                 description=__doc__.splitlines()[0])
+    ap.add_argument("spec", help="a spec file; its package is built into a temp folder")
+    args = ap.parse_args(argv)
+    from .build import build
+
+    with tempfile.TemporaryDirectory() as tmp:
+        build(args.spec, Path(tmp))
+        pkg = next(p for p in Path(tmp).iterdir() if (p / "_registry.py").exists())
+        print("| variant | tile | shared bytes | regs at entry | stack bytes | wgmma | setmaxnreg |")
+        print("|---|---|---|---|---|---|---|")
+        compile_package(pkg, log=print)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""The Gluon (Hopper) kernel family.
+
+On the CPU: which variants get a Gluon kernel and why the others do not, how the runtime
+chooses the family, and -- because Gluon cannot run in Triton's interpreter -- that every
+rendered Gluon kernel compiles for sm_90 through ptxas into the intended design (wgmma,
+a producer/consumer register split, shared memory within the H100's budget). On the GPU
+(-m gpu): the Gluon kernels against the float64 reference at shapes that cross many
+tiles and persistent rounds, and the fallback to `tl` for what TMA cannot read. The rest of
+the `tl` family's GPU tests run on this family with FLASHGEN_FAMILY=gluon (README).
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import LSE_TOL, OUT_TOL
+from packages import build_and_import
+from flashgen import families
+from flashgen.reference import attention_ref, visible_mask
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("gluon"), "fg_test_gluon", """
+        head_dims: [64, 80, 96, 128]
+        dtypes: [fp16, bf16, fp32]
+        masks: [none, causal, sliding_window]
+        window: {left: 100, right: 0}
+        dropout: true
+        gqa: true
+        """)
+
+
+# ---------------------------------------------------------------------------------------
+# which variants have a Gluon kernel
+# ---------------------------------------------------------------------------------------
+def test_gluon_kernels_are_rendered_for_eligible_variants_only(pkg):
+    reasons = pkg._registry.GLUON
+    kernels = Path(pkg.__file__).parent / "kernels" / "gluon"
+    rendered = {p.stem for p in kernels.glob("fwd_*.py")}
+    assert rendered == {n for n, r in reasons.items() if r is None}
+    assert "fwd_causal_d128_bf16" in rendered and "fwd_window_d96_fp16" in rendered
+    assert "dropout" in reasons["fwd_dropout_d128_bf16"]
+    assert "fp32" in reasons["fwd_d128_fp32"]
+    assert "head dim 80" in reasons["fwd_d80_bf16"]
+    assert "bwd" in reasons["bwd_d128_bf16"]
+    text = (kernels / "fwd_causal_d96_bf16.py").read_text()
+    assert "HEAD_DIM = gl.constexpr(96)" in text and "HEAD_DIM_PAD = gl.constexpr(128)" in text
+    assert "def fwd_causal_d96_bf16_kernel(" in text
+
+
+def test_describe_names_each_variants_family(pkg):
+    text = pkg.describe()
+    assert "fwd_d128_bf16" in text and "gluon" in text
+    assert "no Gluon dropout yet" in text
+
+
+def test_shared_memory_model_rejects_what_does_not_fit():
+    ok = dict(families.GLUON_DEFAULT)
+    assert families.config_reason(ok, 128, 2, 232448) is None
+    # d=128, 4-deep ring of 128-key blocks: 64 KiB of Q/O + 256 KiB of K/V
+    assert "shared memory" in families.config_reason({**ok, "num_stages": 4}, 128, 2, 232448)
+    assert "block_m" in families.config_reason({**ok, "block_m": 64}, 128, 2, 232448)
+    # an A100-sized budget cannot hold even the default tile at d=128
+    assert "shared memory" in families.config_reason(ok, 128, 2, 166912)
+
+
+def test_runtime_chooses_tl_where_gluon_cannot_run(pkg, monkeypatch):
+    rt = pkg._runtime
+    assert "CUDA" in rt.gluon_ready(torch.device("cpu")) or "interpreter" in rt.gluon_ready(
+        torch.device("cpu"))
+    assert rt.gluon_call_reason("fwd_d80_bf16", *([torch.empty(0)] * 4), False) == \
+        pkg._registry.GLUON["fwd_d80_bf16"]
+    # TMA reads 16-byte aligned rows only
+    x = torch.empty(2, 3, 40, 64, dtype=torch.bfloat16)
+    assert rt._descriptor_ready((x, x.stride()))
+    odd = torch.empty(2, 3, 40, 68, dtype=torch.bfloat16)[..., 1:65]
+    assert not rt._descriptor_ready((odd, odd.stride()))
+    # an override that names the family gets the Gluon defaults under it
+    with rt.override_config(family="gluon", block_n=64):
+        cfg = rt.launch_config("fwd_d128_bf16", torch.device("cpu"), 4096)
+    assert cfg["family"] == "gluon" and cfg["block_n"] == 64 and cfg["block_m"] == 128
+
+
+def test_triton_versions():
+    assert families.triton_ok("3.6.0") and families.triton_ok("3.6")
+    assert not families.triton_ok("3.9.0") and not families.triton_ok("3.60.1")
+
+
+# ---------------------------------------------------------------------------------------
+# every Gluon kernel compiles for sm_90 into the intended design
+# ---------------------------------------------------------------------------------------
+_COMPILE = r"""
+import json, sys
+from pathlib import Path
+from flashgen import gluon_compile, families
+configs = [families.GLUON_DEFAULT]
+if sys.argv[2] == "knobs":
+    configs = [dict(families.GLUON_DEFAULT, block_n=64, num_stages=3, pingpong=False)]
+res = gluon_compile.compile_package(Path(sys.argv[1]), configs=configs,
+                                    variants=sys.argv[3].split(",") if len(sys.argv) > 3 else None)
+print(json.dumps([r.__dict__ for r in res]))
+"""
+
+
+def _compile(package_dir, which="default", variants=None):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, "-c", _COMPILE, str(package_dir), which] + (
+        [",".join(variants)] if variants else [])
+    out = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _gluon_compiles():
+    import triton
+
+    return families.triton_ok(triton.__version__)
+
+
+needs_gluon_triton = pytest.mark.skipif(
+    not _gluon_compiles(),
+    reason="the Gluon templates are verified on Triton 3.6 (CI pins it); another Triton "
+           "runs the `tl` kernels only")
+
+
+@needs_gluon_triton
+@pytest.mark.parametrize("package", ["gpt2_attn", "llama_attn"])
+def test_shipped_gluon_kernels_compile_for_sm90(package):
+    rows = _compile(ROOT / "generated" / package)
+    assert len(rows) >= 4
+    for r in rows:
+        assert r["shared"] <= 232448, r
+        assert r["wgmma"] > 0, f"{r['variant']}: no wgmma in the PTX"
+        # the register split: consumers up to 240, the producer down to 24
+        assert families.CONSUMER_REGS in r["setmaxnreg"], r
+        assert families.PRODUCER_REGS in r["setmaxnreg"], r
+        # ptxas keeps a few tile-level scalars on the stack (measured 0-112 bytes); the
+        # key loop's tensors must not spill
+        assert r["spill_bytes"] <= 128, r
+
+
+@needs_gluon_triton
+def test_gluon_knobs_compile(pkg):
+    rows = _compile(Path(pkg.__file__).parent, "knobs",
+                    ["fwd_window_d96_fp16", "fwd_causal_d64_bf16"])
+    assert {r["variant"] for r in rows} == {"fwd_window_d96_fp16", "fwd_causal_d64_bf16"}
+    for r in rows:
+        assert r["config"] == "128x64 s3 no-pingpong"
+        assert r["wgmma"] > 0 and r["shared"] <= 232448
+
+
+# ---------------------------------------------------------------------------------------
+# on the GPU: against float64, and the fallback
+# ---------------------------------------------------------------------------------------
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _check(pkg, q, k, v, *, causal=False, window=(-1, -1)):
+    out, lse = pkg.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True)
+    vis = visible_mask(q.shape[1], k.shape[1], causal=causal, window=window, bottom_right=True)
+    ref, ref_lse = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis)
+    out = out.transpose(1, 2)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    atol, rtol = OUT_TOL[q.dtype]
+    torch.testing.assert_close(out.double().cpu(), ref.cpu(), atol=atol, rtol=rtol)
+    seen = torch.isfinite(ref_lse).cpu()
+    assert torch.equal(torch.isfinite(lse).cpu(), seen)
+    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse.cpu()[seen],
+                               atol=LSE_TOL[0], rtol=LSE_TOL[1])
+    assert (out.cpu()[~seen] == 0).all()
+
+
+def _plan_families(pkg):
+    return {type(p[0]).__name__ for p in pkg._runtime._forward_plans.values() if p[0] is not None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # (B, Nq, Nk, Hq, Hkv, d, dtype, causal, window): many tiles, persistent rounds and
+    # L2 head groups; ragged ends; Nq != Nk both ways; GQA 4:1 and 8:1; d=96 padded to 128
+    (3, 1000, 1000, 8, 2, 128, torch.bfloat16, True, (-1, -1)),
+    (2, 257, 1031, 8, 1, 128, torch.float16, True, (-1, -1)),
+    (2, 1031, 257, 4, 4, 128, torch.bfloat16, True, (-1, -1)),
+    (1, 2048, 2048, 16, 16, 64, torch.bfloat16, False, (-1, -1)),
+    (3, 59, 127, 4, 1, 64, torch.float16, False, (-1, -1)),
+    (2, 777, 777, 4, 2, 96, torch.bfloat16, False, (100, 0)),
+    (1, 1, 513, 8, 8, 128, torch.bfloat16, True, (-1, -1)),
+], ids=["causal-b3-gqa4", "causal-nq<nk-gqa8", "causal-nq>nk", "d64-2k", "odd-gqa4", "d96-window", "decode-row"])
+def test_gluon_forward_against_float64(pkg, poison, case):
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
+    b, nq, nk, hq, hkv, d, dt, causal, window = case
+    pkg._runtime._forward_plans.clear()
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dt)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
+    _check(pkg, q, k, v, causal=causal, window=window)
+    assert _plan_families(pkg) == {"_GluonForward"}
+
+
+@pytest.mark.gpu
+def test_unaligned_strides_fall_back_to_tl(pkg, poison):
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    pkg._runtime._forward_plans.clear()
+    # a head dim sliced at an odd offset: rows are not 16-byte aligned, TMA cannot read them
+    big = torch.randn(2, 300, 4, 137, device="cuda", dtype=torch.bfloat16)
+    q, k, v = big[..., 1:129], big[..., 3:131], big[..., 5:133]
+    _check(pkg, q, k, v, causal=True)
+    assert _plan_families(pkg) == {"Launcher"}
