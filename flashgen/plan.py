@@ -71,14 +71,17 @@ def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int):
 
 
 def min_sram_bytes(kind: str, head_dim: int, dtype_bytes: int) -> int | None:
-    """The smallest shared-memory budget under which the planner finds a tile."""
+    """The smallest shared-memory budget under which the planner finds a tile (None: no
+    tile of this kind fits in registers at any budget)."""
     return min((c.smem_bytes for c in _feasible_anywhere(kind, head_dim, dtype_bytes)),
                default=None)
 
 
 def smallest_tile(variant: Variant) -> str:
     best = min(_feasible_anywhere(variant.kind, variant.head_dim, variant.dtype_bytes),
-               key=lambda c: c.smem_bytes)
+               key=lambda c: c.smem_bytes, default=None)
+    if best is None:
+        return "none: no tile of this kind fits in registers"
     return f"{best.config} needs {best.smem_bytes} B"
 
 

@@ -18,6 +18,13 @@ import torch
 
 from . import _ops, _runtime
 
+# The window of a call that passes none (`window_size=None`, and every SDPA call): the
+# spec's `window` when the package was built for sliding_window alone (a sliding-window
+# model, where a call without a window has no kernel), else no window, as in PyTorch and
+# flash-attn. A package that also builds `none` or `causal` needs the window per call.
+DEFAULT_WINDOW = None
+_NO_WINDOW = (-1, -1)
+
 _checked = {}  # call signature -> (mask, lo, hi, scale), for calls that passed validation
 _MAX_CHECKED = 4096
 
@@ -41,7 +48,8 @@ def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p,
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False):
-    """Drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, d)."""
+    """Drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, d). A
+    package built for sliding_window alone applies the spec's window (DEFAULT_WINDOW)."""
     if attn_mask is None and not torch.compiler.is_compiling():
         try:
             signature = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
@@ -59,7 +67,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                             enable_gqa)
         if signature is not None:
             n_q, n_k = query.shape[2], key.shape[2]
-            mask, lo, hi = _runtime.band(n_q, n_k, bool(is_causal), (-1, -1), False)
+            mask, lo, hi = _runtime.band(n_q, n_k, bool(is_causal),
+                                         DEFAULT_WINDOW or _NO_WINDOW, False)
             _remember(signature, (mask, lo, hi, _runtime.softmax_scale(scale, query.shape[-1])))
         return out
     return _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -78,16 +87,17 @@ def _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
             f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
             "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
     out, _ = _attention(query, key, value, bnhd=False, causal=bool(is_causal),
-                        window=(-1, -1), bottom_right=False, scale=scale, dropout_p=dropout_p,
+                        window=DEFAULT_WINDOW or _NO_WINDOW, bottom_right=False, scale=scale, dropout_p=dropout_p,
                         need_lse=False)
     return out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), return_lse=False):
+                    window_size=None, return_lse=False):
     """Drop-in for flash_attn.flash_attn_func on (B, N, H, d) tensors. With return_lse,
     returns (out, lse) where lse is (B, H, N_q) fp32 in natural log (-inf for a row that
-    sees no key)."""
+    sees no key). window_size=None is DEFAULT_WINDOW: no window, as in flash-attn, except in
+    a package built for sliding_window alone, where it is the spec's window."""
     if not torch.compiler.is_compiling():
         try:
             signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
@@ -104,7 +114,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
         result = _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                 return_lse)
         if signature is not None:
-            window = _runtime.check_window(window_size)
+            window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
+                                           else window_size)
             mask, lo, hi = _runtime.band(q.shape[1], k.shape[1], bool(causal), window, True)
             _remember(signature,
                       (mask, lo, hi, _runtime.softmax_scale(softmax_scale, q.shape[-1])))
@@ -119,7 +130,8 @@ def _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, retur
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 4-D (B, N, H, d) torch.Tensor, got {got}")
     _runtime.check_tensors(q, k, v, bnhd=True)
-    window = _runtime.check_window(window_size)
+    window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
+                                   else window_size)
     out, lse = _attention(q, k, v, bnhd=True, causal=bool(causal), window=window,
                           bottom_right=True, scale=softmax_scale, dropout_p=dropout_p,
                           need_lse=return_lse)
@@ -127,7 +139,7 @@ def _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, retur
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
-                              window_size=(-1, -1), return_lse=False):
+                              window_size=None, return_lse=False):
     """Drop-in for flash_attn.flash_attn_qkvpacked_func: qkv is (B, N, 3, H, d), read in
     place through strides."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:

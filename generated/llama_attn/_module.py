@@ -44,7 +44,8 @@ class Attention(torch.nn.Module):
         dropout: attention dropout probability in [0, 1), applied in training mode only.
         bias: whether the two projections have biases.
         window: optional sliding window (left, right) in tokens, -1 for unbounded on a side
-            (needs `sliding_window` in the spec's `masks`).
+            (needs `sliding_window` in the spec's `masks`); None is the package's default
+            (the spec's `window` when it was built for sliding_window alone, else none).
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, causal=True, dropout=0.0,
@@ -104,7 +105,7 @@ class Attention(torch.nn.Module):
         q, k, v = self.qkv(x).view(batch, n, heads + 2 * kv_heads, self.head_dim).split(
             [heads, kv_heads, kv_heads], dim=2)
         out = flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                              causal=self.causal, window_size=self.window or (-1, -1))
+                              causal=self.causal, window_size=self.window)
         return self.proj(out.reshape(batch, n, self.embed_dim))
 
     def extra_repr(self):
