@@ -74,13 +74,15 @@ PROVIDERS = {
     "flashgen": "the generated package (gpt2_attn for d=64, llama_attn for d=128; "
                 "bench_dropout_attn for the dropout suite)",
     "flashgen_p0": "flashgen's dropout package at p=0 (dropout suite: its own baseline)",
+    "flashgen_tl": "the same package with every call on the `tl` kernel family (on Hopper the "
+                   "package's default is the Gluon family where a variant has one)",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
     "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
     "flex": "torch.compile(flex_attention), causal BlockMask from create_block_mask",
     "naive": "PyTorch matmul-softmax-matmul (N <= 8192 only)",
 }
-TRAINING_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
+TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
 # bench_decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
@@ -294,7 +296,7 @@ def markdown_tables(rows) -> str:
     for (suite, mode, d, causal, p), grp in groups.items():
         providers = list(dict.fromkeys(r["provider"] for r in grp))
         base = next((x for x in providers if x in ("flashgen", "flashgen_s0")), None)
-        peers = [x for x in providers if not x.startswith("flashgen")]
+        peers = [x for x in providers if not x.startswith("flashgen") or x == "flashgen_tl"]
         shapes = list(dict.fromkeys((r["b"], r["n"]) for r in grp))
         cell = {(r["b"], r["n"], r["provider"]): r for r in grp}
         title = (f"**{suite}: {mode}, d={d}, {'causal' if causal else 'not causal'}"
@@ -440,11 +442,13 @@ class Providers:
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        if name in ("flashgen", "flashgen_p0"):
+        if name in ("flashgen", "flashgen_p0", "flashgen_tl"):
             pkg, _ = self.package(case.d, dropout=case.suite == "dropout")
             fixed_p = 0.0 if name == "flashgen_p0" else None
+            family = "tl" if name == "flashgen_tl" else ""
 
             def run(q, k, v, causal, p):
+                pkg._runtime.use_family(family)  # a no-op unless the provider changed
                 return pkg.scaled_dot_product_attention(
                     q, k, v, dropout_p=p if fixed_p is None else fixed_p, is_causal=causal)
             return run

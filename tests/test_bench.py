@@ -47,7 +47,7 @@ def test_dry_run_lists_anchor_shapes_and_providers(tmp_path):
         assert f"training {mode} d=64 full   B=32 H=32 N=512:" in out
         assert f"training {mode} d=128 causal B=1 H=16 N=16384:" in out
     line = next(x for x in out.splitlines() if "d=128 full   B=2 H=16 N=8192" in x)
-    assert line.split(": ")[1] == "flashgen, sdpa_flash, sdpa_cudnn, flex, naive"
+    assert line.split(": ")[1] == "flashgen, flashgen_tl, sdpa_flash, sdpa_cudnn, flex, naive"
     line = next(x for x in out.splitlines() if "d=64 full   B=1 H=32 N=16384" in x)
     assert "naive" not in line  # N > 8192: naive would materialise N^2
     for p in ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex", "naive"):
@@ -69,7 +69,9 @@ def test_dry_run_all_suites_and_filters(tmp_path):
                    "--providers", "flashgen", "sdpa_cudnn", cwd=tmp_path)
     assert res.returncode == 0, res.stderr
     assert res.stdout.startswith("2 cases")
-    assert "training fwd d=128 causal B=4 H=16 N=4096: flashgen, sdpa_cudnn" in res.stdout
+    # a provider name also selects its sub-rows (flashgen_tl: the same package on `tl`)
+    assert ("training fwd d=128 causal B=4 H=16 N=4096: flashgen, flashgen_tl, sdpa_cudnn"
+            in res.stdout)
     assert "bench_training_fwd_d128_n4096_flashgen-sdpa_cudnn" in res.stdout
 
 

@@ -25,7 +25,7 @@ from flashgen.build import build
 from flashgen.emit import GENERATED_MARK
 from flashgen.errors import SpecError
 from flashgen.plan import plan_spec
-from flashgen.render import environment, kernel_context, registry_context, render_kernel, \
+from flashgen.render import environment, gluon_reason, kernel_context, registry_context, render_kernel, \
     render_package
 from flashgen.spec import load_spec, parse_spec
 from flashgen.variants import Variant, variants_for
@@ -220,7 +220,9 @@ def test_stale_variants_are_removed_and_hand_written_files_kept(tmp_path):
     second = build(none_only, out)
     causal = sorted(k for k in kernels if "_causal_" in k)
     assert "kernels/fwd_causal_d64_fp16.py" in causal and "kernels/fwd_causal_d64_fp32.py" in causal
-    assert second.removed == causal
+    # the Gluon family's kernel of a variant goes with it
+    assert second.removed == sorted(causal + [f"kernels/gluon/{k.split('/')[1]}" for k in causal
+                                              if "fp32" not in k and "/fwd_" in k])
     for rel in causal:
         assert not (pkg / rel).exists(), rel
     for rel, text in hand.items():
@@ -247,8 +249,12 @@ def test_every_rendered_file_compiles(source):
     spec = parse_spec(ODD_SPEC, "odd.yaml") if source == "odd_dims" else load_spec(source)
     files = render_package(spec, plan_spec(spec))
     names = {v.name for v in variants_for(spec)}
-    assert {rel for rel in files if rel.startswith("kernels/") and rel != "kernels/__init__.py"} \
-        == {f"kernels/{n}.py" for n in names}
+    assert {rel for rel in files if rel.startswith("kernels/") and rel != "kernels/__init__.py"
+            and not rel.startswith("kernels/gluon/")} == {f"kernels/{n}.py" for n in names}
+    # the Gluon family: a kernel for each variant that can have one, named the same
+    gluon = {v.name for v in variants_for(spec) if gluon_reason(v) is None}
+    assert {rel for rel in files if rel.startswith("kernels/gluon/fwd")} == \
+        {f"kernels/gluon/{n}.py" for n in gluon}
     for rel, text in files.items():
         compile(text, rel, "exec")
     for variant in variants_for(spec):
@@ -477,8 +483,10 @@ def test_describe_lists_every_variant(e2e):
         line = next((ln for ln in text.splitlines() if ln.split()[:1] == [v.name]), None)
         assert line is not None, (v.name, text)
         c = plans[v].chosen
-        assert line.split(None, 1)[1] == \
+        assert line.split(None, 1)[1].split(";")[0] == \
             f"{c.block_m}x{c.block_n}, {c.num_warps} warps, {c.num_stages} stages", line
+        family = line.split("; ", 1)[1]
+        assert family.startswith("sm90: gluon" if gluon_reason(v) is None else "sm90: tl ("), line
 
 
 @pytest.mark.parametrize("n_q, n_k", [(33, 33), (5, 33)])

@@ -212,8 +212,10 @@ def kernel(name: str, function: str = "kernel", family: str = "tl"):
         if _interpreting():
             _fix_interpreter_bf16_dot()
             _fix_interpreter_index()
-        where = ".kernels.gluon" if family == "gluon" else ".kernels"
-        module = importlib.import_module(f"{where}.{name}", __package__)
+        if family == "gluon":
+            module = importlib.import_module(f".kernels.gluon.{name}", __package__)
+        else:
+            module = importlib.import_module(f".kernels.{name}", __package__)
         fn = _kernels[key] = getattr(module, f"{name}_{function}")
     return fn
 
@@ -375,6 +377,21 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
 
 _gluon_ready = {}
 _FORCED_FAMILY = os.environ.get("FLASHGEN_FAMILY", "")
+
+
+def use_family(family: str) -> None:
+    """Send later calls to one kernel family: "gluon" (where a Gluon kernel can serve the
+    call), "tl", or "" for the default choice; what FLASHGEN_FAMILY sets at import. For
+    benchmarks that time both families of one package side by side."""
+    global _FORCED_FAMILY
+    if family not in ("", "tl", "gluon"):
+        raise ValueError(f"family {family!r}: expected 'gluon', 'tl' or ''")
+    if family != _FORCED_FAMILY:
+        _FORCED_FAMILY = family
+        _gluon_ready.clear()
+        _configs.clear()
+        _forward_plans.clear()
+        _backward_plans.clear()
 
 
 def gluon_ready(device) -> "str | None":
