@@ -41,6 +41,7 @@ from typing import Any, Callable, Mapping, Sequence
 from . import __version__, planner_core, tuning_data
 from .errors import FlashgenError
 from .measure import Measure, TuneAborted, WrongAnswer, _fmt_config, _reason, gpu_measure
+from .progress import Progress
 from .space import TILE_PARAMS, Space, space_for
 
 DEFAULT_TRIALS = 30
@@ -865,6 +866,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             log(f"defaults measured for {len(studies)} studies in {time.monotonic() - t0:.0f} s")
             budget = max(budget - (time.monotonic() - t0), 0.0)
         clock = Budget(budget, len(studies))
+        # a bar with an ETA over the studies (stderr; one line per study when not a terminal)
+        bar = Progress(len(studies), "flashgen tune") if worker_index is None else None
         winners: dict = {}   # (kind, bucket) -> best configs so far, newest first
         previous: dict = {}  # variant -> (bucket, best config) of its last study
         for name, bucket in studies:
@@ -892,6 +895,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                 result = run_study(name, bucket, starts, **kw)
             finally:
                 clock.done()
+                if bar is not None:
+                    bar.advance(f"{name}@{bucket}")
             result.variant, result.bucket = name, bucket
             results.append(result)
             if result.best_config is not None:
@@ -899,6 +904,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                 winners.setdefault((kind, bucket), []).insert(0, (name, result.best_config))
             if write and worker_index is None:
                 _write_results(spec, gpu, [result], say)
+        if bar is not None:
+            bar.close()
         if worker_index is None:
             say("")
             say(format_summary(results))

@@ -1,0 +1,176 @@
+"""Compile a spec's kernels for a GPU architecture without that GPU (or any GPU).
+
+Triton compiles a @triton.jit function for an explicit target (GPUTarget("cuda", 80, 32)
+is an A100, 89 an RTX 4090) with the ptxas it bundles; nothing needs a driver. For each
+kernel of each variant this module compiles what the package would launch with the
+planner's config for the spec's budget, and reports what the compiler allocated: shared
+memory (Triton's metadata) and registers and spill bytes (ptxas -v). This is how CI proves
+that a spec's kernels fit its shared-memory budget on GPUs it has never seen
+(tests/test_offline_compile.py); `python -m flashgen.offline SPEC --arch 80` prints the
+table.
+
+The kernels must be imported without TRITON_INTERPRET (an interpreted @triton.jit
+function cannot be compiled), so the test runs this in a subprocess.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+# pointer arguments of the kernels that are not of the variant's dtype
+_FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC", "PARTIAL_O", "PARTIAL_LSE", "M_PARTIAL"}
+_INT_POINTERS = {"LOCKS": "*i32"}
+_FLOATS = {"QK_SCALE_LOG2", "SCALE", "DROP_SCALE", "SM_SCALE"}
+_WIDE_INTS = {"SEED"}
+
+
+@dataclass
+class KernelResources:
+    variant: str
+    function: str
+    config: str
+    shared: int        # bytes of shared memory the compiled kernel uses
+    registers: int
+    spill_stores: int  # bytes per thread
+    spill_loads: int
+    budget: int        # the spec's sram_bytes
+
+    def row(self) -> str:
+        return (f"| {self.variant}.{self.function} | {self.config} | {self.shared} | "
+                f"{self.budget} | {self.registers} | {self.spill_stores} | {self.spill_loads} |")
+
+
+def _signature(fn, dtype: str):
+    sig, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        name = p.name
+        if p.is_constexpr:
+            sig[name] = "constexpr"
+            continue
+        if name in _FP32_POINTERS:
+            sig[name] = "*fp32"
+        elif name in _INT_POINTERS:
+            sig[name] = _INT_POINTERS[name]
+        elif name.isupper() and not name.startswith(("N_", "H_", "KV_", "LO_", "HI_", "DROP_",
+                                                    "RNG_", "SEED", "QK_", "SCALE", "SM_")):
+            sig[name] = "*" + _TRITON_DTYPES[dtype]
+        elif name in _FLOATS:
+            sig[name] = "fp32"
+        elif name in _WIDE_INTS:
+            sig[name] = "i64"
+        else:
+            sig[name] = "i32"
+        # what a launch specialises on: 16-byte aligned pointers, and strides that are
+        # multiples of 16 elements (any head count times a head dim that is a multiple of 16)
+        if sig[name].startswith("*") or name.startswith("stride_"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return sig, attrs
+
+
+def _launches(kind: str, config: dict, function_names):
+    """(function, constexprs, num_warps, num_stages) the runtime launches for a config."""
+    from . import planner_core
+    bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
+    if kind == "fwd":
+        return [("kernel", dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, WARP_SPECIALIZE=False),
+                 w, s)]
+    if kind == "bwd":
+        dq_m, dq_n, dq_w, dq_s = planner_core.dq_tile(config)
+        return [("preprocess", dict(BLOCK_M=64), 4, 1),
+                ("dkdv_kernel", dict(BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=0, USE_TMA=False), w, s),
+                ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False), dq_w, dq_s)]
+    raise ValueError(f"offline compilation covers fwd and bwd kernels, not {kind}")
+
+
+def _ptxas_numbers(log: str) -> tuple[int, int, int]:
+    regs = re.search(r"Used (\d+) registers", log)
+    stores = re.search(r"(\d+) bytes spill stores", log)
+    loads = re.search(r"(\d+) bytes spill loads", log)
+    return (int(regs.group(1)) if regs else -1, int(stores.group(1)) if stores else 0,
+            int(loads.group(1)) if loads else 0)
+
+
+def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
+                   capability: int) -> tuple[int, int, int, int]:
+    """(shared bytes, registers, spill store bytes, spill load bytes) of one @triton.jit
+    function compiled for sm_<capability>."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    knobs.nvidia.dump_ptxas_log = True
+    knobs.compilation.always_compile = True  # a cached binary would skip ptxas and its log
+    sig, attrs = _signature(fn, dtype)
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", capability, 32),
+                                  options=dict(num_warps=warps, num_stages=stages))
+    return (compiled.metadata.shared, *_ptxas_numbers(buf.getvalue()))
+
+
+def compile_spec(spec_path, capability: int, variants=None, log=None):
+    """KernelResources for every fwd/bwd kernel of the spec's package, compiled for
+    sm_<capability>. `variants`: names to restrict to."""
+    from .build import build_spec
+    from .plan import plan_spec
+    from .spec import load_spec
+
+    spec = load_spec(spec_path)
+    plans = plan_spec(spec)
+    out = Path(tempfile.mkdtemp(prefix="flashgen-offline-"))
+    build_spec(spec, out)
+    sys.path.insert(0, str(out))
+    results = []
+    for variant, plan in plans.items():
+        if variant.kind not in ("fwd", "bwd") or (variants and variant.name not in variants):
+            continue
+        module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
+        config = plan.chosen.as_dict()
+        for function, constexprs, warps, stages in _launches(variant.kind, config, ()):
+            fn = getattr(module, f"{variant.name}_{function}")
+            shared, regs, stores, loads = compile_kernel(fn, variant.dtype, constexprs, warps,
+                                                         stages, capability)
+            tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
+            cfg = f"{tile}w{warps}s{stages}"
+            r = KernelResources(variant.name, function, cfg, shared, regs,
+                                stores, loads, spec.gpu.sram_bytes)
+            results.append(r)
+            if log:
+                log(r.row())
+    return results
+
+
+HEADER = ("| kernel | config | smem (compiler) | budget | regs | spill stores B | "
+          "spill loads B |\n|---|---|---|---|---|---|---|")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Compile a spec's fwd/bwd kernels offline for "
+                                 "an sm_XY target and print their resources.")
+    ap.add_argument("spec")
+    ap.add_argument("--arch", type=int, required=True, help="compute capability, e.g. 80, 89, 90")
+    ap.add_argument("--variants", nargs="+")
+    ap.add_argument("--json", help="also write the results as JSON to this file")
+    args = ap.parse_args(argv)
+    print(f"{args.spec} for sm_{args.arch}\n\n{HEADER}", flush=True)
+    results = compile_spec(args.spec, args.arch, args.variants,
+                           log=lambda s: print(s, flush=True))
+    if args.json:
+        import json
+        from dataclasses import asdict
+        Path(args.json).write_text(json.dumps([asdict(r) for r in results], indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
