@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from flashgen.build import build  # noqa: E402
 from flashgen.reference import attention_ref, visible_mask  # noqa: E402
 
-SPEC = (ROOT / "benchmarks/specs/dropout_d128.yaml").read_text()
+SPEC = (ROOT / "specs/bench/dropout_d128.yaml").read_text()
 PHILOX = "r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)"
 STANDINS = {
     "philox10": PHILOX,
