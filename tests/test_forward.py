@@ -327,7 +327,10 @@ def test_new_lengths_reuse_the_compiled_kernel(pkg):
     """Sequence lengths are run-time arguments: many lengths, one binary (Triton may add
     one more for a different pointer/stride alignment class)."""
     name = "fwd_causal_d64_fp16"
-    fn = pkg._runtime.kernel(name)
+    rt = pkg._runtime
+    # whichever family serves the calls on this GPU (the Gluon one on Hopper)
+    gluon = rt.GLUON[name] is None and rt.gluon_ready(torch.device("cuda")) is None
+    fn = rt.kernel(name, family="gluon" if gluon else "tl")
     for n_q, n_k in [(100, 100), (37, 1000), (1, 513), (4096, 4096), (17, 16), (250, 250)]:
         q = torch.randn(2, n_q, 4, 64, dtype=torch.float16, device="cuda")
         k, v = (torch.randn(2, n_k, 4, 64, dtype=torch.float16, device="cuda") for _ in range(2))
@@ -354,6 +357,7 @@ def test_direct_launch_repeats_are_right(pkg):
         check(*(rand(*shape, dtype=torch.float16, device="cuda") for _ in range(3)))
     launcher = next(plan[0] for key, plan in pkg._runtime._forward_plans.items()
                     if key[1] == torch.Size(shape))
+    launcher = getattr(launcher, "launch", launcher)  # a Gluon plan holds its Launcher
     assert launcher.compiled is not None, "the plan never took the direct path"
     # the same shape and strides, storage 2 bytes past an aligned address
     base = rand(2 * 100 * 4 * 64 + 1, dtype=torch.float16, device="cuda")
