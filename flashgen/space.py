@@ -21,7 +21,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from . import planner_core
+from . import families, planner_core
 from .planner_core import BLOCK_SIZES, STAGE_COUNTS, WARP_COUNTS, TileConfig
 
 TILE_PARAMS = ("block_m", "block_n", "num_warps", "num_stages")
@@ -38,6 +38,8 @@ class Facts:
     sram_bytes: int                 # shared memory one block may use on THIS GPU
     sm_count: int | None
     capability: tuple[int, int] | None = None   # (major, minor); None when unknown
+    # why this variant cannot run a Gluon kernel here (None: it can); see families.py
+    gluon: str | None = "no Gluon kernel considered"
 
 
 Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
@@ -82,13 +84,37 @@ def _dq_tile(config, facts: Facts) -> str | None:
     return None if cand.rejected is None else cand.rejected
 
 
+def _family(config, facts: Facts) -> str | None:
+    return facts.gluon if config["family"] == "gluon" else None
+
+
+def _gluon_only(name: str, default) -> Predicate:
+    """A Gluon knob: a `tl` point takes its default, so no `tl` config is measured twice."""
+    return lambda c, f: (None if c.get("family") == "gluon" or c[name] == default
+                         else "a Gluon knob (family=gluon only)")
+
+
+def _tma(config, facts: Facts) -> str | None:
+    if not config["tma"]:
+        return None
+    if config.get("family") == "gluon":
+        return "a `tl` knob (the Gluon kernels always load through TMA)"
+    return _needs_sm90(config, facts)
+
+
 KNOBS: dict[str, tuple[Knob, ...]] = {
     # unmasked K/V blocks through tensor descriptors (TMA): +9% at 256x64 w8 s3 on the H100,
     # -3% at 128x64 w8 s3 (benchmarks/results/H100_sweep_fwd_tma_ws_d128.json). The
     # template's warp_specialize option is left out: no gain measured, and Triton 3.6's
     # warp-specialisation pass fails on 4-warp tiles.
-    "fwd": (Knob("tma", (False, True), False,
-                 lambda c, f: _needs_sm90(c, f) if c["tma"] else None),),
+    # `family` picks the kernel (families.py): a Gluon point's tile is the warpgroups'
+    # (block_m = 2 x 64, num_warps = 4, num_stages = the K/V ring depth), checked by
+    # families.config_reason instead of the planner; `pingpong` and `l2_share` (heads
+    # grouped to a 1/l2_share of L2 in the longest-first order) are its own knobs.
+    "fwd": (Knob("tma", (False, True), False, _tma),
+            Knob("family", ("tl", "gluon"), "tl", _family),
+            Knob("pingpong", (True, False), True, _gluon_only("pingpong", True)),
+            Knob("l2_share", (4, 2, 8), 4, _gluon_only("l2_share", 4))),
     # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
     "bwd": (
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",
@@ -145,7 +171,12 @@ class Space:
             if config[name] not in self.choices(name):
                 return f"{name} {config[name]!r} not one of {self.choices(name)}"
         tile = TileConfig(*(int(config[n]) for n in TILE_PARAMS))
-        reason = self.tile_reasons.get(tile, "not a planner candidate")
+        if config.get("family") == "gluon":
+            # the Gluon tile is fixed by its warpgroups; the planner's model is the tl kernel's
+            reason = families.config_reason(config, self.facts.head_dim, self.facts.dtype_bytes,
+                                            self.facts.sram_bytes)
+        else:
+            reason = self.tile_reasons.get(tile, "not a planner candidate")
         if reason is not None:
             return reason
         for knob in self.knobs:
@@ -161,7 +192,10 @@ class Space:
         (the default first). This is also the exhaustive grid."""
         knob_values = [_default_first(k) for k in self.knobs]
         out = []
-        for tile in self.tiles:
+        tiles = list(self.tiles)
+        if any(k.name == "family" for k in self.knobs) and self.facts.gluon is None:
+            tiles += [t for t in GLUON_TILES if t not in tiles]
+        for tile in tiles:
             for values in itertools.product(*knob_values):
                 cfg = {**tile.as_dict(), **{k.name: v for k, v in zip(self.knobs, values)}}
                 if self.check(cfg) is None:
@@ -183,6 +217,12 @@ class Space:
         return {n: CategoricalDistribution(self.choices(n)) for n in self.names}
 
 
+# the tiles a Gluon forward may take: 2 consumer warpgroups x 64 rows, 4 warps a partition,
+# 64- or 128-key blocks, a 2- to 4-deep K/V ring (config_reason drops what does not fit)
+GLUON_TILES = tuple(TileConfig(families.CONSUMERS * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
+                    for n in (128, 64) for s in (2, 3, 4))
+
+
 def _default_first(knob: Knob) -> tuple:
     return (knob.default,) + tuple(c for c in knob.choices if c != knob.default)
 
@@ -196,12 +236,15 @@ def _plain(value):
 
 def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
               sm_count: int | None = None, capability: tuple[int, int] | None = None,
-              knobs: Mapping[str, tuple[Knob, ...]] | None = None) -> Space:
+              knobs: Mapping[str, tuple[Knob, ...]] | None = None,
+              gluon: str | None = "no Gluon kernel considered") -> Space:
     """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
-    memory per block. Raises ValueError (the planner's message) if no tile fits."""
+    memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
+    Triton (None when it can: the space then holds the Gluon family's points too). Raises
+    ValueError (the planner's message) if no tile fits."""
     plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count)
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
-                  tuple(capability) if capability is not None else None)
+                  tuple(capability) if capability is not None else None, gluon)
     return Space(
         facts=facts,
         knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from . import __version__, planner_core, tuning_data
+from . import __version__, families, planner_core, tuning_data
 from .errors import FlashgenError
 from .measure import Measure, TuneAborted, WrongAnswer, _fmt_config, _reason, gpu_measure
 from .progress import Progress
@@ -603,7 +603,21 @@ def _space(kind, facts, gpu: GpuInfo) -> Space:
     from .variants import DTYPE_BYTES
 
     return space_for(kind, facts["head_dim"], DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
-                     gpu.sm_count, gpu.capability)
+                     gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu))
+
+
+def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
+    """Why this variant cannot run a Gluon kernel on this GPU with this Triton (None when
+    it can, and the tuner then measures both families)."""
+    import triton
+
+    reason = families.gluon_reason(kind, facts.get("dropout", False), facts["head_dim"],
+                                   facts["dtype"])
+    if reason is None and tuple(gpu.capability) not in families.GLUON_CAPABILITIES:
+        reason = f"sm{gpu.capability[0]}{gpu.capability[1]}: the Gluon kernels are for sm90"
+    if reason is None and not families.triton_ok(triton.__version__):
+        reason = f"Triton {triton.__version__}: the Gluon kernels are verified on {families.GLUON_TRITON}"
+    return reason
 
 
 def parse_try(text: str) -> dict:
@@ -645,6 +659,9 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
     config the tuning file already holds for this GPU and bucket ("tuned": a re-tune starts
     from the last winner and cannot end slower) and the run's `--try` configs."""
     starts = [("planner", space.default())]
+    if space.facts.gluon is None and any(k.name == "family" for k in space.knobs):
+        # the Gluon family's untuned config: on Hopper the package's default launch
+        starts.append(("gluon", space.config(families.gluon_default(space.facts.head_dim))))
     explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
                                      "decode": "decode"}[kind], None)
     if explicit is not None:

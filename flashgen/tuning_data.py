@@ -140,12 +140,20 @@ def update(path: Path, *, gpu: Mapping, versions: Mapping, spec_sha: str,
 # reading for the build
 # ----------------------------------------------------------------------------------------
 
+# Knobs an older entry may lack and keep lacking: an entry without `family` was tuned
+# before the Gluon family existed, and the package reads that absence (on a GPU the Gluon
+# kernels run on, it takes the Gluon default over that `tl`-only winner).
+UNFILLED = ("family", "pingpong", "l2_share")
+
+
 def _config_only(kind: str, value: Mapping) -> dict:
     """The launch config of an entry: the kind's names, knobs missing from older data
-    filled with their defaults, whole numbers as ints."""
+    filled with their defaults (but see UNFILLED), whole numbers as ints."""
     defaults = knob_defaults(kind)
     out = {}
     for name in knob_names(kind):
+        if name in UNFILLED and name not in value:
+            continue
         v = value.get(name, defaults.get(name))
         if v is None:
             raise ValueError(f"missing {name}")

@@ -346,10 +346,11 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     the Gluon family); FLASHGEN_FAMILY=tl keeps every call on `tl`."""
     if (_FORCED_FAMILY == "gluon" and GLUON.get(name, "not a variant") is None
             and gluon_ready(device) is None):
-        return dict(_families.GLUON_DEFAULT)
+        return _families.gluon_default(VARIANTS[name]["head_dim"])
     if _override:
         if _override.get("family") == "gluon":
-            return {**PLANNED[name], **_families.GLUON_DEFAULT, **_override}
+            return {**PLANNED[name], **_families.gluon_default(VARIANTS[name]["head_dim"]),
+                    **_override}
         return {**PLANNED[name], **_override}
     if device.type != "cuda":
         return PLANNED[name]
@@ -364,9 +365,9 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
             if gluon and "family" not in config:
-                config = _families.GLUON_DEFAULT
+                config = _families.gluon_default(VARIANTS[name]["head_dim"])
         elif gluon:
-            config = _families.GLUON_DEFAULT
+            config = _families.gluon_default(VARIANTS[name]["head_dim"])
         else:
             facts = VARIANTS[name]
             plan = _planner.plan(facts["kind"], facts["head_dim"], _DTYPE_BYTES[facts["dtype"]], smem, sms)
@@ -552,7 +553,11 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
     # them as a group); L2 size from the device, 50 MB if it does not say
     l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
     kv_head_bytes = 2 * n_k * d * q.element_size()
-    head_group = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1)) * (h_q // h_kv)
+    # ... but at least enough heads for two rounds of the persistent grid: with fewer the
+    # longest-first order restarts every few tiles and the programs' totals drift apart
+    # (one head a group at N=16k ran causal d128 at 458 TFLOP/s, three at 547)
+    head_group = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1),
+                     triton_cdiv(2 * sms, num_m)) * (h_q // h_kv)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 PINGPONG=bool(cfg.get("pingpong", True)),
                 CONSUMER_REGS=_families.CONSUMER_REGS, PRODUCER_REGS=_families.PRODUCER_REGS,
