@@ -65,8 +65,10 @@ def _cmd_render(args) -> int:
 
     spec = load_spec(args.spec)
     files = render_package(spec, plan_spec(spec))
-    kernels = {Path(rel).stem: text for rel, text in files.items() if rel.startswith("kernels/")
-               and not rel.endswith("__init__.py")}
+    # kernels/<variant>.py by variant name; another family's kernels/<family>/<variant>.py
+    # as <family>/<variant>
+    kernels = {rel[len("kernels/"):-len(".py")]: text for rel, text in files.items()
+               if rel.startswith("kernels/") and not rel.endswith("__init__.py")}
     if args.variant is None:
         print("variants:", ", ".join(kernels))
         print("pass --variant NAME to print one kernel's source")

@@ -191,7 +191,9 @@ def test_dropout_follows_train_and_eval(pkg, calls):
 
 
 @pytest.mark.parametrize("causal,window,expected_window", [
-    (True, None, (-1, -1)), (False, None, (-1, -1)), (False, (-1, -1), (-1, -1))])
+    # window=None passes None on: the package's default (the spec's window in a
+    # sliding-window-only package, else none)
+    (True, None, None), (False, None, None), (False, (-1, -1), (-1, -1))])
 def test_views_and_flags_passed(pkg, calls, causal, window, expected_window):
     block = pkg.Attention(128, 4, num_kv_heads=2, causal=causal, window=window)
     x = torch.randn(2, 7, 128)
