@@ -50,8 +50,15 @@ def host_us(fn, calls):
 
 
 def providers():
-    return {"flashgen": lambda q, k, v: pkg.scaled_dot_product_attention(q, k, v, is_causal=True),
-            "torch_sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    """name -> (kernel family to force, or None, call). flashgen_tl forces the `tl` family
+    where the package would pick the Gluon forward (Hopper)."""
+    fg = lambda q, k, v: pkg.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
+    names = {"flashgen": ("", fg)}
+    if hasattr(pkg._runtime, "use_family"):
+        names["flashgen_tl"] = ("tl", fg)
+    names["torch_sdpa"] = (None, lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, is_causal=True))
+    return names
 
 
 def measure(calls):
@@ -60,7 +67,9 @@ def measure(calls):
         q, k, v = (torch.randn(b, H, n, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
         row = {"b": b, "n": n}
-        for name, f in providers().items():
+        for name, (family, f) in providers().items():
+            if family is not None and hasattr(pkg._runtime, "use_family"):
+                pkg._runtime.use_family(family)
             with torch.no_grad():
                 err = (f(q, k, v).float() - ref).abs().max().item()
                 assert err < 3e-2, (name, err)
@@ -70,8 +79,24 @@ def measure(calls):
             out = f(qg, kg, vg)
             do = torch.randn_like(out)
             row[f"{name}_bwd"] = host_us(lambda: out.backward(do, retain_graph=True), calls)
+            if name.startswith("flashgen"):
+              try:  # the backward's own Python on this thread, without the autograd engine
+                lse = pkg._runtime.forward(qg.detach(), kg.detach(), vg.detach(),
+                                           torch.empty_like(q), mask="causal",
+                                           lo=-(1 << 30), hi=0, scale=D ** -0.5)
+                args = (None, False, "causal", -(1 << 30), 0, D ** -0.5, 0.0)
+                row[f"{name}_bwd_impl"] = host_us(lambda: pkg._ops._backward_impl(
+                    do, qg.detach(), kg.detach(), vg.detach(), out.detach(), lse, *args),
+                    calls)
+              except Exception as e:  # noqa: E722 (a measurement aid; report and go on)
+                row[f"{name}_bwd_impl"] = f"error: {type(e).__name__}: {e}"[:120]
+        if hasattr(pkg._runtime, "use_family"):
+            pkg._runtime.use_family("")
         for mode in ("no_grad", "fwd_grad", "bwd"):
             row[f"ratio_{mode}"] = round(row[f"flashgen_{mode}"] / row[f"torch_sdpa_{mode}"], 3)
+            if "flashgen_tl_no_grad" in row:
+                row[f"ratio_tl_{mode}"] = round(row[f"flashgen_tl_{mode}"]
+                                                / row[f"torch_sdpa_{mode}"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -148,11 +173,13 @@ def main():
           f"(median of 7 rounds of {args.calls} calls), H={H}, d={D}, causal, bf16", flush=True)
     rows = measure(args.calls)
     extra = check_compile_and_graph()
-    print("\n| B, N | mode | flashgen us | torch SDPA us | ratio |\n|---|---|---|---|---|")
+    print("\n| B, N | mode | flashgen us | flashgen, tl family us | torch SDPA us | ratio | "
+          "ratio, tl |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        for mode in ("no_grad", "fwd_grad", "bwd"):
-            print(f"| {r['b']}, {r['n']} | {mode} | {r[f'flashgen_{mode}']} | "
-                  f"{r[f'torch_sdpa_{mode}']} | {r[f'ratio_{mode}']} |")
+        for mode in ("no_grad", "fwd_grad", "bwd", "bwd_impl"):
+            print(f"| {r['b']}, {r['n']} | {mode} | {r.get(f'flashgen_{mode}')} | "
+                  f"{r.get(f'flashgen_tl_{mode}')} | {r.get(f'torch_sdpa_{mode}')} | "
+                  f"{r.get(f'ratio_{mode}')} | {r.get(f'ratio_tl_{mode}')} |")
     if args.out:
         Path(args.out).write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                               "torch": torch.__version__, "rows": rows,

@@ -136,6 +136,25 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+class _AttentionOut(torch.autograd.Function):
+    """_Attention for callers that drop the LSE: one output to wrap, the LSE kept on ctx."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, bnhd, mask, lo, hi, scale, dropout_p):
+        rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
+        out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.lse = lse  # produced here and used only by the backward: no version check needed
+        ctx.args = (rng, bnhd, mask, lo, hi, scale, dropout_p)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out = ctx.saved_tensors
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, ctx.lse, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
 def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
               dropout_p: float = 0.0, need_lse: bool = True):
     """(out, lse): out in q's layout, lse (B, H_q, N_q) fp32. need_lse=False: the caller
@@ -144,6 +163,8 @@ def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
         out, lse, _ = fwd_op(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
         return out, lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _Attention.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
+        if need_lse:
+            return _Attention.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
+        return _AttentionOut.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p), None
     rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
     return _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng, need_lse)

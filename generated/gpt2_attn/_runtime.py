@@ -662,7 +662,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         drop, widths = _NO_DROP, None
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
            dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
-           widths, alignments(q, k, v, do, o, dq, dk, dv))
+           widths, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
+           do.data_ptr() % 16 == 0)  # o, dq, dk, dv: fresh allocations, always aligned
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
