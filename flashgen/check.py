@@ -9,6 +9,7 @@ and wants to know the kernels they are about to ship are right on their machine.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -107,7 +108,11 @@ def _check_decode(pkg, spec, variant, device, dtype):
     return err
 
 
-def check(spec_path, quick: bool = False, out=sys.stdout) -> bool:
+def check(spec_path, quick: bool = False, out=sys.stdout, planned: bool = False) -> bool:
+    """Compare every variant with the float64 reference. `planned`: launch every kernel
+    with the config the package plans for the spec's own GPU (`gpu.sram_bytes`) on the `tl`
+    family, whatever GPU runs the check, so an A100's or RTX 4090's tiles can be verified
+    on an H100 (without it a CUDA run uses the tiles planned or tuned for this GPU)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -123,6 +128,12 @@ def check(spec_path, quick: bool = False, out=sys.stdout) -> bool:
         try:
             sys.modules.pop(spec.package, None)
             pkg = importlib.import_module(spec.package)
+            if planned:
+                print("  with the tiles planned for the spec's GPU "
+                      f"({spec.gpu.name}, {spec.gpu.sram_bytes} B), tl family", file=out)
+            forced = (pkg._runtime.override_config(family="tl") if planned
+                      else contextlib.nullcontext())
+            forced.__enter__()
             for variant in variants_for(spec):
                 dt = dtypes[variant.dtype]
                 if variant.kind == "fwd":
@@ -140,6 +151,8 @@ def check(spec_path, quick: bool = False, out=sys.stdout) -> bool:
                     print(f"  {'ok  ' if ok else 'FAIL'} {name:<40} {label:<14} "
                           f"max rel err {err:.2e} (tol {_TOL[variant.dtype]:.0e})", file=out)
         finally:
+            if planned:
+                forced.__exit__(None, None, None)
             sys.path.remove(tmp)
             for name in [m for m in sys.modules if m == spec.package or m.startswith(spec.package + ".")]:
                 del sys.modules[name]

@@ -83,7 +83,7 @@ def _cmd_render(args) -> int:
 def _cmd_check(args) -> int:
     from .check import check
 
-    return 0 if check(args.spec, quick=args.quick) else 1
+    return 0 if check(args.spec, quick=args.quick, planned=args.planned) else 1
 
 
 def _cmd_tune(args) -> int:
@@ -147,6 +147,9 @@ def parser() -> argparse.ArgumentParser:
                        "without one). Exits 1 if any case fails.")
     c.add_argument("spec")
     c.add_argument("--quick", action="store_true", help="one small shape per variant")
+    c.add_argument("--planned", action="store_true",
+                   help="launch with the tiles planned for the spec's GPU (gpu.sram_bytes), "
+                   "not this GPU's: checks another GPU's package here")
     c.set_defaults(func=_cmd_check)
 
     from .tune import DEFAULT_BUDGET, DEFAULT_TRIALS, SAMPLERS

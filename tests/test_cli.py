@@ -295,3 +295,22 @@ def test_build_out_a_file_exits_2(work, out):
     res = flashgen("build", "specs/gpt2.yaml", "--out", out, cwd=work)
     msg = assert_user_error(res, "build")
     assert msg.startswith(f"--out {out}"), msg
+
+
+def test_check_planned_uses_the_specs_tiles(tmp_path, monkeypatch):
+    """--planned forces the launch configs planned for the spec's GPU (on every device)."""
+    import flashgen.check as check_module
+
+    (tmp_path / "s.yaml").write_text("\n".join(GOOD).replace("[64]", "[16]") + "\n")
+    seen = []
+    real = check_module._check_training
+
+    def spy(pkg, spec, variant, *args):
+        seen.append(dict(pkg._runtime._override))
+        return real(pkg, spec, variant, *args)
+    monkeypatch.setattr(check_module, "_check_training", spy)
+    import io
+    out = io.StringIO()
+    assert check_module.check(tmp_path / "s.yaml", quick=True, out=out, planned=True)
+    assert "with the tiles planned for the spec's GPU (H100, 232448 B), tl family" in out.getvalue()
+    assert seen and all(o == {"family": "tl"} for o in seen)
