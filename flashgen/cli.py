@@ -34,6 +34,34 @@ def _cmd_build(args) -> int:
     return 0
 
 
+def family_summary(spec) -> str:
+    """Which kernel family each variant runs on a Hopper GPU (with a Triton the Gluon
+    templates were verified on) and, for the `tl` ones, why."""
+    from . import families
+    from .render import gluon_reason
+    from .variants import variants_for
+
+    gluon, tl = [], {}
+    for v in variants_for(spec):
+        why = gluon_reason(v)
+        if why is None:
+            gluon.append(v.name)
+        else:
+            tl.setdefault(why, []).append(v.name)
+    hopper = ", ".join(f"sm{a}{b}" for a, b in families.GLUON_CAPABILITIES)
+    lines = [f"== kernel families on {hopper} with Triton {', '.join(families.GLUON_TRITON)} "
+             "(every other GPU, Triton or the interpreter runs `tl` for all)"]
+    if gluon:
+        d = families.gluon_default(128)
+        lines.append(f"gluon ({len(gluon)}): {', '.join(gluon)}")
+        lines.append(f"  untuned: {d['block_m']}x{d['block_n']} tiles (2 consumer warpgroups x 64 "
+                     f"rows), a {d['num_stages']}-deep K/V ring; tuned configs may pick `tl` "
+                     "per bucket")
+    for why, names in tl.items():
+        lines.append(f"tl ({len(names)}): {', '.join(names)}\n  why: {why}")
+    return "\n".join(lines)
+
+
 def _cmd_plan(args) -> int:
     from . import planner_core
     from .plan import plan_spec
@@ -52,6 +80,8 @@ def _cmd_plan(args) -> int:
               f"(e.g. {variant.name}) on {spec.gpu.name}")
         print(planner_core.format_plan(plan) if args.all else format_summary(plan))
         print()
+    print(family_summary(spec))
+    print()
     if not args.all:
         print(f"(`flashgen plan {args.spec} --all` lists every candidate tile with its "
               "estimates and why it was rejected)")

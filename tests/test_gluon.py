@@ -217,3 +217,14 @@ def test_unaligned_strides_fall_back_to_tl(pkg, poison):
     q, k, v = big[..., 1:129], big[..., 3:131], big[..., 5:133]
     _check(pkg, q, k, v, causal=True)
     assert _plan_families(pkg) == {"Launcher"}
+
+
+def test_plan_names_each_variants_family(capsys):
+    from flashgen.cli import main
+
+    assert main(["plan", str(ROOT / "specs" / "llama.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "== kernel families on sm90 with Triton 3.6" in out
+    gluon = next(ln for ln in out.splitlines() if ln.startswith("gluon ("))
+    assert gluon.startswith("gluon (6): ") and "fwd_window_d128_bf16" in gluon
+    assert "why: no Gluon decode kernel yet" in out and "why: no Gluon bwd kernel yet" in out
