@@ -6,7 +6,7 @@ regenerate with `python -m flashgen.offline SPEC --arch N --json FILE`).
 
 The baselines are not zero: the planner's register model was calibrated on the H100 and
 its tiles spill on sm_80/sm_89 (docs/OTHER_GPUS.md), so this guards against regressions
-while that is open. Slow (about 2.5 minutes per spec on 2 cores): `pytest -m slow`."""
+while that is open. Slow (about 1.5 minutes for both specs on 2 cores): `pytest -n 2 -m slow`."""
 from __future__ import annotations
 
 import json
