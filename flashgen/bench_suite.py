@@ -386,6 +386,7 @@ def plot(rows, path) -> str | None:
     nrows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
     for ax, key in zip(axes.flat, keys):
+        ax.set_prop_cycle(color=plt.cm.tab20.colors)  # decode panels hold up to 18 series
         for prov, pts in sorted(series[key].items()):
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=prov)
@@ -396,7 +397,7 @@ def plot(rows, path) -> str | None:
         ax.set_xlabel({"decode": "KV length", "small": "B*N tokens"}.get(suite, "N"))
         ax.set_ylabel(ylabels[key])
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7 if len(series[key]) <= 8 else 5)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     fig.tight_layout()
