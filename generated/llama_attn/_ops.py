@@ -155,6 +155,14 @@ class _AttentionOut(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+# Function.apply's C++ half, bound to our classes: Function.apply first binds default
+# arguments and unwraps dead functorch wrappers (a scan of every argument, about a third of
+# the autograd path's host time), which only matters under functorch transforms
+_apply = super(torch.autograd.Function, _Attention).apply
+_apply_out = super(torch.autograd.Function, _AttentionOut).apply
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
               dropout_p: float = 0.0, need_lse: bool = True):
     """(out, lse): out in q's layout, lse (B, H_q, N_q) fp32. need_lse=False: the caller
@@ -163,8 +171,12 @@ def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
         out, lse, _ = fwd_op(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
         return out, lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _transforms_active():  # vmap / functorch.grad: the full Function.apply
+            if need_lse:
+                return _Attention.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
+            return _AttentionOut.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p), None
         if need_lse:
-            return _Attention.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
-        return _AttentionOut.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p), None
+            return _apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
+        return _apply_out(q, k, v, bnhd, mask, lo, hi, scale, dropout_p), None
     rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
     return _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng, need_lse)
