@@ -58,43 +58,35 @@ def _ptxas_report(ptx: str) -> tuple[int, int]:
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90."""
-    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    from triton.runtime.jit import mangle_type
 
     fn = getattr(module, f"{name}_kernel")
-    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float16
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     d_pad = families.head_dim_pad(head_dim)
-    t = torch.empty(1, 1, 64, head_dim, dtype=tdtype)  # only its dtype and alignment matter
-
-    def desc(box):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                                gl.NVMMASharedLayout.get_default_for(box, gdtype))
-
     q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
     kv_box = [1, 1, config["block_n"], d_pad]
-    runtime = dict(desc_q=desc(q_box), desc_k=desc(kv_box), desc_v=desc(kv_box),
-                   desc_o=desc(q_box), LSE=torch.empty(1))
     const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                  NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
-                 CONSUMER_REGS=families.CONSUMER_REGS, PRODUCER_REGS=families.PRODUCER_REGS)
-    sig, constexprs = {}, {}
+                 CONSUMER_REGS=families.CONSUMER_REGS, PRODUCER_REGS=families.PRODUCER_REGS,
+                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
+                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype))
+    pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
+    sig, constexprs, attrs = {}, {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
             sig[arg] = "constexpr"
             constexprs[(i,)] = const[arg]
-        elif arg in runtime:
-            sig[arg] = mangle_type(runtime[arg])
+        elif arg in pointers:
+            sig[arg] = "*" + pointers[arg]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
         elif arg == "qk_scale":
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
-    compiled = triton.compile(GluonASTSource(fn, sig, constexprs),
+    compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=config["num_warps"]))
     ptx = compiled.asm["ptx"]

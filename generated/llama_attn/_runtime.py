@@ -469,8 +469,8 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     if cfg.get("family") == "gluon":
         why = gluon_call_reason(name, q, k, v, o, bnhd)
         if why is None:
-            return (_gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale), (), False,
-                    lse_shape, scratch)
+            launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale)
+            return launch, args, _GLUON, lse_shape, scratch
         cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
     args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
@@ -499,53 +499,19 @@ def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
     return None
 
 
-class _GluonForward:
-    """A Gluon forward launch for one call signature: the TMA descriptors are made per call
-    (they hold the tensors' addresses), the rest once."""
-
-    __slots__ = ("launch", "bnhd", "q_box", "kv_box", "layouts", "args")
-
-    def __init__(self, launch, bnhd, q_box, kv_box, layouts, args):
-        self.launch, self.bnhd, self.q_box, self.kv_box = launch, bnhd, q_box, kv_box
-        self.layouts, self.args = layouts, args
-
-    def _desc(self, t, box, layout):
-        # dims (B, H, N, d): a box never crosses a head or a batch, and one that runs past
-        # N reads zeros / stores nothing. Built without the dataclass's checks, which the
-        # plan made once for this signature (alignment is part of the plan's key).
-        d = _TensorDescriptor.__new__(_TensorDescriptor)
-        d.base = t
-        d.shape = list(bhnd(t.shape, self.bnhd))
-        d.strides = list(bhnd(t.stride(), self.bnhd))
-        d.block_shape = box
-        d.layout = layout
-        d.padding = "zero"
-        return d
-
-    def __call__(self, q, k, v, o, lse, *drop):
-        qo_layout, kv_layout = self.layouts
-        self.launch(self._desc(q, self.q_box, qo_layout), self._desc(k, self.kv_box, kv_layout),
-                    self._desc(v, self.kv_box, kv_layout), self._desc(o, self.q_box, qo_layout),
-                    lse, *self.args)
-
-
-_TensorDescriptor = None
+_GLUON = 2  # a forward plan's third field: 0 plain loads, True/1 `tl` with TMA, 2 Gluon
 
 
 def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
-    global _TensorDescriptor
+    """(Launcher, run-time arguments) of a Gluon forward for one call signature."""
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    _TensorDescriptor = TensorDescriptor
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
     _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
     d_pad = _families.head_dim_pad(d)
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
     kv_box = [1, 1, cfg["block_n"], d_pad]
-    layouts = (gl.NVMMASharedLayout.get_default_for(q_box, dtype),
-               gl.NVMMASharedLayout.get_default_for(kv_box, dtype))
     _, _, sms = gpu_key(q.device)
     num_m = triton_cdiv(n_q, cfg["block_m"])
     tiles = batch * h_q * num_m
@@ -561,11 +527,15 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 PINGPONG=bool(cfg.get("pingpong", True)),
                 CONSUMER_REGS=_families.CONSUMER_REGS, PRODUCER_REGS=_families.PRODUCER_REGS,
+                QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, dtype),
+                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
                 num_warps=4)
     launch = Launcher(kernel(name, family="gluon"), (min(tiles, sms),), meta)
-    args = (n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
+    args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
+            *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
+            batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
             head_group)
-    return _GluonForward(launch, bnhd, q_box, kv_box, layouts, args)
+    return launch, args
 
 
 def _descriptor_ready(*tensors) -> bool:
@@ -627,7 +597,10 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         return lse
     if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
         _descriptor_allocator()
-    launch(q, k, v, o, lse, *args, *drop)  # a _GluonForward takes the same arguments
+    if tma == _GLUON:  # the Gluon kernels take no dropout arguments (no Gluon dropout yet)
+        launch(q, k, v, o, lse, *args)
+    else:
+        launch(q, k, v, o, lse, *args, *drop)
     return lse
 
 

@@ -29,7 +29,8 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   S = Q K^T of the current one is done, and the output leaves through a TMA store that
   nobody waits for until its buffer is needed again.
 
-Tensors are read through 4-D TMA descriptors over (batch, head, sequence, head dim), so any
+Tensors are read through 4-D TMA descriptors over (batch, head, sequence, head dim), made on
+the device by each program, so any
 strides work as long as TMA accepts them (16-byte aligned base and row strides; the
 runtime checks and falls back to the `tl` kernel otherwise). A box that runs past the end
 of the sequence reads zeros and its store is clipped, which is how ragged lengths are
@@ -310,12 +311,16 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
 # ----------------------------------------------------------------------------------------
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
-@gluon.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "NUM_M",
-                              "BH", "NUM_TILES", "HEAD_GROUP"])
+@gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF",
+                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP"])
 def fwd_window_d128_fp16_kernel(
-    desc_q, desc_k, desc_v, desc_o,  # TMA descriptors over (B, H, N, HEAD_DIM)
+    Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
     LSE,  # [B, H_Q, N_Q] fp32, contiguous
-    N_Q, N_K,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    BATCH, N_Q, N_K,
     H_Q,  # query heads
     KV_GROUP,  # query heads per key/value head (1 = MHA, H_Q = MQA)
     qk_scale,  # softmax scale * log2(e)
@@ -330,7 +335,25 @@ def fwd_window_d128_fp16_kernel(
     PINGPONG: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
+    QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
+    KV_LAYOUT: gl.constexpr,
 ):
+    # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
+    # persistent grid) rather than encoded by the host on every call, which cost ~30 us of
+    # host time a call: a box never crosses a head or a batch, one that runs past N reads
+    # zeros and stores nothing
+    desc_q = tma.make_tensor_descriptor(Q, [BATCH, H_Q, N_Q, HEAD_DIM],
+                                        [stride_qb, stride_qh, stride_qm, 1],
+                                        [1, 1, SPLIT_M, HEAD_DIM_PAD], QO_LAYOUT)
+    desc_o = tma.make_tensor_descriptor(O, [BATCH, H_Q, N_Q, HEAD_DIM],
+                                        [stride_ob, stride_oh, stride_om, 1],
+                                        [1, 1, SPLIT_M, HEAD_DIM_PAD], QO_LAYOUT)
+    desc_k = tma.make_tensor_descriptor(K, [BATCH, H_Q // KV_GROUP, N_K, HEAD_DIM],
+                                        [stride_kb, stride_kh, stride_kn, 1],
+                                        [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
+    desc_v = tma.make_tensor_descriptor(V, [BATCH, H_Q // KV_GROUP, N_K, HEAD_DIM],
+                                        [stride_vb, stride_vh, stride_vn, 1],
+                                        [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
     # Q and O staging per consumer ([1, 1, SPLIT_M, HEAD_DIM_PAD] boxes), the K/V ring
     q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
