@@ -218,8 +218,30 @@ def test_unaligned_strides_fall_back_to_tl(pkg, poison):
     # a head dim sliced at an odd offset: rows are not 16-byte aligned, TMA cannot read them
     big = torch.randn(2, 300, 4, 137, device="cuda", dtype=torch.bfloat16)
     q, k, v = big[..., 1:129], big[..., 3:131], big[..., 5:133]
-    _check(pkg, q, k, v, causal=True)
+    with pkg._runtime.override_config(family="gluon"):  # asked for, and still refused
+        _check(pkg, q, k, v, causal=True)
+        assert _plan_families(pkg) == {"JITFunction"}
+        assert "TMA" in pkg._runtime.gluon_call_reason("fwd_causal_d128_bf16", q, k, v, q, True)
+
+
+@pytest.mark.gpu
+def test_tiny_calls_take_tl_and_lengths_reuse_one_gluon_binary(pkg):
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rt = pkg._runtime
+    rt._forward_plans.clear()
+    q = torch.randn(8, 59, 16, 64, device="cuda", dtype=torch.bfloat16)
+    pkg.flash_attn_func(q, q, q, causal=True)  # 0.06 GFLOP: below GLUON_MIN_FLOPS
     assert _plan_families(pkg) == {"JITFunction"}
+    fn = rt.kernel("fwd_causal_d64_bf16", family="gluon")
+    with rt.override_config(family="gluon"):
+        for n_q, n_k in [(100, 100), (37, 1000), (1, 513), (2048, 2048), (250, 250)]:
+            q = torch.randn(2, n_q, 4, 64, dtype=torch.bfloat16, device="cuda")
+            k, v = (torch.randn(2, n_k, 4, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+            _check(pkg, q, k, v, causal=True)
+    binaries = sum(next(len(c) for c in cache if isinstance(c, dict))
+                   for cache in fn.device_caches.values())
+    assert binaries == 1, f"{binaries} Gluon binaries for one variant and five lengths"
 
 
 def test_plan_names_each_variants_family(capsys):

@@ -58,6 +58,14 @@ def gluon_default(head_dim: int) -> dict:
     return cfg
 
 
+# A call with less tensor-core work than this (4 B H Nq Nk d FLOPs, halved when causal) runs
+# the `tl` kernel: the persistent Gluon kernel's fixed cost (descriptors made on the device,
+# barrier setup, the partitions' start) is a few microseconds, more than such a call's math.
+# H100, H=16, d=64: (B, N) = (8, 59) took 14.6 us on Gluon vs 9.4 on `tl`, (4, 512) 26.7 vs
+# 21.7 non-causal (1.1 and 0.5 GFLOP); (1, 2048) was level or faster on Gluon (4.3 GFLOP).
+GLUON_MIN_FLOPS = 2e9
+
+
 def head_dim_pad(head_dim: int) -> int:
     """The power-of-two tile width a Gluon kernel uses for `head_dim`."""
     p = 16

@@ -467,7 +467,13 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     if cfg.get("family") == "gluon":
-        why = gluon_call_reason(name, q, k, v, o, bnhd)
+        # a tiny call goes to `tl` unless the family was asked for (FLASHGEN_FAMILY=gluon,
+        # override_config(family="gluon"): the tests and the tuner's correctness check)
+        flops = 4 * batch * h_q * n_q * n_k * d / (2 if mask != "none" else 1)
+        asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+        why = ("too small for the Gluon kernel's fixed cost"
+               if flops < _families.GLUON_MIN_FLOPS and not asked
+               else gluon_call_reason(name, q, k, v, o, bnhd))
         if why is None:
             launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale)
             return launch, args, _GLUON, lse_shape, scratch
