@@ -60,10 +60,11 @@ def gluon_default(head_dim: int) -> dict:
 
 # A call with less tensor-core work than this (4 B H Nq Nk d FLOPs, halved when causal) runs
 # the `tl` kernel: the persistent Gluon kernel's fixed cost (descriptors made on the device,
-# barrier setup, the partitions' start) is a few microseconds, more than such a call's math.
-# H100, H=16, d=64: (B, N) = (8, 59) took 14.6 us on Gluon vs 9.4 on `tl`, (4, 512) 26.7 vs
-# 21.7 non-causal (1.1 and 0.5 GFLOP); (1, 2048) was level or faster on Gluon (4.3 GFLOP).
-GLUON_MIN_FLOPS = 2e9
+# barrier setup, the partitions' start) outweighs such a call's math. H100, H=16, d=64,
+# (B, N): (8, 59) 14.6 us on Gluon vs 9.4 on `tl` (0.1 GFLOP), (4, 512) 26.3 vs 21.5
+# (4.3 GFLOP) and causal 21.7 vs 20.4 (2.1); (1, 2048) causal 36.3 vs 45.2 (8.6 GFLOP),
+# non-causal level (17 GFLOP; benchmarks/results/H100_bench_small_*).
+GLUON_MIN_FLOPS = 8e9
 
 
 def head_dim_pad(head_dim: int) -> int:
