@@ -70,7 +70,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
     kv_box = [1, 1, config["block_n"], d_pad]
     const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                  NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
-                 CONSUMER_REGS=families.CONSUMER_REGS, PRODUCER_REGS=families.PRODUCER_REGS,
+                 CONSUMER_REGS=families.regs(config)[0], PRODUCER_REGS=families.regs(config)[1],
                  QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
                  KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype))
     pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
@@ -92,7 +92,9 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
     ptx = compiled.asm["ptx"]
     regs, stack = _ptxas_report(ptx)
     tile = f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
-        "" if config.get("pingpong", True) else " no-pingpong")
+        "" if config.get("pingpong", True) else " no-pingpong") + (
+        "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
+        else f" regs {config['regs']}")
     return GluonResources(
         variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
         spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),

@@ -109,12 +109,17 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     # warp-specialisation pass fails on 4-warp tiles.
     # `family` picks the kernel (families.py): a Gluon point's tile is the warpgroups'
     # (block_m = 2 x 64, num_warps = 4, num_stages = the K/V ring depth), checked by
-    # families.config_reason instead of the planner; `pingpong` and `l2_share` (heads
-    # grouped to a 1/l2_share of L2 in the longest-first order) are its own knobs.
+    # families.config_reason instead of the planner; `pingpong`, `l2_share` (heads grouped
+    # to a 1/l2_share of L2 in the longest-first order), `persistent` and `regs` are its own.
     "fwd": (Knob("tma", (False, True), False, _tma),
             Knob("family", ("tl", "gluon"), "tl", _family),
             Knob("pingpong", (True, False), True, _gluon_only("pingpong", True)),
-            Knob("l2_share", (4, 2, 8), 4, _gluon_only("l2_share", 4))),
+            Knob("l2_share", (4, 2, 8), 4, _gluon_only("l2_share", 4)),
+            # one program per SM walking its tiles, or one per tile (the hardware schedules)
+            Knob("persistent", (True, False), True, _gluon_only("persistent", True)),
+            # consumer/producer registers per thread (setmaxnreg)
+            Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
+                 _gluon_only("regs", families.REG_SPLITS[0]))),
     # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
     "bwd": (
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",

@@ -70,6 +70,8 @@ def test_shared_memory_model_rejects_what_does_not_fit():
     assert "block_m" in families.config_reason({**ok, "block_m": 64}, 128, 2, 232448)
     # an A100-sized budget cannot hold even the default tile at d=128
     assert "shared memory" in families.config_reason(ok, 128, 2, 166912)
+    assert "regs" in families.config_reason({**ok, "regs": "248/8"}, 128, 2, 232448)
+    assert families.regs({**ok, "regs": "232/40"}) == (232, 40)
 
 
 def test_runtime_chooses_tl_where_gluon_cannot_run(pkg, monkeypatch):
@@ -103,7 +105,8 @@ from pathlib import Path
 from flashgen import gluon_compile, families
 configs = [families.GLUON_DEFAULT]
 if sys.argv[2] == "knobs":
-    configs = [dict(families.GLUON_DEFAULT, block_n=64, num_stages=3, pingpong=False)]
+    configs = [dict(families.GLUON_DEFAULT, block_n=64, num_stages=3, pingpong=False,
+                    regs="224/56")]
 res = gluon_compile.compile_package(Path(sys.argv[1]), configs=configs,
                                     variants=sys.argv[3].split(",") if len(sys.argv) > 3 else None)
 print(json.dumps([r.__dict__ for r in res]))
@@ -153,8 +156,9 @@ def test_gluon_knobs_compile(pkg):
                     ["fwd_window_d96_fp16", "fwd_causal_d64_bf16"])
     assert {r["variant"] for r in rows} == {"fwd_window_d96_fp16", "fwd_causal_d64_bf16"}
     for r in rows:
-        assert r["config"] == "128x64 s3 no-pingpong"
+        assert r["config"] == "128x64 s3 no-pingpong regs 224/56"
         assert r["wgmma"] > 0 and r["shared"] <= 232448
+        assert 224 in r["setmaxnreg"] and 56 in r["setmaxnreg"], r
 
 
 # ---------------------------------------------------------------------------------------
@@ -198,7 +202,10 @@ def _plan_families(pkg):
     (2, 777, 777, 4, 2, 96, torch.bfloat16, False, (100, 0)),
     (1, 1, 513, 8, 8, 128, torch.bfloat16, True, (-1, -1)),
 ], ids=["causal-b3-gqa4", "causal-nq<nk-gqa8", "causal-nq>nk", "d64-2k", "odd-gqa4", "d96-window", "decode-row"])
-def test_gluon_forward_against_float64(pkg, poison, case):
+@pytest.mark.parametrize("knobs", [{}, {"persistent": False, "regs": "232/40", "block_n": 64,
+                                        "num_stages": 3, "pingpong": False, "l2_share": 8}],
+                         ids=["default", "knobs"])
+def test_gluon_forward_against_float64(pkg, poison, case, knobs):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
     b, nq, nk, hq, hkv, d, dt, causal, window = case
@@ -207,7 +214,7 @@ def test_gluon_forward_against_float64(pkg, poison, case):
     k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
     v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
     # asked for: most of these shapes are below GLUON_MIN_FLOPS, where the package picks `tl`
-    with pkg._runtime.override_config(family="gluon"):
+    with pkg._runtime.override_config(family="gluon", **knobs):
         _check(pkg, q, k, v, causal=causal, window=window)
         assert _plan_families(pkg) == {"GluonJITFunction"}
 

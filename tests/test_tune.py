@@ -89,16 +89,18 @@ def test_space_is_the_planners_feasible_set_for_the_real_smem():
 def test_a_knob_is_one_table_line_with_its_feasibility():
     """The forward's real knobs: `tma` feasible on sm90 only; `family` and the Gluon
     family's own knobs only where the variant can run a Gluon kernel."""
-    assert [k.name for k in KNOBS["fwd"]] == ["tma", "family", "pingpong", "l2_share"]
+    assert [k.name for k in KNOBS["fwd"]] == ["tma", "family", "pingpong", "l2_share",
+                                              "persistent", "regs"]
     base = fwd_space()
     hopper = space_for("fwd", 64, 2, **H100)  # no Gluon kernel considered: tl points only
     ampere = space_for("fwd", 64, 2, **{**H100, "capability": (8, 0)})
     assert len(hopper) == 2 * len(base)  # tma doubles it; the Gluon knobs stay at defaults
-    assert all(p["family"] == "tl" and p["pingpong"] and p["l2_share"] == 4
-               for p in hopper.points())
+    assert all(p["family"] == "tl" and p["pingpong"] and p["l2_share"] == 4 and p["persistent"]
+               and p["regs"] == "240/24" for p in hopper.points())
     assert len(ampere) == len(base) and all(p["tma"] is False for p in ampere.points())
     assert ampere.check({**ampere.default(), "tma": True}).startswith("tma=True: needs sm90")
-    defaults = {"tma": False, "family": "tl", "pingpong": True, "l2_share": 4}
+    defaults = {"tma": False, "family": "tl", "pingpong": True, "l2_share": 4,
+                "persistent": True, "regs": "240/24"}
     assert hopper.default() == {**base.default(), **defaults}
     # tuning data that predates the knobs: tma completed with its default, `family` left
     # out (the package reads its absence: families.py)
@@ -115,7 +117,7 @@ def test_the_gluon_family_is_searched_where_it_runs():
     assert {(p["block_m"], p["num_warps"]) for p in gluon} == {(128, 4)}
     assert {(p["block_n"], p["num_stages"]) for p in gluon} == {(128, 2), (64, 2), (64, 3), (64, 4)}
     assert all(not p["tma"] for p in gluon)
-    assert len(gluon) == 4 * 2 * 3  # x pingpong x l2_share
+    assert len(gluon) == 4 * 2 * 3 * 2 * 3  # x pingpong x l2_share x persistent x regs
     too_deep = {**families.gluon_default(128), "tma": False, "num_stages": 3}
     assert "shared memory" in space.check(too_deep)
     # a variant without a Gluon kernel, or a GPU without Gluon, never gets a Gluon point
@@ -496,7 +498,7 @@ def test_the_best_config_reaches_the_built_package(tuned_pkg):
     assert tuned[FAKE_KEY] == {"fwd_causal_d64_fp16": {1024: best[1024], 8192: best[8192]}}
     for cfg in tuned[FAKE_KEY]["fwd_causal_d64_fp16"].values():
         assert list(cfg) == ["block_m", "block_n", "num_warps", "num_stages", "tma", "family",
-                             "pingpong", "l2_share"]  # configs only
+                             "pingpong", "l2_share", "persistent", "regs"]  # configs only
         assert all(type(cfg[k]) is int for k in ("block_m", "block_n", "num_warps", "num_stages"))
         assert type(cfg["tma"]) is bool
     text = pkg.describe()

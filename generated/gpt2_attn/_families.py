@@ -43,9 +43,20 @@ GLUON_DEFAULT = {
     "num_stages": 2,
     "pingpong": True,
     "l2_share": 4,
+    "persistent": True,
+    "regs": "240/24",
 }
-CONSUMER_REGS = 240
+CONSUMER_REGS = 240  # the default split, "consumer/producer" registers per thread
 PRODUCER_REGS = 24
+# register splits the tuner may try: two consumer warpgroups and the producer's warpgroup
+# share 64K registers (2 x 128 x consumer + 128 x producer <= 65536), in steps of 8
+REG_SPLITS = ("240/24", "232/40", "224/56")
+
+
+def regs(config: dict) -> tuple[int, int]:
+    """(consumer, producer) registers per thread of a Gluon config."""
+    c, p = str(config.get("regs", f"{CONSUMER_REGS}/{PRODUCER_REGS}")).split("/")
+    return int(c), int(p)
 
 
 def gluon_default(head_dim: int) -> dict:
@@ -109,6 +120,8 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
         return "block_n must be 64 or 128 (S is one wgmma N extent; 256 spills)"
     if config.get("num_stages") not in (2, 3, 4):
         return "num_stages (the K/V ring depth) must be 2, 3 or 4"
+    if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
+        return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
     need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"])
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"

@@ -530,13 +530,16 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
     # (one head a group at N=16k ran causal d128 at 458 TFLOP/s, three at 547)
     head_group = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1),
                      triton_cdiv(2 * sms, num_m)) * (h_q // h_kv)
+    consumer_regs, producer_regs = _families.regs(cfg)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 PINGPONG=bool(cfg.get("pingpong", True)),
-                CONSUMER_REGS=_families.CONSUMER_REGS, PRODUCER_REGS=_families.PRODUCER_REGS,
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, dtype),
                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
                 num_warps=4)
-    launch = Launcher(kernel(name, family="gluon"), (min(tiles, sms),), meta)
+    # persistent: one program per SM walks its share of the tiles; else one per tile
+    grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
+    launch = Launcher(kernel(name, family="gluon"), grid, meta)
     args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
