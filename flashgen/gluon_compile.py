@@ -11,16 +11,18 @@ with TRITON_INTERPRET unset.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
 import os
 import re
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import families
+from .offline import _ptxas_numbers
 
 H100_SMEM = 232448  # bytes one block may use on sm_90 (227 KiB)
 
@@ -40,25 +42,17 @@ class GluonResources:
                 f"{self.spill_bytes} | {self.wgmma} | {', '.join(map(str, self.setmaxnreg))} |")
 
 
-def _ptxas_report(ptx: str) -> tuple[int, int]:
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        out = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o",
-                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"ptxas failed:\n{out.stderr}")
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    stack = re.search(r"(\d+) bytes stack frame", out.stderr)
-    return int(regs.group(1)) if regs else -1, int(stack.group(1)) if stack else 0
+def _ptxas_report(log: str) -> tuple[int, int]:
+    """(registers at entry, stack frame bytes) from ptxas's -v log."""
+    regs, _, _ = _ptxas_numbers(log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    return regs, int(stack.group(1)) if stack else 0
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90."""
     import triton
+    from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -86,11 +80,17 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
-    compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
-                              target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=config["num_warps"]))
+    # Triton's own ptxas run prints its -v log (offline.py reads it the same way); a cached
+    # binary would skip ptxas, so compile afresh
+    knobs.nvidia.dump_ptxas_log = True
+    knobs.compilation.always_compile = True
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=config["num_warps"]))
     ptx = compiled.asm["ptx"]
-    regs, stack = _ptxas_report(ptx)
+    regs, stack = _ptxas_report(buf.getvalue())
     tile = f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
         "" if config.get("pingpong", True) else " no-pingpong") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
