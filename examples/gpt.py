@@ -9,6 +9,7 @@ kernel code), with sizes small enough to take well under a minute. The model and
 reference block are also used by tests/test_module.py.
 
     python examples/gpt.py --bench [--steps 30] [--dropout 0.0 0.1] [--out FILE.json]
+        [--profile]
 
 The end-to-end benchmark (CUDA GPU): a GPT-2-small-shaped model (12 layers, 12 heads of 64,
 embed 768, vocab 50257, N = 1024, B = 8, bf16, AdamW) trained from identical weights on
@@ -164,14 +165,69 @@ def main(steps=5, batch=2, seed=0):
 BENCH_CONFIG = dict(vocab_size=50257, block_size=1024, embed_dim=768, num_heads=12, n_layer=12)
 
 
-def bench(steps=30, warmup=3, batch=8, dropouts=(0.0, 0.1), seed=0, out=None, log=print):
+# attention kernels by name: flashgen's (fwd_*/bwd_* variants: kernel, preprocess, dkdv, dq),
+# SDPA flash's (flash_fwd/flash_bwd), cuDNN's (sdpa/fmha/flash fprop/bprop)
+_ATTENTION_WORDS = ("flash", "fmha", "sdpa", "fprop", "bprop", "dkdv", "dq_kernel",
+                    "preprocess", "attn")
+
+
+def _attention_kind(name):
+    """'fwd', 'bwd' or None (not an attention kernel) for a GPU kernel's name."""
+    low = name.lower()
+    if low.startswith(("fwd_", "bwd_")):
+        return low[:3]
+    if not any(w in low for w in _ATTENTION_WORDS):
+        return None
+    return "bwd" if any(w in low for w in ("bwd", "bprop", "dkdv", "dq_", "dot_do_o",
+                                           "preprocess", "backward")) else "fwd"
+
+
+def profile_steps(step, steps=2, top=12):
+    """GPU time per training step from torch.profiler, split into attention forward,
+    attention backward and the rest, plus the `top` kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    split = {"attn_fwd": 0.0, "attn_bwd": 0.0, "other": 0.0}
+    kernels = {}
+    for e in prof.events():
+        if (e.device_type != torch.autograd.DeviceType.CUDA
+                or getattr(e, "is_user_annotation", False) or "#" in e.name):
+            continue  # a GPU-side copy of a record_function range (Optimizer.step#...)
+        us = e.device_time / steps
+        kind = _attention_kind(e.name)
+        split[f"attn_{kind}" if kind else "other"] += us
+        entry = kernels.setdefault(e.name, [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    split = {k: round(v / 1e3, 3) for k, v in split.items()}  # ms per step
+    split["gpu_total"] = round(sum(split.values()), 3)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    return {"gpu_ms_per_step": split,
+            "top_kernels": [{"name": n[:110], "ms_per_step": round(t / 1e3, 3),
+                             "launches_per_step": c // steps, "kind": _attention_kind(n)}
+                            for n, (t, c) in ranked[:top]],
+            "kernels": {n[:200]: [round(t / 1e3, 4), c // steps] for n, (t, c) in ranked}}
+
+
+def bench(steps=30, warmup=3, batch=8, dropouts=(0.0, 0.1), seed=0, out=None, log=print,
+          profile=False, package=None):
     """Training steps/s of GPT-2 small with flashgen vs SDPA flash vs SDPA cuDNN."""
     import functools
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from generated.gpt2_attn import Attention
+    if package:  # another build of gpt2_attn (an A/B against generated/)
+        sys.path.insert(0, str(Path(package).resolve()))
+        from gpt2_attn import Attention
+    else:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from generated.gpt2_attn import Attention
 
     if not torch.cuda.is_available():
         print("examples/gpt.py --bench needs a CUDA GPU", file=sys.stderr)
@@ -216,15 +272,27 @@ def bench(steps=30, warmup=3, batch=8, dropouts=(0.0, 0.1), seed=0, out=None, lo
                         opt.step()
                         losses.append(loss.detach())
                     torch.cuda.synchronize()
-                elapsed = time.perf_counter() - start
-                rows[name] = {"steps_per_s": round(steps / elapsed, 3),
-                              "ms_per_step": round(elapsed / steps * 1e3, 2),
-                              "losses": [round(x.item(), 4) for x in losses]}
+                    elapsed = time.perf_counter() - start
+                    rows[name] = {"steps_per_s": round(steps / elapsed, 3),
+                                  "ms_per_step": round(elapsed / steps * 1e3, 2),
+                                  "losses": [round(x.item(), 4) for x in losses]}
+                    if profile:
+                        def one_step(data=batches[0]):
+                            opt.zero_grad(set_to_none=True)
+                            model(data[:, :-1], data[:, 1:])[1].backward()
+                            opt.step()
+                        rows[name]["profile"] = profile_steps(one_step)
             except Exception as e:  # a backend that refuses (e.g. no dropout) is reported
                 rows[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             log(f"dropout {p}: {name:10s} " + (f"{rows[name]['steps_per_s']:.2f} steps/s "
                 f"({rows[name]['ms_per_step']} ms/step)" if "error" not in rows[name]
                 else rows[name]["error"]))
+            if "profile" in rows.get(name, {}):
+                prof = rows[name]["profile"]
+                log(f"dropout {p}: {name:10s} GPU ms/step {prof['gpu_ms_per_step']}")
+                for kern in prof["top_kernels"]:
+                    log(f"    {kern['ms_per_step']:8.3f} ms  x{kern['launches_per_step']:<4d} "
+                        f"{kern['kind'] or '':3s}  {kern['name']}")
             del model, opt
             torch.cuda.empty_cache()
         results.append({"dropout": p, **rows})
@@ -255,7 +323,12 @@ if __name__ == "__main__":
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     ap.add_argument("--out")
+    ap.add_argument("--profile", action="store_true",
+                    help="with --bench: a torch.profiler split of each model's step")
+    ap.add_argument("--package", help="with --bench: a folder holding the gpt2_attn package "
+                    "to time instead of generated/gpt2_attn")
     args = ap.parse_args()
     if args.bench:
-        sys.exit(bench(args.steps, args.warmup, args.batch, args.dropout, out=args.out))
+        sys.exit(bench(args.steps, args.warmup, args.batch, args.dropout, out=args.out,
+                       profile=args.profile, package=args.package))
     sys.exit(main())
