@@ -58,10 +58,28 @@ def regs(config: dict) -> tuple[int, int]:
     return int(c), int(p)
 
 
-def gluon_default(head_dim: int) -> dict:
-    """The untuned Gluon config for a head dim. At d <= 64 the consumers run without
-    ping-pong: a block's products take half as long as at d=128 while its softmax does
-    not, so taking turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s)."""
+KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)
+
+# The untuned Gluon backward: a program owns 128 keys (two consumers x 64) and steps over
+# 64 query rows at a time through a 2-deep Q/dO ring. (block_m / block_n keep the `tl`
+# backward's meaning: query rows per step / key rows per program.)
+GLUON_BWD_DEFAULT = {
+    "family": "gluon",
+    "block_m": 64,
+    "block_n": CONSUMERS * KEY_ROWS_PER_CONSUMER,
+    "num_warps": 4,
+    "num_stages": 2,
+    "regs": "240/24",
+}
+
+
+def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
+    """The untuned Gluon config of a kernel kind for a head dim. At d <= 64 the forward's
+    consumers run without ping-pong: a block's products take half as long as at d=128
+    while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k:
+    466 vs 439 TFLOP/s)."""
+    if kind == "bwd":
+        return dict(GLUON_BWD_DEFAULT)
     cfg = dict(GLUON_DEFAULT)
     if head_dim <= 64:
         cfg["pingpong"] = False
@@ -87,9 +105,10 @@ def head_dim_pad(head_dim: int) -> int:
 
 def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | None:
     """Why a variant has no Gluon kernel (None when it has one)."""
-    if kind != "fwd":
+    if kind not in ("fwd", "bwd"):
         return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
-    if dropout:
+    if dropout and kind != "fwd":
+        # the forward regenerates `_dropout.keep_mask` in the S accumulator's registers
         return "no Gluon dropout yet: the `tl` kernel's in-register Philox mask serves it"
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"

@@ -60,14 +60,29 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
     fn = getattr(module, f"{name}_kernel")
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
     d_pad = families.head_dim_pad(head_dim)
-    q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
-    kv_box = [1, 1, config["block_n"], d_pad]
-    const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
-                 NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
-                 CONSUMER_REGS=families.regs(config)[0], PRODUCER_REGS=families.regs(config)[1],
-                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
-                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype))
-    pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
+    regs = dict(CONSUMER_REGS=families.regs(config)[0], PRODUCER_REGS=families.regs(config)[1])
+    if name.startswith("bwd"):
+        split = families.KEY_ROWS_PER_CONSUMER
+        const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
+                     NUM_BUFFERS=config["num_stages"], **regs,
+                     QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(
+                         [1, 1, config["block_m"], d_pad], gdtype),
+                     KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, split, d_pad], gdtype),
+                     DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, config["block_m"]],
+                                                                    gdtype),
+                     DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(
+                         [1, config["block_m"], d_pad], gl.float32))
+        pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DK": dtype, "DV": dtype,
+                    "LSE": "fp32", "DELTA": "fp32", "DQ_ACC": "fp32"}
+    else:
+        q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
+        kv_box = [1, 1, config["block_n"], d_pad]
+        const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
+                     NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
+                     **regs,
+                     QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
+                     KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype))
+        pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
     sig, constexprs, attrs = {}, {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
@@ -76,7 +91,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
         elif arg in pointers:
             sig[arg] = "*" + pointers[arg]
             attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
-        elif arg == "qk_scale":
+        elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE"):
             sig[arg] = "fp32"
         else:
             sig[arg] = "i32"
@@ -109,7 +124,7 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None) ->
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     sys.path.insert(0, str(package_dir.parent))
     registry = importlib.import_module(f"{package_dir.name}._registry")
-    configs = configs or [families.GLUON_DEFAULT]
+    configs = configs or [families.GLUON_DEFAULT, {**families.GLUON_BWD_DEFAULT, "kind": "bwd"}]
     out = []
     for name, reason in registry.GLUON.items():
         if reason is not None or (variants and name not in variants):
@@ -117,6 +132,8 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None) ->
         facts = registry.VARIANTS[name]
         module = importlib.import_module(f"{package_dir.name}.kernels.gluon.{name}")
         for config in configs:
+            if facts["kind"] != config.get("kind", "fwd"):
+                continue
             res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config)
             if log:
                 log(res.row())

@@ -20,7 +20,7 @@ from .variants import Variant
 TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's copy
 PLANNER_SOURCE = Path(planner_core.__file__)
 FAMILIES_SOURCE = Path(families.__file__)
-GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2"}
+GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2", "bwd": "gluon/bwd.py.j2"}
 
 # package file -> template that renders it
 PACKAGE_FILES = {
@@ -106,6 +106,7 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "head_dim_pad": families.head_dim_pad(variant.head_dim),
         "dtype": variant.dtype,
         "mask": variant.mask,
+        "dropout": variant.dropout,
         "mask_left": variant.mask == "sliding_window",
         "mask_right": variant.mask in ("causal", "sliding_window"),
         "longest_first": variant.mask in ("causal", "sliding_window"),

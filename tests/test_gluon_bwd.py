@@ -1,0 +1,138 @@
+"""The Gluon (Hopper) backward.
+
+On the CPU: which backward variants get a Gluon kernel, and that the runtime keeps the
+`tl` backward where the Gluon one cannot serve (deterministic mode, the interpreter). The
+sm_90 compile of every shipped Gluon kernel, backward included, is in test_gluon.py. On the
+GPU (-m gpu): dQ, dK, dV of the Gluon kernel against autograd through the float64
+reference, at shapes that cross many key blocks and query steps, ragged ends, Nq != Nk both
+ways, GQA 4:1 and 8:1, d = 64 / 96 / 128, every mask; and the deterministic mode's
+bitwise-reproducible `tl` fallback.
+"""
+import pytest
+import torch
+
+from conftest import GRAD_TOL
+from flashgen.reference import attention_ref, visible_mask
+from packages import build_and_import
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("gluon_bwd"), "fg_test_gluon_bwd", """
+        head_dims: [64, 80, 96, 128]
+        dtypes: [fp16, bf16, fp32]
+        masks: [none, causal, sliding_window]
+        window: {left: 100, right: 0}
+        dropout: true
+        gqa: true
+        """)
+
+
+def test_backward_variants_with_a_gluon_kernel(pkg):
+    reasons = pkg._registry.GLUON
+    assert reasons["bwd_causal_d128_bf16"] is None
+    assert reasons["bwd_window_d96_fp16"] is None
+    assert reasons["bwd_d64_bf16"] is None
+    assert "fp32" in reasons["bwd_d128_fp32"]
+    assert "head dim 80" in reasons["bwd_d80_bf16"]
+    assert reasons["bwd_dropout_d128_bf16"] is not None
+    gluon = __import__("pathlib").Path(pkg.__file__).parent / "kernels" / "gluon"
+    text = (gluon / "bwd_causal_d96_bf16.py").read_text()
+    assert "def bwd_causal_d96_bf16_kernel(" in text and "HEAD_DIM_PAD = gl.constexpr(128)" in text
+
+
+def test_backward_default_config_and_reasons(pkg):
+    rt = pkg._runtime
+    cfg = rt._families.gluon_default(128, "bwd")
+    assert cfg["family"] == "gluon" and cfg["block_n"] == 2 * rt._families.KEY_ROWS_PER_CONSUMER
+    q = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16)
+    # on the CPU (the interpreter, or no GPU) the Gluon backward never runs
+    why = rt.gluon_backward_reason("bwd_d128_bf16", q, q, q, q, "none")
+    assert why is not None
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert "deterministic" in rt.gluon_backward_reason("bwd_d128_bf16", q, q, q, q, "none")
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+# ---------------------------------------------------------------------------------------
+# on the GPU
+# ---------------------------------------------------------------------------------------
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _grads(pkg, q, k, v, do, causal, window):
+    out = pkg.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    out.backward(do)
+    return q.grad, k.grad, v.grad
+
+
+def _reference(q, k, v, do, causal, window):
+    vis = visible_mask(q.shape[1], k.shape[1], causal=causal, window=window, bottom_right=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, _ = attention_ref(q64.transpose(1, 2), k64.transpose(1, 2), v64.transpose(1, 2), vis)
+    out.transpose(1, 2).backward(do.double())
+    return q64.grad, k64.grad, v64.grad
+
+
+def _bwd_plan_kinds(pkg):
+    """'gluon' for each backward plan that runs the Gluon kernel, else 'tl'."""
+    return {"gluon" if p is not None and p[7] == pkg._runtime._BWD_GLUON else "tl"
+            for p in pkg._runtime._backward_plans.values()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # (B, Nq, Nk, Hq, Hkv, d, dtype, causal, window)
+    (3, 1000, 1000, 8, 2, 128, torch.bfloat16, True, (-1, -1)),
+    (2, 257, 1031, 8, 1, 128, torch.float16, True, (-1, -1)),
+    (2, 1031, 257, 4, 4, 128, torch.bfloat16, True, (-1, -1)),  # rows that see no key
+    (1, 2048, 2048, 16, 16, 64, torch.bfloat16, False, (-1, -1)),
+    (3, 59, 127, 4, 1, 64, torch.float16, False, (-1, -1)),
+    (2, 777, 777, 4, 2, 96, torch.bfloat16, False, (100, 0)),
+    (1, 1, 513, 8, 8, 128, torch.bfloat16, True, (-1, -1)),
+    (2, 127, 127, 4, 4, 128, torch.bfloat16, False, (-1, -1)),
+], ids=["causal-b3-gqa4", "causal-nq<nk-gqa8", "causal-nq>nk", "d64-2k", "odd-gqa4",
+        "d96-window", "decode-row", "N127"])
+@pytest.mark.parametrize("knobs", [{}, {"regs": "232/40"}], ids=["default", "regs"])
+def test_gluon_backward_against_float64(pkg, poison, case, knobs):
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
+    b, nq, nk, hq, hkv, d, dt, causal, window = case
+    pkg._runtime._backward_plans.clear()
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dt).requires_grad_()
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt).requires_grad_()
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt).requires_grad_()
+    do = torch.randn(b, nq, hq, d, device="cuda", dtype=dt)
+    with pkg._runtime.override_config(family="gluon", **knobs):
+        grads = _grads(pkg, q, k, v, do, causal, window)
+        assert _bwd_plan_kinds(pkg) == {"gluon"}
+    atol, rtol = GRAD_TOL[dt]
+    for name, g, r in zip("qkv", grads, _reference(q, k, v, do, causal, window)):
+        assert not torch.isnan(g).any(), f"NaN in d{name}"
+        torch.testing.assert_close(g.double().cpu(), r.cpu(), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_deterministic_mode_takes_the_reproducible_tl_backward(pkg):
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rt = pkg._runtime
+    q = torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    do = torch.randn_like(q)
+    runs = []
+    torch.use_deterministic_algorithms(True)
+    try:
+        rt._backward_plans.clear()
+        with rt.override_config(family="gluon"):
+            for _ in range(2):
+                q.grad = None
+                pkg.flash_attn_func(q, q, q, causal=True).backward(do)
+                runs.append(q.grad.clone())
+            assert _bwd_plan_kinds(pkg) == {"tl"}
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0], runs[1])
