@@ -1,0 +1,323 @@
+"""Dropout in the Gluon (Hopper) forward.
+
+The forward variants with dropout get a Gluon kernel whose keep mask must be the package's
+`_dropout.keep_mask` bit for bit: the backward (the `tl` kernels) regenerates the mask from
+the same Philox counters. On the CPU: which variants get the kernel, that the dropout code
+compiles for sm_90 with the mask built in the S accumulator's own registers (the
+`convert_layout(..., assert_trivial=True)` inside is checked at compile time) and that a
+variant without dropout compiles none of it. On the GPU (-m gpu, Hopper): the Gluon mask
+against `keep_mask_kernel` element by element, and the forward -- plus the `tl` backward
+behind it -- against a float64 reference that applies the replayed mask.
+"""
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
+from flashgen import families
+from flashgen.reference import attention_ref, visible_mask
+from packages import build_and_import
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("gdrop"), "fg_test_gluon_dropout", """
+        head_dims: [64, 96, 128]
+        dtypes: [fp16, bf16]
+        masks: [none, causal, sliding_window]
+        window: {left: 100, right: 0}
+        dropout: true
+        gqa: true
+        """)
+
+
+def _gluon_dir(pkg):
+    return Path(pkg.__file__).parent / "kernels" / "gluon"
+
+
+# ---------------------------------------------------------------------------------------
+# which variants have a Gluon dropout kernel
+# ---------------------------------------------------------------------------------------
+def test_forward_dropout_variants_get_gluon_kernels(pkg):
+    reasons = pkg._registry.GLUON
+    fwd_drop = [n for n in reasons if n.startswith("fwd_") and "_dropout_" in n]
+    assert len(fwd_drop) == 3 * 3 * 2
+    assert all(reasons[n] is None for n in fwd_drop), {n: reasons[n] for n in fwd_drop}
+    # the backward with dropout still falls back, and says why
+    for name, reason in reasons.items():
+        if name.startswith("bwd_") and "_dropout_" in name:
+            assert reason is not None and "dropout" in reason, (name, reason)
+    text = (_gluon_dir(pkg) / "fwd_causal_dropout_d128_bf16.py").read_text()
+    assert "DROPOUT = gl.constexpr(True)" in text
+    plain = (_gluon_dir(pkg) / "fwd_causal_d128_bf16.py").read_text()
+    assert "DROPOUT = gl.constexpr(False)" in plain
+    # both take the dropout arguments, so the runtime launches both families alike
+    for t in (text, plain):
+        assert "SEED_LO, SEED_HI, RNG_OFFSET,\n" in t
+
+
+def test_describe_lists_dropout_forwards_as_gluon(pkg):
+    text = pkg.describe()
+    line = next(ln for ln in text.splitlines() if "fwd_causal_dropout_d128_bf16" in ln)
+    assert "gluon" in line
+
+
+# ---------------------------------------------------------------------------------------
+# compiled for sm_90: the mask needs no data movement, and p=0 carries no dropout code
+# ---------------------------------------------------------------------------------------
+_COMPILE = r"""
+import json, sys, importlib
+from pathlib import Path
+from flashgen import gluon_compile, families
+pkg_dir = Path(sys.argv[1])
+sys.path.insert(0, str(pkg_dir.parent))
+out = []
+registry = importlib.import_module(f"{pkg_dir.name}._registry")
+for name, knobs in json.loads(sys.argv[2]):
+    mod = importlib.import_module(f"{pkg_dir.name}.kernels.gluon.{name}")
+    facts = registry.VARIANTS[name]
+    res = gluon_compile.compile_variant(mod, name, facts["head_dim"], facts["dtype"],
+                                        dict(families.GLUON_DEFAULT, **knobs))
+    out.append(res.__dict__)
+print(json.dumps(out))
+"""
+
+
+def _gluon_compiles():
+    import triton
+
+    return families.triton_ok(triton.__version__)
+
+
+needs_gluon_triton = pytest.mark.skipif(
+    not _gluon_compiles(),
+    reason="the Gluon templates are verified on Triton 3.6 (CI pins it)")
+
+
+def _compile(pkg, cases):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
+                          json.dumps(cases)], capture_output=True, text=True, env=env,
+                         cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon_triton
+def test_dropout_kernels_compile_for_sm90(pkg):
+    """Default tiles and the other key-block width (the mask's layout depends on BLOCK_N);
+    `_keep_from_words` asserts at compile time that its layout conversion moves nothing."""
+    knobs = {"block_n": 64, "num_stages": 3, "pingpong": False, "regs": "232/40"}
+    rows = _compile(pkg, [["fwd_causal_dropout_d128_bf16", {}],
+                          ["fwd_window_dropout_d96_fp16", knobs],
+                          ["fwd_dropout_d64_bf16", {}]])
+    for r in rows:
+        assert r["wgmma"] > 0 and r["shared"] <= 232448, r
+        assert families.PRODUCER_REGS in r["setmaxnreg"] or 40 in r["setmaxnreg"], r
+        # ptxas keeps tile-level scalars on the stack (the p=0 kernels: 0-112 bytes); the
+        # dropout forward adds a few words, not the mask (32 words a block would be 128
+        # bytes a thread in the key loop)
+        assert r["spill_bytes"] <= 320, r
+
+
+@needs_gluon_triton
+def test_p0_kernel_compiles_no_philox(pkg):
+    """DROPOUT=False removes every trace of the generator: no Philox constant in the PTX."""
+    code = r"""
+import sys, importlib
+from pathlib import Path
+import triton
+from flashgen import gluon_compile, families
+pkg_dir = Path(sys.argv[1]); sys.path.insert(0, str(pkg_dir.parent))
+seen = {}
+real = triton.compile
+def spy(*a, **k):
+    c = real(*a, **k); seen["ptx"] = c.asm["ptx"]; return c
+triton.compile = spy
+for name in ("fwd_causal_d128_bf16", "fwd_causal_dropout_d128_bf16"):
+    mod = importlib.import_module(f"{pkg_dir.name}.kernels.gluon.{name}")
+    gluon_compile.compile_variant(mod, name, 128, "bf16", families.GLUON_DEFAULT)
+    # the Philox round multiplier 0xD2511F53, as PTX writes the immediate (signed 32-bit)
+    print(name, str(0xD2511F53 - (1 << 32)) in seen["ptx"] or str(0xD2511F53) in seen["ptx"])
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code, str(Path(pkg.__file__).parent)],
+                         capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    found = dict(ln.split() for ln in out.stdout.strip().splitlines()[-2:])
+    assert found == {"fwd_causal_d128_bf16": "False", "fwd_causal_dropout_d128_bf16": "True"}
+
+
+# ---------------------------------------------------------------------------------------
+# on the GPU: the mask bit for bit, and the forward (+ the `tl` backward) against float64
+# ---------------------------------------------------------------------------------------
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon kernels run on Hopper only")
+
+
+_words = _keep = None  # the generated forward module's mask functions (_gluon_mask_kernel)
+_MASK_KERNEL = []
+
+
+def _gluon_mask_kernel(mod):
+    """A Gluon kernel writing the keep mask the forward module `mod` builds, tile by tile,
+    in the S accumulator's layout ([64, BLOCK_N] per program, 4 warps)."""
+    global _words, _keep
+    if _MASK_KERNEL:
+        return _MASK_KERNEL[0]
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    _words, _keep = mod._dropout_words, mod._keep_from_words
+
+    @gluon.jit
+    def mask_kernel(OUT, SEED_LO, SEED_HI, RNG_OFFSET, N_Q, N_K, DROP_THRESHOLD,
+                    BLOCK_N: gl.constexpr):
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        bh = gl.program_id(2)
+        row0 = gl.program_id(0) * 64
+        col0 = gl.program_id(1) * BLOCK_N
+        w0, w1, w2, w3 = _words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, col0, 64, BLOCK_N)
+        kept = _keep(w0, w1, w2, w3, DROP_THRESHOLD, s_layout)
+        rows = gl.expand_dims(row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)
+        cols = gl.expand_dims(col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        gl.store(OUT + bh.to(gl.int64) * N_Q * N_K + rows * N_K + cols, kept.to(gl.int8),
+                 mask=(rows < N_Q) & (cols < N_K))
+
+    _MASK_KERNEL.append(mask_kernel)
+    return mask_kernel
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("seed,stream,p", [(0, 0, 0.1), (12345, 7, 0.5), (2**40 + 3, 2**31 + 9, 0.2),
+                                           (2**62 + 11, 0xFFFFFFFF, 0.9)],
+                         ids=["s0", "s12345", "seed64-stream32", "seed62-streammax"])
+def test_gluon_mask_is_keep_mask_bit_for_bit(pkg, block_n, seed, stream, p):
+    drop = importlib.import_module(f"{pkg.__name__}._dropout")
+    mod = importlib.import_module(f"{pkg.__name__}.kernels.gluon.fwd_causal_dropout_d128_bf16")
+    bh, n_q, n_k = 6, 200, 333  # ragged in both directions, several tiles and heads
+    thresh = drop.threshold(p)
+    want = torch.empty((bh, n_q, n_k), dtype=torch.int8, device="cuda")
+    drop.keep_mask_kernel[(-(-n_q // 64), -(-n_k // 64), bh)](
+        want, seed, stream, n_q, n_k, thresh, BLOCK_M=64, BLOCK_N=64)
+    got = torch.full_like(want, -1)
+    # the arguments as the runtime passes them to a Gluon forward (split seed, int32 bits)
+    seed_lo, seed_hi, stream32, thresh32, _ = pkg._runtime._gluon_dropout_args(
+        (seed, stream, thresh, 1.0))
+    _gluon_mask_kernel(mod)[(-(-n_q // 64), -(-n_k // block_n), bh)](
+        got, seed_lo, seed_hi, stream32, n_q, n_k, thresh32, BLOCK_N=block_n, num_warps=4)
+    assert torch.equal(got, want), f"{(got != want).sum().item()} elements differ"
+    assert abs(want.float().mean().item() - (1 - p)) < 0.02
+
+
+def _run(pkg, b, n_q, n_k, h_q, h_kv, d, dtype, p, causal, window, seed, knobs, grads):
+    """(got, ref): out and LSE (and dq, dk, dv with grads) of a Gluon forward (+ the `tl`
+    backward) and of the float64 reference with the mask the call drew."""
+    rt = pkg._runtime
+    q = torch.randn(b, n_q, h_q, d, device="cuda", dtype=dtype, requires_grad=grads)
+    k, v = (torch.randn(b, n_k, h_kv, d, device="cuda", dtype=dtype, requires_grad=grads)
+            for _ in range(2))
+    do = torch.randn(b, n_q, h_q, d, device="cuda", dtype=dtype)
+    rt._forward_plans.clear()
+    torch.manual_seed(seed)
+    with rt.override_config(family="gluon", **knobs):
+        out, lse = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window,
+                                       return_lse=True)
+        kinds = {type(pl[0].fn).__name__ for pl in rt._forward_plans.values() if pl[0] is not None}
+        assert kinds == {"GluonJITFunction"}, kinds
+    got = [out, lse]
+    if grads:  # outside the override: the dropout backward is the `tl` family's
+        out.backward(do)
+        got += [q.grad, k.grad, v.grad]
+    torch.manual_seed(seed)
+    keep = pkg.dropout_mask(b, h_q, n_q, n_k, p, device="cuda")
+    vis = visible_mask(n_q, n_k, causal=causal, window=window, bottom_right=True)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = attention_ref(q64.transpose(1, 2), k64.transpose(1, 2), v64.transpose(1, 2),
+                                 vis, keep=keep, dropout_p=p)
+    ref = ref.transpose(1, 2)
+    want = [ref.detach(), ref_lse.detach()]
+    if grads:
+        ref.backward(do.double())
+        want += [q64.grad, k64.grad, v64.grad]
+    return got, want
+
+
+def _assert_close(got, want, dtype):
+    out, lse = got[0], got[1]
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.double(), want[0], atol=atol, rtol=rtol,
+                               msg=lambda m: f"out: {m}")
+    seen = torch.isfinite(want[1])
+    assert torch.equal(torch.isfinite(lse), seen)
+    torch.testing.assert_close(lse.double()[seen], want[1][seen], atol=LSE_TOL[0],
+                               rtol=LSE_TOL[1], msg=lambda m: f"lse: {m}")
+    for name, g, w in zip(["dq", "dk", "dv"], got[2:], want[2:]):
+        assert not torch.isnan(g).any(), f"NaN in {name}"
+        atol, rtol = GRAD_TOL[dtype]
+        torch.testing.assert_close(g.double(), w, atol=atol, rtol=rtol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", [
+    # (B, Nq, Nk, Hq, Hkv, d, dtype, p, causal, window)
+    (1, 1, 1, 2, 2, 64, torch.float16, 0.2, False, (-1, -1)),
+    (2, 59, 59, 4, 1, 64, torch.bfloat16, 0.1, True, (-1, -1)),
+    (1, 127, 127, 2, 2, 128, torch.float16, 0.3, False, (-1, -1)),
+    (2, 257, 1031, 8, 2, 128, torch.bfloat16, 0.1, True, (-1, -1)),
+    (2, 1031, 257, 4, 4, 96, torch.float16, 0.1, True, (-1, -1)),
+    (1, 777, 777, 4, 2, 96, torch.bfloat16, 0.25, False, (100, 0)),
+    (3, 1000, 1000, 8, 2, 128, torch.bfloat16, 0.1, True, (-1, -1)),
+], ids=["N1", "N59-causal-gqa4", "N127-d128", "nq<nk-causal-gqa4", "nq>nk-d96", "window-d96",
+        "causal-b3-gqa4-1k"])
+@pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False,
+                                        "persistent": False, "regs": "232/40"}],
+                         ids=["default", "knobs"])
+def test_gluon_dropout_forward_and_tl_backward_against_float64(pkg, poison, case, knobs):
+    b, n_q, n_k, h_q, h_kv, d, dtype, p, causal, window = case
+    got, want = _run(pkg, b, n_q, n_k, h_q, h_kv, d, dtype, p, causal, window, seed=17,
+                     knobs=knobs, grads=True)
+    _assert_close(got, want, dtype)
+
+
+@pytest.mark.gpu
+@needs_hopper
+def test_gluon_dropout_direct_launch_with_seeds_of_both_widths(pkg, poison):
+    """Repeated calls of one shape reuse a launch plan that calls the compiled kernel
+    directly; Triton compiles a seed below 2**31 as i32 and a larger one as i64, so seeds
+    alternating between the two must each get their own plan and the right mask."""
+    rt = pkg._runtime
+    b, n, h, d, p = 2, 300, 4, 128, 0.15
+    q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    vis = visible_mask(n, n, causal=True, bottom_right=True)
+    with rt.override_config(family="gluon"):
+        for seed in (3, 2**40 + 5, 11, 2**40 + 7, 3, 2**40 + 5):
+            torch.manual_seed(seed)
+            out = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=True)
+            torch.manual_seed(seed)
+            keep = pkg.dropout_mask(b, h, n, n, p, device="cuda")
+            ref, _ = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), vis,
+                                   keep=keep, dropout_p=p)
+            atol, rtol = OUT_TOL[torch.bfloat16]
+            torch.testing.assert_close(out.double(), ref.transpose(1, 2), atol=atol, rtol=rtol)
+        plans = [pl for pl in rt._forward_plans.values() if pl[0] is not None]
+        assert len(plans) == 2 and all(type(pl[0].fn).__name__ == "GluonJITFunction"
+                                       for pl in plans)
+        assert all(pl[0].compiled is not None for pl in plans), "no direct launch"
