@@ -166,9 +166,12 @@ BENCH_CONFIG = dict(vocab_size=50257, block_size=1024, embed_dim=768, num_heads=
 
 
 # attention kernels by name: flashgen's (fwd_*/bwd_* variants: kernel, preprocess, dkdv, dq),
-# SDPA flash's (flash_fwd/flash_bwd), cuDNN's (sdpa/fmha/flash fprop/bprop)
+# SDPA flash's (flash_fwd/flash_bwd, dot_do_o, convert_dq), cuDNN's (sdpa/fmha/flash
+# fprop/bprop, cudnn::fusion dot_do_o and convert_dq). Not counted as attention: the
+# concatenation of dQ, dK, dV into the QKV projection's gradient (CatArrayBatchedCopy),
+# which SDPA's block pays and flashgen's packed `Attention` does not.
 _ATTENTION_WORDS = ("flash", "fmha", "sdpa", "fprop", "bprop", "dkdv", "dq_kernel",
-                    "preprocess", "attn")
+                    "preprocess", "attn", "dot_do_o", "convert_dq")
 
 
 def _attention_kind(name):
@@ -179,7 +182,7 @@ def _attention_kind(name):
     if not any(w in low for w in _ATTENTION_WORDS):
         return None
     return "bwd" if any(w in low for w in ("bwd", "bprop", "dkdv", "dq_", "dot_do_o",
-                                           "preprocess", "backward")) else "fwd"
+                                           "convert_dq", "preprocess", "backward")) else "fwd"
 
 
 def profile_steps(step, steps=2, top=12):

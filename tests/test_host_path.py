@@ -19,6 +19,7 @@ def pkg(tmp_path_factory):
         dtypes: [fp32]
         masks: [none, causal]
         dropout: true
+        gqa: true
         """)
 
 
@@ -105,6 +106,10 @@ def test_backward_plans_are_made_once_per_signature(pkg, device):
     launches = next(reversed(plans.values()))
     if device == "cuda":  # after the first call, the launches skip Triton's binding
         assert all(launches[i].compiled is not None for i in (0, 2, 4))
+        import triton
+        if triton.__version__.startswith("3.6."):  # ... and CudaLauncher's Python frame
+            assert all(launches[i].launch is launches[i].compiled.run.launch
+                       for i in (0, 2, 4))
 
 
 def test_torch_compile_uses_the_operators(pkg):
@@ -167,3 +172,113 @@ def test_eager_autograd_skips_function_apply_wrapper(pkg, device, monkeypatch):
     out.sum().backward()
     assert q.grad is not None and lse.shape == (1, 2, 40)
     pkg.scaled_dot_product_attention(q, k, v).sum().backward()
+
+
+def packed_ref_grad(qkv, do, heads, kv_heads, causal):
+    """The float64 gradient of a packed (B, N, H + 2 H_kv, d) call, through SDPA."""
+    ref = qkv.detach().double().requires_grad_()
+    q, k, v = (t.transpose(1, 2) for t in ref.split((heads, kv_heads, kv_heads), dim=2))
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+    out.backward(do.double())
+    return out.detach(), ref.grad
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2)])
+def test_packed_attention_gradient_comes_back_packed(pkg, device, heads, kv_heads):
+    """One packed QKV tensor in, one packed gradient out: the autograd node is the packed
+    Function's (no split and concatenation in the graph), and the gradient is SDPA's."""
+    qkv = torch.randn(2, 33, heads + 2 * kv_heads, 32, device=device, requires_grad=True)
+    do = torch.randn(2, 33, heads, 32, device=device)
+    with pkg._runtime.override_config(**TILES):
+        out = pkg._api.packed_attention(qkv, heads, kv_heads, causal=True)
+        assert "PackedAttention" in out.grad_fn.name()
+        out.backward(do)
+    ref_out, ref_grad = packed_ref_grad(qkv, do, heads, kv_heads, True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    assert qkv.grad.shape == qkv.shape
+    torch.testing.assert_close(qkv.grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
+    with torch.no_grad():  # and without gradients, the same output
+        torch.testing.assert_close(pkg._api.packed_attention(qkv, heads, kv_heads, causal=True),
+                                   out.detach())
+
+
+def test_packed_attention_through_strides_and_offsets(pkg, device):
+    """A packed tensor that is itself a strided view (an offset slice of a wider buffer)."""
+    wide = torch.randn(1, 20, 9, 32, device=device)
+    qkv = wide[:, :, 2:8].detach().requires_grad_()  # offset 64 elements, row stride 9 * 32
+    base = torch.randn(1, 20, 7, 32, device=device)
+    view = base[:, :, 1:].detach().requires_grad_()
+    for t in (qkv, view):
+        out = pkg._api.packed_attention(t, 2, 2, causal=False)
+        do = torch.randn_like(out)
+        out.backward(do)
+        ref_out, ref_grad = packed_ref_grad(t, do, 2, 2, False)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(t.grad.double(), ref_grad, atol=1e-4, rtol=1e-4)
+
+
+def test_qkvpacked_func_returns_a_packed_gradient(pkg, device):
+    qkv = torch.randn(2, 24, 3, 2, 32, device=device, requires_grad=True)
+    out = pkg.flash_attn_qkvpacked_func(qkv, causal=True)
+    do = torch.randn_like(out)
+    out.backward(do)
+    ref_out, ref_grad = packed_ref_grad(qkv.view(2, 24, 6, 32), do, 2, 2, True)
+    torch.testing.assert_close(out.double(), ref_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(qkv.grad.double().view(2, 24, 6, 32), ref_grad,
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_packed_dropout_matches_separate_inputs(pkg, device):
+    """The packed path draws the same dropout mask as flash_attn_func and regenerates it
+    in the backward: same seed, same output and gradients."""
+    qkv = torch.randn(1, 40, 6, 32, device=device, requires_grad=True)
+    do = torch.randn(1, 40, 2, 32, device=device)
+    torch.manual_seed(7)
+    out = pkg._api.packed_attention(qkv, 2, 2, dropout_p=0.3, causal=True)
+    out.backward(do)
+    sep = [t.detach().clone().requires_grad_() for t in qkv.detach().split((2, 2, 2), dim=2)]
+    torch.manual_seed(7)
+    out_sep = pkg.flash_attn_func(*sep, dropout_p=0.3, causal=True)
+    out_sep.backward(do)
+    torch.testing.assert_close(out, out_sep, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(qkv.grad, torch.cat([t.grad for t in sep], dim=2),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_packed_attention_validates_once_and_still_rejects_bad_arguments(pkg, device,
+                                                                          monkeypatch):
+    qkv = torch.randn(1, 16, 6, 32, device=device)
+    pkg._api.packed_attention(qkv, 2, 2)
+    with pytest.raises(ValueError, match="num_heads \\+ 2 \\* num_kv_heads"):
+        pkg._api.packed_attention(qkv, 2, 1)
+    with pytest.raises(ValueError, match="num_heads \\+ 2 \\* num_kv_heads"):
+        pkg._api.packed_attention(qkv[0], 2, 2)
+    with pytest.raises(ValueError, match="dropout_p must be a number in"):
+        pkg._api.packed_attention(qkv, 2, 2, dropout_p=1.5)
+    with pytest.raises(ValueError, match="multiple of key/value heads"):
+        pkg._api.packed_attention(torch.randn(1, 16, 7, 32, device=device), 3, 2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("validated again")
+    monkeypatch.setattr(pkg._runtime, "check_tensors", refuse)
+    pkg._api.packed_attention(torch.randn(1, 16, 6, 32, device=device), 2, 2)  # cached
+
+
+def test_torch_compile_traces_packed_attention(pkg):
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    def f(qkv):
+        return pkg._api.packed_attention(qkv, 2, 2, causal=True).sum()
+
+    qkv = torch.randn(1, 24, 6, 32, requires_grad=True)
+    torch.compile(f, backend=backend, fullgraph=True)(qkv).backward()
+    assert any(pkg._ops.NAMESPACE in g for g in graphs), graphs
+    eager = qkv.detach().clone().requires_grad_()
+    f(eager).backward()
+    torch.testing.assert_close(qkv.grad, eager.grad, atol=1e-5, rtol=1e-5)

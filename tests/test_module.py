@@ -158,20 +158,21 @@ def test_valid_construction_and_bad_input(pkg):
 
 
 # ---------------------------------------------------------------------------------------
-# (d) what the block hands flash_attn_func
+# (d) what the block hands packed_attention
 # ---------------------------------------------------------------------------------------
 @pytest.fixture
 def calls(pkg, monkeypatch):
-    """Replace the module's flash_attn_func with a spy that records each call and then runs
-    the real one without dropout (dropout kernels are not part of this release)."""
-    real = pkg.flash_attn_func
+    """Replace the module's packed_attention with a spy that records each call (with the
+    q, k, v views of the packed tensor) and then runs the real one without dropout."""
+    real = pkg._api.packed_attention
     seen = []
 
-    def spy(q, k, v, dropout_p=0.0, **kwargs):
-        seen.append(dict(q=q, k=k, v=v, dropout_p=dropout_p, **kwargs))
-        return real(q, k, v, dropout_p=0.0, **kwargs)
+    def spy(qkv, num_heads, num_kv_heads, dropout_p=0.0, **kwargs):
+        q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=2)
+        seen.append(dict(qkv=qkv, q=q, k=k, v=v, dropout_p=dropout_p, **kwargs))
+        return real(qkv, num_heads, num_kv_heads, dropout_p=0.0, **kwargs)
 
-    monkeypatch.setattr(pkg._module, "flash_attn_func", spy)
+    monkeypatch.setattr(pkg._module, "packed_attention", spy)
     return seen
 
 
