@@ -71,7 +71,9 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, config["block_m"]],
                                                                     gdtype),
                      DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(
-                         [1, config["block_m"], d_pad], gl.float32))
+                         [1, config["block_m"], d_pad // families.CONSUMERS], gl.float32),
+                     VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
+                                                                     gl.float32))
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DK": dtype, "DV": dtype,
                     "LSE": "fp32", "DELTA": "fp32", "DQ_ACC": "fp32"}
     else:
