@@ -10,6 +10,7 @@ against `keep_mask_kernel` element by element, and the forward -- plus the `tl` 
 behind it -- against a float64 reference that applies the replayed mask.
 """
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -68,6 +69,48 @@ def test_describe_lists_dropout_forwards_as_gluon(pkg):
     text = pkg.describe()
     line = next(ln for ln in text.splitlines() if "fwd_causal_dropout_d128_bf16" in ln)
     assert "gluon" in line
+
+
+def test_gluon_philox_with_a_split_seed_is_tl_philox(pkg):
+    """The Gluon forward's Philox rounds, under the seed halves the runtime passes
+    (`_gluon_dropout_args`: int32 bits of the low and high words), give tl.philox's words.
+    Gluon does not run in the interpreter, so the template's `_philox` is run as a
+    triton.jit function there (its body uses only operations both dialects share)."""
+    import textwrap
+
+    mod_path = Path(pkg.__file__).parent / "kernels" / "gluon" / "fwd_causal_dropout_d128_bf16.py"
+    text = mod_path.read_text()
+    start = text.index("@gluon.jit\ndef _philox(")
+    source = text[start:text.index("\n\n\n", start)]
+    source = source.replace("@gluon.jit", "@triton.jit").replace("gl.", "tl.")
+    constants = "\n".join(ln for ln in text.splitlines() if ln.startswith("PHILOX_"))
+    path = Path(pkg.__file__).parent / "_philox_as_tl.py"  # triton.jit wants a real file
+    path.write_text("import triton\nimport triton.language as tl\n"
+                    + constants.replace("gl.constexpr", "tl.constexpr")
+                    + "\n\n\n" + source + textwrap.dedent("""
+
+
+        @triton.jit
+        def both(OUT, SEED, SEED_LO, SEED_HI, N: tl.constexpr):
+            i = tl.arange(0, N)
+            c0 = (i * 1000003 + 12345).to(tl.uint32)
+            c1 = (i * 40503 + 7).to(tl.uint32)
+            c2 = (i % 5).to(tl.uint32)
+            c3 = (i * 97).to(tl.uint32)
+            a0, a1, a2, a3 = tl.philox(SEED, c0, c1, c2, c3)
+            b0, b1, b2, b3 = _philox(SEED_LO.to(tl.uint32), SEED_HI.to(tl.uint32), c0, c1, c2, c3)
+            same = (a0 == b0) & (a1 == b1) & (a2 == b2) & (a3 == b3)
+            tl.store(OUT + i, same.to(tl.int8))
+        """))
+    spec = importlib.util.spec_from_file_location("_philox_as_tl", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for seed in (0, 12345, 2**31 + 5, 2**40 + 3, 2**62 + 11, (1 << 63) - 1):
+        lo, hi, _, _, _ = pkg._runtime._gluon_dropout_args((seed, 0, 0, 1.0))
+        assert -2**31 <= lo < 2**31 and -2**31 <= hi < 2**31
+        out = torch.zeros(64, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+        mod.both[(1,)](out, seed, lo, hi, N=64)
+        assert bool(out.all()), f"seed {seed}: {int((out == 0).sum())} of 64 calls differ"
 
 
 # ---------------------------------------------------------------------------------------
