@@ -123,6 +123,12 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     if head_dim not in GLUON_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
                 f"{', '.join(map(str, GLUON_HEAD_DIMS))}")
+    if dropout and head_dim <= 64:
+        # the consumer's Philox rounds weigh more against d=64's half-size products: GPT-2
+        # small's attention forward (B=8, N=1024, causal, p=0.1) took 1.284 ms a training
+        # step on the Gluon kernel against 1.067 on `tl` (H100, docs/PERF_NOTES.md)
+        return ("dropout at head dim <= 64: the Gluon forward's Philox measured slower than "
+                "the `tl` kernel's")
     return None
 
 

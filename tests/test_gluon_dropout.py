@@ -49,9 +49,13 @@ def _gluon_dir(pkg):
 # ---------------------------------------------------------------------------------------
 def test_forward_dropout_variants_get_gluon_kernels(pkg):
     reasons = pkg._registry.GLUON
-    fwd_drop = [n for n in reasons if n.startswith("fwd_") and "_dropout_" in n]
-    assert len(fwd_drop) == 3 * 3 * 2
+    fwd_drop = [n for n in reasons if n.startswith("fwd_") and "_dropout_" in n
+                and "_d64_" not in n]
+    assert len(fwd_drop) == 3 * 2 * 2
     assert all(reasons[n] is None for n in fwd_drop), {n: reasons[n] for n in fwd_drop}
+    # d=64: measured slower than `tl` (GPT-2 small's forward), so `tl` serves it
+    assert "dropout at head dim <= 64" in reasons["fwd_causal_dropout_d64_bf16"]
+    assert reasons["fwd_causal_d64_bf16"] is None
     # the backward with dropout still falls back, and says why
     for name, reason in reasons.items():
         if name.startswith("bwd_") and "_dropout_" in name:
@@ -161,7 +165,7 @@ def test_dropout_kernels_compile_for_sm90(pkg):
     knobs = {"block_n": 64, "num_stages": 3, "pingpong": False, "regs": "232/40"}
     rows = _compile(pkg, [["fwd_causal_dropout_d128_bf16", {}],
                           ["fwd_window_dropout_d96_fp16", knobs],
-                          ["fwd_dropout_d64_bf16", {}]])
+                          ["fwd_dropout_d128_fp16", {}]])
     for r in rows:
         assert r["wgmma"] > 0 and r["shared"] <= 232448, r
         assert families.PRODUCER_REGS in r["setmaxnreg"] or 40 in r["setmaxnreg"], r
@@ -321,8 +325,8 @@ def _assert_close(got, want, dtype):
 @needs_hopper
 @pytest.mark.parametrize("case", [
     # (B, Nq, Nk, Hq, Hkv, d, dtype, p, causal, window)
-    (1, 1, 1, 2, 2, 64, torch.float16, 0.2, False, (-1, -1)),
-    (2, 59, 59, 4, 1, 64, torch.bfloat16, 0.1, True, (-1, -1)),
+    (1, 1, 1, 2, 2, 96, torch.float16, 0.2, False, (-1, -1)),
+    (2, 59, 59, 4, 1, 128, torch.bfloat16, 0.1, True, (-1, -1)),
     (1, 127, 127, 2, 2, 128, torch.float16, 0.3, False, (-1, -1)),
     (2, 257, 1031, 8, 2, 128, torch.bfloat16, 0.1, True, (-1, -1)),
     (2, 1031, 257, 4, 4, 96, torch.float16, 0.1, True, (-1, -1)),
