@@ -66,6 +66,15 @@ def regs(config: dict) -> tuple[int, int]:
 # on a GPU. It runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
 GLUON_DEFAULT_KINDS = ("fwd",)
 
+
+def gluon_by_default(kind: str, dropout: bool) -> bool:
+    """Whether a variant's Gluon kernel replaces its `tl` kernel by default on Hopper.
+    Forward kernels with dropout are opt-in like the backward: the form that ships (Philox
+    after the softmax, the seed as two int32 halves) was compiled for sm_90 but the device
+    was withdrawn before it ran; the earlier form ran correct on the H100 at 0.53-0.56x
+    of p=0, a little ahead of the `tl` kernel (docs/PERF_NOTES.md, seventh session)."""
+    return kind in GLUON_DEFAULT_KINDS and not dropout
+
 KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)
 
 # The untuned Gluon backward: a program owns 128 keys (two consumers x 64) and steps over

@@ -136,3 +136,13 @@ def test_deterministic_mode_takes_the_reproducible_tl_backward(pkg):
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(runs[0], runs[1])
+
+
+def test_which_gluon_kernels_run_by_default():
+    from flashgen import families
+
+    # the forward without dropout replaces `tl` on Hopper; the backward and the dropout
+    # forward run when asked for until their last changes have run on a GPU
+    assert families.gluon_by_default("fwd", False)
+    assert not families.gluon_by_default("bwd", False)
+    assert not families.gluon_by_default("fwd", True)

@@ -15,12 +15,15 @@ for multi-head attention a nanoGPT state dict loads after renaming c_attn -> qkv
 c_proj -> proj. With num_kv_heads < num_heads (grouped-query attention) K and V have fewer
 heads; each group of num_heads // num_kv_heads query heads shares one K/V head.
 
-The projection's output is split into (B, N, heads, d) views and handed to
-`flash_attn_func` as is: no copy, no transpose, and K/V are never repeated for GQA.
+The projection's output is viewed as (B, N, H + 2 H_kv, d) and handed to
+`packed_attention` as is: no copy, no transpose, K/V never repeated for GQA, and the
+gradient comes back as one tensor shaped like the projection's output, which the backward
+kernels write dQ, dK and dV into (three separate inputs would make autograd concatenate
+them: a copy of the whole QKV activation per layer and step).
 """
 import torch
 
-from ._api import flash_attn_func
+from ._api import packed_attention
 from ._registry import BUILT_FOR, PACKAGE
 from ._runtime import check_window
 
@@ -101,11 +104,11 @@ class Attention(torch.nn.Module):
                 f"x must be (B, N, {self.embed_dim}), got shape {tuple(x.shape)}")
         batch, n, _ = x.shape
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        # (B, N, H + 2 H_kv, d) view of the projection, split along heads: three views
-        q, k, v = self.qkv(x).view(batch, n, heads + 2 * kv_heads, self.head_dim).split(
-            [heads, kv_heads, kv_heads], dim=2)
-        out = flash_attn_func(q, k, v, dropout_p=self.dropout if self.training else 0.0,
-                              causal=self.causal, window_size=self.window)
+        # (B, N, H + 2 H_kv, d) view of the projection: [q heads | k heads | v heads]
+        qkv = self.qkv(x).view(batch, n, heads + 2 * kv_heads, self.head_dim)
+        out = packed_attention(qkv, heads, kv_heads,
+                               dropout_p=self.dropout if self.training else 0.0,
+                               causal=self.causal, window_size=self.window)
         return self.proj(out.reshape(batch, n, self.embed_dim))
 
     def extra_repr(self):

@@ -117,42 +117,102 @@ def _defined() -> bool:
 fwd_op, bwd_op = _register()
 
 
+# The eager autograd path: the operators' implementations without their dispatch. The
+# scalar arguments travel as one tuple, `args` = (bnhd, mask, lo, hi, scale, dropout_p),
+# which the API caches per call signature: Function.apply unpacks and checks every argument
+# it is given, so one tuple instead of six saved about a microsecond a call.
+def _draw_rng(q, dropout_p):
+    return _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
+
+
 class _Attention(torch.autograd.Function):
-    """The eager autograd path: the operators' implementations without their dispatch."""
+    """out, lse (the LSE non-differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bnhd, mask, lo, hi, scale, dropout_p):
-        rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
+    def forward(ctx, q, k, v, args):
+        bnhd, mask, lo, hi, scale, dropout_p = args
+        rng = _draw_rng(q, dropout_p)
         out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (rng, bnhd, mask, lo, hi, scale, dropout_p)
+        ctx.args, ctx.rng = args, rng
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, ctx.rng, *ctx.args)
+        return dq, dk, dv, None
 
 
 class _AttentionOut(torch.autograd.Function):
     """_Attention for callers that drop the LSE: one output to wrap, the LSE kept on ctx."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bnhd, mask, lo, hi, scale, dropout_p):
-        rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
+    def forward(ctx, q, k, v, args):
+        bnhd, mask, lo, hi, scale, dropout_p = args
+        rng = _draw_rng(q, dropout_p)
         out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)
         ctx.save_for_backward(q, k, v, out)
         ctx.lse = lse  # produced here and used only by the backward: no version check needed
-        ctx.args = (rng, bnhd, mask, lo, hi, scale, dropout_p)
+        ctx.args, ctx.rng = args, rng
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = _backward_impl(dout, q, k, v, out, ctx.lse, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _backward_impl(dout, q, k, v, out, ctx.lse, ctx.rng, *ctx.args)
+        return dq, dk, dv, None
+
+
+def _unpack(qkv, heads, bhnd=False):
+    """q, k, v views of a packed (B, N, H_q + 2 H_kv, d) tensor, (B, N, H, d) or with
+    bhnd (B, H, N, d); heads = (H_q, H_kv). as_strided: one view each, about half the host
+    time of narrow or split (which check and record more), and no transpose on top."""
+    h_q, h_kv = heads
+    b, n, _, d = qkv.shape
+    s0, s1, s2, s3 = qkv.stride()
+    start = qkv.storage_offset()
+    if bhnd:
+        stride, q_size, kv_size = (s0, s2, s1, s3), (b, h_q, n, d), (b, h_kv, n, d)
+    else:
+        stride, q_size, kv_size = (s0, s1, s2, s3), (b, n, h_q, d), (b, n, h_kv, d)
+    return (qkv.as_strided(q_size, stride, start),
+            qkv.as_strided(kv_size, stride, start + h_q * s2),
+            qkv.as_strided(kv_size, stride, start + (h_q + h_kv) * s2))
+
+
+class _PackedAttention(torch.autograd.Function):
+    """Attention on one packed (B, N, H_q + 2 H_kv, d) tensor laid out [q heads | k heads
+    | v heads] (a fused QKV projection's output), returning out (B, N, H_q, d). Its
+    gradient is one packed tensor the backward kernels write dQ, dK and dV into through
+    strides: with three separate inputs, autograd would concatenate three gradients into
+    the projection's gradient (a copy of the whole QKV activation per layer)."""
+
+    @staticmethod
+    def forward(ctx, qkv, heads, args):
+        _, mask, lo, hi, scale, dropout_p = args
+        q, k, v = _unpack(qkv, heads)
+        rng = _draw_rng(q, dropout_p)
+        out, lse = _run_forward(q, k, v, True, mask, lo, hi, scale, dropout_p, rng)
+        ctx.save_for_backward(qkv, out)
+        ctx.lse = lse
+        ctx.heads, ctx.args, ctx.rng = heads, args, rng
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qkv, out = ctx.saved_tensors
+        _, mask, lo, hi, scale, dropout_p = ctx.args
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+        q, k, v = _unpack(qkv, ctx.heads, bhnd=True)
+        dq, dk, dv = _unpack(dqkv, ctx.heads, bhnd=True)
+        _runtime.backward(dout.transpose(1, 2), q, k, v, out.transpose(1, 2), ctx.lse, dq, dk,
+                          dv, mask=mask, lo=lo, hi=hi, scale=scale, dropout_p=dropout_p,
+                          rng=ctx.rng)
+        return dqkv, None, None
 
 
 # Function.apply's C++ half, bound to our classes: Function.apply first binds default
@@ -160,23 +220,48 @@ class _AttentionOut(torch.autograd.Function):
 # the autograd path's host time), which only matters under functorch transforms
 _apply = super(torch.autograd.Function, _Attention).apply
 _apply_out = super(torch.autograd.Function, _AttentionOut).apply
+_apply_packed = super(torch.autograd.Function, _PackedAttention).apply
 _transforms_active = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+
+
+def eager(q, k, v, args, need_lse):
+    """(out, lse) of an eager call (never under torch.compile) whose arguments were checked;
+    `args` = (bnhd, mask, lo, hi, scale, dropout_p). need_lse=False: the caller drops the
+    LSE (then, without gradients, it may be a scratch buffer, and with them it is None)."""
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        if _transforms_active():  # vmap / functorch.grad: the full Function.apply
+            if need_lse:
+                return _Attention.apply(q, k, v, args)
+            return _AttentionOut.apply(q, k, v, args), None
+        if need_lse:
+            return _apply(q, k, v, args)
+        return _apply_out(q, k, v, args), None
+    bnhd, mask, lo, hi, scale, dropout_p = args
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # = the fake impl
+    lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
+                           dropout_p=dropout_p, rng=_draw_rng(q, dropout_p), bnhd=bnhd,
+                           need_lse=need_lse)
+    return out, lse
+
+
+def eager_packed(qkv, heads, args):
+    """out (B, N, H_q, d) of an eager call on a packed (B, N, H_q + 2 H_kv, d) tensor whose
+    arguments were checked (see _PackedAttention; `args` as in eager, bnhd True)."""
+    if _grad_enabled() and qkv.requires_grad:
+        if _transforms_active():
+            return _PackedAttention.apply(qkv, heads, args)
+        return _apply_packed(qkv, heads, args)
+    q, k, v = _unpack(qkv, heads)
+    return eager(q, k, v, args, False)[0]
 
 
 def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
               dropout_p: float = 0.0, need_lse: bool = True):
     """(out, lse): out in q's layout, lse (B, H_q, N_q) fp32. need_lse=False: the caller
-    drops the LSE (then, without gradients, it may be a scratch buffer)."""
+    drops the LSE (then, without gradients, it may be a scratch buffer). Under
+    torch.compile this is the custom operator; eager calls go to `eager`."""
     if torch.compiler.is_compiling():
         out, lse, _ = fwd_op(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
         return out, lse
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        if _transforms_active():  # vmap / functorch.grad: the full Function.apply
-            if need_lse:
-                return _Attention.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
-            return _AttentionOut.apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p), None
-        if need_lse:
-            return _apply(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
-        return _apply_out(q, k, v, bnhd, mask, lo, hi, scale, dropout_p), None
-    rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
-    return _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng, need_lse)
+    return eager(q, k, v, (bnhd, mask, lo, hi, scale, dropout_p), need_lse)

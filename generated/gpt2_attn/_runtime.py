@@ -231,20 +231,21 @@ class Launcher:
     Launcher belongs to one call signature (the plan caches key on shapes, strides, dtype,
     device and pointer alignment, everything Triton specialises on; the arguments that
     change per call are `do_not_specialize`). Launch hooks (profilers) and the CPU
-    interpreter always take Triton's own path."""
+    interpreter always take Triton's own path. Where the kernel needs no per-launch scratch
+    memory and this Triton's launcher is one we know (_direct_launch), the call goes one
+    level lower still, to the C function under `compiled.run`."""
 
-    __slots__ = ("fn", "grid", "meta", "tail", "compiled", "device")
+    __slots__ = ("fn", "grid", "meta", "tail", "compiled", "device", "launch", "mid")
 
     def __init__(self, fn, grid, meta):
         self.fn, self.grid, self.meta = fn, tuple(grid) + (1,) * (3 - len(grid)), meta
-        self.tail = self.compiled = self.device = None
+        self.tail = self.compiled = self.device = self.launch = self.mid = None
 
     def __call__(self, *args):
-        compiled = self.compiled
-        if (compiled is not None and _no_hooks(_launch_hooks.launch_enter_hook)
+        launch = self.launch
+        if (launch is not None and _no_hooks(_launch_hooks.launch_enter_hook)
                 and _current_device() == self.device):
-            compiled.run(*self.grid, _raw_stream(self.device), compiled.function,
-                         compiled.packed_metadata, None, None, None, *args, *self.tail)
+            launch(*self.grid, _raw_stream(self.device), *self.mid, *args, *self.tail)
             return
         compiled = self.fn[self.grid](*args, **self.meta)
         if self.compiled is None and _fast_launch_ok(compiled):
@@ -252,7 +253,27 @@ class Launcher:
             if all(n in self.meta for n in names):  # the compile-time args come last
                 self.tail = tuple(self.meta[n] for n in names)
                 self.device = _current_device()
+                self.launch, self.mid = _direct_launch(compiled)
                 self.compiled = compiled
+
+
+def _direct_launch(compiled) -> tuple:
+    """(launch, the arguments between the stream and the kernel's own) for a compiled
+    kernel: `compiled.run` (Triton's CudaLauncher), or, on a Triton whose CudaLauncher we
+    know (3.6) and for a kernel that takes no per-launch scratch memory (no device-made
+    tensor descriptors), the C function it wraps: CudaLauncher.__call__ only computes the
+    two scratch buffers (None here) and passes everything on, and skipping its Python
+    frame saved 2.8 us of the 9 us a launch took on the H100 host (host_profile
+    --breakdown)."""
+    import triton
+
+    run = compiled.run
+    if (triton.__version__.startswith("3.6.") and type(run).__name__ == "CudaLauncher"
+            and hasattr(run, "launch") and getattr(run, "global_scratch_size", 1) == 0
+            and getattr(run, "profile_scratch_size", 1) == 0):
+        return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+                            None, None, compiled.packed_metadata, None, None, None)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None)
 
 
 _launch_hooks = _current_device = _raw_stream = None
@@ -339,17 +360,20 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     a GPU the Gluon family runs on (gluon_ready), a variant with a Gluon kernel whose tuned
     entry has no `family` (it was tuned before that knob existed) or has no tuned entry
     takes the Gluon default: measured faster than the tuned `tl` winners at every training
-    shape on the H100 (docs/PERF_NOTES.md).
+    shape on the H100 (docs/PERF_NOTES.md). That holds where _families.gluon_by_default
+    says so (the forward without dropout); the others reach their Gluon kernel through a
+    tuned entry that names it, FLASHGEN_FAMILY=gluon or override_config(family="gluon").
 
     FLASHGEN_FAMILY=gluon sends every call a Gluon kernel can serve to it, whatever the
     tuning data or override_config say (how the GPU tests run the `tl` family's cases on
     the Gluon family); FLASHGEN_FAMILY=tl keeps every call on `tl`."""
     if (_FORCED_FAMILY == "gluon" and GLUON.get(name, "not a variant") is None
             and gluon_ready(device) is None):
-        return _families.gluon_default(VARIANTS[name]["head_dim"])
+        return _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
     if _override:
         if _override.get("family") == "gluon":
-            return {**PLANNED[name], **_families.gluon_default(VARIANTS[name]["head_dim"]),
+            return {**PLANNED[name],
+                    **_families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"]),
                     **_override}
         return {**PLANNED[name], **_override}
     if device.type != "cuda":
@@ -360,14 +384,15 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     if config is None:
         gpu, smem, sms = gpu_key(device)
         tuned = TUNED.get(gpu, {}).get(name)
-        gluon = GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
+        gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
+                 and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"]))
         if tuned:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
             if gluon and "family" not in config:
-                config = _families.gluon_default(VARIANTS[name]["head_dim"])
+                config = _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
         elif gluon:
-            config = _families.gluon_default(VARIANTS[name]["head_dim"])
+            config = _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
         else:
             facts = VARIANTS[name]
             plan = _planner.plan(facts["kind"], facts["head_dim"], _DTYPE_BYTES[facts["dtype"]], smem, sms)
@@ -505,11 +530,14 @@ def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
     return None
 
 
-_GLUON = 2  # a forward plan's third field: 0 plain loads, True/1 `tl` with TMA, 2 Gluon
+# a forward plan's third field: False `tl` with plain loads, True `tl` with TMA, _GLUON the
+# Gluon kernel (the last two make tensor descriptors on the device: Triton's allocator)
+_GLUON = 2
 
 
 def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
-    """(Launcher, run-time arguments) of a Gluon forward for one call signature."""
+    """(Launcher, run-time arguments) of a Gluon forward for one call signature; the call
+    appends the dropout arguments (_gluon_dropout_args)."""
     from triton.experimental.gluon import language as gl
 
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
@@ -606,11 +634,27 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         return lse
     if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
         _descriptor_allocator()
-    if tma == _GLUON:  # the Gluon kernels take no dropout arguments (no Gluon dropout yet)
-        launch(q, k, v, o, lse, *args)
+    if tma == _GLUON:
+        launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop))
     else:
         launch(q, k, v, o, lse, *args, *drop)
     return lse
+
+
+def _gluon_dropout_args(drop) -> tuple:
+    """A Gluon forward's dropout arguments from `_dropout.launch_args`' (SEED, RNG_OFFSET,
+    DROP_THRESHOLD, DROP_SCALE): the 64-bit seed as its low and high words, and every
+    integer as the bits of an int32, so each call has one signature (one binary) and the
+    kernel gets no 64-bit seed, with which the compiler kept the Philox round keys in
+    registers across the key loop and spilled them (ignored by a variant without dropout)."""
+    seed, stream, thresh, scale = drop
+    return (_as_i32(seed & 0xFFFFFFFF), _as_i32(seed >> 32), _as_i32(stream & 0xFFFFFFFF),
+            thresh, scale)
+
+
+def _as_i32(x: int) -> int:
+    """The int32 with the bits of the 32-bit unsigned x."""
+    return x - (1 << 32) if x >= 1 << 31 else x
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -645,7 +689,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
            dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
            widths, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-           do.data_ptr() % 16 == 0)  # o, dq, dk, dv: fresh allocations, always aligned
+           do.data_ptr() % 16 == 0,  # o, dq, dk, dv: fresh allocations, always aligned
+           torch.are_deterministic_algorithms_enabled())
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
@@ -659,8 +704,24 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         return
     (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, delta_shape, fused, acc_shape,
      locks_shape, tma) = plan
+    if fused == _BWD_GLUON:  # one Gluon kernel; dQ summed in fp32 by TMA reduce-adds
+        # its LSE and D rows start on 16-byte boundaries (TMA): with N_q not a multiple of 4
+        # they are padded (D's padding zeroed: masked rows must see a finite D)
+        n_q, n_pad = delta_shape[-1], locks_shape
+        delta = (torch.empty if n_pad == n_q else torch.zeros)(
+            delta_shape[:-1] + (n_pad,), device=q.device, dtype=torch.float32)
+        pre(o, do, delta, *pre_args, n_pad)
+        if n_pad != n_q:
+            padded = torch.empty(delta.shape, device=q.device, dtype=torch.float32)
+            padded[..., :n_q] = lse
+            lse = padded
+        dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
+        _descriptor_allocator()
+        dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args)
+        dq.copy_(dq_acc.view(dq.shape))
+        return
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
-    pre(o, do, delta, *pre_args)
+    pre(o, do, delta, *pre_args, delta_shape[-1])
     if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
         dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
         locks = torch.zeros(locks_shape, device=q.device, dtype=torch.int32)
@@ -683,6 +744,18 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
         return None
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
     cfg = launch_config(name, q.device, max(n_q, n_k))
+    pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
+                   dict(BLOCK_M=PREPROCESS_BLOCK))
+    pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+                n_q, h_q)
+    if cfg.get("family") == "gluon":
+        why = gluon_backward_reason(name, q, k, v, do, mask)
+        if why is None:
+            launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name)
+            # locks_shape (no locks here): the padded row length of LSE and D
+            return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
+                    (batch * h_q, n_q, d), triton_cdiv(n_q, 4) * 4, True)
+        cfg = PLANNED[name]  # the `tl` kernels at the planner's tiles serve this call
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
     if fused is None:
@@ -690,10 +763,6 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
                          f"{sorted(map(repr, _FUSED_DQ_MODES))}")
     if fused == 2 and _interpreting():  # the interpreter runs no inline PTX
         fused = 1
-    pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
-                   dict(BLOCK_M=PREPROCESS_BLOCK))
-    pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-                n_q, h_q)
     group = h_q // h_kv
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(*((t, t.stride()) for t in (q, do, k, v)))
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
@@ -723,3 +792,60 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
     locks_shape = (batch * h_q * triton_cdiv(n_q, block_m),)
     return (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, (batch, h_q, n_q), fused,
             acc_shape, locks_shape, tma)
+
+
+_BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics
+
+
+def gluon_backward_reason(name, q, k, v, do, mask) -> "str | None":
+    """Why this backward call cannot take the Gluon kernel of `name` (None when it can):
+    as for the forward (gluon_call_reason), plus determinism: the Gluon kernel sums dQ
+    with atomic additions in no fixed order, so under
+    torch.use_deterministic_algorithms(True) the `tl` kernels (bitwise reproducible)
+    serve it. Tiny calls go to `tl` unless the family was asked for."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
+    batch, h_q, n_q, d = q.shape
+    flops = 4 * batch * h_q * n_q * k.shape[2] * d / (2 if mask != "none" else 1)
+    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if flops < _families.GLUON_MIN_FLOPS and not asked:
+        return "too small for the Gluon kernel's fixed cost"
+    reason = GLUON.get(name, "not a variant")
+    if reason is not None:
+        return reason
+    reason = gluon_ready(q.device)
+    if reason is not None:
+        return reason
+    if not _descriptor_ready(*((t, t.stride()) for t in (q, k, v, do))):
+        return "TMA needs 16-byte aligned tensors and strides"
+    return None
+
+
+def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
+    """(Launcher, run-time arguments) of the Gluon dK/dV/dQ kernel for one call signature
+    (the preprocess launch is the `tl` family's)."""
+    from triton.experimental.gluon import language as gl
+
+    batch, h_q, n_q, d = q.shape
+    h_kv, n_k = k.shape[1], k.shape[2]
+    d_pad = _families.head_dim_pad(d)
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    split = _families.KEY_ROWS_PER_CONSUMER
+    num_n = triton_cdiv(n_k, block_n)
+    consumer_regs, producer_regs = _families.regs(cfg)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=cfg["num_stages"],
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                QD_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, block_m, d_pad], dtype),
+                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, split, d_pad], dtype),
+                DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], dtype),
+                DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(
+                    [1, block_m, d_pad // _families.CONSUMERS], gl.float32),
+                VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m], gl.float32),
+                num_warps=4)
+    launch = Launcher(kernel(name, family="gluon"), (batch * h_kv * num_n,), meta)
+    args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3],
+            batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
+            triton_cdiv(n_q, 4) * 4)
+    return launch, args

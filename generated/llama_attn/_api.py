@@ -8,6 +8,8 @@
 
 Each one validates its arguments, turns its mask convention into the kernels' band
 offsets and calls the autograd-aware operator in `_ops`; tensors are never copied.
+`packed_attention` serves one packed QKV tensor (what `Attention` calls), whose gradient
+comes back packed.
 
 Validation runs once per call signature (shapes, strides, dtypes, devices and the scalar
 arguments): a call whose signature passed before skips straight to the launch, so the host
@@ -25,14 +27,17 @@ from . import _ops, _runtime
 DEFAULT_WINDOW = None
 _NO_WINDOW = (-1, -1)
 
-_checked = {}  # call signature -> (mask, lo, hi, scale), for calls that passed validation
+_checked = {}  # call signature -> the eager path's args, for calls that passed validation
 _MAX_CHECKED = 4096
+_compiling = torch.compiler.is_compiling  # constant-folded to True when dynamo traces it
 
 
-def _remember(signature, band):
+def _remember(signature, bnhd, band, scale, dropout_p):
+    """Cache a validated call signature's args: (bnhd, mask, lo, hi, scale, dropout_p)."""
     if len(_checked) >= _MAX_CHECKED:
         _checked.clear()
-    _checked[signature] = band
+    mask, lo, hi = band
+    _checked[signature] = (bnhd, mask, lo, hi, scale, float(dropout_p))
 
 
 def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p,
@@ -50,26 +55,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  is_causal=False, scale=None, enable_gqa=False):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, d). A
     package built for sliding_window alone applies the spec's window (DEFAULT_WINDOW)."""
-    if attn_mask is None and not torch.compiler.is_compiling():
+    if attn_mask is None and not _compiling():
         try:
             signature = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
                          value.stride(), query.dtype, key.dtype, value.dtype, query.device,
                          key.device, value.device, dropout_p, is_causal, scale, enable_gqa)
-            band = _checked.get(signature)
+            args = _checked.get(signature)
         except (AttributeError, TypeError):  # not tensors, or an unhashable argument
-            signature = band = None
-        if band is not None:
-            out, _ = _ops.attention(query, key, value, bnhd=False, mask=band[0], lo=band[1],
-                                    hi=band[2], scale=band[3], dropout_p=float(dropout_p),
-                                    need_lse=False)
-            return out
+            signature = args = None
+        if args is not None:
+            return _ops.eager(query, key, value, args, False)[0]
         out = _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale,
                             enable_gqa)
         if signature is not None:
-            n_q, n_k = query.shape[2], key.shape[2]
-            mask, lo, hi = _runtime.band(n_q, n_k, bool(is_causal),
-                                         DEFAULT_WINDOW or _NO_WINDOW, False)
-            _remember(signature, (mask, lo, hi, _runtime.softmax_scale(scale, query.shape[-1])))
+            band = _runtime.band(query.shape[2], key.shape[2], bool(is_causal),
+                                 DEFAULT_WINDOW or _NO_WINDOW, False)
+            _remember(signature, False, band, _runtime.softmax_scale(scale, query.shape[-1]),
+                      dropout_p)
         return out
     return _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
@@ -98,29 +100,32 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     returns (out, lse) where lse is (B, H, N_q) fp32 in natural log (-inf for a row that
     sees no key). window_size=None is DEFAULT_WINDOW: no window, as in flash-attn, except in
     a package built for sliding_window alone, where it is the spec's window."""
-    if not torch.compiler.is_compiling():
+    if not _compiling():
         try:
             signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
                          q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, dropout_p,
                          softmax_scale, causal, window_size, "bnhd")
-            band = _checked.get(signature)
+            args = _checked.get(signature)
         except (AttributeError, TypeError):  # not tensors, or an unhashable argument
-            signature = band = None
-        if band is not None:
-            out, lse = _ops.attention(q, k, v, bnhd=True, mask=band[0], lo=band[1],
-                                      hi=band[2], scale=band[3], dropout_p=float(dropout_p),
-                                      need_lse=return_lse)
-            return (out, lse) if return_lse else out
+            signature = args = None
+        if args is not None:
+            if return_lse:
+                return _ops.eager(q, k, v, args, True)
+            return _ops.eager(q, k, v, args, False)[0]
         result = _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size,
                                 return_lse)
         if signature is not None:
-            window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
-                                           else window_size)
-            mask, lo, hi = _runtime.band(q.shape[1], k.shape[1], bool(causal), window, True)
-            _remember(signature,
-                      (mask, lo, hi, _runtime.softmax_scale(softmax_scale, q.shape[-1])))
+            _remember(signature, True, _flash_band(q.shape[1], k.shape[1], causal, window_size),
+                      _runtime.softmax_scale(softmax_scale, q.shape[-1]), dropout_p)
         return result
     return _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse)
+
+
+def _flash_band(n_q, n_k, causal, window_size):
+    """(mask, lo, hi) of a flash-attn-convention call (diagonal aligned bottom-right)."""
+    window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
+                                   else window_size)
+    return _runtime.band(n_q, n_k, bool(causal), window, True)
 
 
 def _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse):
@@ -141,13 +146,61 @@ def _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, retur
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False,
                               window_size=None, return_lse=False):
     """Drop-in for flash_attn.flash_attn_qkvpacked_func: qkv is (B, N, 3, H, d), read in
-    place through strides."""
+    place through strides. Its gradient comes back as one (B, N, 3, H, d) tensor that the
+    backward kernels write dQ, dK and dV into (no concatenation), when the three heads axes
+    can be viewed as one (B, N, 3 * H, d) axis (any layout a fused projection produces)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 5 or qkv.shape[2] != 3:
         shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"qkv must be a (B, N, 3, H, d) tensor, got {shape}")
+    b, n, _, h, d = qkv.shape
+    if not return_lse and qkv.stride(2) == h * qkv.stride(3):
+        return packed_attention(qkv.view(b, n, 3 * h, d), h, h, dropout_p=dropout_p,
+                                softmax_scale=softmax_scale, causal=causal,
+                                window_size=window_size)
     return flash_attn_func(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p=dropout_p,
                            softmax_scale=softmax_scale, causal=causal,
                            window_size=window_size, return_lse=return_lse)
+
+
+def packed_attention(qkv, num_heads, num_kv_heads, dropout_p=0.0, softmax_scale=None,
+                     causal=False, window_size=None):
+    """flash_attn_func on one packed (B, N, num_heads + 2 * num_kv_heads, d) tensor laid
+    out [q heads | k heads | v heads], a fused QKV projection's output viewed per head (as
+    `Attention` does): returns out (B, N, num_heads, d). The same kernels and conventions
+    as flash_attn_func; the difference is the gradient, one packed tensor written in place
+    by the backward kernels, where three separate inputs would make autograd concatenate
+    dQ, dK and dV into the projection's gradient (a copy of the whole activation)."""
+    if not _compiling():
+        try:
+            signature = (qkv.shape, qkv.stride(), qkv.dtype, qkv.device, num_heads,
+                         num_kv_heads, dropout_p, softmax_scale, causal, window_size)
+            args = _checked.get(signature)
+        except (AttributeError, TypeError):
+            signature = args = None
+        if args is not None:
+            return _ops.eager_packed(qkv, (num_heads, num_kv_heads), args)
+    if (not isinstance(qkv, torch.Tensor) or qkv.dim() != 4
+            or isinstance(num_heads, bool) or isinstance(num_kv_heads, bool)
+            or not isinstance(num_heads, int) or not isinstance(num_kv_heads, int)
+            or num_heads <= 0 or num_kv_heads <= 0
+            or qkv.shape[2] != num_heads + 2 * num_kv_heads):
+        got = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(
+            f"qkv must be a (B, N, num_heads + 2 * num_kv_heads, d) tensor with positive "
+            f"head counts, got {got} with num_heads={num_heads!r}, "
+            f"num_kv_heads={num_kv_heads!r}")
+    q, k, v = qkv.split((num_heads, num_kv_heads, num_kv_heads), dim=2)
+    if _compiling():
+        return _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, False)
+    with torch.no_grad():  # validation only: the views are not used for autograd
+        _runtime.check_tensors(q, k, v, bnhd=True)
+        _runtime.check_dropout(dropout_p)
+        band = _flash_band(qkv.shape[1], qkv.shape[1], causal, window_size)
+        scale = _runtime.softmax_scale(softmax_scale, qkv.shape[-1])
+    args = (True, *band, scale, float(dropout_p))
+    if signature is not None:
+        _remember(signature, True, band, scale, dropout_p)
+    return _ops.eager_packed(qkv, (num_heads, num_kv_heads), args)
 
 
 def dropout_mask(batch, heads, n_q, n_k, dropout_p, device="cuda"):

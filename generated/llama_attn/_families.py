@@ -59,10 +59,45 @@ def regs(config: dict) -> tuple[int, int]:
     return int(c), int(p)
 
 
-def gluon_default(head_dim: int) -> dict:
-    """The untuned Gluon config for a head dim. At d <= 64 the consumers run without
-    ping-pong: a block's products take half as long as at d=128 while its softmax does
-    not, so taking turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s)."""
+# Kinds whose Gluon kernel replaces the `tl` one by default on Hopper (untuned, or tuned
+# before the `family` knob). The backward is not among them yet: its last measured build
+# (H100, d=128: 460 / 524 TFLOP/s non-causal at 4k / 16k, 362 causal at 4k, against 361 /
+# 396 / 289 for the tuned `tl` backward) failed the GPU test at N_q = 257, and the fix
+# (LSE and D rows padded to 16 bytes for TMA) has been compiled for sm_90 but not yet run
+# on a GPU. It runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
+GLUON_DEFAULT_KINDS = ("fwd",)
+
+
+def gluon_by_default(kind: str, dropout: bool) -> bool:
+    """Whether a variant's Gluon kernel replaces its `tl` kernel by default on Hopper.
+    Forward kernels with dropout are opt-in like the backward: the form that ships (Philox
+    after the softmax, the seed as two int32 halves) was compiled for sm_90 but the device
+    was withdrawn before it ran; the earlier form ran correct on the H100 at 0.53-0.56x
+    of p=0, a little ahead of the `tl` kernel (docs/PERF_NOTES.md, seventh session)."""
+    return kind in GLUON_DEFAULT_KINDS and not dropout
+
+KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)
+
+# The untuned Gluon backward: a program owns 128 keys (two consumers x 64) and steps over
+# 64 query rows at a time through a 2-deep Q/dO ring. (block_m / block_n keep the `tl`
+# backward's meaning: query rows per step / key rows per program.)
+GLUON_BWD_DEFAULT = {
+    "family": "gluon",
+    "block_m": 64,
+    "block_n": CONSUMERS * KEY_ROWS_PER_CONSUMER,
+    "num_warps": 4,
+    "num_stages": 2,
+    "regs": "240/24",
+}
+
+
+def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
+    """The untuned Gluon config of a kernel kind for a head dim. At d <= 64 the forward's
+    consumers run without ping-pong: a block's products take half as long as at d=128
+    while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k:
+    466 vs 439 TFLOP/s)."""
+    if kind == "bwd":
+        return dict(GLUON_BWD_DEFAULT)
     cfg = dict(GLUON_DEFAULT)
     if head_dim <= 64:
         cfg["pingpong"] = False
@@ -88,15 +123,22 @@ def head_dim_pad(head_dim: int) -> int:
 
 def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | None:
     """Why a variant has no Gluon kernel (None when it has one)."""
-    if kind != "fwd":
+    if kind not in ("fwd", "bwd"):
         return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
-    if dropout:
+    if dropout and kind != "fwd":
+        # the forward regenerates `_dropout.keep_mask` in the S accumulator's registers
         return "no Gluon dropout yet: the `tl` kernel's in-register Philox mask serves it"
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
     if head_dim not in GLUON_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
                 f"{', '.join(map(str, GLUON_HEAD_DIMS))}")
+    if dropout and head_dim <= 64:
+        # the consumer's Philox rounds weigh more against d=64's half-size products: GPT-2
+        # small's attention forward (B=8, N=1024, causal, p=0.1) took 1.284 ms a training
+        # step on the Gluon kernel against 1.067 on `tl` (H100, docs/PERF_NOTES.md)
+        return ("dropout at head dim <= 64: the Gluon forward's Philox measured slower than "
+                "the `tl` kernel's")
     return None
 
 

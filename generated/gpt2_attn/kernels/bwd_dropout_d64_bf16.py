@@ -50,12 +50,13 @@ DROPOUT = tl.constexpr(True)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
-@triton.jit(do_not_specialize=["N_Q", "H_Q"])
+@triton.jit(do_not_specialize=["N_Q", "H_Q", "DELTA_ROW"])
 def bwd_dropout_d64_bf16_preprocess(
-    O, DO, DELTA,  # DELTA: [B, H_Q, N_Q] fp32, contiguous
+    O, DO, DELTA,  # DELTA: [B * H_Q, >= N_Q] fp32, rows DELTA_ROW apart
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     N_Q, H_Q,
+    DELTA_ROW,  # N_Q for this family's kernels; the Gluon backward pads rows to 16 bytes
     BLOCK_M: tl.constexpr,
 ):
     bh = tl.program_id(0)
@@ -70,7 +71,7 @@ def bwd_dropout_d64_bf16_preprocess(
     o0 = tl.load(o_base + offs_m[:, None] * stride_om + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     do0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     delta += tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * N_Q + offs_m, delta, mask=row_ok)
+    tl.store(DELTA + bh.to(tl.int64) * DELTA_ROW + offs_m, delta, mask=row_ok)
 
 
 

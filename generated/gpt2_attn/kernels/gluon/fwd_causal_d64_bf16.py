@@ -28,6 +28,14 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   heads whose K/V fit in L2 together. The next tile's Q is loaded as soon as the last
   S = Q K^T of the current one is done, and the output leaves through a TMA store that
   nobody waits for until its buffer is needed again.
+* Dropout (DROPOUT, dropout variants only). P is multiplied by keep / (1 - p) before
+  O += P V, while the row sum l_i counts every key, as in the `tl` kernel. The keep
+  mask is the package's `_dropout.keep_mask`, bit for bit (the backward regenerates it
+  from the same Philox counters), computed in the registers of the S accumulator: one
+  thread's eight elements of a 16 x 16 block come from one Philox call, so no value
+  moves between threads. The Philox rounds sit on the consumer's own path (next to the
+  softmax) and cost about half the speed: see docs/PERF_NOTES.md for what was measured
+  and what would hide them.
 
 Tensors are read through 4-D TMA descriptors over (batch, head, sequence, head dim), made on
 the device by each program, so any
@@ -57,6 +65,8 @@ MASK_RIGHT = gl.constexpr(True)
 # Hand out the most expensive query tiles first when rows see different numbers of keys.
 LONGEST_FIRST = gl.constexpr(True)
 NUM_CONSUMERS = gl.constexpr(2)
+# Dropout on P inside the kernel; False compiles no dropout code at all.
+DROPOUT = gl.constexpr(False)
 SPLIT_M = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M extent
 LN2 = gl.constexpr(0.6931471805599453)
 
@@ -128,6 +138,86 @@ def _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 # ----------------------------------------------------------------------------------------
+# Dropout: the package's keep mask, built in the S accumulator's registers
+# ----------------------------------------------------------------------------------------
+# Philox4x32-10 (Salmon et al., SC'11), the generator `tl.philox` runs: its round and key
+# constants
+PHILOX_ROUND_A = gl.constexpr(0xD2511F53)
+PHILOX_ROUND_B = gl.constexpr(0xCD9E8D57)
+PHILOX_KEY_A = gl.constexpr(0x9E3779B9)
+PHILOX_KEY_B = gl.constexpr(0xBB67AE85)
+PHILOX_ROUNDS = gl.constexpr(10)
+
+
+@gluon.jit
+def _philox(k0, k1, c0, c1, c2, c3):
+    """Philox4x32-10 of the uint32 counters (c0, c1, c2, c3) under the key (k0, k1), the
+    low and high words of the seed: the same four words as
+    `tl.philox(seed, c0, c1, c2, c3)`. (Each round's products as umulhi + mul: one 64-bit
+    product, one IMAD.WIDE instead of two IMADs, ran 3-5% slower on the H100.)"""
+    for _ in gl.static_range(PHILOX_ROUNDS):
+        _c0 = c0
+        _c2 = c2
+        c0 = gl.umulhi(PHILOX_ROUND_B, _c2) ^ c1 ^ k0
+        c2 = gl.umulhi(PHILOX_ROUND_A, _c0) ^ c3 ^ k1
+        c1 = _c2 * PHILOX_ROUND_B
+        c3 = _c0 * PHILOX_ROUND_A
+        k0 = k0 + PHILOX_KEY_A
+        k1 = k1 + PHILOX_KEY_B
+    return c0, c1, c2, c3
+
+
+@gluon.jit
+def _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row_start, col_start,
+                   ROWS: gl.constexpr, COLS: gl.constexpr):
+    """The Philox words behind the keep mask of rows [row_start, row_start + ROWS) and
+    keys [col_start, col_start + COLS) of one (batch * head) slice bh: four uint32 tensors
+    [ROWS / 16, 8, COLS / 16, 4] indexed (G, rr, Q, t), word w of the call with counter
+    (4 Q + t, 16 G + rr, bh, RNG_OFFSET) under the seed SEED_HI * 2**32 + SEED_LO (each
+    half as the bits of an int32), as in `_dropout.keep_mask` (its comment gives the
+    element -> (call, word, half) map). row_start and col_start: multiples of 16.
+
+    The layout puts G on the warps, rr and t on the lanes and Q in registers, which is
+    where a thread's elements sit in the wgmma accumulator of S (NVMMA v3, 4 warps): warp
+    G holds rows 16 G .. 16 G + 15, lane 4 rr + t holds rows rr and rr + 8 and columns
+    2 t, 2 t + 1 of every 8-column group. `_keep_from_words` then only renames registers."""
+    ctr: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, COLS // 16, 1],
+                                         threads_per_warp=[1, 8, 1, 4],
+                                         warps_per_cta=[ROWS // 16, 1, 1, 1],
+                                         order=[3, 2, 1, 0])
+    g = gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ctr))))
+    rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, ctr))))
+    q = gl.arange(0, COLS // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, ctr))))
+    t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, ctr))))
+    crow = (row_start + 16 * gl.expand_dims(g, 1) + gl.expand_dims(rr, 0)).to(gl.uint32)  # [G, rr]
+    ccol = (4 * (col_start // 16 + gl.expand_dims(q, 1)) + gl.expand_dims(t, 0)).to(gl.uint32)  # [Q, t]
+    zero = gl.zeros([ROWS // 16, 8, COLS // 16, 4], gl.uint32, layout=ctr)
+    c0 = zero + gl.expand_dims(gl.expand_dims(ccol, 0), 0)
+    c1 = zero + gl.expand_dims(gl.expand_dims(crow, 2), 3)
+    c2 = zero + bh.to(gl.uint32)
+    c3 = zero + RNG_OFFSET.to(gl.uint32)
+    return _philox(SEED_LO.to(gl.uint32), SEED_HI.to(gl.uint32),
+                   c0, c1, c2, c3)
+
+
+@gluon.jit
+def _keep_from_words(r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr):
+    """[ROWS, COLS] bool in s_layout from `_dropout_words`' four words: element
+    (16 G + 8 wh + rr, 16 Q + 8 wl + 2 t + k) survives when 16-bit half k of word
+    2 wh + wl is at least DROP_THRESHOLD. Joins, permute and reshape only relabel a
+    thread's registers; convert_layout asserts that nothing moves."""
+    thresh = DROP_THRESHOLD.to(gl.uint32)
+    words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [G, rr, Q, t, wl, wh]
+    # the high half compared without a shift: (w >> 16) >= T exactly when w >= T << 16
+    keep = gl.join((words & 0xFFFF) >= thresh, words >= (thresh << 16))  # [G, rr, Q, t, wl, wh, k]
+    keep = gl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # [G, wh, rr, Q, wl, t, k]
+    rows: gl.constexpr = keep.shape[0] * 16
+    cols: gl.constexpr = keep.shape[3] * 16
+    keep = gl.reshape(keep, [rows, cols])
+    return gl.convert_layout(keep, s_layout, assert_trivial=True)
+
+
+# ----------------------------------------------------------------------------------------
 # The producer: one warp, TMA loads only
 # ----------------------------------------------------------------------------------------
 @gluon.jit
@@ -191,7 +281,8 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, m
 @gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
-              NUM_TILES, HEAD_GROUP, CID: gl.constexpr, BLOCK_M: gl.constexpr,
+              NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+              DROP_SCALE, CID: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -215,6 +306,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         rows = m_start + CID * SPLIT_M + gl.arange(0, SPLIT_M, layout=row_s)  # [SPLIT_M]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
         q_buf = q_smem.index(CID).reshape([SPLIT_M, HEAD_DIM_PAD])
+        bh = b * H_Q + h
+        row0 = m_start + CID * SPLIT_M  # this consumer's first query row
 
         m_i = gl.full([SPLIT_M], float("-inf"), gl.float32, layout=row_s)  # running max (raw)
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, layout=row_s)  # running sum
@@ -239,6 +332,10 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             masked = (lo < full_lo) | (lo >= full_hi)
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, lo, rows, cols, N_K, LO_OFF,
                                                HI_OFF, qk_scale, masked)
+            if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
+                w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, lo,
+                                                SPLIT_M, BLOCK_N)
+                p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
             v_s = s
             v_ph = ph
             cnt += 1
@@ -265,6 +362,10 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 masked = (n0 < full_lo) | (n0 >= full_hi)
                 p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF,
                                                    HI_OFF, qk_scale, masked)
+                if DROPOUT:
+                    w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n0,
+                                                    SPLIT_M, BLOCK_N)
+                    p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(v_s), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -294,9 +395,10 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         # a row that saw no key at all has l_i = 0: its output is 0 and its LSE is -inf
         seen = l_i > 0.0
         inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+        if DROPOUT:
+            inv_l = inv_l * DROP_SCALE  # the kept P entries' 1 / (1 - p)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
                        float("-inf"))
-        bh = b * H_Q + h
         gl.store(LSE + bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
         o = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
         o_buf = o_smem.index(CID)
@@ -312,7 +414,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP"])
+                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SEED_LO", "SEED_HI",
+                              "RNG_OFFSET", "DROP_THRESHOLD"])
 def fwd_causal_d64_bf16_kernel(
     Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
     LSE,  # [B, H_Q, N_Q] fp32, contiguous
@@ -329,6 +432,12 @@ def fwd_causal_d64_bf16_kernel(
     BH,  # batch * H_Q
     NUM_TILES,  # BH * NUM_M
     HEAD_GROUP,  # heads whose K/V share L2 in the longest-first order
+    # Philox key (the 64-bit seed as two int32 halves: a 64-bit seed argument made the
+    # compiler hoist the round keys out of the key loop, and spill them) and stream of
+    # this call, as int32 bits (dropout only)
+    SEED_LO, SEED_HI, RNG_OFFSET,
+    DROP_THRESHOLD,  # drop when a 16-bit uniform draw is below this (p * 65536)
+    DROP_SCALE,  # 1 / (1 - p), folded into the final normalisation
     BLOCK_M: gl.constexpr,  # NUM_CONSUMERS * SPLIT_M
     BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,  # K/V ring depth
@@ -383,10 +492,12 @@ def fwd_causal_d64_bf16_kernel(
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG)),
+                     BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                     DROP_SCALE, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG)),
+                     BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                     DROP_SCALE, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                      k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                      NUM_TILES, HEAD_GROUP, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
