@@ -60,7 +60,8 @@ def _signature(fn, dtype: str):
         elif name in _INT_POINTERS:
             sig[name] = _INT_POINTERS[name]
         elif name.isupper() and not name.startswith(("N_", "H_", "KV_", "LO_", "HI_", "DROP_",
-                                                    "RNG_", "SEED", "QK_", "SCALE", "SM_")):
+                                                    "RNG_", "SEED", "QK_", "SCALE", "SM_")) \
+                and not name.endswith("_ROW"):  # DELTA_ROW: a row length, not a tensor
             sig[name] = "*" + _TRITON_DTYPES[dtype]
         elif name in _FLOATS:
             sig[name] = "fp32"
