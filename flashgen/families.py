@@ -58,22 +58,20 @@ def regs(config: dict) -> tuple[int, int]:
     return int(c), int(p)
 
 
-# Kinds whose Gluon kernel replaces the `tl` one by default on Hopper (untuned, or tuned
-# before the `family` knob). The backward is not among them yet: its last measured build
-# (H100, d=128: 460 / 524 TFLOP/s non-causal at 4k / 16k, 362 causal at 4k, against 361 /
-# 396 / 289 for the tuned `tl` backward) failed the GPU test at N_q = 257, and the fix
-# (LSE and D rows padded to 16 bytes for TMA) has been compiled for sm_90 but not yet run
-# on a GPU. It runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
-GLUON_DEFAULT_KINDS = ("fwd",)
+# Which Gluon kernels replace the `tl` ones by default on Hopper (untuned, or tuned before
+# the `family` knob): those whose current form has run on the H100 and beaten `tl` there.
+#  - the forward without dropout (docs/PERF_NOTES.md, sixth session);
+#  - the backward at d >= 96 (d=96 runs the d=128 tiles): bf16 d=128, B*N = 16k, H=16,
+#    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
+#    288 / 410 for the `tl` backward in the same run (seventh session). Its d=64 kernel was
+#    last measured in an older form, slower than `tl` in GPT-2 small's step;
+#  - not the dropout forward: its shipped form was compiled for sm_90 but has not run.
+# Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
+def gluon_by_default(kind: str, dropout: bool, head_dim: int) -> bool:
+    if dropout:
+        return False
+    return kind == "fwd" or (kind == "bwd" and head_dim >= 96)
 
-
-def gluon_by_default(kind: str, dropout: bool) -> bool:
-    """Whether a variant's Gluon kernel replaces its `tl` kernel by default on Hopper.
-    Forward kernels with dropout are opt-in like the backward: the form that ships (Philox
-    after the softmax, the seed as two int32 halves) was compiled for sm_90 but the device
-    was withdrawn before it ran; the earlier form ran correct on the H100 at 0.53-0.56x
-    of p=0, a little ahead of the `tl` kernel (docs/PERF_NOTES.md, seventh session)."""
-    return kind in GLUON_DEFAULT_KINDS and not dropout
 
 KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)
 

@@ -141,8 +141,10 @@ def test_deterministic_mode_takes_the_reproducible_tl_backward(pkg):
 def test_which_gluon_kernels_run_by_default():
     from flashgen import families
 
-    # the forward without dropout replaces `tl` on Hopper; the backward and the dropout
-    # forward run when asked for until their last changes have run on a GPU
-    assert families.gluon_by_default("fwd", False)
-    assert not families.gluon_by_default("bwd", False)
-    assert not families.gluon_by_default("fwd", True)
+    # what has run on the H100 and beaten `tl` there: the forward without dropout, the
+    # backward at d >= 96; the dropout forward and the d=64 backward run when asked for
+    assert families.gluon_by_default("fwd", False, 64)
+    assert families.gluon_by_default("bwd", False, 128)
+    assert families.gluon_by_default("bwd", False, 96)
+    assert not families.gluon_by_default("bwd", False, 64)
+    assert not families.gluon_by_default("fwd", True, 128)

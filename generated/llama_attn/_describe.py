@@ -29,7 +29,8 @@ def describe() -> str:
         c = PLANNED[name]
         why = GLUON.get(name)
         g = gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
-        opt_in = "" if gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"]) else (
+        v = VARIANTS[name]
+        opt_in = "" if gluon_by_default(v["kind"], v["dropout"], v["head_dim"]) else (
             "; opt-in: tl unless tuned to it or FLASHGEN_FAMILY=gluon")
         family = (f"gluon {g['block_m']}x{g['block_n']}, {g['num_stages']}-deep ring"
                   f"{', ping-pong' if g.get('pingpong') else ''}{opt_in}"

@@ -361,7 +361,7 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     entry has no `family` (it was tuned before that knob existed) or has no tuned entry
     takes the Gluon default: measured faster than the tuned `tl` winners at every training
     shape on the H100 (docs/PERF_NOTES.md). That holds where _families.gluon_by_default
-    says so (the forward without dropout); the others reach their Gluon kernel through a
+    says so (the forward without dropout, the backward at d >= 96); the others reach their Gluon kernel through a
     tuned entry that names it, FLASHGEN_FAMILY=gluon or override_config(family="gluon").
 
     FLASHGEN_FAMILY=gluon sends every call a Gluon kernel can serve to it, whatever the
@@ -385,7 +385,8 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
         gpu, smem, sms = gpu_key(device)
         tuned = TUNED.get(gpu, {}).get(name)
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
-                 and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"]))
+                 and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"],
+                                            VARIANTS[name]["head_dim"]))
         if tuned:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
@@ -492,13 +493,8 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     if cfg.get("family") == "gluon":
-        # a tiny call goes to `tl` unless the family was asked for (FLASHGEN_FAMILY=gluon,
-        # override_config(family="gluon"): the tests and the tuner's correctness check)
-        flops = 4 * batch * h_q * n_q * n_k * d / (2 if mask != "none" else 1)
-        asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
-        why = ("too small for the Gluon kernel's fixed cost"
-               if flops < _families.GLUON_MIN_FLOPS and not asked
-               else gluon_call_reason(name, q, k, v, o, bnhd))
+        why = (_gluon_too_small(batch, h_q, n_q, n_k, d, mask)
+               or gluon_call_reason(name, q, k, v, o, bnhd))
         if why is None:
             launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale)
             return launch, args, _GLUON, lse_shape, scratch
@@ -513,6 +509,17 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch
+
+
+def _gluon_too_small(batch, h_q, n_q, n_k, d, mask) -> "str | None":
+    """A tiny call goes to `tl` (the Gluon kernels' fixed cost outweighs its math) unless
+    the family was asked for (FLASHGEN_FAMILY=gluon, override_config(family="gluon"): the
+    tests and the tuner's correctness check)."""
+    flops = 4 * batch * h_q * n_q * n_k * d / (2 if mask != "none" else 1)
+    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if flops < _families.GLUON_MIN_FLOPS and not asked:
+        return "too small for the Gluon kernel's fixed cost"
+    return None
 
 
 def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
@@ -707,7 +714,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     if fused == _BWD_GLUON:  # one Gluon kernel; dQ summed in fp32 by TMA reduce-adds
         # its LSE and D rows start on 16-byte boundaries (TMA): with N_q not a multiple of 4
         # they are padded (D's padding zeroed: masked rows must see a finite D)
-        n_q, n_pad = delta_shape[-1], locks_shape
+        n_q = delta_shape[-1]
+        n_pad = _vec_row(n_q)
         delta = (torch.empty if n_pad == n_q else torch.zeros)(
             delta_shape[:-1] + (n_pad,), device=q.device, dtype=torch.float32)
         pre(o, do, delta, *pre_args, n_pad)
@@ -752,9 +760,8 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
         why = gluon_backward_reason(name, q, k, v, do, mask)
         if why is None:
             launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name)
-            # locks_shape (no locks here): the padded row length of LSE and D
             return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
-                    (batch * h_q, n_q, d), triton_cdiv(n_q, 4) * 4, True)
+                    (batch * h_q, n_q, d), None, True)
         cfg = PLANNED[name]  # the `tl` kernels at the planner's tiles serve this call
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
@@ -799,26 +806,21 @@ _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by
 
 def gluon_backward_reason(name, q, k, v, do, mask) -> "str | None":
     """Why this backward call cannot take the Gluon kernel of `name` (None when it can):
-    as for the forward (gluon_call_reason), plus determinism: the Gluon kernel sums dQ
-    with atomic additions in no fixed order, so under
+    as for the forward (size, variant, device, TMA-readable q, k, v, do), plus
+    determinism: the Gluon kernel sums dQ with TMA reduce-adds in no fixed order, so under
     torch.use_deterministic_algorithms(True) the `tl` kernels (bitwise reproducible)
-    serve it. Tiny calls go to `tl` unless the family was asked for."""
+    serve it."""
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
     batch, h_q, n_q, d = q.shape
-    flops = 4 * batch * h_q * n_q * k.shape[2] * d / (2 if mask != "none" else 1)
-    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
-    if flops < _families.GLUON_MIN_FLOPS and not asked:
-        return "too small for the Gluon kernel's fixed cost"
-    reason = GLUON.get(name, "not a variant")
-    if reason is not None:
-        return reason
-    reason = gluon_ready(q.device)
-    if reason is not None:
-        return reason
-    if not _descriptor_ready(*((t, t.stride()) for t in (q, k, v, do))):
-        return "TMA needs 16-byte aligned tensors and strides"
-    return None
+    return (_gluon_too_small(batch, h_q, n_q, k.shape[2], d, mask)
+            or gluon_call_reason(name, q, k, v, do, False))
+
+
+def _vec_row(n_q: int) -> int:
+    """The Gluon backward's row length of LSE and D: N_q rounded up to 4 elements, so that
+    every (batch, head) row starts on a 16-byte boundary for TMA."""
+    return triton_cdiv(n_q, 4) * 4
 
 
 def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
@@ -847,5 +849,5 @@ def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3],
             batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
-            triton_cdiv(n_q, 4) * 4)
+            _vec_row(n_q))
     return launch, args

@@ -27,7 +27,8 @@ products. D = rowsum(dO * O) comes from the `tl` family's preprocess kernel, as 
   needs it the other way round.
 * dQ is summed across key blocks (programs) in an fp32 buffer by TMA reduce-adds, so the
   order of the additions -- and the last bits of dQ -- varies from run to run. The `tl`
-  family's backward is bitwise reproducible; `deterministic=True` asks for it.
+  family's backward is bitwise reproducible; under torch.use_deterministic_algorithms(True)
+  the runtime takes it.
 
 The band mask is the forward's: key j is visible to query i when
     i + LO_OFF <= j <= i + HI_OFF   and   j < N_K
