@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import families, planner_core
+from . import families, mods, planner_core
 from .resources import templates_dir
 from .spec import Spec
 from .tuning_data import load_tuned
@@ -34,6 +34,7 @@ PACKAGE_FILES = {
     "_describe.py": "package/describe.py.j2",
     "_module.py": "package/module.py.j2",
     "_decode.py": "package/decode.py.j2",
+    "_mods.py": "package/mods.py.j2",
 }
 
 
@@ -88,11 +89,109 @@ def kernel_context(spec: Spec, variant: Variant) -> dict:
 
 def render_kernel(spec: Spec, variant: Variant, env: jinja2.Environment | None = None) -> str:
     env = env or environment()
-    return env.get_template(variant.template).render(**kernel_context(spec, variant))
+    return env.get_template(variant.template).render(**kernel_context(spec, variant),
+                                                     **mod_context(spec, variant))
+
+
+def variant_mods(spec: Spec, variant: Variant) -> list:
+    by_name = {m.name: m for m in spec.mods}
+    return [by_name[n] for n in variant.mods]
+
+
+def grad_tensors(mods_: list) -> list:
+    """Tensors of the score mods whose gradient the backward kernel can write: every load
+    of them reads t[b, h, q_idx, kv_idx]-style bare indices that include q_idx and kv_idx
+    and never repeat, so one score element maps to one tensor element (an additive bias)."""
+    out = []
+    for m in mods_:
+        if m.kind != "score":
+            continue
+        for t in m.tensors:
+            loads = [ld for ld in mods.loads_of(m.expr) if ld.value == t.name]
+            idx = {tuple(i.value if i.op == "var" else None for i in ld.args) for ld in loads}
+            if len(idx) == 1:
+                (names,) = idx
+                if (None not in names and len(set(names)) == len(names)
+                        and {"q_idx", "kv_idx"} <= set(names)):
+                    out.append((t, loads[0], names))
+    return out
+
+
+def mod_context(spec: Spec, variant: Variant) -> dict:
+    """What the kernel templates need to render a variant's mods: source lines, already
+    printed as Triton expressions (the templates only place them), and argument lists."""
+    ms = variant_mods(spec, variant)
+    score = mods.combine([m.expr for m in ms if m.kind == "score"])
+    masks_ = [m.expr for m in ms if m.kind == "mask"]
+    sink = next((m.expr for m in ms if m.kind == "sink"), None)
+    names = {v: v for v in mods.INDEX_VARS}
+    names["score"] = "score"
+    tensors, params = [], []
+    for m in ms:
+        for p, _ in m.params:
+            names[p] = f"P_{p}"
+            params.append(f"P_{p}")
+        tensors += list(m.tensors)
+
+    def load(node, idx):
+        decl = next(t for t in tensors if t.name == node.value)
+        off = " + ".join(
+            f"tl.minimum(tl.maximum({i}, 0), T_{decl.name}_D{k} - 1).to(tl.int64) * T_{decl.name}_S{k}"
+            for k, i in enumerate(idx))
+        text = f"tl.load(T_{decl.name} + {off})"
+        return f"({text} != 0)" if decl.dtype == "bool" else text
+
+    def tri(e):
+        return mods.to_triton(e, names, load) if e is not None else ""
+
+    tensor_args = []
+    for t in tensors:
+        tensor_args += [f"T_{t.name}"] + [f"T_{t.name}_S{k}" for k in range(len(t.dims))] + \
+                       [f"T_{t.name}_D{k}" for k in range(len(t.dims))]
+    mod_args = tensor_args + params
+    grads = grad_tensors(ms) if score is not None else []
+    var_score = mods.Expr("var", value="score")
+    grad_lines = []
+    for t, ld, idx_names in grads:
+        # d score_mod / d t[...] evaluated at this element
+        d = mods.derivative(score, ld)
+        order = {"b": 0, "h": 1, "q_idx": 2, "kv_idx": 3}
+        grad_lines.append({
+            "name": t.name,
+            "deriv": tri(d),
+            "flag": f"GRAD_{t.name.upper()}",
+        })
+    grad_args = []
+    for g in grad_lines:
+        grad_args += [f"DT_{g['name']}"] + [f"DT_{g['name']}_S{k}" for k in range(4)]
+    block_sparse = bool(masks_)
+    sparse_args = ["FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BM_SB", "BM_SH"] if block_sparse else []
+    ints = [a for a in mod_args if "_S" in a or "_D" in a] + \
+           [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
+           [a for a in grad_args if "_S" in a] + (["BM_SB", "BM_SH"] if block_sparse else [])
+    mask_expr = None
+    for e in masks_:
+        mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
+    return {
+        "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
+        "score_mod": tri(score),
+        "score_grad": tri(mods.derivative(score, var_score)) if score is not None else "",
+        "mask_mod": tri(mask_expr),
+        "sink_mod": tri(sink),
+        "block_sparse": block_sparse,
+        "mod_args": mod_args,
+        "grad_tensors": grad_lines,
+        "grad_args": grad_args,
+        "grad_flags": [g["flag"] for g in grad_lines],
+        "sparse_args": sparse_args,
+        "mod_nospec": ints,
+    }
 
 
 def gluon_reason(variant: Variant) -> str | None:
     """Why `variant` has no Gluon kernel; None when it has one."""
+    if variant.mods:
+        return "mods are rendered into the `tl` kernels only so far"
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
 
 
@@ -127,7 +226,8 @@ def render_gluon_kernel(spec: Spec, variant: Variant, env: jinja2.Environment | 
 def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     variants = {
         v.name: {"kind": v.kind, "mask": v.mask, "dropout": v.dropout,
-                 "head_dim": v.head_dim, "dtype": v.dtype}
+                 "head_dim": v.head_dim, "dtype": v.dtype,
+                 **({"mods": list(v.mods)} if v.mods else {})}
         for v in plans
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
@@ -148,7 +248,46 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
         "planned": literal(planned),
         "tuned": literal(tuned),
         "gluon": literal(gluon),
+        **mods_registry(spec, plans),
     }
+
+
+def mods_registry(spec: Spec, plans: dict) -> dict:
+    """The package's data about mods: each mod's declaration, and per combination of mods
+    the kernel arguments in order, whether it needs a block mask and on which of b / h the
+    mask depends, which tensors have a gradient, and the sink as host-side torch code."""
+    used = {m for v in plans for m in v.mods}
+    table = {}
+    for m in spec.mods:
+        if m.name not in used:
+            continue
+        table[m.name] = {
+            "kind": m.kind, "source": m.source, "builtin": m.builtin, "doc": m.doc,
+            "params": dict(m.params),
+            "tensors": [[t.name, list(t.dims), t.dtype] for t in m.tensors],
+        }
+    combos = {}
+    for v in plans:
+        if not v.mods or v.mods in combos:
+            continue
+        ms = variant_mods(spec, v)
+        masks_ = [m for m in ms if m.kind == "mask"]
+        uses = set().union(*(mods.free_names(m.expr) for m in masks_)) if masks_ else set()
+        sink = next((m for m in ms if m.kind == "sink"), None)
+        score = mods.combine([m.expr for m in ms if m.kind == "score"])
+        combos[v.mods] = {
+            "tensors": [t.name for m in ms for t in m.tensors],
+            "params": [p for m in ms for p, _ in m.params],
+            "block_sparse": bool(masks_),
+            "mask_uses": [x for x in ("b", "h") if x in uses],
+            "grads": [t.name for t, _, _ in grad_tensors(ms)] if score is not None else [],
+            "grad_index": {t.name: list(idx) for t, _, idx in grad_tensors(ms)}
+                          if score is not None else {},
+            "sink": mods.to_python(sink.expr) if sink else None,
+            "sink_tensors": [t.name for t in sink.tensors] if sink else [],
+        }
+    return {"mods_table": literal(table),
+            "mod_combos": literal({"+".join(k): v for k, v in combos.items()})}
 
 
 def render_package(spec: Spec, plans: dict, tuned: dict | None = None,

@@ -62,11 +62,12 @@ from yaml.constructor import ConstructorError, SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from flashgen.errors import SpecError
+from flashgen.mods import BUILTINS, KINDS, RESERVED, Mod, ModError, builtin_mod, make_mod
 from flashgen.planner_core import STAGE_COUNTS, WARP_COUNTS
 
 __all__ = [
     "DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
-    "Loc", "BlockConfig", "Window", "GpuTarget", "Blocks", "Spec",
+    "Loc", "BlockConfig", "Window", "GpuTarget", "Blocks", "ModVariant", "Spec",
     "load_spec", "parse_spec",
 ]
 
@@ -123,6 +124,18 @@ class Blocks:
 
 
 @dataclass(frozen=True)
+class ModVariant:
+    """One combination the spec asks kernels for: a band mask and mods, in the order the
+    score mods apply (f2(f1(score)))."""
+    mask: str               # one of MASKS
+    mods: tuple[str, ...]   # names of Spec.mods entries
+
+
+# the implicit mod behind scaled_dot_product_attention(attn_mask=...)
+SDPA_MASK = "sdpa_mask"
+
+
+@dataclass(frozen=True)
 class Spec:
     path: str                        # the path as given
     sha: str                         # first 12 hex chars of sha256(file bytes)
@@ -137,6 +150,9 @@ class Spec:
     gpu: GpuTarget
     blocks: Blocks
     seqlen_buckets: tuple[int, ...]  # sorted, unique, positive
+    mods: tuple[Mod, ...] = ()       # named mods, in file order (plus sdpa_mask)
+    mod_variants: tuple[ModVariant, ...] = ()  # `variants:` entries (plus attn_mask's)
+    attn_mask: bool = True           # build SDPA's attn_mask variants (the sdpa_mask mod)
     # Dotted key path -> Loc for every mapping key in the file.  Excluded from
     # ==/hash (it is derived from the same bytes as `sha`, and a mapping proxy
     # is unhashable) so that Spec can be used as a cache key.
@@ -235,6 +251,12 @@ _HELP: dict[str, tuple[str, str]] = {
     "block_n": ("a power of two from 16 to 256", "write e.g. block_n: 64"),
     "num_warps": ("one of 2, 4, 8", "write e.g. num_warps: 4"),
     "num_stages": ("an integer from 1 to 5", "write e.g. num_stages: 3"),
+    "mods": ("a mapping of mod names to {score|mask|sink: EXPRESSION, params, tensors} "
+             "or {builtin: NAME, params}", "see docs/MODS.md"),
+    "variants": ("a list of {mask: none|causal|sliding_window, mods: [NAMES]}",
+                 "write e.g. variants: [{mask: causal, mods: [softcap]}]"),
+    "attn_mask": ("a boolean: true or false (default true)",
+                  "write attn_mask: true or attn_mask: false"),
     "seqlen_buckets": ("a non-empty list of distinct positive integers",
                        "write e.g. seqlen_buckets: [512, 1024, 2048, 4096, 8192, 16384]"),
 }
@@ -324,6 +346,7 @@ class _Parser:
         root = self.compose(text)
         top = self.mapping(root, "", _TOP_SCHEMA, _TOP_REQUIRED, owner="<document>")
         self.check_window(top)
+        mods, mod_variants = self.check_mods(top)
         return Spec(
             path=self.path,
             sha=self.sha,
@@ -338,6 +361,9 @@ class _Parser:
             gpu=top["gpu"],
             blocks=top.get("blocks", Blocks(None, None, None)),
             seqlen_buckets=top.get("seqlen_buckets", DEFAULT_SEQLEN_BUCKETS),
+            mods=mods,
+            mod_variants=mod_variants,
+            attn_mask=top.get("attn_mask", True),
             locs=MappingProxyType(dict(self.locs)),
         )
 
@@ -375,6 +401,40 @@ class _Parser:
                             "masks include sliding_window but no window is given",
                             fix="add e.g. window: {left: 4096, right: 0}, or drop "
                                 "sliding_window from masks")
+
+    def check_mods(self, top: dict[str, Any]) -> tuple:
+        """Every variant names mods that exist, at most one sink, no name clashes between
+        the params and tensors of one variant's mods, no two variants alike."""
+        mods = {m.name: m for m in top.get("mods", ())}
+        variants = []
+        for i, (v, line) in enumerate(top.get("variants", ())):
+            key = f"variants[{i}]"
+            for name in v.mods:
+                if name not in mods:
+                    raise self.fail(line, key, f"mod {name!r} is not defined under `mods`"
+                                    f"{_suggest(name, list(mods))}",
+                                    fix="define it under mods:, or use a built-in: "
+                                        + ", ".join(sorted(BUILTINS)))
+            chosen = [mods[n] for n in v.mods]
+            if sum(m.kind == "sink" for m in chosen) > 1:
+                raise self.fail(line, key, "more than one sink mod",
+                                fix="keep one sink per variant")
+            seen: dict[str, str] = {}
+            for m in chosen:
+                for arg in [p for p, _ in m.params] + [t.name for t in m.tensors]:
+                    if arg in seen:
+                        raise self.fail(line, key, f"mods {seen[arg]!r} and {m.name!r} both take "
+                                        f"an argument named {arg!r}: a call could not tell "
+                                        "them apart", fix=f"rename {arg!r} in one of the mods")
+                    seen[arg] = m.name
+            if v in variants:
+                raise self.fail(line, key, "the same variant is listed twice",
+                                fix="delete one of the two entries")
+            variants.append(v)
+        if top.get("attn_mask", True):
+            mods[SDPA_MASK] = builtin_mod(SDPA_MASK, "bias")
+            variants.append(ModVariant("none", (SDPA_MASK,)))
+        return tuple(mods.values()), tuple(variants)
 
     # ---- generic shapes ---------------------------------------------------
 
@@ -622,6 +682,114 @@ def _seqlen_buckets(p: _Parser, key: str, node: Node) -> tuple[int, ...]:
     return tuple(sorted(p.items(key, node, bucket)))
 
 
+def _mods(p: _Parser, key: str, node: Node) -> tuple[Mod, ...]:
+    if not isinstance(node, MappingNode):
+        raise p.fail(p.where(key, node), key, f"{_show(node)} is not a mapping")
+    out = []
+    for key_node, value_node in node.value:
+        name = p.key_name(key_node, key)
+        dotted = f"{key}.{name}"
+        if not name.isidentifier() or name in RESERVED or name == SDPA_MASK or \
+                not name.islower():
+            raise p.fail(_line(key_node), dotted, f"{name!r} cannot name a mod",
+                         "a lower-case identifier that is not " + ", ".join(sorted(RESERVED)),
+                         "rename the mod, e.g. gemma_softcap")
+        if any(m.name == name for m in out):
+            raise p.fail(_line(key_node), dotted, f"duplicate mod {name!r}",
+                         fix="delete one of the two entries")
+        p.locs[dotted] = Loc(p.path, _line(key_node))
+        out.append(_mod(p, dotted, name, value_node))
+    return tuple(out)
+
+
+def _mod(p: _Parser, key: str, name: str, node: Node) -> Mod:
+    schema = {k: _raw for k in ("builtin", *KINDS, "params", "tensors", "doc")}
+    m = p.mapping(node, key, schema, (), key)
+    kinds = [k for k in KINDS if k in m]
+    params = _mod_numbers(p, f"{key}.params", m["params"]) if "params" in m else {}
+    tensors = _mod_strings(p, f"{key}.tensors", m["tensors"]) if "tensors" in m else {}
+    try:
+        if "builtin" in m:
+            if kinds or "tensors" in m:
+                raise p.fail(p.key_line(key), key, "a built-in mod takes only `params`",
+                             fix="drop the expression and tensors, or drop `builtin`")
+            return builtin_mod(name, p.string(f"{key}.builtin", m["builtin"]), params)
+        if len(kinds) != 1:
+            raise p.fail(p.key_line(key), key,
+                         "a mod needs exactly one of score, mask, sink (or builtin)",
+                         fix="write e.g. softcap: {score: \"cap * tanh(score / cap)\", "
+                             "params: {cap: 50.0}}")
+        kind = kinds[0]
+        text_node = m[kind]
+        text = p.string(f"{key}.{kind}", text_node)
+        doc = p.string(f"{key}.doc", m["doc"]) if "doc" in m else ""
+        return make_mod(name, kind, text, params, tensors, None, doc)
+    except ModError as e:
+        where = kinds[0] if kinds else ("builtin" if "builtin" in m else "")
+        line = p.key_line(f"{key}.{where}") if where else p.key_line(key)
+        token = f" (at `{e.token}`)" if e.token and e.token not in e.problem else ""
+        raise p.fail(line, f"{key}.{where}" if where else key, e.problem + token,
+                     e.allowed or "a valid mod", "fix the expression; see docs/MODS.md") from None
+
+
+def _raw(p: _Parser, key: str, node: Node) -> Node:
+    return node
+
+
+def _mod_numbers(p: _Parser, key: str, node: Node) -> dict:
+    if not isinstance(node, MappingNode):
+        raise p.fail(p.where(key, node), key, f"{_show(node)} is not a mapping",
+                     "a mapping of param names to numbers", "write e.g. params: {cap: 50.0}")
+    out = {}
+    for k, v in node.value:
+        name = p.key_name(k, key)
+        value = p.scalar(f"{key}.{name}", v)
+        if type(value) not in (int, float):
+            raise p.fail(_line(v), f"{key}.{name}", f"{_show(v)} is not a number",
+                         "a number", "write e.g. cap: 50.0")
+        p.locs[f"{key}.{name}"] = Loc(p.path, _line(k))
+        out[name] = value
+    return out
+
+
+def _mod_strings(p: _Parser, key: str, node: Node) -> dict:
+    if not isinstance(node, MappingNode):
+        raise p.fail(p.where(key, node), key, f"{_show(node)} is not a mapping",
+                     "a mapping of tensor names to declarations",
+                     "write e.g. tensors: {doc: \"[B, N] int32\"}")
+    out = {}
+    for k, v in node.value:
+        name = p.key_name(k, key)
+        out[name] = p.string(f"{key}.{name}", v)
+        p.locs[f"{key}.{name}"] = Loc(p.path, _line(k))
+    return out
+
+
+def _variants(p: _Parser, key: str, node: Node) -> tuple:
+    if not isinstance(node, SequenceNode) or not node.value:
+        raise p.fail(p.where(key, node), key, f"{_show(node)} is not a non-empty list")
+    out = []
+    for i, entry in enumerate(node.value):
+        k = f"{key}[{i}]"
+        v = p.mapping(entry, k, {"mask": _one_mask, "mods": _mod_names}, ("mods",), k)
+        out.append((ModVariant(v.get("mask", "none"), v["mods"]), _line(entry)))
+    return tuple(out)
+
+
+def _one_mask(p: _Parser, key: str, node: Node) -> str:
+    value = p.scalar(key, node)
+    if value not in MASKS:
+        raise p.fail(_line(node), key, f"{_show(node)} is not a mask{_suggest(str(value), MASKS)}",
+                     "one of " + ", ".join(MASKS), "write e.g. mask: causal")
+    return value
+
+
+def _mod_names(p: _Parser, key: str, node: Node) -> tuple:
+    def name(key: str, entry: Node) -> str:
+        return p.string(key, entry)
+    return tuple(p.items(key, node, name))
+
+
 # Schemas; dict order is the canonical key order used in "did you mean" lists.
 _TOP_SCHEMA: dict[str, Callable] = {
     "package": _package,
@@ -635,6 +803,9 @@ _TOP_SCHEMA: dict[str, Callable] = {
     "gpu": _gpu,
     "blocks": _blocks,
     "seqlen_buckets": _seqlen_buckets,
+    "mods": _mods,
+    "variants": _variants,
+    "attn_mask": _boolean,
 }
 _TOP_REQUIRED = ("package", "head_dims", "dtypes", "masks", "gpu")
 _GPU_SCHEMA: dict[str, Callable] = {

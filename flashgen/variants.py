@@ -1,6 +1,6 @@
 """Kernel variants and their canonical names.
 
-A variant is one compiled specialisation: (kind, mask, dropout, head dim, dtype). Its
+A variant is one compiled specialisation: (kind, mask, dropout, head dim, dtype, mods). Its
 canonical name, e.g. ``fwd_causal_d128_bf16``, names the rendered file, the registry
 entry, the tuning record and the benchmark row, so one string follows a kernel from the
 spec to a benchmark table (the way FlashInfer's URIs do).
@@ -28,10 +28,11 @@ class Variant:
     dropout: bool
     head_dim: int
     dtype: str  # fp16 | bf16 | fp32
+    mods: tuple = ()  # names of the spec's mods, in the order they apply
 
     @property
     def name(self) -> str:
-        words = [self.kind, MASK_WORDS[self.mask], "dropout" if self.dropout else "",
+        words = [self.kind, MASK_WORDS[self.mask], *self.mods, "dropout" if self.dropout else "",
                  f"d{self.head_dim}", self.dtype]
         return "_".join(w for w in words if w)
 
@@ -63,4 +64,20 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for d in spec.head_dims
         for dtype in spec.dtypes
     ] if spec.decode else []
-    return tuple(training + decoding)
+    # the spec's `variants:` (mods on top of a band mask): forward and backward
+    modded = [
+        Variant(kind, mv.mask, dropout, d, dtype, mv.mods)
+        for mv in spec.mod_variants
+        for kind in ("fwd", "bwd")
+        for dropout in dropouts
+        for d in spec.head_dims
+        for dtype in spec.dtypes
+    ]
+    out = tuple(training + decoding + modded)
+    names = [v.name for v in out]
+    for v in out:
+        if names.count(v.name) > 1:
+            raise spec.error("variants", f"two variants share the name {v.name!r}",
+                             "mod names that keep variant names apart",
+                             "rename one of the mods")
+    return out
