@@ -66,8 +66,9 @@ def _check_training(pkg, spec, variant, label, b, n_q, n_k, h_q, h_kv, device, d
     k, v = (torch.randn(b, n_k, h_kv, variant.head_dim, dtype=dtype, device=device,
                         requires_grad=True) for _ in range(2))
     do = torch.randn(b, n_q, h_q, variant.head_dim, dtype=dtype, device=device)
+    mod_kw, score_mod, mod_mask, sink = _mod_inputs(spec, variant, b, n_q, n_k, h_q, device)
     state = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
-    out = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window)
+    out = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window, **mod_kw)
     out.backward(do)
     keep = None
     if p:
@@ -75,11 +76,59 @@ def _check_training(pkg, spec, variant, label, b, n_q, n_k, h_q, h_kv, device, d
         keep = pkg.dropout_mask(b, h_q, n_q, n_k, p, device=device)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     vis = visible_mask(n_q, n_k, causal=causal, window=window, bottom_right=True)
+    if mod_mask is not None:
+        vis = vis & mod_mask
     ref, _ = attention_ref(q64.transpose(1, 2), k64.transpose(1, 2), v64.transpose(1, 2), vis,
-                           keep=keep, dropout_p=p)
+                           keep=keep, dropout_p=p, score_mod=score_mod, sink=sink)
     ref.transpose(1, 2).backward(do.double())
     return max(_rel_err(out, ref.transpose(1, 2)), _rel_err(q.grad, q64.grad),
                _rel_err(k.grad, k64.grad), _rel_err(v.grad, v64.grad))
+
+
+def _mod_inputs(spec, variant, b, n_q, n_k, h_q, device):
+    """(keyword arguments, reference score mod, reference mask, reference sink) for a
+    variant's mods: random tensors of the declared shapes (ids sorted along their last
+    extent, like document ids), params at their defaults; the reference evaluates the
+    same expression trees in float64 on the host."""
+    if not variant.mods:
+        return {}, None, None, None
+    from . import mods as M
+
+    by_name = {m.name: m for m in spec.mods}
+    ms = [by_name[n] for n in variant.mods]
+    extents = {"B": b, "H": h_q, "Nq": n_q, "Nk": n_k, "N": max(n_q, n_k)}
+    kw, env = {"mods": variant.mods}, {}
+    for m in ms:
+        for t in m.tensors:
+            shape = [d if isinstance(d, int) else extents.get(d, 17) for d in t.dims]
+            if t.type == "int":
+                x = torch.sort(torch.randint(0, max(2, shape[-1] // 8), shape), -1).values
+            elif t.type == "bool":
+                x = torch.rand(shape) > 0.3
+            else:
+                x = torch.randn(shape) * 0.5
+            x = x.to(M_DTYPES[t.dtype])
+            kw[t.name] = x.to(device)
+            env[t.name] = x.double() if x.is_floating_point() else x.long()
+        env.update(dict(m.params))
+    grid = {"b": torch.arange(b)[:, None, None, None], "h": torch.arange(h_q)[None, :, None, None],
+            "q_idx": torch.arange(n_q)[:, None], "kv_idx": torch.arange(n_k)[None, :]}
+    score = M.combine([m.expr for m in ms if m.kind == "score"])
+    masks = [m.expr for m in ms if m.kind == "mask"]
+    sink = next((m.expr for m in ms if m.kind == "sink"), None)
+    score_mod = None if score is None else (
+        lambda s: M.to_torch(score, {**env, **grid, "score": s}).to(s.device))
+    mask = None
+    for e in masks:
+        m_ = torch.as_tensor(M.to_torch(e, {**env, **grid}))
+        mask = m_ if mask is None else mask & m_
+    sink_val = None if sink is None else torch.as_tensor(M.to_torch(sink, {
+        **env, "b": torch.arange(b)[:, None], "h": torch.arange(h_q)[None, :]})).double().expand(b, h_q)
+    return kw, score_mod, mask, sink_val
+
+
+M_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+            "int32": torch.int32, "int64": torch.int64, "bool": torch.bool}
 
 
 def _check_decode(pkg, spec, variant, device, dtype):

@@ -31,10 +31,13 @@ def visible_mask(n_q: int, n_k: int, *, causal: bool, window=(-1, -1), bottom_ri
     return m
 
 
-def attention_ref(q, k, v, visible, scale=None, keep=None, dropout_p=0.0):
+def attention_ref(q, k, v, visible, scale=None, keep=None, dropout_p=0.0, score_mod=None,
+                  sink=None):
     """q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any dtype -> (out, lse) in float64.
     A row that sees no key gives out 0 and lse -inf. With dropout, `keep` is the
     (B, Hq, Nq, Nk) bool mask and out = (P * keep / (1 - p)) @ V; the LSE is unaffected.
+    `visible` broadcasts to (B, Hq, Nq, Nk); score_mod maps the scaled scores to new ones;
+    sink (B, Hq) adds one logit per row to the softmax denominator (no value row).
     Differentiable: autograd through it gives the reference gradients."""
     q, k, v = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]
@@ -42,10 +45,16 @@ def attention_ref(q, k, v, visible, scale=None, keep=None, dropout_p=0.0):
     v = v.repeat_interleave(group, dim=1)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-1, -2)) * scale
+    if score_mod is not None:
+        s = score_mod(s)
     s = s.masked_fill(~visible.to(s.device), float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.double().to(s.device)[..., None, None].expand(*s.shape[:3], 1)], -1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     p = torch.nan_to_num(p, nan=0.0)  # rows with lse = -inf
+    if sink is not None:
+        p = p[..., :-1]
     if keep is not None:
         p = p * keep.to(p.device) / (1.0 - dropout_p)
     return p @ v, lse

@@ -23,6 +23,7 @@ def test_check_passes_on_correct_kernels(tmp_path):
     text = out.getvalue()
     assert "ok   fwd_causal_d16_fp32 (+ bwd)" in text
     assert "ok   fwd_causal_dropout_d16_fp32 (+ bwd)" in text
+    assert "ok   fwd_sdpa_mask_dropout_d16_fp32 (+ bwd)" in text  # attn_mask, with dropout
     assert "FAIL" not in text
 
 

@@ -1,0 +1,308 @@
+"""Attention mods (score mods, mask mods with block sparsity, sinks) and SDPA's attn_mask,
+against a float64 PyTorch reference that applies each mod by hand (not through flashgen's
+expression compiler), forward and every gradient.
+
+The package is specs/mods.yaml -- every built-in and every combination it ships -- built
+at a test size (head dim 32, fp32 and bf16) so the interpreter gets through it; tiles of
+16 x 16 put several blocks (empty, full and partial ones) in every call."""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GRAD_TOL, OUT_TOL
+from packages import build_and_import
+
+ROOT = Path(__file__).resolve().parent.parent
+TILE = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    body = re.sub(r"head_dims: \[.*\]", "head_dims: [32]", body)
+    body = re.sub(r"dtypes: \[.*\]", "dtypes: [fp32, bf16]", body)
+    return build_and_import(tmp_path_factory.mktemp("mods"), "mods_t", body)
+
+
+# ----------------------------------------------------------------------------------------
+# The reference: float64, each mod written out in PyTorch
+# ----------------------------------------------------------------------------------------
+def reference(q, k, v, *, causal=False, score=None, mask=None, sink=None, scale=None):
+    """q (B, Nq, H, d), k/v (B, Nk, Hkv, d) -> out (B, Nq, H, d), lse (B, H, Nq); causal
+    bottom-right; score(s, b, h, i, j) and mask(b, h, i, j) on broadcast index grids;
+    sink a [H] tensor of logits."""
+    q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    n_q, n_k = q.shape[2], k.shape[2]
+    s = q @ k.transpose(-1, -2) * (scale or 1 / math.sqrt(q.shape[-1]))
+    b = torch.arange(q.shape[0])[:, None, None, None]
+    h = torch.arange(q.shape[1])[None, :, None, None]
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    if score is not None:
+        s = score(s, b, h, i, j)
+    visible = torch.ones_like(s, dtype=torch.bool)
+    if causal:
+        visible = visible & (j <= i + n_k - n_q)
+    if mask is not None:
+        visible = visible & mask(b, h, i, j)
+    s = s.masked_fill(~visible, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.double()[None, :, None, None].expand(*s.shape[:3], 1)], -1)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+    if sink is not None:
+        p = p[..., :-1]
+    return (p @ v).transpose(1, 2), lse
+
+
+def inputs(b, n_q, n_k, h, h_kv, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda n, heads: torch.randn(b, n, heads, d, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    return make(n_q, h), make(n_k, h_kv), make(n_k, h_kv)
+
+
+def check(pkg, device, dtype, *, causal=False, mods, kw, score=None, mask=None, sink=None,
+          b=2, n_q=37, n_k=37, h=2, h_kv=2, d=32, grads=()):
+    """Forward, LSE and gradients of q, k, v (and of the tensors named in `grads`) against
+    the reference; NaN fails."""
+    q, k, v = inputs(b, n_q, n_k, h, h_kv, d, dtype, device)
+    with pkg._runtime.override_config(**TILE):
+        out, lse = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, return_lse=True, **kw)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    ref, ref_lse = reference(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(),
+                             causal=causal, score=score, mask=mask,
+                             sink=None if sink is None else kw[sink].detach().cpu())
+    extra = [kw[t] for t in grads]
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, *extra)]
+    ref_kw = {name: leaves[3 + n] for n, name in enumerate(grads)}
+    ref_out, _ = reference(*leaves[:3], causal=causal,
+                           score=None if score is None else (lambda *a: score(*a, **ref_kw)),
+                           mask=mask, sink=leaves[3] if sink in grads else
+                           (None if sink is None else kw[sink].detach().cpu()))
+    want = torch.autograd.grad(ref_out, leaves, dout.detach().cpu().double(), allow_unused=True)
+    atol, rtol = OUT_TOL[dtype]
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.detach().cpu().double(), ref, atol=atol, rtol=rtol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
+    gatol, grtol = GRAD_TOL[dtype]
+    for got, exp, name in zip((q.grad, k.grad, v.grad, *(t.grad for t in extra)), want,
+                              ("dq", "dk", "dv", *(f"d{t}" for t in grads))):
+        assert got is not None and not torch.isnan(got).any(), name
+        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol, msg=name)
+
+
+def documents(b, n, device, seed=1):
+    """Ragged documents: each row's ids are sorted, lengths random."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.sort(torch.randint(0, 4, (b, n), generator=g), -1).values.to(torch.int32).to(device)
+
+
+CAP = 50.0
+
+
+# ----------------------------------------------------------------------------------------
+# Every built-in and combination of specs/mods.yaml
+# ----------------------------------------------------------------------------------------
+def test_softcap_causal(pkg, device):
+    # cap 2: small enough that tanh bends every score of this test
+    check(pkg, device, torch.float32, causal=True, mods=("softcap",), kw={"cap": 2.0},
+          score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0))
+
+
+def test_softcap_bf16_gqa_ragged(pkg, device):
+    # GQA 4:1, N_q != N_k (bottom-right causal), bf16
+    check(pkg, device, torch.bfloat16, causal=True, mods=("softcap",), kw={"cap": 3.0},
+          score=lambda s, b, h, i, j: 3.0 * torch.tanh(s / 3.0), n_q=23, n_k=41, h=4, h_kv=1)
+
+
+def test_alibi_causal(pkg, device):
+    slope = torch.tensor([0.5, 0.125], device=device)
+    check(pkg, device, torch.float32, causal=True, mods=("alibi",), kw={"slope": slope},
+          score=lambda s, b, h, i, j: s - slope.cpu().double()[h] * (i - j).abs())
+
+
+@pytest.mark.parametrize("n", [1, 59], ids=["N1", "N59"])
+def test_document_causal(pkg, device, n):
+    doc = documents(3, n, device)
+    d = doc.cpu().long()
+    check(pkg, device, torch.float32, causal=True, mods=("document",), kw={"doc": doc},
+          mask=lambda b, h, i, j: d[b, i] == d[b, j], b=3, n_q=n, n_k=n)
+
+
+def test_document_softcap_gqa(pkg, device):
+    doc = documents(2, 37, device)
+    d = doc.cpu().long()
+    check(pkg, device, torch.float32, causal=True, mods=("document", "softcap"),
+          kw={"doc": doc, "cap": 2.0}, score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+          mask=lambda b, h, i, j: d[b, i] == d[b, j], h=4, h_kv=1)
+
+
+def test_prefix_lm(pkg, device):
+    prefix = torch.tensor([5, 30], dtype=torch.int32, device=device)
+    p = prefix.cpu().long()
+    check(pkg, device, torch.float32, mods=("prefix_lm",), kw={"prefix_len": prefix},
+          mask=lambda b, h, i, j: (j < p[b]) | (j <= i))
+
+
+def test_window_sinks(pkg, device):
+    check(pkg, device, torch.float32, mods=("window_sinks",), kw={"sinks": 3, "window": 9},
+          mask=lambda b, h, i, j: (j <= i) & ((j < 3) | (i - j <= 9)), n_q=59, n_k=59)
+
+
+def test_sink_logits_with_gradient(pkg, device):
+    sinks = torch.tensor([0.7, -1.5], device=device).requires_grad_()
+    check(pkg, device, torch.float32, causal=True, mods=("sink_logits",), kw={"sinks": sinks},
+          sink="sinks", grads=("sinks",))
+
+
+def test_relative_bias(pkg, device):
+    rel = torch.randn(2, 2 * 6 + 1, generator=torch.Generator().manual_seed(3)).to(device)
+    r = rel.cpu().double()
+    check(pkg, device, torch.float32, mods=("relative_bias",),
+          kw={"rel_bias": rel, "max_distance": 6},
+          score=lambda s, b, h, i, j: s + r[h, (j - i + 6).clamp(0, 12)])
+
+
+# ----------------------------------------------------------------------------------------
+# scaled_dot_product_attention(attn_mask=...)
+# ----------------------------------------------------------------------------------------
+def sdpa_reference(q, k, v, bias):
+    s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias
+    return torch.softmax(s, -1) @ v.double()
+
+
+def test_sdpa_float_bias_gradient(pkg, device):
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, n, 32, generator=g).to(device).requires_grad_()
+               for n in (37, 29, 29))
+    bias = torch.randn(1, 2, 37, 29, generator=g).to(device).requires_grad_()  # broadcast over B
+    with pkg._runtime.override_config(**TILE):
+        out = pkg.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, bias)]
+    ref = sdpa_reference(*leaves)
+    want = torch.autograd.grad(ref, leaves, dout.cpu().double())
+    torch.testing.assert_close(out.detach().cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    for got, exp, name in zip((q.grad, k.grad, v.grad, bias.grad), want, "qkvb"):
+        assert got.shape == exp.shape, name
+        torch.testing.assert_close(got.cpu().double(), exp, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_sdpa_bool_padding_mask_and_empty_row(pkg, device):
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(3, 2, 33, 32, generator=g).to(device) for _ in range(3))
+    keep = torch.ones(3, 1, 1, 33, dtype=torch.bool)
+    keep[1, ..., 20:] = False  # padding of batch 1
+    keep = keep.expand(3, 1, 33, 33).clone()
+    keep[2, 0, 7] = False  # one query row sees nothing: its output must be 0
+    keep = keep.to(device)
+    with pkg._runtime.override_config(**TILE):
+        out = pkg.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    bias = torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep.cpu(), float("-inf"))
+    ref = torch.nan_to_num(sdpa_reference(q.cpu(), k.cpu(), v.cpu(), bias), nan=0.0)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    assert out[2, :, 7].abs().max() == 0
+
+
+def test_empty_row_poisoned_output(pkg):
+    # the runtime writes into a NaN-poisoned output: every row is written, a row that sees
+    # nothing gets 0 and LSE -inf
+    q, k, v = (t.detach().transpose(1, 2).contiguous()
+               for t in inputs(1, 5, 16, 2, 2, 32, torch.float32, "cpu"))
+    keep = torch.ones(1, 1, 5, 16, dtype=torch.bool)
+    keep[..., 3, :] = False
+    out = torch.full_like(q, float("nan"))
+    bias = pkg._mods.sdpa_mask(keep, q, k)
+    call = pkg._mods.prepare(("sdpa_mask",), {"bias": bias}, 1, 2, 5, 16, q.device)
+    with torch.no_grad(), pkg._runtime.override_config(**TILE):
+        lse = pkg._runtime.forward(q, k, v, out, mask="none", lo=-100, hi=100,
+                                   scale=32 ** -0.5, mods=call)
+    assert not torch.isnan(out).any()
+    assert (out[:, :, 3] == 0).all() and torch.isneginf(lse[:, :, 3]).all()
+    ref, ref_lse = reference(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                             mask=lambda b, h, i, j: i != 3)
+    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double()[:, :, [0, 1, 2, 4]], ref_lse[:, :, [0, 1, 2, 4]])
+
+
+# ----------------------------------------------------------------------------------------
+# Block sparsity: the lists the kernels walk
+# ----------------------------------------------------------------------------------------
+def test_block_mask_matches_brute_force_and_is_cached(pkg):
+    doc = documents(2, 70, "cpu")
+    call = pkg._mods.prepare(("document",), {"doc": doc}, 2, 2, 70, 70, torch.device("cpu"))
+    lo, hi = -71, 0  # causal
+    name = "fwd_causal_document_d32_fp32"
+    before = len(pkg._mods._states)
+    lists = call.sparse(name, 16, 32, False, lo, hi)
+    assert call.sparse(name, 16, 32, False, lo, hi) is lists  # cached by the mask's inputs
+    assert len(pkg._mods._states) == before + 1
+    full_cnt, full_idx, part_cnt, part_idx, sb, sh = lists
+    assert (sb, sh) == (1, 0)  # the document mask depends on b, not on h
+    i, j = torch.arange(70)[:, None], torch.arange(70)[None, :]
+    for b in range(2):
+        vis = (doc[b][:, None] == doc[b][None, :]) & (j <= i)
+        for m in range(5):
+            rows = vis[m * 16:(m + 1) * 16]
+            want_full, want_part = [], []
+            for n in range(3):
+                tile = rows[:, n * 32:(n + 1) * 32]
+                whole = tile.shape[0] == 16 and tile.shape[1] == 32 and bool(tile.all())
+                if whole:
+                    want_full.append(n)
+                elif tile.any():
+                    want_part.append(n)
+            assert full_idx[b, m, :full_cnt[b, m]].tolist() == want_full
+            assert part_idx[b, m, :part_cnt[b, m]].tolist() == want_part
+    # a new document layout (same tensor, written in place) is a new block mask
+    doc[0, :] = 0
+    call2 = pkg._mods.prepare(("document",), {"doc": doc}, 2, 2, 70, 70, torch.device("cpu"))
+    assert call2.sparse(name, 16, 32, False, lo, hi) is not lists
+
+
+# ----------------------------------------------------------------------------------------
+# Bad mod arguments: errors before any launch, naming the spec entry
+# ----------------------------------------------------------------------------------------
+def test_bad_mod_arguments(pkg):
+    q, k, v = inputs(2, 8, 8, 2, 2, 32, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"mods\.document.*`doc` has shape \(2, 5\)"):
+        pkg.flash_attn_func(q, k, v, mods=("document",), doc=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"`doc` is torch.int64, declared int32"):
+        pkg.flash_attn_func(q, k, v, mods=("document",), doc=torch.zeros(2, 8, dtype=torch.int64))
+    with pytest.raises(TypeError, match=r"reads tensor `doc`"):
+        pkg.flash_attn_func(q, k, v, mods=("document",))
+    with pytest.raises(TypeError, match=r"unexpected argument\(s\) \['cap'\]"):
+        pkg.flash_attn_func(q, k, v, mods=("document",), doc=torch.zeros(2, 8, dtype=torch.int32),
+                            cap=3.0)
+    with pytest.raises(ValueError, match=r"unknown mod 'softcapp'"):
+        pkg.flash_attn_func(q, k, v, mods=("softcapp",))
+    with pytest.raises(ValueError, match=r"no kernel `fwd_softcap_d32_fp32`.*add an entry"):
+        pkg.flash_attn_func(q, k, v, causal=False, mods=("softcap",))
+    with pytest.raises(NotImplementedError, match=r"`slope` requires grad"):
+        pkg.flash_attn_func(q, k, v, causal=True, mods=("alibi",),
+                            slope=torch.ones(2, requires_grad=True))
+    with pytest.raises(ValueError, match="cannot both be set"):
+        pkg.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=torch.ones(8, 8, dtype=torch.bool),
+                                         is_causal=True)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        pkg.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=torch.ones(3, 8, 8, dtype=torch.bool))
+
+
+def test_describe_lists_mods(pkg):
+    text = pkg.describe()
+    assert "softcap" in text and "cap * tanh(score / cap)" in text
+    assert "doc[b, q_idx] == doc[b, kv_idx]" in text

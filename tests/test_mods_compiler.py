@@ -1,0 +1,158 @@
+"""The mod expression compiler (flashgen/mods.py) and the spec's `mods:` / `variants:` keys:
+the whitelist, typed errors with file:line, and the symbolic derivative against torch
+autograd on the same expression."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from flashgen import mods as M
+from flashgen.errors import SpecError
+from flashgen.spec import parse_spec
+from flashgen.variants import variants_for
+
+SCORE = M.Expr("var", value="score")
+
+# expressions exercising every derivative rule; tensors t ([H] fp32) and u ([B, N] fp32)
+DERIVATIVE_CASES = {
+    "softcap": "cap * tanh(score / cap)",
+    "alibi": "score - t[h] * abs(q_idx - kv_idx)",
+    "products": "score * score * 0.1 + score / (2.0 + abs(score))",
+    "where": "where(score > 0.5, score * 3.0, exp(score) - 1.0)",
+    "ifexp": "score if q_idx >= kv_idx else -score * u[b, kv_idx]",
+    "minmax": "min(score, 2.0) + max(score * 0.5, -1.0)",
+    "logsqrt": "log(1.0 + score * score) + sqrt(score * score + 1.0)",
+    "neg": "-(score - 1.0) / cap",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DERIVATIVE_CASES))
+def test_derivative_matches_autograd(name):
+    tensors = {"t": M.parse_tensor_decl("t", "[H] fp32"), "u": M.parse_tensor_decl("u", "[B, N] fp32")}
+    expr = M.parse_expr(DERIVATIVE_CASES[name], "score", {"cap": 7.0}, tensors)
+    g = torch.Generator().manual_seed(0)
+    score = (torch.randn(2, 3, 5, 6, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    env = {"score": score, "b": torch.arange(2)[:, None, None, None],
+           "h": torch.arange(3)[None, :, None, None], "q_idx": torch.arange(5)[:, None],
+           "kv_idx": torch.arange(6)[None, :], "cap": 7.0,
+           "t": torch.rand(3, generator=g, dtype=torch.float64),
+           "u": torch.randn(2, 6, generator=g, dtype=torch.float64)}
+    value = M.to_torch(expr, env)
+    (auto,) = torch.autograd.grad(value.sum(), score)
+    symbolic = M.to_torch(M.derivative(expr, SCORE), env)
+    torch.testing.assert_close(torch.broadcast_to(torch.as_tensor(symbolic, dtype=torch.float64),
+                                                  auto.shape), auto)
+
+
+def test_derivative_wrt_a_tensor_element():
+    decl = {"bias": M.parse_tensor_decl("bias", "[B, H, Nq, Nk] fp32")}
+    expr = M.parse_expr("2.0 * tanh(score + bias[b, h, q_idx, kv_idx])", "score", {}, decl)
+    load = M.loads_of(expr)[0]
+    assert str(M.derivative(expr, load)) == str(M.derivative(expr, SCORE))
+
+
+def test_composed_score_mods_apply_in_order():
+    first = M.parse_expr("score + 1.0", "score", {}, {})
+    second = M.parse_expr("score * 2.0", "score", {}, {})
+    assert M.to_torch(M.combine([first, second]), {"score": 3.0}) == 8.0
+
+
+# ----------------------------------------------------------------------------------------
+# The whitelist: each kind of malformed expression
+# ----------------------------------------------------------------------------------------
+BAD = [
+    ("score", "score +", "syntax error"),
+    ("score", "foo(score)", "function not allowed: `foo`"),
+    ("score", "score ** 2", "operator not allowed"),
+    ("score", "score.real", "not allowed in a mod expression"),
+    ("score", "__import__('os')", "function not allowed"),
+    ("score", "'text'", "only numbers"),
+    ("score", "score + temperature", "unknown name `temperature`"),
+    ("score", "doc[b]", "has 2 dimensions"),
+    ("score", "doc[q_idx, kv_idx]", "along extent B the index must be b"),
+    ("score", "score + doc", "must be indexed"),
+    ("score", "score > 0", "must be a number, not a condition"),
+    ("score", "tanh(score, 2)", "tanh takes 1 argument"),
+    ("score", "abs(x=score)", "keyword arguments"),
+    ("score", "score and q_idx", "need conditions"),
+    ("mask", "score > 0", "only defined in a score mod"),
+    ("mask", "q_idx - kv_idx", "must be a condition"),
+    ("mask", "where(q_idx, 1, 0) > 0", "must be a comparison"),
+    ("sink", "q_idx * 1.0", "cannot depend on q_idx"),
+]
+
+
+@pytest.mark.parametrize("kind, text, message", BAD, ids=[t for _, t, _ in BAD])
+def test_malformed_expression(kind, text, message):
+    decl = {"doc": M.parse_tensor_decl("doc", "[B, N] int32")}
+    with pytest.raises(M.ModError, match=message.replace("(", r"\(").replace("*", r"\*")):
+        M.parse_expr(text, kind, {}, decl)
+
+
+SPEC = """\
+package: p
+head_dims: [64]
+dtypes: [bf16]
+masks: [none, causal]
+gpu: {{name: H100, sram_bytes: 232448}}
+mods:
+  cap: {{builtin: softcap, params: {{cap: 30.0}}}}
+  mine:
+    {kind}: "{expr}"
+    tensors: {{doc: "[B, N] int32"}}
+variants:
+  - {{mask: causal, mods: [cap]}}
+"""
+
+
+def test_spec_error_names_file_line_key_and_token():
+    with pytest.raises(SpecError) as e:
+        parse_spec(SPEC.format(kind="mask", expr="doc[b, q_idx] == doc[b, kv_idx] or cos(q_idx)"),
+                   "m.yaml")
+    msg = str(e.value)
+    assert "m.yaml:9" in msg and "mods.mine.mask" in msg and "`cos`" in msg
+    assert "tanh" in msg  # says what is allowed
+
+
+def test_spec_mod_errors():
+    ok = SPEC.format(kind="mask", expr="doc[b, q_idx] == doc[b, kv_idx]")
+    spec = parse_spec(ok, "m.yaml")
+    names = {v.name for v in variants_for(spec)}
+    assert {"fwd_causal_cap_d64_bf16", "bwd_causal_cap_d64_bf16", "fwd_sdpa_mask_d64_bf16"} <= names
+    with pytest.raises(SpecError, match=r"m\.yaml:12.*'nope' is not defined"):
+        parse_spec(ok.replace("mods: [cap]", "mods: [nope]"), "m.yaml")
+    with pytest.raises(SpecError, match=r"is declared but the expression does not use it"):
+        parse_spec(SPEC.format(kind="mask", expr="q_idx >= kv_idx"), "m.yaml")
+    with pytest.raises(SpecError, match=r"built-in `softcap` has no param `cup`"):
+        parse_spec(ok.replace("cap: 30.0", "cup: 30.0"), "m.yaml")
+    with pytest.raises(SpecError, match=r"unknown built-in `softcapp`"):
+        parse_spec(ok.replace("builtin: softcap", "builtin: softcapp"), "m.yaml")
+    with pytest.raises(SpecError, match=r"'causal' cannot name a mod"):
+        parse_spec(ok.replace("  cap: {builtin", "  causal: {builtin"), "m.yaml")
+    with pytest.raises(SpecError, match=r"exactly one of score, mask, sink"):
+        parse_spec(ok.replace('    mask: "doc', '    score: "1.0"\n    mask: "doc'), "m.yaml")
+    two = ok.replace("  - {mask: causal, mods: [cap]}",
+                     "  - {mask: causal, mods: [cap]}\n  - {mask: causal, mods: [cap]}")
+    with pytest.raises(SpecError, match="listed twice"):
+        parse_spec(two, "m.yaml")
+    no_sdpa = parse_spec(ok + "attn_mask: false\n", "m.yaml")
+    assert not any("sdpa_mask" in v.name for v in variants_for(no_sdpa))
+
+
+def test_cli_exit_code_2_on_a_bad_mod(tmp_path):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(SPEC.format(kind="score", expr="score ** 2 + doc[b, q_idx]"))
+    res = subprocess.run([sys.executable, "-m", "flashgen", "plan", str(spec)],
+                         capture_output=True, text=True)
+    assert res.returncode == 2
+    assert "bad.yaml:9" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_builtins_parse():
+    for name in M.BUILTINS:
+        mod = M.builtin_mod(name, name)
+        assert mod.kind in M.KINDS and mod.source
