@@ -53,7 +53,7 @@ from pathlib import Path
 
 from .resources import CHECKOUT_DIR, bundled_spec
 
-SUITES = ("training", "dropout", "decode", "small")
+SUITES = ("training", "dropout", "decode", "small", "mods")
 TRAINING_N = (512, 1024, 2048, 4096, 8192, 16384)
 TRAINING_D = (64, 128)
 DROPOUT_N = (1024, 4096)
@@ -72,16 +72,18 @@ DROPOUT_SPEC = "bench/dropout_d128.yaml"
 # provider name -> what it is (the dry run and the table's headers)
 PROVIDERS = {
     "flashgen": "the generated package (gpt2_attn for d=64, llama_attn for d=128; "
-                "bench_dropout_attn for the dropout suite)",
+                "bench_dropout_attn for the dropout suite, mods_attn for the mods suite)",
     "flashgen_p0": "flashgen's dropout package at p=0 (dropout suite: its own baseline)",
     "flashgen_tl": "the same package with every call on the `tl` kernel family (on Hopper the "
                    "package's default is the Gluon family where a variant has one)",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
     "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
-    "flex": "torch.compile(flex_attention), causal BlockMask from create_block_mask",
+    "flex": "torch.compile(flex_attention), causal BlockMask from create_block_mask (mods suite: "
+            "the same score_mod / mask_mod as flashgen's mod)",
     "naive": "PyTorch matmul-softmax-matmul (N <= 8192 only)",
 }
+MODS_PROVIDERS = ("flashgen", "flex")
 TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
@@ -89,7 +91,7 @@ DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdp
 # sdpa_flash, sdpa_cudnn, flex; --providers filters them by prefix
 DECODE_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex")
 
-CSV_FIELDS = ("gpu", "torch", "triton", "spec_sha", "suite", "mode", "d", "causal", "b", "h",
+CSV_FIELDS = ("gpu", "torch", "triton", "spec_sha", "suite", "mod", "mode", "d", "causal", "b", "h",
               "h_kv", "n", "p", "provider", "status", "ms", "tflops", "gbps", "host_us",
               "wall_us", "note")
 
@@ -109,10 +111,14 @@ class Case:
     n: int
     p: float = 0.0
     providers: tuple = field(default=(), compare=False)
+    mod: str = ""  # the mods suite's case (bench_mods.MOD_CASES)
 
     def label(self) -> str:
         causal = "causal" if self.causal else "full"
         p = f" p={self.p}" if self.p else ""
+        if self.suite == "mods":
+            return (f"{self.suite:8s} {self.mode} d={self.d} {self.mod:12s} B={self.b} "
+                    f"H={self.h} N={self.n}")
         if self.suite == "decode":
             return (f"{self.suite:8s} 1 query token d={self.d} B={self.b} Hq={self.h} "
                     f"Hkv={self.h // 4} KV={self.n}")
@@ -156,6 +162,15 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
                 for n in (ns or DECODE_N):
                     cases.append(Case(s, "fwd", 128, True, b, 32, n,
                                       providers=_keep(DECODE_PROVIDERS, providers)))
+        elif s == "mods":
+            from .bench_mods import MOD_CASES, MODS_D, MODS_H, MODS_N
+            for mode in modes:
+                for d in (ds or MODS_D):
+                    for mod, (_, _, causal_flops) in MOD_CASES.items():
+                        for n in (ns or MODS_N):
+                            cases.append(Case(s, mode, d, causal_flops, max(TOKENS // n, 1),
+                                              MODS_H, n, providers=_keep(MODS_PROVIDERS, providers),
+                                              mod=mod))
         elif s == "small":
             for b, n in SMALL_SHAPES:
                 for causal in causals:
@@ -281,7 +296,8 @@ def _cell(row):
 
 
 def _group_key(row):
-    return (row["suite"], row["mode"], row["d"], row["causal"], row.get("p") or 0.0)
+    return (row["suite"], row.get("mod") or "", row["mode"], row["d"], row["causal"],
+            row.get("p") or 0.0)
 
 
 def markdown_tables(rows) -> str:
@@ -293,7 +309,7 @@ def markdown_tables(rows) -> str:
         groups.setdefault(_group_key(r), []).append(r)
     units = {"decode": "GB/s", "small": "ms per call"}
     out = []
-    for (suite, mode, d, causal, p), grp in groups.items():
+    for (suite, mod, mode, d, causal, p), grp in groups.items():
         providers = list(dict.fromkeys(r["provider"] for r in grp))
         base = next((x for x in providers if x in ("flashgen", "flashgen_s0")), None)
         peers = [x for x in providers if not x.startswith("flashgen") or x == "flashgen_tl"]
@@ -301,6 +317,9 @@ def markdown_tables(rows) -> str:
         cell = {(r["b"], r["n"], r["provider"]): r for r in grp}
         title = (f"**{suite}: {mode}, d={d}, {'causal' if causal else 'not causal'}"
                  f"{f', p={p}' if p else ''}** ({units.get(suite, 'TFLOP/s')})")
+        if mod:
+            title = (f"**{suite}: {mod}, {mode}, d={d}** (TFLOP/s, "
+                     f"{'causal' if causal else 'dense'} FLOP count)")
         head = ["B", "N", *providers] + ([f"{base} vs {x}" for x in peers] if base else [])
         out += [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for b, n in shapes:
@@ -438,10 +457,23 @@ class Providers:
             return load_package(self.spec)
         return load_package(None, d, dropout)
 
+    def mods_inputs(self, case, device="cuda"):
+        """(flashgen kwargs, FlexAttention (score_mod, block_mask)) of a mods case."""
+        from . import bench_mods
+        key = (case.mod, case.b, case.h, case.n)
+        if key not in self._masks:
+            kw = bench_mods.inputs(case.mod, case.b, case.h, case.n, device)
+            self._masks[key] = (kw, None)
+        kw, flex = self._masks[key]
+        return kw, flex
+
     def get(self, name, case):
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if case.suite == "mods":
+            return self._get_mods(name, case)
 
         if name in ("flashgen", "flashgen_p0", "flashgen_tl"):
             pkg, _ = self.package(case.d, dropout=case.suite == "dropout")
@@ -495,6 +527,35 @@ class Providers:
                 return a @ v
             return run
         raise ValueError(f"unknown provider {name!r}")
+
+
+    def _get_mods(self, name, case):
+        import torch
+
+        from . import bench_mods
+        band, mods, _ = bench_mods.MOD_CASES[case.mod]
+        kw, _ = self.mods_inputs(case)
+        if name == "flashgen":
+            pkg, _ = load_package(bundled_spec(bench_mods.MODS_SPEC))
+
+            def run(q, k, v, causal, p):
+                return pkg.scaled_dot_product_attention(q, k, v, is_causal=band, mods=mods, **kw)
+            return run
+        if name == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+            if self._flex is None:
+                _raise_recompile_limit()
+                self._flex = torch.compile(flex_attention, dynamic=False)
+            compiled = self._flex
+            key = ("flex", case.mod, case.b, case.h, case.n)
+            if key not in self._masks:
+                self._masks[key] = bench_mods.flex_mods(case.mod, kw, case.b, case.h, case.n, "cuda")
+            score_mod, block_mask = self._masks[key]
+
+            def run(q, k, v, causal, p):
+                return compiled(q, k, v, score_mod=score_mod, block_mask=block_mask)
+            return run
+        raise ValueError(f"provider {name!r} has no mods rows")
 
 
 def _reference(q, k, v, causal):
@@ -563,14 +624,25 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None):
     for case in cases:
         q, k, v = (torch.randn(case.b, case.h, case.n, case.d, device="cuda",
                                dtype=torch.bfloat16) for _ in range(3))
-        ref = _reference(q, k, v, case.causal)
+        if case.suite == "mods":
+            from . import bench_mods
+            ref = bench_mods.reference(case.mod, provs.mods_inputs(case)[0], q, k, v)
+        else:
+            ref = _reference(q, k, v, case.causal)
         for name in case.providers:
             row = {**meta, **{k_: v_ for k_, v_ in asdict(case).items() if k_ != "providers"},
                    "provider": name, "h_kv": case.h, "status": "ok"}
             try:
-                if name.startswith("flashgen"):
+                if name.startswith("flashgen") and case.suite != "mods":
                     row["spec_sha"] = provs.package(case.d, case.suite == "dropout")[1]
                 fn = provs.get(name, case)
+                if case.suite == "mods" and name == "flashgen":
+                    from . import bench_mods
+                    pkg, row["spec_sha"] = load_package(bundled_spec(bench_mods.MODS_SPEC))
+                    before = bench_mods.triton_binaries(pkg)
+                    fn(q, k, v, case.causal, 0.0)
+                    row["note"] = (f"{bench_mods.triton_binaries(pkg) - before} new binaries "
+                                   "at this shape")
                 wrong = _check(fn, q, k, v, case, ref)
                 if wrong:
                     row["status"] = wrong

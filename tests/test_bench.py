@@ -241,3 +241,34 @@ def test_helpers():
     assert suite.spec_sha(ROOT / "generated" / "gpt2_attn")  # a hex sha from the header
     assert suite.result_name("training") == "bench_training"
     assert suite.result_name("training", None, [64], ["bwd"]) == "bench_training_bwd_d64"
+
+
+def test_mods_suite_cases_and_its_flashgen_call_match_its_reference():
+    """The mods suite's cases, and, for each, the flashgen call it times (the mods_attn
+    package, tiny shapes in the interpreter) against the suite's own float32 reference
+    that applies the mod by hand: the bench would report WRONG on a disagreement."""
+    import torch
+
+    from flashgen import bench_mods
+
+    cases = suite.plan_cases("mods", ns=[4096], ds=[128], modes=("fwd",))
+    assert [c.mod for c in cases] == list(bench_mods.MOD_CASES)
+    assert all(c.providers == ("flashgen", "flex") and c.b == 4 and c.h == 16 for c in cases)
+    provs = suite.Providers()
+    for mod in bench_mods.MOD_CASES:
+        case = suite.Case("mods", "fwd", 64, True, 2, 2, 40, mod=mod)
+        kw = bench_mods.inputs(mod, case.b, case.h, case.n, "cpu")
+        provs._masks[(mod, case.b, case.h, case.n)] = (kw, None)
+        fn = provs.get("flashgen", case)
+        g = torch.Generator().manual_seed(1)
+        q, k, v = (torch.randn(2, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+        if mod == "window_sinks":  # a window shorter than the test sequence
+            kw.update(window=9)
+            bench_mods.WINDOW, saved = 9, bench_mods.WINDOW
+        try:
+            out = fn(q, k, v, case.causal, 0.0)
+            ref = bench_mods.reference(mod, kw, q, k, v)
+        finally:
+            if mod == "window_sinks":
+                bench_mods.WINDOW = saved
+        assert (out[:1, :2].float() - ref).abs().max() < 3e-2, mod

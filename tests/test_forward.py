@@ -290,10 +290,18 @@ def test_bad_input_raises_before_launch(pkg, monkeypatch, case, match):
         pkg.flash_attn_func(q, k, v, **kwargs)
 
 
-def test_sdpa_attn_mask_not_supported(pkg):
-    q, k, v = (t.transpose(1, 2) for t in _qkv())
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        pkg.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
+def test_sdpa_attn_mask_needs_the_spec_key(tmp_path):
+    """attn_mask works by default (tests/test_mods.py); a package built with
+    `attn_mask: false` says which key to set."""
+    small = build_and_import(tmp_path, "fg_test_noattnmask", """
+        head_dims: [64]
+        dtypes: [fp32]
+        masks: [none]
+        attn_mask: false
+        """)
+    q, k, v = (t.transpose(1, 2) for t in _qkv(torch.float32))
+    with pytest.raises(NotImplementedError, match="attn_mask: true"):
+        small.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(16, 16, dtype=torch.bool))
 
 
 def test_package_without_a_mask_names_the_spec_field(tmp_path):

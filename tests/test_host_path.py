@@ -56,8 +56,9 @@ def test_a_cached_signature_still_rejects_bad_arguments(pkg, device):
     pkg.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     with pytest.raises(ValueError, match="dropout_p must be a number in"):
         pkg.scaled_dot_product_attention(q, k, v, dropout_p=1.5)
-    with pytest.raises(NotImplementedError):
-        pkg.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool))
+    with pytest.raises(ValueError, match="cannot both be set"):
+        pkg.scaled_dot_product_attention(q, k, v, attn_mask=torch.ones(40, 40, dtype=torch.bool),
+                                         is_causal=True)
     with pytest.raises(ValueError, match="must share a dtype"):
         pkg.scaled_dot_product_attention(q, k.double(), v)
     with pytest.raises(ValueError, match="window_size"):

@@ -25,7 +25,7 @@ from flashgen.build import build
 from flashgen.emit import GENERATED_MARK
 from flashgen.errors import SpecError
 from flashgen.plan import plan_spec
-from flashgen.render import environment, gluon_reason, kernel_context, registry_context, render_kernel, \
+from flashgen.render import environment, gluon_reason, kernel_context, mod_context, registry_context, render_kernel, \
     render_package
 from flashgen.spec import load_spec, parse_spec
 from flashgen.variants import Variant, variants_for
@@ -304,10 +304,10 @@ def test_templates_use_strict_undefined():
     assert env.undefined is jinja2.StrictUndefined
     spec = parse_spec(spec_text("strict", dtypes=("fp16",)))
     variant = Variant("fwd", "causal", False, 64, "fp16")
-    context = kernel_context(spec, variant)
+    context = {**kernel_context(spec, variant), **mod_context(spec, variant)}
     template = env.get_template(variant.template)
     template.render(**context)  # the full context renders
-    for key in ("header", "chunks", "head_dim", "name", "dot_kwargs"):
+    for key in ("header", "chunks", "head_dim", "name", "dot_kwargs", "mods", "score_mod"):
         partial = {k: v for k, v in context.items() if k != key}
         with pytest.raises(jinja2.UndefinedError):
             template.render(**partial)

@@ -502,7 +502,7 @@ def test_the_best_config_reaches_the_built_package(tuned_pkg):
         assert all(type(cfg[k]) is int for k in ("block_m", "block_n", "num_warps", "num_stages"))
         assert type(cfg["tma"]) is bool
     text = pkg.describe()
-    assert f"{FAKE_KEY}: 1 of 2 variants, 2 (variant, bucket) configs" in text
+    assert f"{FAKE_KEY}: 1 of 4 variants, 2 (variant, bucket) configs" in text
     assert f"triton {data['versions']['triton']}" in text
 
 

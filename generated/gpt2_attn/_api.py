@@ -18,7 +18,7 @@ full path; the cache is eager-only).
 """
 import torch
 
-from . import _ops, _runtime
+from . import _mods, _ops, _runtime
 
 # The window of a call that passes none (`window_size=None`, and every SDPA call): the
 # spec's `window` when the package was built for sliding_window alone (a sliding-window
@@ -52,10 +52,20 @@ def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p,
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
-                                 is_causal=False, scale=None, enable_gqa=False):
+                                 is_causal=False, scale=None, enable_gqa=False, *, mods=None,
+                                 **mod_args):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, d). A
-    package built for sliding_window alone applies the spec's window (DEFAULT_WINDOW)."""
-    if attn_mask is None and not _compiling():
+    package built for sliding_window alone applies the spec's window (DEFAULT_WINDOW).
+
+    attn_mask: a boolean (True = attend) or additive float mask broadcastable to
+    (B, H, N_q, N_k), as in PyTorch; a float mask that requires grad gets its gradient.
+    A row that attends to nothing gives 0 (PyTorch's math backend gives NaN).
+    mods: names of the spec's mods (a variant in its `variants:`), their tensors and
+    params as keyword arguments, e.g. mods=("softcap",), cap=30.0."""
+    if mods is not None or mod_args or attn_mask is not None:
+        return _sdpa_mods(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                          enable_gqa, mods, mod_args)
+    if not _compiling():
         try:
             signature = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
                          value.stride(), query.dtype, key.dtype, value.dtype, query.device,
@@ -76,13 +86,36 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
+def _sdpa_mods(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, mods,
+               mod_args):
+    """scaled_dot_product_attention with an attn_mask or the spec's mods."""
+    _runtime.check_tensors(query, key, value)
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(
+            f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
+            "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
+    if attn_mask is not None:
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot both be set (as in PyTorch): "
+                             "fold the causal mask into attn_mask")
+        if mods is not None or "bias" in mod_args:
+            raise ValueError("attn_mask is its own mod (sdpa_mask): pass mods or attn_mask, "
+                             "not both")
+        mods, mod_args = ("sdpa_mask",), {**mod_args, "bias": _mods.sdpa_mask(attn_mask, query, key)}
+    elif mods is None:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
+                        "need mods=(...)")
+    _runtime.check_dropout(dropout_p)
+    scale = _runtime.softmax_scale(scale, query.shape[-1])
+    mask, lo, hi = _runtime.band(query.shape[2], key.shape[2], bool(is_causal),
+                                 DEFAULT_WINDOW or _NO_WINDOW, False)
+    out, _ = _mods.attention(query, key, value, mods, mod_args, bnhd=False, mask=mask, lo=lo,
+                             hi=hi, scale=scale, dropout_p=dropout_p)
+    return out
+
+
 def _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
     """scaled_dot_product_attention with every argument checked."""
-    if attn_mask is not None:
-        raise NotImplementedError(
-            "attn_mask is not supported: flashgen kernels build their masks in the kernel. "
-            "Use is_causal=True, or flash_attn_func(..., window_size=(left, right)) for a "
-            "sliding window")
     _runtime.check_tensors(query, key, value)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(
@@ -95,11 +128,27 @@ def _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=None, return_lse=False):
+                    window_size=None, return_lse=False, *, mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_func on (B, N, H, d) tensors. With return_lse,
     returns (out, lse) where lse is (B, H, N_q) fp32 in natural log (-inf for a row that
     sees no key). window_size=None is DEFAULT_WINDOW: no window, as in flash-attn, except in
-    a package built for sliding_window alone, where it is the spec's window."""
+    a package built for sliding_window alone, where it is the spec's window.
+
+    mods: names of the spec's mods (one of its `variants:` with this call's mask), their
+    tensors and params as keyword arguments: e.g. mods=("document",), doc=doc_ids. The mods'
+    q_idx / kv_idx are row and column of the score matrix (0-based); causal alignment
+    stays bottom-right."""
+    if mods is not None or mod_args:
+        if mods is None:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod "
+                            "arguments need mods=(...)")
+        _runtime.check_tensors(q, k, v, bnhd=True)
+        _runtime.check_dropout(dropout_p)
+        mask, lo, hi = _flash_band(q.shape[1], k.shape[1], causal, window_size)
+        out, lse = _mods.attention(q, k, v, mods, mod_args, bnhd=True, mask=mask, lo=lo, hi=hi,
+                                   scale=_runtime.softmax_scale(softmax_scale, q.shape[-1]),
+                                   dropout_p=dropout_p)
+        return (out, lse) if return_lse else out
     if not _compiling():
         try:
             signature = (q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),

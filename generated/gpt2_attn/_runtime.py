@@ -135,14 +135,25 @@ def check_window(window_size) -> tuple:
 # ----------------------------------------------------------------------------------------
 # Dispatch: call -> kernel variant -> launch config
 # ----------------------------------------------------------------------------------------
-def variant_name(kind: str, mask: str, dropout: bool, head_dim: int, dtype: str) -> str:
-    words = [kind, _MASK_WORDS[mask], "dropout" if dropout else "", f"d{head_dim}", dtype]
+def variant_name(kind: str, mask: str, dropout: bool, head_dim: int, dtype: str,
+                 mods: tuple = ()) -> str:
+    words = [kind, _MASK_WORDS[mask], *mods, "dropout" if dropout else "", f"d{head_dim}", dtype]
     return "_".join(w for w in words if w)
 
 
-def find_variant(kind: str, mask: str, dropout: bool, head_dim: int, dtype: str) -> str:
-    name = variant_name(kind, mask, dropout, head_dim, dtype)
+def find_variant(kind: str, mask: str, dropout: bool, head_dim: int, dtype: str,
+                 mods: tuple = ()) -> str:
+    name = variant_name(kind, mask, dropout, head_dim, dtype, mods)
     if name not in VARIANTS:
+        if mods:
+            built = sorted({(f["mask"], "+".join(f["mods"])) for f in VARIANTS.values()
+                            if f.get("mods")})
+            raise ValueError(
+                f"{PACKAGE} has no kernel `{name}` (mask `{mask}` with mods "
+                f"{'+'.join(mods)}); its mod variants are "
+                f"{', '.join(f'{m} with {c}' for m, c in built) or 'none'}: add an entry "
+                f"with mask: {mask} and mods: [{', '.join(mods)}] to `variants` in "
+                f"{BUILT_FOR['spec']} and rebuild")
         if mask not in BUILT_FOR["masks"]:
             raise ValueError(
                 f"this call needs the `{mask}` mask but {PACKAGE} was built for masks "
@@ -384,6 +395,13 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     if config is None:
         gpu, smem, sms = gpu_key(device)
         tuned = TUNED.get(gpu, {}).get(name)
+        facts = VARIANTS[name]
+        if not tuned and facts.get("mods"):
+            # a variant with mods is not tuned yet: its base variant's configs (the same
+            # kernel but for the mods' few extra operations per score) are the best guess
+            base = variant_name(facts["kind"], facts["mask"], facts["dropout"],
+                                facts["head_dim"], facts["dtype"])
+            tuned = TUNED.get(gpu, {}).get(base)
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
                  and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"],
                                             VARIANTS[name]["head_dim"]))
@@ -480,24 +498,26 @@ _forward_plans = {}
 _MAX_PLANS = 1024
 
 
-def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
+def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
     """Everything about a forward launch that depends only on shapes, strides, dtype,
-    device and mask: computed once per call signature, then reused."""
+    device and mask: computed once per call signature, then reused. The last field is
+    the (variant, tile) of a block mask, for a variant with a mask mod."""
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
     _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
     lse_shape = (batch, h_q, n_q)
     scratch = (torch.empty(lse_shape, device=q.device, dtype=torch.float32)
                if batch * h_q * n_q <= _SCRATCH_MAX else None)
     if batch * h_q * n_q == 0:
-        return None, (), False, lse_shape, scratch
-    name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
+        return None, (), False, lse_shape, scratch, None
+    name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
+                        mods.names if mods is not None else ())
     cfg = launch_config(name, q.device, max(n_q, n_k))
     if cfg.get("family") == "gluon":
         why = (_gluon_too_small(batch, h_q, n_q, n_k, d, mask)
                or gluon_call_reason(name, q, k, v, o, bnhd))
         if why is None:
             launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale)
-            return launch, args, _GLUON, lse_shape, scratch
+            return launch, args, _GLUON, lse_shape, scratch, None
         cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
     args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
@@ -508,7 +528,9 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout):
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch
+    sparse = ((name, cfg["block_m"], cfg["block_n"], False)
+              if mods is not None and mods.block_sparse else None)
+    return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch, sparse
 
 
 def _gluon_too_small(batch, h_q, n_q, n_k, d, mask) -> "str | None":
@@ -606,12 +628,15 @@ _SCRATCH_MAX = 1 << 20  # LSE elements: a no-grad call's LSE up to this size goe
 
 
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
-            dropout_p: float = 0.0, rng=None, bnhd: bool = False, need_lse: bool = True):
+            dropout_p: float = 0.0, rng=None, bnhd: bool = False, need_lse: bool = True,
+            mods=None):
     """Run the forward kernel on (B, H, N, d) tensors, or (B, N, H, d) ones with bnhd;
     writes o in place, returns the LSE as a contiguous (B, H, N_q) fp32 tensor. `rng` is
     the call's (seed, stream) tensor when dropout_p > 0. With need_lse=False (a call that
     discards the LSE) a small LSE is written to a scratch buffer of the launch plan, saving
     an allocation per call; what it returns then is only valid until the next such call.
+    `mods` is a `_mods.Call` (the call's validated mod tensors and params) for a variant
+    with mods, else None.
 
     This runs on every call: everything derived from the call's shapes, strides, dtype,
     device, mask and pointer alignment is computed once per signature (a launch plan) and
@@ -625,14 +650,15 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         drop, widths = _NO_DROP, None
     key = (bnhd, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
            q.device, mask, lo, hi, scale, widths, q.data_ptr() % 16 == 0,
-           k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
+           k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
+           mods.signature if mods is not None else None)
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
             _forward_plans.clear()
         plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
-                                                   widths is not None)
-    launch, args, tma, lse_shape, scratch = plan
+                                                   widths is not None, mods)
+    launch, args, tma, lse_shape, scratch, sparse = plan
     if need_lse or scratch is None:
         lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)
     else:
@@ -643,6 +669,9 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         _descriptor_allocator()
     if tma == _GLUON:
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop))
+    elif mods is not None:
+        launch(q, k, v, o, lse, *args, *drop, *mods.args,
+               *(mods.sparse(*sparse, lo, hi) if sparse else ()))
     else:
         launch(q, k, v, o, lse, *args, *drop)
     return lse
@@ -681,13 +710,16 @@ _backward_plans = {}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
-             dropout_p: float = 0.0, rng=None):
+             dropout_p: float = 0.0, rng=None, mods=None):
     """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
     `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream.
 
     Like the forward, everything but the tensors' addresses and the dropout stream is
     computed once per call signature (a backward plan: three Launchers and their integer
-    arguments), so a repeated call allocates its scratch and launches three kernels."""
+    arguments), so a repeated call allocates its scratch and launches three kernels.
+    `mods`: the forward's `_mods.Call`, with `grad_buffers` set to where the gradients of
+    the mods' tensors go. Returns D = rowsum(dO * O), (B, H_q, N_q) fp32 (None for an
+    empty call or the Gluon kernel), which a sink's gradient needs."""
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
@@ -697,20 +729,21 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
            dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
            widths, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
            do.data_ptr() % 16 == 0,  # o, dq, dk, dv: fresh allocations, always aligned
-           torch.are_deterministic_algorithms_enabled())
+           torch.are_deterministic_algorithms_enabled(),
+           mods.signature if mods is not None else None)
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
             _backward_plans.clear()
         plan = _backward_plans[key] = _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo,
-                                                     hi, scale, widths is not None)
+                                                     hi, scale, widths is not None, mods)
     if plan is None:  # empty: no key, query, batch or head
         dq.zero_()
         dk.zero_()
         dv.zero_()
         return
     (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, delta_shape, fused, acc_shape,
-     locks_shape, tma) = plan
+     locks_shape, tma, tiles) = plan
     if fused == _BWD_GLUON:  # one Gluon kernel; dQ summed in fp32 by TMA reduce-adds
         # its LSE and D rows start on 16-byte boundaries (TMA): with N_q not a multiple of 4
         # they are padded (D's padding zeroed: masked rows must see a finite D)
@@ -727,7 +760,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         _descriptor_allocator()
         dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args)
         dq.copy_(dq_acc.view(dq.shape))
-        return
+        return None
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
     pre(o, do, delta, *pre_args, delta_shape[-1])
     if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
@@ -737,20 +770,28 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dq_acc = locks = delta  # unused
     if tma:
         _descriptor_allocator()
+    if mods is not None:
+        dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop, *mods.args,
+             *mods.grad_args(), *(mods.sparse(*tiles[0], lo, hi) if tiles else ()))
+        dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *mods.args,
+                  *(mods.sparse(*tiles[1], lo, hi) if tiles else ()))
+        return delta
     dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop)
     if fused:
         dq.copy_(dq_acc.view(dq.shape))
-        return
+        return delta
     dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop)
+    return delta
 
 
-def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
+def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mods=None):
     """The launches of a backward call signature (see backward), or None when it is empty."""
     batch, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     if batch * h_q * n_q * n_k == 0:
         return None
-    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype])
+    names = mods.names if mods is not None else ()
+    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names)
     cfg = launch_config(name, q.device, max(n_q, n_k))
     pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
                    dict(BLOCK_M=PREPROCESS_BLOCK))
@@ -761,7 +802,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
         if why is None:
             launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name)
             return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
-                    (batch * h_q, n_q, d), None, True)
+                    (batch * h_q, n_q, d), None, True, None)
         cfg = PLANNED[name]  # the `tl` kernels at the planner's tiles serve this call
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
@@ -770,12 +811,15 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
                          f"{sorted(map(repr, _FUSED_DQ_MODES))}")
     if fused == 2 and _interpreting():  # the interpreter runs no inline PTX
         fused = 1
+    if mods is not None:  # the turn order of fused dQ assumes the band's block ranges
+        fused = 0
     group = h_q // h_kv
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(*((t, t.stride()) for t in (q, do, k, v)))
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
     dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(n_k, block_n)),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, USE_TMA=tma,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                         **(mods.grad_flags if mods is not None else {})))
     dkdv_args = (q.stride(0), q.stride(1), q.stride(2),
                  k.stride(0), k.stride(1), k.stride(2),
                  v.stride(0), v.stride(1), v.stride(2),
@@ -797,8 +841,12 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout):
                n_q, n_k, h_q, group, scale * LOG2E, scale, lo, hi)
     acc_shape = (batch * h_q, n_q, d)
     locks_shape = (batch * h_q * triton_cdiv(n_q, block_m),)
+    tiles = None
+    if mods is not None and mods.block_sparse:
+        fwd = variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names)
+        tiles = ((fwd, block_m, block_n, True), (fwd, dq_m, dq_n, False))
     return (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, (batch, h_q, n_q), fused,
-            acc_shape, locks_shape, tma)
+            acc_shape, locks_shape, tma, tiles)
 
 
 _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics

@@ -114,7 +114,31 @@ VARIANTS = {'fwd_d128_fp16': {'kind': 'fwd',
                              'mask': 'sliding_window',
                              'dropout': False,
                              'head_dim': 128,
-                             'dtype': 'bf16'}}
+                             'dtype': 'bf16'},
+ 'fwd_sdpa_mask_d128_fp16': {'kind': 'fwd',
+                             'mask': 'none',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'fp16',
+                             'mods': ['sdpa_mask']},
+ 'fwd_sdpa_mask_d128_bf16': {'kind': 'fwd',
+                             'mask': 'none',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'bf16',
+                             'mods': ['sdpa_mask']},
+ 'bwd_sdpa_mask_d128_fp16': {'kind': 'bwd',
+                             'mask': 'none',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'fp16',
+                             'mods': ['sdpa_mask']},
+ 'bwd_sdpa_mask_d128_bf16': {'kind': 'bwd',
+                             'mask': 'none',
+                             'dropout': False,
+                             'head_dim': 128,
+                             'dtype': 'bf16',
+                             'mods': ['sdpa_mask']}}
 
 # canonical variant name -> the planner's launch config for TARGET_GPU
 PLANNED = {'fwd_d128_fp16': {'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 2},
@@ -134,7 +158,11 @@ PLANNED = {'fwd_d128_fp16': {'block_m': 128, 'block_n': 128, 'num_warps': 8, 'nu
  'decode_causal_d128_fp16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
  'decode_causal_d128_bf16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
  'decode_window_d128_fp16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
- 'decode_window_d128_bf16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3}}
+ 'decode_window_d128_bf16': {'block_m': 16, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
+ 'fwd_sdpa_mask_d128_fp16': {'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 2},
+ 'fwd_sdpa_mask_d128_bf16': {'block_m': 128, 'block_n': 128, 'num_warps': 8, 'num_stages': 2},
+ 'bwd_sdpa_mask_d128_fp16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4},
+ 'bwd_sdpa_mask_d128_bf16': {'block_m': 32, 'block_n': 128, 'num_warps': 8, 'num_stages': 4}}
 
 # GPU key -> canonical variant name -> bucket -> launch config
 TUNED = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'fwd_d128_fp16': {512: {'block_m': 128,
@@ -763,4 +791,31 @@ GLUON = {'fwd_d128_fp16': None,
  'decode_window_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
                             'GPU',
  'decode_window_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
-                            'GPU'}
+                            'GPU',
+ 'fwd_sdpa_mask_d128_fp16': 'mods are rendered into the `tl` kernels only so far',
+ 'fwd_sdpa_mask_d128_bf16': 'mods are rendered into the `tl` kernels only so far',
+ 'bwd_sdpa_mask_d128_fp16': 'mods are rendered into the `tl` kernels only so far',
+ 'bwd_sdpa_mask_d128_bf16': 'mods are rendered into the `tl` kernels only so far'}
+
+# mod name -> its declaration in the spec (kind, expression, params with their defaults,
+# tensors as [name, extents, dtype]); only the mods some variant uses
+MODS = {'sdpa_mask': {'kind': 'score',
+               'source': 'score + bias[b, h, q_idx, kv_idx]',
+               'builtin': 'bias',
+               'doc': "an additive bias broadcastable to (B, H, Nq, Nk): SDPA's float "
+                      'attn_mask (a boolean mask becomes 0 / -inf)',
+               'params': {},
+               'tensors': [['bias', ['B', 'H', 'Nq', 'Nk'], 'fp32']]}}
+
+# "+"-joined mod names of a variant -> what the runtime needs to call it: tensor and param
+# arguments in kernel order, whether it takes a block mask (and whether that mask depends
+# on b / h), the tensors whose gradient the backward writes (and the indices they are read
+# with), and a sink as host-side torch code (its gradient is computed on the host)
+MOD_COMBOS = {'sdpa_mask': {'tensors': ['bias'],
+               'params': [],
+               'block_sparse': False,
+               'mask_uses': [],
+               'grads': ['bias'],
+               'grad_index': {'bias': ['b', 'h', 'q_idx', 'kv_idx']},
+               'sink': None,
+               'sink_tensors': []}}
