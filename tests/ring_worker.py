@@ -12,6 +12,7 @@ to OUT_JSON; the test asserts on them (a crash is reported through the exit stat
 import json
 import os
 import sys
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -29,16 +30,25 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
     import importlib
 
     pkg = importlib.import_module(package)
+    backend = os.environ.get("RING_BACKEND", "gloo")  # nccl: one GPU per rank
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     store = dist.FileStore(store_file, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=300))
     results = []
     with open(cases_json) as f:
         cases = json.load(f)
     tiles = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    with pkg._runtime.override_config(**tiles):
+    # the interpreter: small tiles, so that tiny shards still cross several blocks; a GPU
+    # runs the package's own configs
+    forced = pkg._runtime.override_config(**tiles) if device == "cpu" else nullcontext()
+    with forced:
         for case in cases:
-            results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask))
+            results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask,
+                                    device))
     dist.barrier()
     dist.destroy_process_group()
     with open(out_json, "w") as f:
@@ -53,22 +63,28 @@ def max_err(a, b):
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
-def run_case(pkg, case, rank, world, attention_ref, visible_mask):
+def single(pkg, q, k, v, do, causal, window):
+    """(out, lse, dq, dk, dv) of the package's single-process call on the full sequence."""
+    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = pkg.flash_attn_func(fq, fk, fv, causal=causal, window_size=window,
+                                   return_lse=True)
+    out.backward(do)
+    return out.detach(), lse, fq.grad, fk.grad, fv.grad
+
+
+def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     b, n, h, hk, d = case["shape"]
     dtype = DTYPES[case["dtype"]]
     causal, window = case["causal"], tuple(case["window"])
     layout, strategy, sdpa = case["layout"], case["strategy"], case.get("sdpa", False)
     g = torch.Generator().manual_seed(case.get("seed", 0))
-    q = torch.randn(b, n, h, d, generator=g).to(dtype)
-    k = torch.randn(b, n, hk, d, generator=g).to(dtype)
-    v = torch.randn(b, n, hk, d, generator=g).to(dtype)
-    do = torch.randn(b, n, h, d, generator=g).to(dtype)
+    q, k, v, do = (torch.randn(b, n, heads, d, generator=g).to(device=device, dtype=dtype)
+                   for heads in (h, hk, hk, h))
+    if case.get("vs_fp32"):  # long sequences: no float64 N x N reference
+        return run_long_case(pkg, case, rank, world, q, k, v, do)
 
     # (a) the package's single-process call on the full sequence
-    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
-    f_out, f_lse = pkg.flash_attn_func(fq, fk, fv, causal=causal, window_size=window,
-                                       return_lse=True)
-    f_out.backward(do)
+    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window)
     # (b) float64 reference
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
     vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True)
@@ -97,7 +113,7 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask):
     nan = any(torch.isnan(t).any().item() for t in [out, *grads])
     res = {"case": case, "nan": nan,
            "vs_flash": [max_err(out, mine(f_out)), max_err(lse, mine(f_lse, dim=2))]
-           + [max_err(a, mine(ref.grad)) for a, ref in zip(grads, (fq, fk, fv))],
+           + [max_err(a, mine(ref)) for a, ref in zip(grads, f_grads)],
            "vs_ref": [max_err(out, mine(r_out)), max_err(lse, mine(r_lse, dim=2))]
            + [max_err(a, mine(ref.grad)) for a, ref in zip(grads, (rq, rk, rv))]}
     # determinism: a second call gives bitwise the same output and gradients
@@ -109,6 +125,32 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask):
         res["repeat_equal"] = bool(torch.equal(out2, out) and all(
             torch.equal(a.grad, b_) for a, b_ in zip((sq2, sk2, sv2), grads)))
     return res
+
+
+def run_long_case(pkg, case, rank, world, q, k, v, do):
+    """A sequence too long for the float64 reference: the context-parallel call and the
+    single-GPU call in the input dtype, both against the single-GPU call in fp32. Reports
+    per tensor (out, lse, dq, dk, dv) the error of each; the test requires the
+    context-parallel one to be no worse than the single-GPU one (times a margin)."""
+    causal, window = case["causal"], tuple(case["window"])
+    layout, strategy = case["layout"], case["strategy"]
+
+    def mine(t, dim=1):
+        return pkg.shard(t, rank, world, dim=dim, layout=layout)
+
+    exact = single(pkg, *(t.float() for t in (q, k, v, do)), causal, window)
+    one = single(pkg, q, k, v, do, causal, window)
+    sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
+    out, lse = pkg.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
+                                        return_lse=True, strategy=strategy, layout=layout)
+    out.backward(mine(do))
+    ring = (out, lse, sq.grad, sk.grad, sv.grad)
+    dims = (1, 2, 1, 1, 1)
+    return {"case": case, "nan": any(torch.isnan(t).any().item() for t in ring),
+            "ring_vs_fp32": [max_err(a, mine(e, dim)) for a, e, dim in zip(ring, exact, dims)],
+            "single_vs_fp32": [max_err(mine(a, dim), mine(e, dim))
+                               for a, e, dim in zip(one, exact, dims)],
+            "peak_bytes": torch.cuda.max_memory_allocated() if q.is_cuda else 0}
 
 
 if __name__ == "__main__":

@@ -93,8 +93,8 @@ def test_plans_cover_the_mask_exactly_once(pkg, world, layout, causal, window):
             q_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in q_segs])
             k_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in k_segs])
             for qs, qn, ks, kn, mask, lo, hi in ring.plan_pair(q_segs, k_segs, lo_g, hi_g):
-                lo_eff = lo if mask == "sliding_window" else -(1 << 30)
-                hi_eff = hi if mask != "none" else 1 << 30
+                lo_eff = lo if mask == "sliding_window" else -(qn + kn + 1)
+                hi_eff = hi if mask != "none" else qn + kn + 1
                 vis = brute(qn, kn, lo_eff, hi_eff).int()
                 rows = q_glob[qs:qs + qn]
                 cols = k_glob[ks:ks + kn]
@@ -225,21 +225,26 @@ CASES = {
 }
 
 
-def run_world(world, pkg_dir, tmp_path):
-    cases = tmp_path / "cases.json"
-    cases.write_text(json.dumps(CASES[world]))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+def run_world(world, pkg_dir, tmp_path, cases, *, package=PACKAGE, backend="gloo",
+              timeout=600):
+    """Run tests/ring_worker.py as `world` processes (one per rank; with backend="nccl",
+    one GPU each) on `cases`; returns each rank's list of results."""
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RING_BACKEND=backend,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if backend == "gloo":
+        env["TRITON_INTERPRET"] = "1"
     procs = [subprocess.Popen(
         [sys.executable, str(HERE / "ring_worker.py"), str(r), str(world),
-         str(tmp_path / "store"), str(pkg_dir), PACKAGE, str(cases),
+         str(tmp_path / "store"), str(pkg_dir), package, str(cases_file),
          str(tmp_path / f"rank{r}.json")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for r in range(world)]
     logs = []
     try:
         for p in procs:
-            logs.append(p.communicate(timeout=600)[0])
+            logs.append(p.communicate(timeout=timeout)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -252,12 +257,19 @@ def run_world(world, pkg_dir, tmp_path):
 @pytest.mark.parametrize("world", [2, 3])
 def test_context_parallel_matches_single_process(built, tmp_path, world):
     _, pkg_dir = built
-    per_rank = run_world(world, pkg_dir, tmp_path)
+    per_rank = run_world(world, pkg_dir, tmp_path, CASES[world])
+    assert_results(per_rank)
+
+
+def assert_results(per_rank):
+    """Every rank's rows within tolerance of the package's single-process call and of the
+    float64 reference; no NaN; a repeated call bitwise equal."""
     failures = []
     for rank, results in enumerate(per_rank):
         for res in results:
             c = res["case"]
-            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[c["dtype"]]
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                     "fp16": torch.float16}[c["dtype"]]
             out_tol, grad_tol = OUT_TOL[dtype][0], GRAD_TOL[dtype][0]
             # vs the package's own full-sequence call: the pieces run the same kernels; the
             # differences are the fp32 merge and dK/dV, dQ summed over pieces (one rounding
@@ -276,3 +288,27 @@ def test_context_parallel_matches_single_process(built, tmp_path, world):
             if "repeat_equal" in res and not res["repeat_equal"]:
                 failures.append((rank, c, "a repeated call differs"))
     assert not failures, "\n".join(map(str, failures))
+
+
+def test_causal_only_package_serves_full_pieces_with_the_causal_kernel(tmp_path):
+    """A package without the `none` mask (a decoder's spec): the fully visible pieces of
+    a causal zig-zag call run the causal kernel with unbounded offsets."""
+    pkg = build_and_import(tmp_path, "fg_test_ring_causal_only", """
+        head_dims: [16]
+        dtypes: [fp32]
+        masks: [causal]
+        """)
+    assert pkg._ring.kernel_mask("full") == "causal"
+    with pytest.raises(ValueError, match="`sliding_window` mask"):
+        pkg._ring.kernel_mask("both")
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 16, 2, 16, requires_grad=True) for _ in range(3))
+    with pkg._runtime.override_config(**TILES):
+        ref = pkg.flash_attn_func(q, k, v, causal=True)
+        do = torch.randn_like(ref)
+        g_ref = torch.autograd.grad(ref, (q, k, v), do)
+        out = pkg.ring_flash_attn_func(q, k, v, causal=True)
+        g = torch.autograd.grad(out, (q, k, v), do)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

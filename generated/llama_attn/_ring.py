@@ -243,8 +243,9 @@ def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int) -> tuple:
             groups.append(current)
             for g in groups:
                 calls.append((*span(q_segs, [i]), *span(k_segs, g)))
-    big = 1 << 30
-    calls = [(qs, qn, ks, kn, kernel_mask("full"), -big, big) for qs, qn, ks, kn in calls]
+    # unbounded, as runtime.band writes it: an edge past every row and key is inert
+    calls = [(qs, qn, ks, kn, kernel_mask("full"), -(qn + kn + 1), qn + kn + 1)
+             for qs, qn, ks, kn in calls]
     for (i, j), (kind, lo, hi) in sorted(cells.items()):
         if kind in ("right", "both"):
             qs, qn, _ = q_segs[i]
