@@ -88,13 +88,14 @@ def _check_layout(layout):
 def _check_divisible(n: int, world: int, layout: str, what: str = "the sequence") -> None:
     parts = 2 * world if layout == "zigzag" else world
     if n % parts:
-        fix = (f"pad it to a multiple of {parts}" + (
-            f", or shard with layout='contiguous' (a multiple of {world}; no causal load "
-            "balance)" if layout == "zigzag" else ""))
-        raise ValueError(
-            f"{what} has length {n}, which {layout} sharding over {world} ranks cannot "
-            f"split: it needs a multiple of {parts} ({'2 * world chunks' if layout == 'zigzag' else 'world pieces'} "
-            f"of equal length); {fix}")
+        how = (f"2 * world = {parts} equal chunks" if layout == "zigzag"
+               else f"{world} equal pieces")
+        fix = f"pad it to a multiple of {parts}"
+        if layout == "zigzag":
+            fix += (f", or shard with layout='contiguous' (a multiple of {world}; no causal "
+                    "load balance)")
+        raise ValueError(f"{what} has length {n}, which {layout} sharding over {world} "
+                         f"ranks cannot split into {how}: {fix}")
 
 
 def shard(x: torch.Tensor, rank: int, world_size: int, *, dim: int = 1,
@@ -134,7 +135,10 @@ def _group_facts(group) -> tuple:
             raise ValueError("a process group was given but torch.distributed is not "
                              "initialised: call torch.distributed.init_process_group first")
         return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of the given process group")
+    return rank, dist.get_world_size(group)
 
 
 def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag"):
