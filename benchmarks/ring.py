@@ -149,9 +149,9 @@ def slowest(value):
 
 def main():
     args = parse()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL starts
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     device = torch.device("cuda")
     seqlens = [int(s) for s in args.seqlens.split(",") if s]
     if args.oom_seqlen:
