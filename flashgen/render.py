@@ -35,6 +35,8 @@ PACKAGE_FILES = {
     "_module.py": "package/module.py.j2",
     "_decode.py": "package/decode.py.j2",
     "_mods.py": "package/mods.py.j2",
+    "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
+    "_ring_merge.py": "package/ring_merge.py.j2",
 }
 
 

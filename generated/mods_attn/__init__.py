@@ -15,6 +15,8 @@ from ._api import (DEFAULT_WINDOW, dropout_mask, flash_attn_func, flash_attn_qkv
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
 from ._module import Attention
+from ._ring import (ring_flash_attn_func, ring_scaled_dot_product_attention, shard,
+                    shard_sequence, unshard, unshard_sequence)
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -25,4 +27,10 @@ __all__ = [
     "flash_attn_with_kvcache",
     "dropout_mask",
     "DEFAULT_WINDOW",
+    "ring_flash_attn_func",
+    "ring_scaled_dot_product_attention",
+    "shard",
+    "unshard",
+    "shard_sequence",
+    "unshard_sequence",
 ]

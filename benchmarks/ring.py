@@ -1,0 +1,208 @@
+"""Context parallelism (ring / all-gather) against one GPU: time, peak memory, exactness.
+
+    torchrun --nproc_per_node 2 benchmarks/ring.py [--seqlens 32768,131072,262144]
+        [--strategies ring,allgather] [--heads 32 --kv-heads 8 --head-dim 128]
+        [--mask causal|none|window:4096] [--reps 5] [--oom-seqlen N] [--out ring.json]
+
+For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
+forward + backward step:
+  one_gpu   flash_attn_func on the whole sequence on rank 0 (the other ranks wait), or
+            "OOM" when it does not fit;
+  <strategy> ring_flash_attn_func on zig-zag shards, every rank at once (the step's time
+            is the slowest rank's);
+and reports each one's median time, the context-parallel time as a fraction of the
+one-GPU time (the issue's bar: <= 0.55 on 2 GPUs at 128k and 256k), and the peak memory
+per GPU (torch.cuda.max_memory_allocated over the step, inputs included; the bar: about
+half of one GPU's). At the first length it also checks exactness: every rank's output and
+dq, dk, dv against rank 0's one-GPU result (max abs error, and the one-GPU bf16 result's
+own error against fp32 for scale when --check-fp32 is given).
+
+--oom-seqlen N: one more length, expected not to fit one GPU and to run on all of them
+(the "OOM on one, runs on two" bar). Rank 0 prints a table and writes --out (JSON).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import generated.llama_attn as pkg  # noqa: E402
+
+
+def parse():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlens", default="32768,131072,262144")
+    p.add_argument("--strategies", default="ring,allgather")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--mask", default="causal", help="causal, none or window:LEFT (causal)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--oom-seqlen", type=int, default=0)
+    p.add_argument("--check-fp32", action="store_true")
+    p.add_argument("--out", default="")
+    return p.parse_args()
+
+
+def mask_args(mask: str) -> dict:
+    if mask == "causal":
+        return dict(causal=True)
+    if mask == "none":
+        return dict(causal=False)
+    if mask.startswith("window:"):
+        return dict(causal=True, window_size=(int(mask.split(":")[1]), 0))
+    raise SystemExit(f"--mask {mask!r}: causal, none or window:LEFT")
+
+
+def make(n, args, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    shapes = ((n, args.heads), (n, args.kv_heads), (n, args.kv_heads), (n, args.heads))
+    return [torch.randn(1, s, h, args.head_dim, generator=g, device=device,
+                        dtype=torch.bfloat16) for s, h in shapes]
+
+
+def timed_step(fn, reps, warmup):
+    """(median ms of fn(), peak bytes of one call) -- fn runs forward + backward."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if dist.is_initialized():
+            dist.barrier()
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), torch.cuda.max_memory_allocated()
+
+
+def one_gpu(n, args, device, keep=False):
+    q, k, v, do = make(n, args, device)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kw = mask_args(args.mask)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = pkg.flash_attn_func(q, k, v, **kw)
+        out.backward(do)
+        return out
+
+    try:
+        ms, peak = timed_step(step, args.reps, args.warmup)
+        result = {"ms": round(ms, 3), "peak_gib": round(peak / 2**30, 2)}
+        if keep:
+            out = step()
+            result["tensors"] = [out.detach(), q.grad, k.grad, v.grad]
+            if args.check_fp32:
+                q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+                o32 = pkg.flash_attn_func(q32, k32, v32, **kw)
+                o32.backward(do.float())
+                result["bf16_vs_fp32"] = [(a.float() - b).abs().max().item() for a, b in
+                                          zip(result["tensors"], (o32, q32.grad, k32.grad, v32.grad))]
+        return result
+    except torch.OutOfMemoryError:
+        return {"ms": None, "peak_gib": None, "oom": True}
+    finally:
+        del q, k, v, do
+        torch.cuda.empty_cache()
+
+
+def context_parallel(n, strategy, args, device, rank, world):
+    q, k, v, do = (pkg.shard(t, rank, world) for t in make(n, args, device))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    kw = mask_args(args.mask)
+
+    def step():
+        q.grad = k.grad = v.grad = None
+        out = pkg.ring_flash_attn_func(q, k, v, strategy=strategy, **kw)
+        out.backward(do)
+        return out
+
+    try:
+        torch.cuda.empty_cache()
+        ms, peak = timed_step(step, args.reps, args.warmup)
+        out = step()
+        return {"ms": ms, "peak_gib": peak / 2**30,
+                "tensors": [out.detach(), q.grad, k.grad, v.grad]}
+    except torch.OutOfMemoryError:
+        return {"ms": None, "peak_gib": None, "oom": True}
+
+
+def slowest(value):
+    t = torch.tensor([value if value is not None else float("inf")], device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main():
+    args = parse()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL starts
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda")
+    seqlens = [int(s) for s in args.seqlens.split(",") if s]
+    if args.oom_seqlen:
+        seqlens.append(args.oom_seqlen)
+    rows = []
+    for i, n in enumerate(seqlens):
+        if n % (2 * world):
+            raise SystemExit(f"N={n} is not a multiple of 2 * world = {2 * world}")
+        row = {"seqlen": n, "world": world, "mask": args.mask, "heads": args.heads,
+               "kv_heads": args.kv_heads, "head_dim": args.head_dim}
+        single = one_gpu(n, args, device, keep=(i == 0)) if rank == 0 else None
+        dist.barrier()
+        if rank == 0:
+            row["one_gpu"] = {k: v for k, v in single.items() if k != "tensors"}
+        for strategy in args.strategies.split(","):
+            res = context_parallel(n, strategy, args, device, rank, world)
+            ms = slowest(res["ms"])
+            peak = slowest(res["peak_gib"])
+            entry = {"ms": None if ms == float("inf") else round(ms, 3),
+                     "peak_gib_max_rank": None if peak == float("inf") else round(peak, 2)}
+            if i == 0 and "tensors" in res:  # exactness against rank 0's one-GPU result
+                full = [pkg.unshard_sequence(t.contiguous()) for t in res["tensors"]]
+                if rank == 0 and "tensors" in single:
+                    entry["max_abs_err_vs_one_gpu"] = [
+                        (a.float() - b.float()).abs().max().item()
+                        for a, b in zip(full, single["tensors"])]
+            if rank == 0 and single.get("ms") and entry["ms"]:
+                entry["fraction_of_one_gpu"] = round(entry["ms"] / single["ms"], 3)
+            row[strategy] = entry
+            del res
+            torch.cuda.empty_cache()
+        if rank == 0:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        if single is not None:
+            single.pop("tensors", None)
+    if rank == 0:
+        print(f"\n{'N':>8} {'one GPU ms':>11} {'GiB':>6}  " + "  ".join(
+            f"{s + ' ms':>12} {'frac':>5} {'GiB':>6}" for s in args.strategies.split(",")))
+        for row in rows:
+            one = row["one_gpu"]
+            line = f"{row['seqlen']:>8} {one['ms'] or 'OOM':>11} {one['peak_gib'] or '-':>6}  "
+            for s in args.strategies.split(","):
+                e = row[s]
+                line += (f"  {e['ms'] or 'OOM':>12} {e.get('fraction_of_one_gpu', '-'):>5} "
+                         f"{e['peak_gib_max_rank'] or '-':>6}")
+            print(line)
+        if args.out:
+            Path(args.out).write_text(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""One rank of a context-parallel test (tests/test_ring.py starts `world` of these).
+
+    python tests/ring_worker.py RANK WORLD STORE_FILE PACKAGE_DIR PACKAGE CASES_JSON OUT_JSON
+
+Joins a gloo process group through a FileStore, imports the package built by the test,
+and for every case builds the full sequence (every rank draws the same tensors from one
+seed), runs the context-parallel call on this rank's shard, and compares this rank's rows
+of the output, LSE and gradients with (a) the package's own single-process call on the
+full sequence and (b) the float64 PyTorch reference. Writes the maximum errors per case
+to OUT_JSON; the test asserts on them (a crash is reported through the exit status).
+"""
+import json
+import os
+import sys
+from contextlib import nullcontext
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def main(rank, world, store_file, package_dir, package, cases_json, out_json):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    torch.set_num_threads(1)
+    sys.path.insert(0, package_dir)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from flashgen.reference import attention_ref, visible_mask
+    import importlib
+
+    pkg = importlib.import_module(package)
+    backend = os.environ.get("RING_BACKEND", "gloo")  # nccl: one GPU per rank
+    device = "cpu"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
+    store = dist.FileStore(store_file, world)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    results = []
+    with open(cases_json) as f:
+        cases = json.load(f)
+    tiles = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    # the interpreter: small tiles, so that tiny shards still cross several blocks; a GPU
+    # runs the package's own configs
+    forced = pkg._runtime.override_config(**tiles) if device == "cpu" else nullcontext()
+    with forced:
+        for case in cases:
+            results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask,
+                                    device))
+    dist.barrier()
+    dist.destroy_process_group()
+    with open(out_json, "w") as f:
+        json.dump(results, f)
+
+
+def max_err(a, b):
+    a, b = a.double(), b.double()
+    finite = torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), finite):
+        return float("inf")
+    return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
+
+
+def single(pkg, q, k, v, do, causal, window):
+    """(out, lse, dq, dk, dv) of the package's single-process call on the full sequence."""
+    fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = pkg.flash_attn_func(fq, fk, fv, causal=causal, window_size=window,
+                                   return_lse=True)
+    out.backward(do)
+    return out.detach(), lse, fq.grad, fk.grad, fv.grad
+
+
+def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
+    b, n, h, hk, d = case["shape"]
+    dtype = DTYPES[case["dtype"]]
+    causal, window = case["causal"], tuple(case["window"])
+    layout, strategy, sdpa = case["layout"], case["strategy"], case.get("sdpa", False)
+    g = torch.Generator().manual_seed(case.get("seed", 0))
+    q, k, v, do = (torch.randn(b, n, heads, d, generator=g).to(device=device, dtype=dtype)
+                   for heads in (h, hk, hk, h))
+    if case.get("vs_fp32"):  # long sequences: no float64 N x N reference
+        return run_long_case(pkg, case, rank, world, q, k, v, do)
+
+    # (a) the package's single-process call on the full sequence
+    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window)
+    # (b) float64 reference
+    rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
+    vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True)
+    r_out, r_lse = attention_ref(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2),
+                                 vis)
+    r_out = r_out.transpose(1, 2)
+    r_out.backward(do.double())
+
+    def mine(t, dim=1):
+        return pkg.shard(t, rank, world, dim=dim, layout=layout)
+
+    if sdpa:  # the SDPA twin on (B, H, N, d) shards
+        sq, sk, sv = (mine(t.transpose(1, 2), dim=2).requires_grad_() for t in (q, k, v))
+        out, lse = pkg.ring_scaled_dot_product_attention(
+            sq, sk, sv, is_causal=causal, enable_gqa=h != hk, window_size=window,
+            return_lse=True, strategy=strategy, layout=layout)
+        out.backward(mine(do.transpose(1, 2), dim=2))
+        out = out.transpose(1, 2)
+        grads = [t.grad.transpose(1, 2) for t in (sq, sk, sv)]
+    else:
+        sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
+        out, lse = pkg.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
+                                            return_lse=True, strategy=strategy, layout=layout)
+        out.backward(mine(do))
+        grads = [t.grad for t in (sq, sk, sv)]
+    nan = any(torch.isnan(t).any().item() for t in [out, *grads])
+    res = {"case": case, "nan": nan,
+           "vs_flash": [max_err(out, mine(f_out)), max_err(lse, mine(f_lse, dim=2))]
+           + [max_err(a, mine(ref)) for a, ref in zip(grads, f_grads)],
+           "vs_ref": [max_err(out, mine(r_out)), max_err(lse, mine(r_lse, dim=2))]
+           + [max_err(a, mine(ref.grad)) for a, ref in zip(grads, (rq, rk, rv))]}
+    # determinism: a second call gives bitwise the same output and gradients
+    if case.get("repeat"):
+        sq2, sk2, sv2 = (t.detach().clone().requires_grad_() for t in (sq, sk, sv))
+        out2 = pkg.ring_flash_attn_func(sq2, sk2, sv2, causal=causal, window_size=window,
+                                        strategy=strategy, layout=layout)
+        out2.backward(mine(do))
+        res["repeat_equal"] = bool(torch.equal(out2, out) and all(
+            torch.equal(a.grad, b_) for a, b_ in zip((sq2, sk2, sv2), grads)))
+    return res
+
+
+def run_long_case(pkg, case, rank, world, q, k, v, do):
+    """A sequence too long for the float64 reference: the context-parallel call and the
+    single-GPU call in the input dtype, both against the single-GPU call in fp32. Reports
+    per tensor (out, lse, dq, dk, dv) the error of each; the test requires the
+    context-parallel one to be no worse than the single-GPU one (times a margin)."""
+    causal, window = case["causal"], tuple(case["window"])
+    layout, strategy = case["layout"], case["strategy"]
+
+    def mine(t, dim=1):
+        return pkg.shard(t, rank, world, dim=dim, layout=layout)
+
+    exact = single(pkg, *(t.float() for t in (q, k, v, do)), causal, window)
+    one = single(pkg, q, k, v, do, causal, window)
+    sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
+    out, lse = pkg.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
+                                        return_lse=True, strategy=strategy, layout=layout)
+    out.backward(mine(do))
+    ring = (out, lse, sq.grad, sk.grad, sv.grad)
+    dims = (1, 2, 1, 1, 1)
+    return {"case": case, "nan": any(torch.isnan(t).any().item() for t in ring),
+            "ring_vs_fp32": [max_err(a, mine(e, dim)) for a, e, dim in zip(ring, exact, dims)],
+            "single_vs_fp32": [max_err(mine(a, dim), mine(e, dim))
+                               for a, e, dim in zip(one, exact, dims)],
+            "peak_bytes": torch.cuda.max_memory_allocated() if q.is_cuda else 0}
+
+
+if __name__ == "__main__":
+    r, w, store_file, package_dir, package, cases_json, out_json = sys.argv[1:]
+    main(int(r), int(w), store_file, package_dir, package, cases_json, out_json)

@@ -1,0 +1,314 @@
+"""Context parallelism (`ring_flash_attn_func`, issue 18) on the CPU.
+
+In-process: the planning arithmetic against brute force, sharding round trips, argument
+errors, and world size 1 (no process group) against the package's own call. Across
+processes: world sizes 2 and 3 on the gloo backend (tests/ring_worker.py, one subprocess
+per rank, joined through a FileStore in tmp_path), both strategies, causal and not,
+sliding windows, GQA, both layouts, the SDPA twin, bf16: every rank's rows of the output,
+LSE and dq, dk, dv against the package's single-process call on the full sequence and the
+float64 reference, plus bitwise determinism of a repeated call. Shapes are tiny (Triton's
+interpreter), and each world size is one group of processes running all its cases.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
+from packages import build_and_import
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+PACKAGE = "fg_test_ring"
+SPEC = """
+    head_dims: [16]
+    dtypes: [fp32, bf16]
+    masks: [none, causal, sliding_window]
+    window: {left: 8, right: 0}
+    gqa: true
+    """
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ring")
+    pkg = build_and_import(root, PACKAGE, SPEC)
+    return pkg, root / "out"
+
+
+@pytest.fixture(scope="module")
+def pkg(built):
+    return built[0]
+
+
+# ----------------------------------------------------------------------------------------
+# Planning and sharding, in process
+# ----------------------------------------------------------------------------------------
+def brute(m, n, lo, hi):
+    i = torch.arange(m)[:, None]
+    j = torch.arange(n)[None, :]
+    return (i + lo <= j) & (j <= i + hi)
+
+
+@pytest.mark.parametrize("m,n", [(1, 1), (3, 5), (6, 6), (5, 2)])
+def test_classify_matches_brute_force(pkg, m, n):
+    ring = pkg._ring
+    for lo in range(-9, 9):
+        for hi in range(lo, 10):
+            vis = brute(m, n, lo, hi)
+            kind = ring.classify(m, n, lo, hi)
+            if not vis.any():
+                assert kind == "empty", (m, n, lo, hi)
+            elif vis.all():
+                assert kind == "full", (m, n, lo, hi)
+            else:
+                assert kind in ("right", "both"), (m, n, lo, hi)
+                # "right": the causal kernel ignores LO_OFF, so the left edge must be inert
+                if kind == "right":
+                    assert torch.equal(vis, brute(m, n, -(m + n), hi)), (m, n, lo, hi)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)),
+                                           (True, (5, 0)), (False, (3, 2))])
+def test_plans_cover_the_mask_exactly_once(pkg, world, layout, causal, window):
+    """Over every (rank, source) pair, the planned calls' visible cells tile the global
+    mask exactly: nothing missed, nothing counted twice."""
+    ring = pkg._ring
+    n_local = 12
+    n = n_local * world
+    _, lo_g, hi_g = pkg._runtime.band(n, n, causal, window, True)
+    want = brute(n, n, lo_g, hi_g).int()
+    got = torch.zeros(n, n, dtype=torch.int32)
+    for rank in range(world):
+        q_segs = ring.segments(n_local, rank, world, layout)
+        for src in range(world):
+            k_segs = ring.segments(n_local, src, world, layout)
+            q_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in q_segs])
+            k_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in k_segs])
+            for qs, qn, ks, kn, mask, lo, hi in ring.plan_pair(q_segs, k_segs, lo_g, hi_g):
+                lo_eff = lo if mask == "sliding_window" else -(qn + kn + 1)
+                hi_eff = hi if mask != "none" else qn + kn + 1
+                vis = brute(qn, kn, lo_eff, hi_eff).int()
+                rows = q_glob[qs:qs + qn]
+                cols = k_glob[ks:ks + kn]
+                got[rows[:, None], cols[None, :]] += vis
+    assert torch.equal(got, want)
+
+
+def test_zigzag_calls_are_balanced(pkg):
+    """Causal zig-zag: every rank runs the same number of query x key cells."""
+    ring = pkg._ring
+    world, n_local = 4, 8
+    _, lo_g, hi_g = pkg._runtime.band(world * n_local, world * n_local, True, (-1, -1), True)
+    work = []
+    for rank in range(world):
+        q_segs = ring.segments(n_local, rank, world, "zigzag")
+        cells = 0
+        for src in range(world):
+            for qs, qn, ks, kn, *_ in ring.plan_pair(
+                    q_segs, ring.segments(n_local, src, world, "zigzag"), lo_g, hi_g):
+                cells += qn * kn
+        work.append(cells)
+    assert len(set(work)) == 1, work
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_shard_unshard_round_trip(pkg, layout):
+    x = torch.arange(2 * 24 * 3).reshape(2, 24, 3)
+    shards = [pkg.shard(x, r, 3, layout=layout) for r in range(3)]
+    assert all(s.shape == (2, 8, 3) for s in shards)
+    assert torch.equal(pkg.unshard(shards, layout=layout), x)
+    if layout == "zigzag":
+        assert shards[0][0, :, 0].tolist() == [0, 3, 6, 9, 60, 63, 66, 69]
+    # without a process group, shard_sequence / unshard_sequence are world size 1
+    assert torch.equal(pkg.unshard_sequence(pkg.shard_sequence(x, layout=layout),
+                                            layout=layout), x)
+
+
+def test_zigzag_needs_length_divisible_by_two_world(pkg):
+    with pytest.raises(ValueError, match="multiple of 6.*layout='contiguous'"):
+        pkg.shard(torch.zeros(1, 9, 2, 16), 0, 3)
+    q = torch.zeros(1, 5, 2, 16)
+    with pytest.raises(ValueError, match="multiple of 2"):
+        pkg.ring_flash_attn_func(q, q, q)
+
+
+@pytest.mark.parametrize("call,exc,match", [
+    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 under context parallelism"),
+    (dict(strategy="tree"), ValueError, "strategy='tree'"),
+    (dict(layout="striped"), ValueError, "layout='striped'"),
+    (dict(window_size=(4,)), ValueError, "window_size"),
+])
+def test_bad_arguments(pkg, call, exc, match):
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(exc, match=match):
+        pkg.ring_flash_attn_func(q, q, q, **call)
+
+
+def test_sdpa_twin_refuses_attn_mask_and_ungrouped_heads(pkg):
+    q = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(NotImplementedError, match="attn_mask"):
+        pkg.ring_scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="enable_gqa"):
+        pkg.ring_scaled_dot_product_attention(q, q[:, :1], q[:, :1])
+
+
+def test_unequal_query_and_key_shards_refused(pkg):
+    with pytest.raises(ValueError, match="self-attention"):
+        pkg.ring_flash_attn_func(torch.zeros(1, 8, 2, 16), torch.zeros(1, 4, 2, 16),
+                                 torch.zeros(1, 4, 2, 16))
+
+
+def test_merge_kernel_handles_minus_inf(pkg):
+    """Rows that one or both sides never saw: weight 0, no NaN, (0, -inf) kept."""
+    ninf = float("-inf")
+    acc = torch.tensor([1.0, 2.0]).repeat(1, 4, 1, 8)  # (1, 4, 1, 16)
+    acc[:, 2:] = 0.0
+    lse_acc = torch.tensor([[[0.0, 0.5, ninf, ninf]]])
+    out = torch.full((1, 4, 1, 16), float("nan"))
+    out[:, 0] = 3.0
+    out[:, 2] = 5.0
+    lse = torch.tensor([[[0.0, ninf, 1.0, ninf]]])
+    want_acc = acc.clone()
+    want_acc[:, 0] = (acc[:, 0] + 3.0) / 2
+    want_acc[:, 2] = 5.0
+    pkg._ring._merge(acc, lse_acc, out, lse, 0)
+    assert not torch.isnan(acc).any()
+    torch.testing.assert_close(acc, want_acc)
+    torch.testing.assert_close(lse_acc, torch.tensor([[[torch.log(torch.tensor(2.0)).item(),
+                                                       0.5, 1.0, ninf]]]))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_world_size_one_matches_flash_attn_func(pkg, strategy):
+    """Without a process group the call is one rank: zig-zag's two chunks on one rank,
+    against flash_attn_func (exact up to the fp32 merge) -- fast coverage of the plumbing."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 16, 2, 16, requires_grad=True)
+    k, v = (torch.randn(1, 16, 1, 16, requires_grad=True) for _ in range(2))
+    with pkg._runtime.override_config(**TILES):
+        ref = pkg.flash_attn_func(q, k, v, causal=True)
+        do = torch.randn_like(ref)
+        g_ref = torch.autograd.grad(ref, (q, k, v), do)
+        out = pkg.ring_flash_attn_func(q, k, v, causal=True, strategy=strategy)
+        g = torch.autograd.grad(out, (q, k, v), do)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Across processes: gloo, world sizes 2 and 3
+# ----------------------------------------------------------------------------------------
+def case(n, causal=False, window=(-1, -1), strategy="ring", layout="zigzag", dtype="fp32",
+         heads=(2, 1), **extra):
+    return dict(shape=[1, n, heads[0], heads[1], 16], causal=causal, window=list(window),
+                strategy=strategy, layout=layout, dtype=dtype, **extra)
+
+
+CASES = {
+    2: [case(24, causal=True, repeat=True),
+        case(24, causal=True, strategy="allgather"),
+        case(24, causal=True, window=(5, 0)),
+        case(24, window=(3, 2), strategy="allgather"),
+        case(20, causal=True, layout="contiguous", sdpa=True),
+        case(24, dtype="bf16", heads=(2, 2))],
+    3: [case(36, causal=True, repeat=True), case(36, causal=True, window=(7, 0)),
+        case(30, layout="contiguous", strategy="allgather")],
+}
+
+
+def run_world(world, pkg_dir, tmp_path, cases, *, package=PACKAGE, backend="gloo",
+              timeout=600):
+    """Run tests/ring_worker.py as `world` processes (one per rank; with backend="nccl",
+    one GPU each) on `cases`; returns each rank's list of results."""
+    cases_file = tmp_path / "cases.json"
+    cases_file.write_text(json.dumps(cases))
+    env = dict(os.environ, OMP_NUM_THREADS="1", RING_BACKEND=backend,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if backend == "gloo":
+        env["TRITON_INTERPRET"] = "1"
+    procs = [subprocess.Popen(
+        [sys.executable, str(HERE / "ring_worker.py"), str(r), str(world),
+         str(tmp_path / "store"), str(pkg_dir), package, str(cases_file),
+         str(tmp_path / f"rank{r}.json")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(world)]
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_matches_single_process(built, tmp_path, world):
+    _, pkg_dir = built
+    per_rank = run_world(world, pkg_dir, tmp_path, CASES[world])
+    assert_results(per_rank)
+
+
+def assert_results(per_rank):
+    """Every rank's rows within tolerance of the package's single-process call and of the
+    float64 reference; no NaN; a repeated call bitwise equal."""
+    failures = []
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            c = res["case"]
+            dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                     "fp16": torch.float16}[c["dtype"]]
+            out_tol, grad_tol = OUT_TOL[dtype][0], GRAD_TOL[dtype][0]
+            # vs the package's own full-sequence call: the pieces run the same kernels; the
+            # differences are the fp32 merge and dK/dV, dQ summed over pieces (one rounding
+            # to the input dtype per piece)
+            flash_tol = [1e-5, 1e-5, 1e-5, 1e-5, 1e-5] if c["dtype"] == "fp32" else \
+                [out_tol, LSE_TOL[0], grad_tol, grad_tol, grad_tol]
+            ref_tol = [out_tol, LSE_TOL[0] * 10, grad_tol, grad_tol, grad_tol]
+            names = ["out", "lse", "dq", "dk", "dv"]
+            if res["nan"]:
+                failures.append((rank, c, "NaN"))
+            for what, errs, tols in (("flash", res["vs_flash"], flash_tol),
+                                     ("ref", res["vs_ref"], ref_tol)):
+                for name, e, t in zip(names, errs, tols):
+                    if not e <= t:
+                        failures.append((rank, c, f"{name} vs {what}: {e:.2e} > {t:.0e}"))
+            if "repeat_equal" in res and not res["repeat_equal"]:
+                failures.append((rank, c, "a repeated call differs"))
+    assert not failures, "\n".join(map(str, failures))
+
+
+def test_causal_only_package_serves_full_pieces_with_the_causal_kernel(tmp_path):
+    """A package without the `none` mask (a decoder's spec): the fully visible pieces of
+    a causal zig-zag call run the causal kernel with unbounded offsets."""
+    pkg = build_and_import(tmp_path, "fg_test_ring_causal_only", """
+        head_dims: [16]
+        dtypes: [fp32]
+        masks: [causal]
+        """)
+    assert pkg._ring.kernel_mask("full") == "causal"
+    with pytest.raises(ValueError, match="`sliding_window` mask"):
+        pkg._ring.kernel_mask("both")
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(1, 16, 2, 16, requires_grad=True) for _ in range(3))
+    with pkg._runtime.override_config(**TILES):
+        ref = pkg.flash_attn_func(q, k, v, causal=True)
+        do = torch.randn_like(ref)
+        g_ref = torch.autograd.grad(ref, (q, k, v), do)
+        out = pkg.ring_flash_attn_func(q, k, v, causal=True)
+        g = torch.autograd.grad(out, (q, k, v), do)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
