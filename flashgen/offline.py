@@ -43,10 +43,12 @@ class KernelResources:
     spill_stores: int  # bytes per thread
     spill_loads: int
     budget: int        # the spec's sram_bytes
+    may_spill: str = ""  # the planner's own warning that this tile may spill (spill_warning)
 
     def row(self) -> str:
         return (f"| {self.variant}.{self.function} | {self.config} | {self.shared} | "
-                f"{self.budget} | {self.registers} | {self.spill_stores} | {self.spill_loads} |")
+                f"{self.budget} | {self.registers} | {self.spill_stores} | {self.spill_loads} |"
+                + (f" planner: may spill ({self.may_spill}) |" if self.may_spill else ""))
 
 
 def _signature(fn, dtype: str):
@@ -124,6 +126,7 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
     """KernelResources for every fwd/bwd kernel of the spec's package, with the tiles the
     planner chose for the spec's GPU, compiled for sm_<capability> (default: the spec's
     gpu.arch, else sm_90). `variants`: names to restrict to."""
+    from . import planner_core
     from .build import build_spec
     from .plan import plan_spec
     from .spec import load_spec
@@ -147,8 +150,9 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
                                                          stages, capability)
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}"
+            warning = "" if function == "preprocess" else planner_core.spill_warning(plan) or ""
             r = KernelResources(variant.name, function, cfg, shared, regs,
-                                stores, loads, spec.gpu.sram_bytes)
+                                stores, loads, spec.gpu.sram_bytes, warning)
             results.append(r)
             if log:
                 log(r.row())

@@ -113,22 +113,18 @@ def format_summary(plan: planner_core.Plan) -> str:
         f"{chosen.smem_bytes} B of {plan.sram_bytes} B shared memory, "
         f"~{chosen.regs_per_thread} accumulator regs/thread",
     ]
-    if planner_core.mma_sync_model(plan.arch, plan.head_dim_padded):
+    warning = planner_core.spill_warning(plan)
+    if warning:
+        lines.append(f"  MAY SPILL registers: {warning}")
+    elif planner_core.mma_sync_model(plan.arch, plan.head_dim_padded):
         lines.append(
             f"  planned for {planner_core.arch_name(plan.arch)}: before Hopper mma.sync keeps its "
             f"operands in registers, so accumulators are capped at "
-            f"{planner_core.max_acc_regs(plan.arch)} regs/thread (not "
+            f"{planner_core.max_acc_regs(plan.arch, plan.head_dim_padded)} regs/thread (not "
             f"{planner_core.MAX_ACC_REGS})"
             + (", the backward runs 1 stage and may put 2 warps across d > 64"
                if plan.kind == "bwd" else "")
-            + "; those rules compiled without spills offline for bf16 at d = 64 and 128 "
-            "(docs/OTHER_GPUS.md)")
-    elif planner_core.operands_in_registers(plan.arch):
-        lines.append(
-            f"  planned for {planner_core.arch_name(plan.arch)} with the H100's register model: "
-            f"past d = {planner_core.MMA_SYNC_MAX_HEAD_DIM} no tile keeps its accumulators "
-            f"within the pre-Hopper cap ({planner_core.MMA_SYNC_MAX_ACC_REGS} regs/thread), "
-            "so this kernel MAY SPILL registers there (not measured)")
+            + "; compiled without spills offline (bf16, d = 64 and 128: docs/OTHER_GPUS.md)")
     if (plan.chosen.block_m, plan.chosen.block_n) == (target_m, target_n):
         lines.append("  = the target tile; warps and stages ranked by the preferred pipeline "
                      f"depth ({planner_core.PREFERRED_STAGES[plan.kind]}) and fewer warps")

@@ -3,7 +3,9 @@ their architecture (`gpu.arch`) with Triton's bundled ptxas: every fwd/bwd kerne
 memory must stay within the spec's budget (no "OutOfResources: shared memory" on that GPU)
 and no kernel may spill a register: the planner plans pre-Hopper tiles from a register
 model measured for mma.sync (planner_core.mma_sync_model, docs/OTHER_GPUS.md), so a spill
-here means that model is wrong for some kernel, not noise to be baselined.
+here means that model is wrong for some kernel, not noise to be baselined. The only
+allowance is the planner's own (planner_core.spill_warning: pre-Hopper fp32, or head dims
+past 128), and the shipped specs need none.
 
 Slow (about 1.5 minutes for both specs on 2 cores): `pytest -n 2 -m slow`."""
 from __future__ import annotations
@@ -49,8 +51,11 @@ def test_kernels_fit_the_budget_offline_without_spills(tmp_path, spec, arch):
     over = [f"{r['variant']}.{r['function']} {r['config']}: {r['shared']} B > {r['budget']} B"
             for r in rows if r["shared"] > r["budget"]]
     assert not over, "shared memory over the spec's budget: " + "; ".join(over)
+    # the only allowance is one the planner states itself (planner_core.spill_warning, shown
+    # by `flashgen plan`); the shipped specs have none, so no kernel of theirs may spill
+    assert not [r for r in rows if r["may_spill"]], "a shipped kernel the planner says may spill"
     spills = [f"{r['variant']}.{r['function']} {r['config']}: {r['registers']} registers, "
               f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads"
-              for r in rows if r["spill_stores"] or r["spill_loads"]]
+              for r in rows if (r["spill_stores"] or r["spill_loads"]) and not r["may_spill"]]
     assert not spills, (f"register spills on sm_{arch} (the planner's register model for it "
                         "is off; see docs/OTHER_GPUS.md): " + "; ".join(spills))

@@ -392,3 +392,18 @@ def test_format_plan_names_the_arch():
     assert "arch=sm_90 (accumulator cap 200 regs/thread)" in pc.format_plan(pc.plan("fwd", 64, 2, H100))
     assert "arch=sm_89 (accumulator cap 85 regs/thread)" in \
         pc.format_plan(pc.plan("fwd", 64, 2, ADA, arch=89))
+
+
+def test_the_planner_states_where_it_may_spill():
+    # the measured pre-Hopper cases and every Hopper plan: no warning
+    for arch in (80, 89, 90):
+        for kind in ("fwd", "bwd"):
+            for d in (64, 128):
+                assert pc.spill_warning(pc.plan(kind, d, 2, A100, arch=arch)) is None
+    assert pc.spill_warning(pc.plan("fwd", 64, 4, A100)) is None  # fp32 on Hopper
+    fp32 = pc.spill_warning(pc.plan("fwd", 64, 4, A100, arch=80))
+    assert fp32.startswith("fp32 on sm_80: tf32x3") and "may spill" in fp32
+    wide = pc.spill_warning(pc.plan("bwd", 256, 2, A100, arch=86))
+    assert wide.startswith("d = 256 on sm_86: past d = 128") and "may spill" in wide
+    assert "MAY SPILL: fp32 on sm_80" in pc.format_plan(pc.plan("fwd", 64, 4, A100, arch=80))
+    assert "MAY SPILL" not in pc.format_plan(pc.plan("fwd", 64, 2, A100, arch=80))

@@ -259,6 +259,24 @@ def mma_sync_model(arch: int, head_dim_padded: int) -> bool:
     return operands_in_registers(arch) and head_dim_padded <= MMA_SYNC_MAX_HEAD_DIM
 
 
+def spill_warning(plan: "Plan") -> "str | None":
+    """Why the planner cannot promise that ``plan``'s tile compiles without register spills
+    on its architecture (None when it can: sm_90 and up, or the measured pre-Hopper cases).
+    The offline compile test allows spills only where this says so."""
+    if not operands_in_registers(plan.arch):
+        return None
+    where = arch_name(plan.arch)
+    if plan.head_dim_padded > MMA_SYNC_MAX_HEAD_DIM:
+        return (f"d = {plan.head_dim} on {where}: past d = {MMA_SYNC_MAX_HEAD_DIM} no tile keeps "
+                f"its accumulators within the pre-Hopper cap ({MMA_SYNC_MAX_ACC_REGS} regs/thread), "
+                "so it is planned with the H100's model and may spill (not measured)")
+    if plan.dtype_bytes == 4:
+        return (f"fp32 on {where}: tf32x3 splits every operand into two 32-bit halves, four "
+                "times the registers of a 16-bit operand; the forward spilled at the planned "
+                "tiles when compiled offline (docs/OTHER_GPUS.md), so it may spill")
+    return None
+
+
 def max_acc_regs(arch: int = DEFAULT_ARCH, head_dim_padded: int = 0) -> int:
     """The cap on regs_estimate for a GPU of compute capability ``arch`` (module docstring)."""
     return MMA_SYNC_MAX_ACC_REGS if mma_sync_model(arch, head_dim_padded) else MAX_ACC_REGS
@@ -451,6 +469,7 @@ def format_plan(plan: Plan) -> str:
         f"FA-1 rule: M = {plan.sram_bytes} // {plan.dtype_bytes} = {m_elems} elements; "
         f"Bc = ceil(M / (4*{plan.head_dim})) = {plan.fa1_bc}; Br = min(Bc, d) = {plan.fa1_br}",
         f"chosen: {plan.chosen.as_dict()}",
+        *([f"MAY SPILL: {spill_warning(plan)}"] if spill_warning(plan) else []),
         "",
         f"{'rank':>4}  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} "
         f"{'smem B':>8} {'regs':>5}  status",
