@@ -7,7 +7,7 @@ here means that model is wrong for some kernel, not noise to be baselined. The o
 allowance is the planner's own (planner_core.spill_warning: pre-Hopper fp32, or head dims
 past 128), and the shipped specs need none.
 
-Slow (about 1.5 minutes for both specs on 2 cores): `pytest -n 2 -m slow`."""
+Slow (3-4 minutes for both specs on 2 shared cores): `pytest -n 2 -m slow`."""
 from __future__ import annotations
 
 import json
