@@ -3,11 +3,12 @@
 Triton compiles a @triton.jit function for an explicit target (GPUTarget("cuda", 80, 32)
 is an A100, 89 an RTX 4090) with the ptxas it bundles; nothing needs a driver. For each
 kernel of each variant this module compiles what the package would launch with the
-planner's config for the spec's budget, and reports what the compiler allocated: shared
-memory (Triton's metadata) and registers and spill bytes (ptxas -v). This is how CI proves
-that a spec's kernels fit its shared-memory budget on GPUs it has never seen
-(tests/test_offline_compile.py); `python -m flashgen.offline SPEC --arch 80` prints the
-table.
+planner's config for the spec's budget and architecture (`gpu.arch`), and reports what the
+compiler allocated: shared memory (Triton's metadata) and registers and spill bytes (ptxas
+-v). This is how CI proves that a spec's kernels fit its shared-memory budget and do not
+spill registers on GPUs it has never seen (tests/test_offline_compile.py);
+`python -m flashgen.offline SPEC` prints the table for the spec's `gpu.arch` (`--arch 80`
+compiles for another).
 
 The kernels must be imported without TRITON_INTERPRET (an interpreted @triton.jit
 function cannot be compiled), so the test runs this in a subprocess.
@@ -42,10 +43,12 @@ class KernelResources:
     spill_stores: int  # bytes per thread
     spill_loads: int
     budget: int        # the spec's sram_bytes
+    may_spill: str = ""  # the planner's own warning that this tile may spill (spill_warning)
 
     def row(self) -> str:
         return (f"| {self.variant}.{self.function} | {self.config} | {self.shared} | "
-                f"{self.budget} | {self.registers} | {self.spill_stores} | {self.spill_loads} |")
+                f"{self.budget} | {self.registers} | {self.spill_stores} | {self.spill_loads} |"
+                + (f" planner: may spill ({self.may_spill}) |" if self.may_spill else ""))
 
 
 def _signature(fn, dtype: str):
@@ -119,14 +122,18 @@ def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
     return (compiled.metadata.shared, *_ptxas_numbers(buf.getvalue()))
 
 
-def compile_spec(spec_path, capability: int, variants=None, log=None):
-    """KernelResources for every fwd/bwd kernel of the spec's package, compiled for
-    sm_<capability>. `variants`: names to restrict to."""
+def compile_spec(spec_path, capability: int | None = None, variants=None, log=None):
+    """KernelResources for every fwd/bwd kernel of the spec's package, with the tiles the
+    planner chose for the spec's GPU, compiled for sm_<capability> (default: the spec's
+    gpu.arch, else sm_90). `variants`: names to restrict to."""
+    from . import planner_core
     from .build import build_spec
     from .plan import plan_spec
     from .spec import load_spec
 
     spec = load_spec(spec_path)
+    if capability is None:
+        capability = spec.gpu.capability
     plans = plan_spec(spec)
     out = Path(tempfile.mkdtemp(prefix="flashgen-offline-"))
     build_spec(spec, out)
@@ -143,8 +150,9 @@ def compile_spec(spec_path, capability: int, variants=None, log=None):
                                                          stages, capability)
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}"
+            warning = "" if function == "preprocess" else planner_core.spill_warning(plan) or ""
             r = KernelResources(variant.name, function, cfg, shared, regs,
-                                stores, loads, spec.gpu.sram_bytes)
+                                stores, loads, spec.gpu.sram_bytes, warning)
             results.append(r)
             if log:
                 log(r.row())
@@ -159,11 +167,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="Compile a spec's fwd/bwd kernels offline for "
                                  "an sm_XY target and print their resources.")
     ap.add_argument("spec")
-    ap.add_argument("--arch", type=int, required=True, help="compute capability, e.g. 80, 89, 90")
+    ap.add_argument("--arch", type=int, help="compute capability, e.g. 80, 89, 90 (default: "
+                    "the spec's gpu.arch, whose tiles the planner chose; else 90)")
     ap.add_argument("--variants", nargs="+")
     ap.add_argument("--json", help="also write the results as JSON to this file")
     args = ap.parse_args(argv)
-    print(f"{args.spec} for sm_{args.arch}\n\n{HEADER}", flush=True)
+    from .spec import load_spec
+
+    planned = load_spec(args.spec).gpu.capability
+    if args.arch is None:
+        args.arch = planned
+    note = "" if args.arch == planned else f" (tiles planned for sm_{planned})"
+    print(f"{args.spec} for sm_{args.arch}{note}\n\n{HEADER}", flush=True)
     results = compile_spec(args.spec, args.arch, args.variants,
                            log=lambda s: print(s, flush=True))
     if args.json:

@@ -18,24 +18,26 @@ _BLOCK_KEYS = {"fwd": "forward", "bwd": "backward", "decode": "decode"}
 def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
     key = _BLOCK_KEYS[variant.kind]
     explicit = getattr(spec.blocks, key)
+    arch = spec.gpu.capability
     tile = None
     if explicit is not None:
         tile = planner_core.TileConfig(explicit.block_m, explicit.block_n,
                                        explicit.num_warps, explicit.num_stages)
     try:
         return planner_core.plan(variant.kind, variant.head_dim, variant.dtype_bytes,
-                                 spec.gpu.sram_bytes, spec.gpu.sm_count, explicit=tile)
+                                 spec.gpu.sram_bytes, spec.gpu.sm_count, explicit=tile,
+                                 arch=arch)
     except ValueError as e:
-        need = min_sram_bytes(variant.kind, variant.head_dim, variant.dtype_bytes)
+        need = min_sram_bytes(variant.kind, variant.head_dim, variant.dtype_bytes, arch)
         if tile is None or (need is not None and need > spec.gpu.sram_bytes):
             # nothing fits the budget at all: the budget is what to change, not the tile
-            needs = {v.name: min_sram_bytes(v.kind, v.head_dim, v.dtype_bytes)
+            needs = {v.name: min_sram_bytes(v.kind, v.head_dim, v.dtype_bytes, arch)
                      for v in variants_for(spec)}
             worst = max(needs, key=lambda n: needs[n] or 0)
             raise spec.error(
                 "gpu.sram_bytes",
                 f"{spec.gpu.sram_bytes} B of shared memory per block fits no tile of "
-                f"{variant.name} (its smallest feasible tile, {smallest_tile(variant)})",
+                f"{variant.name} (its smallest feasible tile, {smallest_tile(variant, arch)})",
                 f"at least {needs[worst]} B, what the most demanding kernel of this spec "
                 f"({worst}) needs for its smallest feasible tile; the planner picks larger, "
                 "faster tiles the more there is",
@@ -56,7 +58,8 @@ def plan_spec(spec: Spec) -> dict[Variant, planner_core.Plan]:
     return {v: plan_variant(spec, v) for v in variants_for(spec)}
 
 
-def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int):
+def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int,
+                      arch: int = planner_core.DEFAULT_ARCH):
     """Every candidate tile that only a shared-memory budget could rule out."""
     d = planner_core.padded_head_dim(head_dim)
     big = 1 << 30
@@ -65,20 +68,21 @@ def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int):
             for nw in planner_core.WARP_COUNTS:
                 for ns in planner_core.STAGE_COUNTS:
                     cand = planner_core.evaluate(kind, planner_core.TileConfig(bm, bn, nw, ns),
-                                                 d, dtype_bytes, big)
+                                                 d, dtype_bytes, big, arch)
                     if cand.rejected is None:
                         yield cand
 
 
-def min_sram_bytes(kind: str, head_dim: int, dtype_bytes: int) -> int | None:
+def min_sram_bytes(kind: str, head_dim: int, dtype_bytes: int,
+                   arch: int = planner_core.DEFAULT_ARCH) -> int | None:
     """The smallest shared-memory budget under which the planner finds a tile (None: no
     tile of this kind fits in registers at any budget)."""
-    return min((c.smem_bytes for c in _feasible_anywhere(kind, head_dim, dtype_bytes)),
+    return min((c.smem_bytes for c in _feasible_anywhere(kind, head_dim, dtype_bytes, arch)),
                default=None)
 
 
-def smallest_tile(variant: Variant) -> str:
-    best = min(_feasible_anywhere(variant.kind, variant.head_dim, variant.dtype_bytes),
+def smallest_tile(variant: Variant, arch: int = planner_core.DEFAULT_ARCH) -> str:
+    best = min(_feasible_anywhere(variant.kind, variant.head_dim, variant.dtype_bytes, arch),
                key=lambda c: c.smem_bytes, default=None)
     if best is None:
         return "none: no tile of this kind fits in registers"
@@ -109,6 +113,18 @@ def format_summary(plan: planner_core.Plan) -> str:
         f"{chosen.smem_bytes} B of {plan.sram_bytes} B shared memory, "
         f"~{chosen.regs_per_thread} accumulator regs/thread",
     ]
+    warning = planner_core.spill_warning(plan)
+    if warning:
+        lines.append(f"  MAY SPILL registers: {warning}")
+    elif planner_core.mma_sync_model(plan.arch, plan.head_dim_padded):
+        lines.append(
+            f"  planned for {planner_core.arch_name(plan.arch)}: before Hopper mma.sync keeps its "
+            f"operands in registers, so accumulators are capped at "
+            f"{planner_core.max_acc_regs(plan.arch, plan.head_dim_padded)} regs/thread (not "
+            f"{planner_core.MAX_ACC_REGS})"
+            + (", the backward runs 1 stage and may put 2 warps across d > 64"
+               if plan.kind == "bwd" else "")
+            + "; compiled without spills offline (bf16, d = 64 and 128: docs/OTHER_GPUS.md)")
     if (plan.chosen.block_m, plan.chosen.block_n) == (target_m, target_n):
         lines.append("  = the target tile; warps and stages ranked by the preferred pipeline "
                      f"depth ({planner_core.PREFERRED_STAGES[plan.kind]}) and fewer warps")
@@ -125,7 +141,9 @@ def format_summary(plan: planner_core.Plan) -> str:
         if c.rejected:
             for reason in c.rejected.split("; "):
                 rule = ("smem" if reason.startswith("smem") else "registers" if "regs" in reason
-                        else "warps" if reason.startswith("num_warps") else "no pipelining")
+                        else "warps" if reason.startswith("num_warps")
+                        else "stages" if reason.startswith("num_stages ") and " on sm_" in reason
+                        else "no pipelining")
                 counts[rule] = counts.get(rule, 0) + 1
     lines.append(f"{len(feasible)} of {len(plan.candidates)} candidates feasible; rejections: "
                  + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))

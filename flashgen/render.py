@@ -241,6 +241,8 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     }
     target = {"name": spec.gpu.name, "sram_bytes": spec.gpu.sram_bytes,
               "sm_count": spec.gpu.sm_count}
+    if spec.gpu.arch is not None:  # the architecture PLANNED was planned for
+        target["arch"] = spec.gpu.arch
     return {
         "package_literal": literal(spec.package),
         "built_for": literal(built_for),

@@ -80,8 +80,16 @@ def _dq_tile(config, facts: Facts) -> str | None:
     m, n, w, st = planner_core.dq_tile(config)
     cand = planner_core.evaluate("bwd", TileConfig(n, m, w, st),
                                  planner_core.padded_head_dim(facts.head_dim),
-                                 facts.dtype_bytes, facts.sram_bytes)
+                                 facts.dtype_bytes, facts.sram_bytes, _arch(facts.capability))
     return None if cand.rejected is None else cand.rejected
+
+
+def _arch(capability) -> int:
+    """The planner's arch (80 for sm_80) from a (major, minor) capability; the H100's when
+    unknown."""
+    if capability is None:
+        return planner_core.DEFAULT_ARCH
+    return capability[0] * 10 + capability[1]
 
 
 def _family(config, facts: Facts) -> str | None:
@@ -247,7 +255,8 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
     memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
     Triton (None when it can: the space then holds the Gluon family's points too). Raises
     ValueError (the planner's message) if no tile fits."""
-    plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count)
+    plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
+                             arch=_arch(capability))
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                   tuple(capability) if capability is not None else None, gluon)
     return Space(

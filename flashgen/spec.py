@@ -24,6 +24,8 @@ YAML format
       name: H100                #   required, a string
       sram_bytes: 232448        #   required, 16384..1048576 (per-block smem limit)
       sm_count: 132             #   optional, >= 1
+      arch: sm_90               #   optional, sm_XY (compute capability X.Y), from
+                                #   sm_75; default: the H100's register model (sm_90)
     blocks: auto                # optional, default auto; or a mapping with
                                 # optional keys forward/backward/decode, each
                                 # `auto` or {block_m, block_n, num_warps, num_stages}
@@ -36,7 +38,11 @@ Rules worth knowing:
 * Types are strict: ``true`` is not an integer, ``"64"`` (quoted) is not an
   integer, ``64`` is not a list (write ``[64]``).
 * ``null`` is accepted only where the default is None (``window``,
-  ``gpu.sm_count``) and means "not given".
+  ``gpu.sm_count``, ``gpu.arch``) and means "not given".
+* ``gpu.arch`` tells the planner how the GPU's tensor cores take their operands: before
+  Hopper (below sm_90) mma.sync holds them in registers, which leaves fewer registers for
+  the accumulators, so the planner plans smaller, spill-free tiles there
+  (planner_core.max_acc_regs); sm_90 and up, or no arch, is the H100's model.
 * Explicit tiles: ``block_m``/``block_n`` powers of two in 16..256,
   ``num_warps`` in {2, 4, 8}, ``num_stages`` in 1..5; all four required.
 * Window extents are ints >= -1 (-1 = unbounded on that side), not both -1.
@@ -53,6 +59,7 @@ import difflib
 import hashlib
 import keyword
 import os
+import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
@@ -63,7 +70,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from flashgen.errors import SpecError
 from flashgen.mods import BUILTINS, KINDS, RESERVED, Mod, ModError, builtin_mod, make_mod
-from flashgen.planner_core import STAGE_COUNTS, WARP_COUNTS
+from flashgen.planner_core import DEFAULT_ARCH, MIN_ARCH, STAGE_COUNTS, WARP_COUNTS
 
 __all__ = [
     "DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
@@ -113,6 +120,13 @@ class GpuTarget:
     name: str            # e.g. "H100"
     sram_bytes: int      # shared memory one thread block may use (FA-1's "M")
     sm_count: int | None  # optional
+    arch: str | None = None  # optional, "sm_80": the compute capability the planner plans for
+
+    @property
+    def capability(self) -> int:
+        """The compute capability as the planner takes it (80 for sm_80); without an
+        `arch`, the H100's (planner_core.DEFAULT_ARCH)."""
+        return int(self.arch[3:]) if self.arch else DEFAULT_ARCH
 
 
 @dataclass(frozen=True)
@@ -235,13 +249,16 @@ _HELP: dict[str, tuple[str, str]] = {
     "dropout": ("a boolean: true or false", "write dropout: true or dropout: false"),
     "gqa": ("a boolean: true or false", "write gqa: true or gqa: false"),
     "decode": ("a boolean: true or false", "write decode: true or decode: false"),
-    "gpu": ("a mapping with name, sram_bytes and optional sm_count",
+    "gpu": ("a mapping with name, sram_bytes and optional sm_count and arch",
             "write e.g. gpu: {name: H100, sram_bytes: 232448, sm_count: 132}"),
     "gpu.name": ("a non-empty string naming the GPU", "write e.g. name: H100"),
     "gpu.sram_bytes": (f"an integer from {SRAM_MIN} to {SRAM_MAX}: the shared memory one "
                        "thread block may use", "write e.g. sram_bytes: 232448 (H100)"),
     "gpu.sm_count": ("a positive integer (number of SMs), or leave it out",
                      "write e.g. sm_count: 132 (H100)"),
+    "gpu.arch": (f"sm_XY, the GPU's compute capability X.Y (sm_{MIN_ARCH} or newer), or leave "
+                 "it out for the H100's register model (sm_90)",
+                 "write e.g. arch: sm_80 (A100), arch: sm_89 (RTX 4090) or arch: sm_90 (H100)"),
     "blocks": ("auto, or a mapping with optional keys forward, backward, decode, each "
                "auto or {block_m, block_n, num_warps, num_stages}",
                "write blocks: auto, or e.g. blocks: {forward: auto}"),
@@ -604,7 +621,7 @@ def _boolean(p: _Parser, key: str, node: Node) -> bool:
 
 def _gpu(p: _Parser, key: str, node: Node) -> GpuTarget:
     g = p.mapping(node, key, _GPU_SCHEMA, ("name", "sram_bytes"), key)
-    return GpuTarget(g["name"], g["sram_bytes"], g.get("sm_count"))
+    return GpuTarget(g["name"], g["sram_bytes"], g.get("sm_count"), g.get("arch"))
 
 
 def _gpu_name(p: _Parser, key: str, node: Node) -> str:
@@ -628,6 +645,23 @@ def _sm_count(p: _Parser, key: str, node: Node) -> int | None:
     if n < 1:
         raise p.fail(_line(node), key, f"{n} is less than 1")
     return n
+
+
+def _arch(p: _Parser, key: str, node: Node) -> str | None:
+    if p.is_null(key, node):
+        return None
+    value = p.scalar(key, node)
+    if type(value) in (int, float):   # arch: 80 or arch: 8.0
+        raise p.fail(_line(node), key, f"{_show(node)} is a number, not an architecture name")
+    if type(value) is not str:
+        raise p.fail(_line(node), key, f"{_show(node)} is not an architecture name")
+    match = re.fullmatch(r"sm_([1-9][0-9]{1,2})", value)
+    if match is None:
+        raise p.fail(_line(node), key, f"{value!r} is not an architecture name sm_XY")
+    if int(match.group(1)) < MIN_ARCH:
+        raise p.fail(_line(node), key,
+                     f"{value} is older than sm_{MIN_ARCH}, the oldest the planner models")
+    return value
 
 
 def _is_auto(p: _Parser, key: str, node: Node) -> bool:
@@ -809,7 +843,7 @@ _TOP_SCHEMA: dict[str, Callable] = {
 }
 _TOP_REQUIRED = ("package", "head_dims", "dtypes", "masks", "gpu")
 _GPU_SCHEMA: dict[str, Callable] = {
-    "name": _gpu_name, "sram_bytes": _sram_bytes, "sm_count": _sm_count,
+    "name": _gpu_name, "sram_bytes": _sram_bytes, "sm_count": _sm_count, "arch": _arch,
 }
 _TILE_SCHEMA: dict[str, Callable] = {
     "block_m": _tile_size, "block_n": _tile_size,

@@ -1,12 +1,13 @@
 """The shipped specs for other GPUs (specs/gpus/) compiled offline, without their GPU, for
-their architecture with Triton's bundled ptxas: every fwd/bwd kernel's shared memory must
-stay within the spec's budget (no "OutOfResources: shared memory" on that GPU), and no
-kernel may spill more registers than the committed baseline (tests/data/offline_*.json,
-regenerate with `python -m flashgen.offline SPEC --arch N --json FILE`).
+their architecture (`gpu.arch`) with Triton's bundled ptxas: every fwd/bwd kernel's shared
+memory must stay within the spec's budget (no "OutOfResources: shared memory" on that GPU)
+and no kernel may spill a register: the planner plans pre-Hopper tiles from a register
+model measured for mma.sync (planner_core.mma_sync_model, docs/OTHER_GPUS.md), so a spill
+here means that model is wrong for some kernel, not noise to be baselined. The only
+allowance is the planner's own (planner_core.spill_warning: pre-Hopper fp32, or head dims
+past 128), and the shipped specs need none.
 
-The baselines are not zero: the planner's register model was calibrated on the H100 and
-its tiles spill on sm_80/sm_89 (docs/OTHER_GPUS.md), so this guards against regressions
-while that is open. Slow (about 1.5 minutes for both specs on 2 cores): `pytest -n 2 -m slow`."""
+Slow (3-4 minutes for both specs on 2 shared cores): `pytest -n 2 -m slow`."""
 from __future__ import annotations
 
 import json
@@ -18,31 +19,43 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CASES = [("a100.yaml", 80, "offline_a100_sm80.json"),
-         ("rtx4090.yaml", 89, "offline_rtx4090_sm89.json")]
+CASES = [("a100.yaml", 80), ("rtx4090.yaml", 89)]
+
+
+def _expected_kernels(spec_path: Path) -> set:
+    from flashgen.spec import load_spec
+    from flashgen.variants import variants_for
+
+    functions = {"fwd": ("kernel",), "bwd": ("preprocess", "dkdv_kernel", "dq_kernel")}
+    return {(v.name, f) for v in variants_for(load_spec(spec_path)) for f in functions.get(v.kind, ())}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("spec, arch, baseline", CASES, ids=["a100-sm80", "rtx4090-sm89"])
-def test_kernels_fit_the_budget_offline(tmp_path, spec, arch, baseline):
+@pytest.mark.parametrize("spec, arch", CASES, ids=["a100-sm80", "rtx4090-sm89"])
+def test_kernels_fit_the_budget_offline_without_spills(tmp_path, spec, arch):
+    from flashgen.spec import load_spec
+
+    path = ROOT / "specs" / "gpus" / spec
+    assert load_spec(path).gpu.capability == arch, "the spec's gpu.arch is what is compiled"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "resources.json"
-    res = subprocess.run([sys.executable, "-m", "flashgen.offline", str(ROOT / "specs" / "gpus" / spec),
+    res = subprocess.run([sys.executable, "-m", "flashgen.offline", str(path),
                           "--arch", str(arch), "--json", str(out)], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
-    base = {(r["variant"], r["function"]): r for r in
-            json.loads((ROOT / "tests" / "data" / baseline).read_text())}
-    assert {(r["variant"], r["function"]) for r in rows} == set(base), \
-        "the spec's kernels changed: regenerate the baseline"
+    assert {(r["variant"], r["function"]) for r in rows} == _expected_kernels(path)
+    assert all(r["registers"] > 0 for r in rows), "ptxas reported no register count"
     over = [f"{r['variant']}.{r['function']} {r['config']}: {r['shared']} B > {r['budget']} B"
             for r in rows if r["shared"] > r["budget"]]
     assert not over, "shared memory over the spec's budget: " + "; ".join(over)
-    worse = [f"{r['variant']}.{r['function']} {r['config']}: {r['spill_stores']} B spilled, "
-             f"baseline {base[(r['variant'], r['function'])]['spill_stores']} B"
-             for r in rows if r["spill_stores"] > base[(r["variant"], r["function"])]["spill_stores"]]
-    assert not worse, "more register spills than the baseline: " + "; ".join(worse)
-    assert all(r["registers"] > 0 for r in rows), "ptxas reported no register count"
+    # the only allowance is one the planner states itself (planner_core.spill_warning, shown
+    # by `flashgen plan`); the shipped specs have none, so no kernel of theirs may spill
+    assert not [r for r in rows if r["may_spill"]], "a shipped kernel the planner says may spill"
+    spills = [f"{r['variant']}.{r['function']} {r['config']}: {r['registers']} registers, "
+              f"{r['spill_stores']} B spill stores, {r['spill_loads']} B spill loads"
+              for r in rows if (r["spill_stores"] or r["spill_loads"]) and not r["may_spill"]]
+    assert not spills, (f"register spills on sm_{arch} (the planner's register model for it "
+                        "is off; see docs/OTHER_GPUS.md): " + "; ".join(spills))

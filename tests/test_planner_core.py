@@ -316,3 +316,94 @@ def test_format_plan():
     assert any("spills" in ln for ln in lines)
     assert any("> budget 232448 B" in ln for ln in lines)
     assert len(lines) > len(p.candidates)
+
+
+# ---------------------------------------------------------------------------------------------
+# Architecture: before Hopper (mma.sync operands in registers) the planner plans smaller tiles
+# ---------------------------------------------------------------------------------------------
+
+A100 = 166912
+
+
+def test_default_arch_is_the_h100_model():
+    assert pc.DEFAULT_ARCH == 90
+    for kind in pc.KINDS:
+        for d in (64, 128):
+            assert pc.plan(kind, d, 2, H100) == pc.plan(kind, d, 2, H100, arch=90)
+    assert pc.max_acc_regs() == pc.max_acc_regs(90) == pc.MAX_ACC_REGS == 200
+    assert pc.max_acc_regs(80, 128) == pc.max_acc_regs(89, 64) == pc.MMA_SYNC_MAX_ACC_REGS == 85
+    assert pc.max_acc_regs(80, 256) == 200  # past the measured head dims: the H100 model
+    assert not pc.operands_in_registers(90) and pc.operands_in_registers(89)
+
+
+def test_sm80_plans_differ_from_sm90():
+    # the tiles the offline compile measured spill-free on sm_80 / sm_89 (docs/OTHER_GPUS.md)
+    # against today's H100 tiles, for the same shared-memory budget
+    expect = {
+        ("fwd", 64, A100): (TileConfig(128, 64, 4, 3), TileConfig(128, 64, 8, 3)),
+        ("fwd", 128, A100): (TileConfig(128, 64, 4, 3), TileConfig(128, 32, 8, 3)),
+        ("bwd", 64, A100): (TileConfig(32, 128, 4, 4), TileConfig(16, 128, 8, 1)),
+        ("bwd", 128, A100): (TileConfig(32, 128, 8, 4), TileConfig(32, 64, 8, 1)),
+        ("fwd", 128, ADA): (TileConfig(64, 64, 2, 2), TileConfig(64, 32, 4, 3)),
+        ("bwd", 128, ADA): (TileConfig(32, 64, 4, 3), TileConfig(32, 64, 8, 1)),
+    }
+    for (kind, d, sram), (hopper, ampere) in expect.items():
+        assert pc.plan(kind, d, 2, sram).chosen == hopper, (kind, d, sram)
+        for arch in (80, 86, 89):
+            p = pc.plan(kind, d, 2, sram, arch=arch)
+            assert p.chosen == ampere, (kind, d, sram, arch)
+            assert p.arch == arch and _cand(p, p.chosen).regs_per_thread <= 85
+
+
+def test_pre_hopper_rejections_say_why():
+    p = pc.plan("fwd", 128, 2, A100, arch=80)
+    c = _cand(p, TileConfig(128, 64, 8, 3))
+    assert c.rejected == "accumulator 101 regs/thread > 85 on sm_80: spills"
+    p = pc.plan("bwd", 64, 2, A100, arch=89)
+    assert _cand(p, TileConfig(16, 128, 8, 2)).rejected == \
+        "num_stages 2 on sm_89: the pipelined backward spills before Hopper (1 stage)"
+    assert all(c.config.num_stages == 1 for c in p.candidates if c.rejected is None)
+    # the forward still needs its pipeline; decode may run unpipelined as on Hopper
+    assert all(c.config.num_stages > 1 for c in pc.plan("fwd", 64, 2, A100, arch=80).candidates
+               if c.rejected is None)
+    # two warps across d from d = 128 on before Hopper (on Hopper only past 128)
+    assert _cand(pc.plan("bwd", 128, 2, A100, arch=80), TileConfig(32, 64, 8, 1)).rejected is None
+    assert "16 rows per warp" in _cand(pc.plan("bwd", 128, 2, A100), TileConfig(32, 64, 8, 4)).rejected
+    with pytest.raises(ValueError, match="sm_80: accumulator 101 regs/thread > 85 on sm_80"):
+        pc.plan("fwd", 128, 2, A100, explicit=TileConfig(128, 64, 8, 3), arch=80)
+
+
+def test_pre_hopper_always_finds_a_tile():
+    for sram in (49152, ADA, A100):
+        for kind in pc.KINDS:
+            for d in (32, 64, 80, 96, 128, 256):
+                if d == 256 and sram == 49152:
+                    continue  # nothing fits there on any GPU (test_chosen_always_feasible_across_grid)
+                p = pc.plan(kind, d, 2, sram, arch=80)
+                c = _cand(p, p.chosen)
+                assert c.rejected is None, (sram, kind, d)
+                # up to d = 128 the measured pre-Hopper cap; wider heads keep the H100 model
+                assert c.regs_per_thread <= (85 if d <= 128 else 200), (sram, kind, d)
+    assert pc.plan("fwd", 256, 2, A100, arch=80) == pc.plan("fwd", 256, 2, A100) \
+        .__class__(**{**pc.plan("fwd", 256, 2, A100).__dict__, "arch": 80})
+
+
+def test_format_plan_names_the_arch():
+    assert "arch=sm_90 (accumulator cap 200 regs/thread)" in pc.format_plan(pc.plan("fwd", 64, 2, H100))
+    assert "arch=sm_89 (accumulator cap 85 regs/thread)" in \
+        pc.format_plan(pc.plan("fwd", 64, 2, ADA, arch=89))
+
+
+def test_the_planner_states_where_it_may_spill():
+    # the measured pre-Hopper cases and every Hopper plan: no warning
+    for arch in (80, 89, 90):
+        for kind in ("fwd", "bwd"):
+            for d in (64, 128):
+                assert pc.spill_warning(pc.plan(kind, d, 2, A100, arch=arch)) is None
+    assert pc.spill_warning(pc.plan("fwd", 64, 4, A100)) is None  # fp32 on Hopper
+    fp32 = pc.spill_warning(pc.plan("fwd", 64, 4, A100, arch=80))
+    assert fp32.startswith("fp32 on sm_80: tf32x3") and "may spill" in fp32
+    wide = pc.spill_warning(pc.plan("bwd", 256, 2, A100, arch=86))
+    assert wide.startswith("d = 256 on sm_86: past d = 128") and "may spill" in wide
+    assert "MAY SPILL: fp32 on sm_80" in pc.format_plan(pc.plan("fwd", 64, 4, A100, arch=80))
+    assert "MAY SPILL" not in pc.format_plan(pc.plan("fwd", 64, 2, A100, arch=80))

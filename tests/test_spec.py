@@ -328,6 +328,41 @@ def test_sm_count_below_one(tmp_path):
     check(fails(tmp_path, BASE + "  sm_count: 0\n"), 8, "gpu.sm_count", "0 is less than 1")
 
 
+def test_gpu_arch(tmp_path):
+    assert load_spec(write(tmp_path, BASE)).gpu.arch is None
+    assert load_spec(write(tmp_path, BASE)).gpu.capability == 90  # the H100's model
+    assert load_spec(write(tmp_path, BASE + "  arch: null\n")).gpu.arch is None
+    spec = load_spec(write(tmp_path, BASE + "  arch: sm_80\n"))
+    assert (spec.gpu.arch, spec.gpu.capability) == ("sm_80", 80)
+    assert spec.loc("gpu.arch") == Loc(str(tmp_path / "spec.yaml"), 8)
+    assert load_spec(write(tmp_path, BASE + "  arch: sm_120\n")).gpu.capability == 120
+
+
+def test_shipped_gpu_specs_name_their_arch():
+    assert load_spec(SPECS / "gpus" / "a100.yaml").gpu.arch == "sm_80"
+    assert load_spec(SPECS / "gpus" / "rtx4090.yaml").gpu.arch == "sm_89"
+
+
+@pytest.mark.parametrize("value, problem", [
+    ("80", "80 is a number, not an architecture name"),
+    ("8.9", "8.9 is a number, not an architecture name"),
+    ("sm80", "'sm80' is not an architecture name sm_XY"),
+    ("SM_80", "'SM_80' is not an architecture name sm_XY"),
+    ("sm_8", "'sm_8' is not an architecture name sm_XY"),
+    ("sm_90a", "'sm_90a' is not an architecture name sm_XY"),
+    ("sm_70", "sm_70 is older than sm_75"),
+    ("true", "true is not an architecture name"),
+    ("[sm_80]", "a list is not an architecture name"),
+])
+def test_bad_gpu_arch(tmp_path, value, problem):
+    err = fails(tmp_path, BASE + f"  arch: {value}\n")
+    check(err, 8, "gpu.arch", problem, "sm_XY", "arch: sm_80 (A100)")
+
+
+def test_misplaced_arch(tmp_path):
+    check(fails(tmp_path, BASE + "arch: sm_80\n"), 8, "arch", "belongs under 'gpu'")
+
+
 def test_bucket_not_positive(tmp_path):
     err = fails(tmp_path, BASE + "seqlen_buckets: [512, 0]\n")
     check(err, 8, "seqlen_buckets", "0 is not positive")

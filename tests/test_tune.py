@@ -95,9 +95,11 @@ def test_a_knob_is_one_table_line_with_its_feasibility():
     hopper = space_for("fwd", 64, 2, **H100)  # no Gluon kernel considered: tl points only
     ampere = space_for("fwd", 64, 2, **{**H100, "capability": (8, 0)})
     assert len(hopper) == 2 * len(base)  # tma doubles it; the Gluon knobs stay at defaults
+    # before Hopper the planner's tiles are the spill-free ones for that architecture
+    assert set(ampere.tiles) < set(hopper.tiles) and ampere.planned != hopper.planned
     assert all(p["family"] == "tl" and p["pingpong"] and p["l2_share"] == 4 and p["persistent"]
                and p["regs"] == "240/24" for p in hopper.points())
-    assert len(ampere) == len(base) and all(p["tma"] is False for p in ampere.points())
+    assert len(ampere) == len(fwd_space(capability=(8, 0))) and all(p["tma"] is False for p in ampere.points())
     assert ampere.check({**ampere.default(), "tma": True}).startswith("tma=True: needs sm90")
     defaults = {"tma": False, "family": "tl", "pingpong": True, "l2_share": 4,
                 "persistent": True, "regs": "240/24"}
@@ -532,13 +534,30 @@ def test_dispatch_on_an_untuned_gpu_plans_for_its_real_smem(tuned_pkg, monkeypat
     name = "fwd_causal_d64_fp16"
     for n in (1000, 8192):
         assert rt.launch_config(name, _fake_cuda(), n) == \
-            planner_core.plan("fwd", 64, 2, 101376, 84).chosen.as_dict()
+            planner_core.plan("fwd", 64, 2, 101376, 84, arch=86).chosen.as_dict()
     # a GPU with little shared memory gets a plan that fits it, not the H100's
     monkeypatch.setattr(rt, "gpu_key", lambda device: ("Tiny|sm75|40sm", 32768, 40))
     monkeypatch.setattr(rt, "_configs", {})
-    small = planner_core.plan("fwd", 64, 2, 32768, 40).chosen.as_dict()
+    small = planner_core.plan("fwd", 64, 2, 32768, 40, arch=75).chosen.as_dict()
     assert small != rt.PLANNED[name] and small not in best.values()
     assert rt.launch_config(name, _fake_cuda(1), 1000) == small
+
+
+def test_dispatch_on_an_untuned_gpu_plans_for_its_architecture(tuned_pkg, monkeypatch):
+    # the same shared memory, sm_80 vs sm_90: before Hopper the planner's spill-free tile
+    pkg, spec, best = tuned_pkg
+    rt = pkg._runtime
+    name = "fwd_causal_d64_fp16"
+    got = {}
+    for arch in (80, 90):
+        monkeypatch.setattr(rt, "gpu_key", lambda device, a=arch: (f"GPU|sm{a}|108sm", 166912, 108))
+        monkeypatch.setattr(rt, "_configs", {})
+        got[arch] = rt.launch_config(name, _fake_cuda(), 1000)
+        assert got[arch] == planner_core.plan("fwd", 64, 2, 166912, 108, arch=arch).chosen.as_dict()
+    assert got[80] != got[90] and got[80]["num_warps"] == 8  # 128x64 w8 (85 regs cap), not w4
+    assert rt.key_arch("NVIDIA A100-SXM4-80GB|sm80|108sm") == 80
+    assert rt.key_arch("NVIDIA GeForce RTX 5090|sm120|170sm") == 120
+    assert rt.key_arch("no capability") == planner_core.DEFAULT_ARCH
 
 
 # ----------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ def describe() -> str:
         f"{PACKAGE}: built by flashgen from {BUILT_FOR['spec']} (sha {BUILT_FOR['sha']})",
         f"  head dims {list(BUILT_FOR['head_dims'])}, dtypes {list(BUILT_FOR['dtypes'])}, "
         f"masks {list(BUILT_FOR['masks'])}, dropout {BUILT_FOR['dropout']}, gqa {BUILT_FOR['gqa']}",
-        f"  target GPU {TARGET_GPU['name']} ({TARGET_GPU['sram_bytes']} B shared memory per block), "
+        f"  target GPU {TARGET_GPU['name']} ({TARGET_GPU['sram_bytes']} B shared memory per block"
+        f"{', ' + TARGET_GPU['arch'] if TARGET_GPU.get('arch') else ''}), "
         f"length buckets {list(BUCKETS)}",
         "  variants (planned `tl` config: block_m x block_n, warps, stages; then the family "
         "a Hopper GPU runs):",

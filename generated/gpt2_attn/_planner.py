@@ -41,6 +41,28 @@ Register model (fp32 accumulator + state elements per thread, also an estimate)
                  2*block_m*block_n + LSE,D 2*block_m) / (32*num_warps) + REG_OVERHEAD
 A config whose estimate exceeds MAX_ACC_REGS (200 of the 255 architectural registers; the rest is
 needed for MMA operand fragments, addresses and temporaries) is rejected as spilling.
+
+Architecture (``arch``: the compute capability as an integer, 80 for sm_80; DEFAULT_ARCH, the
+H100's 90, when not given).  The 200 above was calibrated on the H100, where wgmma reads its
+operands from shared memory.  Before Hopper (arch < 90) mma.sync takes both operands from
+registers, so the tiles that stay resident across the loop (Q in the forward, K and V in the
+backward) and the operand fragments of every streamed tile compete with the accumulators.
+Measured offline with Triton 3.6.0's ptxas for sm_80 and sm_89 (docs/OTHER_GPUS.md,
+benchmarks/offline_sweep.py; worst-case variants: sliding window with dropout):
+
+* the accumulator cap is MMA_SYNC_MAX_ACC_REGS (85) instead of 200: no forward tile at or below
+  85 spilled; at 101 and above some did;
+* the backward runs unpipelined (num_stages 1): every dK/dV tile with 2 or 3 stages spilled
+  (likely: the pipeline keeps the next Q/dO block's addresses and masks live), while the same tiles at
+  one stage did not, at estimates up to 85;
+* past d = 64 the backward lets two warps share a 16-row MMA tile across the head dim (as it
+  does past d = 128 on every GPU): with 16 rows per warp the dK/dV accumulators alone are
+  d registers per thread, and every such tile spilled at d = 128 (d = 80 and 96 follow the
+  same arithmetic; they were not compiled).
+
+That model covers head dims up to MMA_SYNC_MAX_HEAD_DIM (128), what was measured; past it no
+tile meets the cap, so wider heads keep the H100's model before Hopper too, and may spill
+(mma_sync_model; `flashgen plan` says so).
 """
 
 import math
@@ -54,6 +76,11 @@ WARP_COUNTS = (2, 4, 8)
 STAGE_COUNTS = (1, 2, 3, 4, 5)
 
 MAX_ACC_REGS = 200        # fp32 accumulator/state registers per thread before we call it spilling
+DEFAULT_ARCH = 90         # compute capability planned for when none is given: the H100's
+MIN_ARCH = 75             # the oldest compute capability the model covers (Turing's mma.sync)
+HOPPER = 90               # wgmma (operands from shared memory) from here on
+MMA_SYNC_MAX_ACC_REGS = 85  # the cap before Hopper, where mma.sync operands live in registers
+MMA_SYNC_MAX_HEAD_DIM = 128  # the widest (padded) head dim that cap was measured at
 REG_OVERHEAD = 4          # loop counters, scale, row bases... (most addressing is in uniform regs)
 ROWS_PER_WARP = 16        # an MMA tile has 16 rows: fewer rows per warp leaves warps idle
 MAX_TARGET_TILE = 128     # cap on the FA-1-derived target tile, see _targets()
@@ -108,6 +135,7 @@ class Plan:
     fa1_br: int
     chosen: TileConfig
     candidates: tuple[Candidate, ...]  # feasible ones ranked best-first, then the rejected ones
+    arch: int = DEFAULT_ARCH           # the compute capability planned for (80 = sm_80)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -216,23 +244,78 @@ def _warp_dim(kind: str) -> str:
     return "block_m" if kind == "fwd" else "block_n"
 
 
-def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: int) -> Candidate:
-    """The resource model's verdict on one tile: its estimates and why it is rejected."""
+def operands_in_registers(arch: int) -> bool:
+    """True before Hopper: mma.sync takes its operands from registers (wgmma, from sm_90 on,
+    reads them from shared memory)."""
+    return arch < HOPPER
+
+
+def mma_sync_model(arch: int, head_dim_padded: int) -> bool:
+    """Whether the pre-Hopper register model applies: before Hopper, at the head dims it was
+    measured for (up to MMA_SYNC_MAX_HEAD_DIM). Past that no tile keeps the fp32 output
+    accumulator within its cap (16 rows per warp x d > 128 columns is over 64 registers a
+    thread before anything else), so wider heads are planned with the H100's model, and
+    may spill before Hopper: format_summary says so."""
+    return operands_in_registers(arch) and head_dim_padded <= MMA_SYNC_MAX_HEAD_DIM
+
+
+def spill_warning(plan: "Plan") -> "str | None":
+    """Why the planner cannot promise that ``plan``'s tile compiles without register spills
+    on its architecture (None when it can: sm_90 and up, or the measured pre-Hopper cases).
+    The offline compile test allows spills only where this says so."""
+    if not operands_in_registers(plan.arch):
+        return None
+    where = arch_name(plan.arch)
+    if plan.head_dim_padded > MMA_SYNC_MAX_HEAD_DIM:
+        return (f"d = {plan.head_dim} on {where}: past d = {MMA_SYNC_MAX_HEAD_DIM} no tile keeps "
+                f"its accumulators within the pre-Hopper cap ({MMA_SYNC_MAX_ACC_REGS} regs/thread), "
+                "so it is planned with the H100's model and may spill (not measured)")
+    if plan.dtype_bytes == 4:
+        return (f"fp32 on {where}: tf32x3 splits every operand into two 32-bit halves, four "
+                "times the registers of a 16-bit operand; the forward spilled at the planned "
+                "tiles when compiled offline (docs/OTHER_GPUS.md), so it may spill")
+    return None
+
+
+def max_acc_regs(arch: int = DEFAULT_ARCH, head_dim_padded: int = 0) -> int:
+    """The cap on regs_estimate for a GPU of compute capability ``arch`` (module docstring)."""
+    return MMA_SYNC_MAX_ACC_REGS if mma_sync_model(arch, head_dim_padded) else MAX_ACC_REGS
+
+
+def arch_name(arch: int) -> str:
+    return f"sm_{arch}"
+
+
+def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: int,
+             arch: int = DEFAULT_ARCH) -> Candidate:
+    """The resource model's verdict on one tile for a GPU of compute capability ``arch``:
+    its estimates and why it is rejected."""
     smem = smem_estimate(kind, cfg.block_m, cfg.block_n, d, dtype_bytes, cfg.num_stages)
     regs = regs_estimate(kind, cfg.block_m, cfg.block_n, d, cfg.num_warps)
     reasons = []
-    if cfg.num_stages == 1 and kind in ("fwd", "bwd"):
+    in_regs = mma_sync_model(arch, d)
+    if kind == "bwd" and in_regs:
+        # before Hopper the backward's pipeline costs more registers than it saves time
+        # in spills: every pipelined dK/dV tile spilled on sm_80/sm_89 (module docstring)
+        if cfg.num_stages != 1:
+            reasons.append(f"num_stages {cfg.num_stages} on {arch_name(arch)}: the pipelined "
+                           "backward spills before Hopper (1 stage)")
+    elif cfg.num_stages == 1 and kind in ("fwd", "bwd"):
         reasons.append("num_stages 1: no software pipelining")
     dim = _warp_dim(kind)
     # Past d = 128 the backward's dK/dV accumulators (2 x block_n x d fp32) only fit in
     # registers when warps also split the head dim, as FA-2's d = 256 backward does: allow
-    # two warps side by side per 16-row MMA tile there.
-    warps_across_d = 2 if kind == "bwd" and d > 128 else 1
+    # two warps side by side per 16-row MMA tile there. Before Hopper, where the resident
+    # K and V tiles are in registers too, past d = 64 (16 rows per warp would hold d
+    # accumulator registers a thread, over the cap with the score tiles from d = 80 on).
+    warps_across_d = 2 if kind == "bwd" and (d > 128 or (in_regs and d > 64)) else 1
     need = ROWS_PER_WARP * cfg.num_warps // warps_across_d
     if getattr(cfg, dim) < need:
         reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
-    if regs > MAX_ACC_REGS:
-        reasons.append(f"accumulator {regs} regs/thread > {MAX_ACC_REGS}: spills")
+    cap = max_acc_regs(arch, d)
+    if regs > cap:
+        where = f" on {arch_name(arch)}" if in_regs else ""
+        reasons.append(f"accumulator {regs} regs/thread > {cap}{where}: spills")
     if smem > sram_bytes:
         reasons.append(f"smem {smem} B > budget {sram_bytes} B")
     return Candidate(cfg, smem, regs, "; ".join(reasons) if reasons else None)
@@ -316,10 +399,13 @@ def _rank_key(kind: str, cand: Candidate, target_m: int, target_n: int) -> tuple
 # ----------------------------------------------------------------------------------------------
 
 def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: int | None = None,
-         explicit: TileConfig | None = None) -> Plan:
+         explicit: TileConfig | None = None, arch: int = DEFAULT_ARCH) -> Plan:
     """Enumerate every candidate, reject the infeasible ones with a reason, rank the feasible ones
     and pick the best (or validate ``explicit``).  Raises ValueError if nothing is feasible or if
     ``explicit`` is infeasible (the message is the rejection reason).
+
+    ``arch``: the compute capability of the GPU (80 for sm_80), which sets the register model
+    (module docstring); the H100's when not given.
 
     ``sm_count`` is recorded in the plan but not used in the score: the grid size depends on the
     sequence length, which is not known at plan time."""
@@ -333,7 +419,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
     target_m, target_n = _targets(kind, bc, br)
 
     all_cands = [
-        evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes)
+        evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes, arch)
         for bm in BLOCK_SIZES for bn in BLOCK_SIZES for nw in WARP_COUNTS for ns in STAGE_COUNTS
     ]
     feasible = sorted((c for c in all_cands if c.rejected is None),
@@ -341,13 +427,15 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
     rejected = [c for c in all_cands if c.rejected is not None]
 
     what = f"{kind} d={head_dim} dtype_bytes={dtype_bytes} sram {sram_bytes} B"
+    if arch != DEFAULT_ARCH:
+        what += f" {arch_name(arch)}"
     if explicit is not None:
         for field, allowed in (("block_m", BLOCK_SIZES), ("block_n", BLOCK_SIZES),
                                ("num_warps", WARP_COUNTS), ("num_stages", STAGE_COUNTS)):
             value = getattr(explicit, field)
             if value not in allowed:
                 raise ValueError(f"tile config {explicit}: {field} {value} not in {allowed}")
-        cand = evaluate(kind, explicit, d, dtype_bytes, sram_bytes)
+        cand = evaluate(kind, explicit, d, dtype_bytes, sram_bytes, arch)
         if cand.rejected is not None:
             raise ValueError(f"tile config {explicit} infeasible for {what}: {cand.rejected}")
         chosen = explicit
@@ -367,7 +455,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
 
     return Plan(kind=kind, head_dim=head_dim, head_dim_padded=d, dtype_bytes=dtype_bytes,
                 sram_bytes=sram_bytes, sm_count=sm_count, fa1_bc=bc, fa1_br=br, chosen=chosen,
-                candidates=tuple(feasible + rejected))
+                candidates=tuple(feasible + rejected), arch=arch)
 
 
 def format_plan(plan: Plan) -> str:
@@ -376,10 +464,12 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"kind={plan.kind} head_dim={plan.head_dim} (padded {plan.head_dim_padded}, chunks "
         f"{list(head_dim_chunks(plan.head_dim))}) dtype_bytes={plan.dtype_bytes} "
-        f"sram={plan.sram_bytes} B sm_count={plan.sm_count}",
+        f"sram={plan.sram_bytes} B sm_count={plan.sm_count} arch={arch_name(plan.arch)} "
+        f"(accumulator cap {max_acc_regs(plan.arch, plan.head_dim_padded)} regs/thread)",
         f"FA-1 rule: M = {plan.sram_bytes} // {plan.dtype_bytes} = {m_elems} elements; "
         f"Bc = ceil(M / (4*{plan.head_dim})) = {plan.fa1_bc}; Br = min(Bc, d) = {plan.fa1_br}",
         f"chosen: {plan.chosen.as_dict()}",
+        *([f"MAY SPILL: {spill_warning(plan)}"] if spill_warning(plan) else []),
         "",
         f"{'rank':>4}  {'block_m':>7} {'block_n':>7} {'warps':>5} {'stages':>6} "
         f"{'smem B':>8} {'regs':>5}  status",

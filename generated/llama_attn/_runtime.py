@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import math
 import os
+import re
 
 import torch
 
@@ -344,6 +345,13 @@ def gpu_key(device: torch.device) -> tuple:
     return facts
 
 
+def key_arch(key: str) -> int:
+    """The compute capability in a gpu_key, as the planner takes it ("...|sm80|108sm" -> 80:
+    before Hopper it plans smaller, spill-free tiles); the H100's if the key has none."""
+    match = re.search(r"\|sm(\d+)\|", key)
+    return int(match.group(1)) if match else _planner.DEFAULT_ARCH
+
+
 _override = {}
 _configs = {}
 
@@ -367,7 +375,9 @@ def override_config(**config):
 
 
 def launch_config(name: str, device: torch.device, n: int) -> dict:
-    """Tuned config for this GPU and length bucket if there is one, else the planner's. On
+    """Tuned config for this GPU and length bucket if there is one, else the planner's for
+    this GPU's shared memory and compute capability (before Hopper: the spill-free tiles
+    the offline compile measured, docs/OTHER_GPUS.md). On
     a GPU the Gluon family runs on (gluon_ready), a variant with a Gluon kernel whose tuned
     entry has no `family` (it was tuned before that knob existed) or has no tuned entry
     takes the Gluon default: measured faster than the tuned `tl` winners at every training
@@ -414,7 +424,8 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             config = _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
         else:
             facts = VARIANTS[name]
-            plan = _planner.plan(facts["kind"], facts["head_dim"], _DTYPE_BYTES[facts["dtype"]], smem, sms)
+            plan = _planner.plan(facts["kind"], facts["head_dim"], _DTYPE_BYTES[facts["dtype"]], smem, sms,
+                                 arch=key_arch(gpu))
             config = plan.chosen.as_dict()
         config = _configs[cache_key] = dict(config)
     return config
