@@ -423,6 +423,8 @@ class _Parser:
         """Every variant names mods that exist, at most one sink, no name clashes between
         the params and tensors of one variant's mods, no two variants alike."""
         mods = {m.name: m for m in top.get("mods", ())}
+        if top.get("attn_mask", True):  # variants may combine it with other mods
+            mods[SDPA_MASK] = builtin_mod(SDPA_MASK, "bias")
         variants = []
         for i, (v, line) in enumerate(top.get("variants", ())):
             key = f"variants[{i}]"
@@ -448,8 +450,7 @@ class _Parser:
                 raise self.fail(line, key, "the same variant is listed twice",
                                 fix="delete one of the two entries")
             variants.append(v)
-        if top.get("attn_mask", True):
-            mods[SDPA_MASK] = builtin_mod(SDPA_MASK, "bias")
+        if top.get("attn_mask", True) and ModVariant("none", (SDPA_MASK,)) not in variants:
             variants.append(ModVariant("none", (SDPA_MASK,)))
         return tuple(mods.values()), tuple(variants)
 
