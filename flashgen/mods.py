@@ -647,3 +647,20 @@ def to_python(e: Expr) -> str:
     if op in ("min", "max"):
         return f"torch.{op}imum({to_python(a[0])}, {to_python(a[1])})"
     return f"torch.{op}(torch.as_tensor({to_python(a[0])}, dtype=torch.float32))"
+
+
+_DTYPE_SIZES = {"fp32": 4, "fp16": 2, "bf16": 2, "int32": 4, "int64": 8, "bool": 1}
+
+
+def score_bytes(mods_: list) -> int:
+    """Bytes the mods read per score element: the loads whose indices use both q_idx and
+    kv_idx (a bias, a relative-position gather) are [BLOCK_M, BLOCK_N] tiles, which the
+    planner counts in shared memory (the software pipeline stages them)."""
+    total = 0
+    for m in mods_:
+        decls = {t.name: t for t in m.tensors}
+        for load in loads_of(m.expr):
+            used = set().union(*(free_names(i) for i in load.args)) if load.args else set()
+            if {"q_idx", "kv_idx"} <= used:
+                total += _DTYPE_SIZES[decls[load.value].dtype]
+    return total

@@ -51,14 +51,16 @@ class KernelResources:
                 + (f" planner: may spill ({self.may_spill}) |" if self.may_spill else ""))
 
 
-def _signature(fn, dtype: str):
+def _signature(fn, dtype: str, extra: dict | None = None):
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         name = p.name
         if p.is_constexpr:
             sig[name] = "constexpr"
             continue
-        if name in _FP32_POINTERS:
+        if extra and name in extra:  # a mod's argument (render.mod_arg_types)
+            sig[name] = extra[name]
+        elif name in _FP32_POINTERS:
             sig[name] = "*fp32"
         elif name in _INT_POINTERS:
             sig[name] = _INT_POINTERS[name]
@@ -103,7 +105,7 @@ def _ptxas_numbers(log: str) -> tuple[int, int, int]:
 
 
 def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
-                   capability: int) -> tuple[int, int, int, int]:
+                   capability: int, extra: dict | None = None) -> tuple[int, int, int, int]:
     """(shared bytes, registers, spill store bytes, spill load bytes) of one @triton.jit
     function compiled for sm_<capability>."""
     import triton
@@ -113,7 +115,7 @@ def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
 
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True  # a cached binary would skip ptxas and its log
-    sig, attrs = _signature(fn, dtype)
+    sig, attrs = _signature(fn, dtype, extra)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs),
@@ -129,6 +131,7 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
     from . import planner_core
     from .build import build_spec
     from .plan import plan_spec
+    from .render import mod_arg_types
     from .spec import load_spec
 
     spec = load_spec(spec_path)
@@ -144,10 +147,13 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
             continue
         module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
         config = plan.chosen.as_dict()
+        mods = mod_arg_types(spec, variant) if variant.mods else {"types": {}, "flags": {}}
         for function, constexprs, warps, stages in _launches(variant.kind, config, ()):
             fn = getattr(module, f"{variant.name}_{function}")
+            if function == "dkdv_kernel":  # a tensor's gradient stored: the costlier build
+                constexprs = {**constexprs, **mods["flags"]}
             shared, regs, stores, loads = compile_kernel(fn, variant.dtype, constexprs, warps,
-                                                         stages, capability)
+                                                         stages, capability, mods["types"])
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}"
             warning = "" if function == "preprocess" else planner_core.spill_warning(plan) or ""

@@ -7,12 +7,18 @@ to a parsed spec and turns an infeasible explicit tile into a spec error at its 
 """
 from __future__ import annotations
 
-from . import planner_core
+from . import mods, planner_core
 from .spec import Spec
 from .variants import Variant, variants_for
 
 # spec `blocks` entry that governs each kernel kind
 _BLOCK_KEYS = {"fwd": "forward", "bwd": "backward", "decode": "decode"}
+
+
+def variant_score_bytes(spec: Spec, variant: Variant) -> int:
+    """Bytes per score element the variant's mods read as [BLOCK_M, BLOCK_N] tiles."""
+    by_name = {m.name: m for m in spec.mods}
+    return mods.score_bytes([by_name[n] for n in variant.mods])
 
 
 def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
@@ -24,14 +30,14 @@ def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
         tile = planner_core.TileConfig(explicit.block_m, explicit.block_n,
                                        explicit.num_warps, explicit.num_stages)
     try:
-        return planner_core.plan(variant.kind, variant.head_dim, variant.dtype_bytes,
+        return planner_core.plan(variant.kind, variant.plan_dim, variant.dtype_bytes,
                                  spec.gpu.sram_bytes, spec.gpu.sm_count, explicit=tile,
-                                 arch=arch)
+                                 arch=arch, score_bytes=variant_score_bytes(spec, variant))
     except ValueError as e:
-        need = min_sram_bytes(variant.kind, variant.head_dim, variant.dtype_bytes, arch)
+        need = min_sram_bytes(variant.kind, variant.plan_dim, variant.dtype_bytes, arch)
         if tile is None or (need is not None and need > spec.gpu.sram_bytes):
             # nothing fits the budget at all: the budget is what to change, not the tile
-            needs = {v.name: min_sram_bytes(v.kind, v.head_dim, v.dtype_bytes, arch)
+            needs = {v.name: min_sram_bytes(v.kind, v.plan_dim, v.dtype_bytes, arch)
                      for v in variants_for(spec)}
             worst = max(needs, key=lambda n: needs[n] or 0)
             raise spec.error(

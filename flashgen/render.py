@@ -13,6 +13,7 @@ import jinja2
 
 from . import families, mods, planner_core
 from .resources import templates_dir
+from .plan import variant_score_bytes
 from .spec import Spec
 from .tuning_data import load_tuned
 from .variants import Variant
@@ -66,13 +67,21 @@ def literal(value) -> str:
 def kernel_context(spec: Spec, variant: Variant) -> dict:
     d = variant.head_dim
     chunks = [
-        {"idx": i, "offset": off, "size": size, "pad": off + size > d}
+        {"idx": i, "const": f"D{i}", "offset": off, "size": size, "pad": off + size > d}
         for i, (off, size) in enumerate(planner_core.head_dim_chunks(d))
+    ]
+    dv = variant.v_dim
+    # V's chunks get names of their own (DV0_SIZE, accv0, ...) even when V's head dim is Q's
+    vchunks = [
+        {"idx": f"v{i}", "const": f"DV{i}", "offset": off, "size": size, "pad": off + size > dv}
+        for i, (off, size) in enumerate(planner_core.head_dim_chunks(dv))
     ]
     return {
         "header": header(f"templates/{variant.template}", spec),
         "name": variant.name,
         "head_dim": d,
+        "v_dim": dv,
+        "vchunks": vchunks,
         "dtype": variant.dtype,
         "mask": variant.mask,
         "dropout": variant.dropout,
@@ -117,6 +126,33 @@ def grad_tensors(mods_: list) -> list:
                         and {"q_idx", "kv_idx"} <= set(names)):
                     out.append((t, loads[0], names))
     return out
+
+
+_TRITON_TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int32": "*i32",
+                 "int64": "*i64", "bool": "*i8"}
+
+
+def mod_arg_types(spec: Spec, variant: Variant) -> dict:
+    """Triton signature types of a variant's mod arguments (for offline compilation, where
+    no tensors exist to read them from), and its GRAD_<T> constexprs as True."""
+    ctx = mod_context(spec, variant)
+    types = {}
+    params = {p: v for m in variant_mods(spec, variant) for p, v in m.params}
+    for m in variant_mods(spec, variant):
+        for t in m.tensors:
+            types[f"T_{t.name}"] = _TRITON_TYPES[t.dtype]
+    for a in ctx["mod_args"] + ctx["grad_args"] + ctx["sparse_args"]:
+        if a in types:
+            continue
+        if a.startswith("P_"):
+            types[a] = "i32" if isinstance(params[a[2:]], int) else "fp32"
+        elif a.startswith("DT_") and "_S" not in a:
+            types[a] = "*fp32"
+        elif a in ("FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX"):
+            types[a] = "*i32"
+        else:
+            types[a] = "i32"
+    return {"types": types, "flags": {f: True for f in ctx["grad_flags"]}}
 
 
 def mod_context(spec: Spec, variant: Variant) -> dict:
@@ -194,6 +230,8 @@ def gluon_reason(variant: Variant) -> str | None:
     """Why `variant` has no Gluon kernel; None when it has one."""
     if variant.mods:
         return "mods are rendered into the `tl` kernels only so far"
+    if variant.v_dim != variant.head_dim:
+        return "V's head dim differs from Q's: the `tl` kernels only so far"
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
 
 
@@ -229,7 +267,10 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     variants = {
         v.name: {"kind": v.kind, "mask": v.mask, "dropout": v.dropout,
                  "head_dim": v.head_dim, "dtype": v.dtype,
-                 **({"mods": list(v.mods)} if v.mods else {})}
+                 **({"mods": list(v.mods)} if v.mods else {}),
+                 **({"v_head_dim": v.v_dim} if v.v_dim != v.head_dim else {}),
+                 **({"score_bytes": variant_score_bytes(spec, v)}
+                    if variant_score_bytes(spec, v) else {})}
         for v in plans
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
@@ -237,6 +278,8 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     built_for = {
         "spec": Path(spec.path).name, "sha": spec.sha,
         "head_dims": spec.head_dims, "dtypes": spec.dtypes, "masks": spec.masks,
+        **({"head_dim_pairs": [list(p) for p in spec.head_dim_pairs]}
+           if any(qk != v for qk, v in spec.head_dim_pairs) else {}),
         "dropout": spec.dropout, "gqa": spec.gqa,
     }
     target = {"name": spec.gpu.name, "sram_bytes": spec.gpu.sram_bytes,

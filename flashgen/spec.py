@@ -167,12 +167,19 @@ class Spec:
     mods: tuple[Mod, ...] = ()       # named mods, in file order (plus sdpa_mask)
     mod_variants: tuple[ModVariant, ...] = ()  # `variants:` entries (plus attn_mask's)
     attn_mask: bool = True           # build SDPA's attn_mask variants (the sdpa_mask mod)
+    # (Q/K head dim, V head dim) of every head_dims entry, sorted; a plain entry d is (d, d),
+    # {qk: 192, v: 128} an MLA-style pair. head_dims holds the Q/K dims.
+    head_dim_pairs: tuple[tuple[int, int], ...] = ()
     # Dotted key path -> Loc for every mapping key in the file.  Excluded from
     # ==/hash (it is derived from the same bytes as `sha`, and a mapping proxy
     # is unhashable) so that Spec can be used as a cache key.
     locs: Mapping[str, Loc] = field(
         default_factory=lambda: MappingProxyType({}),
         compare=False, hash=False, repr=False)
+
+    def __post_init__(self):
+        if not self.head_dim_pairs:
+            object.__setattr__(self, "head_dim_pairs", tuple((d, d) for d in self.head_dims))
 
     def loc(self, key: str) -> Loc:
         """Loc of ``key``, else of its nearest present parent, else line 1."""
@@ -233,8 +240,9 @@ _HELP: dict[str, tuple[str, str]] = {
                    "start from specs/gpt2.yaml and edit it"),
     "package": ("a Python identifier that is not a keyword, lower-case recommended",
                 "write e.g. package: gpt2_attn"),
-    "head_dims": ("a list of head dimensions, each a multiple of 8 from 16 to 256",
-                  "write e.g. head_dims: [64, 128]"),
+    "head_dims": ("a list of head dimensions, each a multiple of 8 from 16 to 256, or "
+                  "{qk: D, v: D} for a V head dim apart from Q's and K's (MLA)",
+                  "write e.g. head_dims: [64, 128] or head_dims: [{qk: 192, v: 128}]"),
     "dtypes": (f"a non-empty list of distinct dtypes from {', '.join(DTYPES)}",
                "write e.g. dtypes: [fp16, bf16]"),
     "masks": (f"a non-empty list of distinct masks from {', '.join(MASKS)}",
@@ -246,6 +254,10 @@ _HELP: dict[str, tuple[str, str]] = {
                     "write e.g. left: 4096"),
     "window.right": ("an integer >= -1 (tokens to the right; -1 = unbounded)",
                      "write e.g. right: 0"),
+    "head_dims.qk": ("the head dim of Q and K: a multiple of 8 from 16 to 256",
+                     "write e.g. {qk: 192, v: 128}"),
+    "head_dims.v": ("the head dim of V and the output: a multiple of 8 from 16 to 256",
+                    "write e.g. {qk: 192, v: 128}"),
     "dropout": ("a boolean: true or false", "write dropout: true or dropout: false"),
     "gqa": ("a boolean: true or false", "write gqa: true or gqa: false"),
     "decode": ("a boolean: true or false", "write decode: true or decode: false"),
@@ -368,7 +380,8 @@ class _Parser:
             path=self.path,
             sha=self.sha,
             package=top["package"],
-            head_dims=top["head_dims"],
+            head_dims=tuple(sorted({qk for qk, _ in top["head_dims"]})),
+            head_dim_pairs=top["head_dims"],
             dtypes=top["dtypes"],
             masks=top["masks"],
             window=top.get("window"),
@@ -570,14 +583,24 @@ def _package(p: _Parser, key: str, node: Node) -> str:
     return name
 
 
-def _head_dims(p: _Parser, key: str, node: Node) -> tuple[int, ...]:
-    def head_dim(key: str, entry: Node) -> int:
+def _head_dims(p: _Parser, key: str, node: Node) -> tuple[tuple[int, int], ...]:
+    """(Q/K dim, V dim) pairs: an entry d is (d, d); {qk: 192, v: 128} gives V (and the
+    output) a head dim of its own (DeepSeek MLA's 192/128)."""
+    def one(key: str, entry: Node) -> int:
         d = p.integer(key, entry)
         if not 16 <= d <= 256:
             raise p.fail(_line(entry), key, f"{d} is outside 16..256")
         if d % 8:
             raise p.fail(_line(entry), key, f"{d} is not a multiple of 8")
         return d
+
+    def head_dim(key: str, entry: Node) -> tuple[int, int]:
+        if isinstance(entry, MappingNode):
+            handler = lambda _p, k, n: one(k, n)  # noqa: E731 (schema handlers take the parser)
+            pair = p.mapping(entry, key, {"qk": handler, "v": handler}, ("qk", "v"), key)
+            return pair["qk"], pair["v"]
+        d = one(key, entry)
+        return d, d
     return tuple(sorted(p.items(key, node, head_dim)))
 
 

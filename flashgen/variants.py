@@ -29,11 +29,27 @@ class Variant:
     head_dim: int
     dtype: str  # fp16 | bf16 | fp32
     mods: tuple = ()  # names of the spec's mods, in the order they apply
+    v_head_dim: int | None = None  # V's (and the output's) head dim when it is not Q's (MLA)
+
+    @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def plan_dim(self) -> int:
+        """The head dim tiles are planned for: the larger of Q's and V's (a conservative
+        estimate of shared memory and registers when they differ)."""
+        return max(self.head_dim, self.v_dim)
+
+    @property
+    def dim_word(self) -> str:
+        """d128, or d192v128 when V's head dim differs from Q's and K's."""
+        return f"d{self.head_dim}" + (f"v{self.v_dim}" if self.v_dim != self.head_dim else "")
 
     @property
     def name(self) -> str:
         words = [self.kind, MASK_WORDS[self.mask], *self.mods, "dropout" if self.dropout else "",
-                 f"d{self.head_dim}", self.dtype]
+                 self.dim_word, self.dtype]
         return "_".join(w for w in words if w)
 
     @property
@@ -50,27 +66,27 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
     each forward has a backward with the same mask, dropout, head dim and dtype."""
     dropouts = (False, True) if spec.dropout else (False,)
     training = [
-        Variant(kind, mask, dropout, d, dtype)
+        Variant(kind, mask, dropout, d, dtype, (), dv if dv != d else None)
         for kind in ("fwd", "bwd")
         for mask in spec.masks
         for dropout in dropouts
-        for d in spec.head_dims
+        for d, dv in spec.head_dim_pairs
         for dtype in spec.dtypes
     ]
     # decoding (KV cache, split-KV): forward only, no dropout
     decoding = [
         Variant("decode", mask, False, d, dtype)
         for mask in spec.masks
-        for d in spec.head_dims
+        for d, dv in spec.head_dim_pairs if dv == d  # (decode with V's dim apart: not yet)
         for dtype in spec.dtypes
     ] if spec.decode else []
     # the spec's `variants:` (mods on top of a band mask): forward and backward
     modded = [
-        Variant(kind, mv.mask, dropout, d, dtype, mv.mods)
+        Variant(kind, mv.mask, dropout, d, dtype, mv.mods, dv if dv != d else None)
         for mv in spec.mod_variants
         for kind in ("fwd", "bwd")
         for dropout in dropouts
-        for d in spec.head_dims
+        for d, dv in spec.head_dim_pairs
         for dtype in spec.dtypes
     ]
     out = tuple(training + decoding + modded)

@@ -281,10 +281,12 @@ def test_head_dim_80_renders_two_chunks():
     text = render_kernel(spec, Variant("fwd", "causal", False, 80, "fp16"))
     assert chunk_constexprs(text) == [
         ("D0_OFFSET", "0"), ("D0_SIZE", "64"), ("D1_OFFSET", "64"), ("D1_SIZE", "16")]
+    # V's side (and the output's) has chunks of its own name, the same sizes
+    assert ("DV1_SIZE", "16") in module_constexprs(text)
     # 64 + 16 = 80 exactly: no lane of the head dim needs a mask
     assert "d_ok" not in text
-    for i in (0, 1):
-        assert f"acc{i} = tl.zeros([BLOCK_M, D{i}_SIZE]" in text
+    for i in (0, 1):  # V's side (and the output's) has chunks of its own name
+        assert f"accv{i} = tl.zeros([BLOCK_M, DV{i}_SIZE]" in text
     compile(text, "d80", "exec")
 
 

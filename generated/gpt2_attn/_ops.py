@@ -25,9 +25,17 @@ def _heads_view(bnhd: bool):
     return (lambda t: t.transpose(1, 2)) if bnhd else (lambda t: t)
 
 
+def _out_like(q, v):
+    """The output: q's layout, V's head dim (which differs from q's only in MLA-style
+    packages)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return q.new_empty(q.shape[:-1] + v.shape[-1:])
+
+
 def _run_forward(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
                  dropout_p: float, rng, need_lse: bool = True):
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # = the fake impl
+    out = _out_like(q, v)  # = the fake impl
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
                            dropout_p=dropout_p, rng=rng, bnhd=bnhd, need_lse=need_lse)
     return out, lse
@@ -75,7 +83,7 @@ def _register():
     @fwd.register_fake
     def _(q, k, v, bnhd, mask, lo, hi, scale, dropout_p):
         b, h, n_q = (q.shape[0], q.shape[2], q.shape[1]) if bnhd else q.shape[:3]
-        return (q.new_empty(q.shape), q.new_empty((b, h, n_q), dtype=torch.float32),
+        return (q.new_empty(q.shape[:-1] + v.shape[-1:]), q.new_empty((b, h, n_q), dtype=torch.float32),
                 q.new_empty((2,), dtype=torch.int64, device="cpu"))
 
     @torch.library.custom_op(f"{NAMESPACE}::bwd", mutates_args=())
@@ -238,7 +246,7 @@ def eager(q, k, v, args, need_lse):
             return _apply(q, k, v, args)
         return _apply_out(q, k, v, args), None
     bnhd, mask, lo, hi, scale, dropout_p = args
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # = the fake impl
+    out = _out_like(q, v)  # = the fake impl
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
                            dropout_p=dropout_p, rng=_draw_rng(q, dropout_p), bnhd=bnhd,
                            need_lse=need_lse)

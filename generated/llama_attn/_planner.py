@@ -215,15 +215,21 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
 
 
-def smem_estimate(kind, block_m, block_n, head_dim_padded, dtype_bytes, num_stages) -> int:
-    """Estimated shared memory in bytes (see the module docstring for the model)."""
+def smem_estimate(kind, block_m, block_n, head_dim_padded, dtype_bytes, num_stages,
+                  score_bytes: int = 0) -> int:
+    """Estimated shared memory in bytes (see the module docstring for the model).
+    ``score_bytes``: bytes a mod reads per score element (e.g. 4 for an fp32 bias indexed by
+    query and key), which the software pipeline stages like K and V: num_stages - 1 more
+    [block_m, block_n] tiles (measured offline: an fp32 bias at 128x64, 3 stages, added
+    64 KiB to the H100 forward)."""
     _check_kind(kind)
     d = head_dim_padded
+    staged = max(num_stages - 1, 0) * block_m * block_n * score_bytes
     if kind == "bwd":
         elems = 2 * block_n * d + num_stages * 2 * block_m * d + 2 * block_m * block_n
-        return elems * dtype_bytes + num_stages * 2 * block_m * 4
+        return elems * dtype_bytes + num_stages * 2 * block_m * 4 + staged
     elems = block_m * d + num_stages * 2 * block_n * d + block_m * block_n
-    return elems * dtype_bytes
+    return elems * dtype_bytes + staged
 
 
 def regs_estimate(kind, block_m, block_n, head_dim_padded, num_warps) -> int:
@@ -287,10 +293,11 @@ def arch_name(arch: int) -> str:
 
 
 def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: int,
-             arch: int = DEFAULT_ARCH) -> Candidate:
+             arch: int = DEFAULT_ARCH, score_bytes: int = 0) -> Candidate:
     """The resource model's verdict on one tile for a GPU of compute capability ``arch``:
-    its estimates and why it is rejected."""
-    smem = smem_estimate(kind, cfg.block_m, cfg.block_n, d, dtype_bytes, cfg.num_stages)
+    its estimates and why it is rejected (``score_bytes``: see smem_estimate)."""
+    smem = smem_estimate(kind, cfg.block_m, cfg.block_n, d, dtype_bytes, cfg.num_stages,
+                         score_bytes)
     regs = regs_estimate(kind, cfg.block_m, cfg.block_n, d, cfg.num_warps)
     reasons = []
     in_regs = mma_sync_model(arch, d)
@@ -399,7 +406,8 @@ def _rank_key(kind: str, cand: Candidate, target_m: int, target_n: int) -> tuple
 # ----------------------------------------------------------------------------------------------
 
 def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: int | None = None,
-         explicit: TileConfig | None = None, arch: int = DEFAULT_ARCH) -> Plan:
+         explicit: TileConfig | None = None, arch: int = DEFAULT_ARCH,
+         score_bytes: int = 0) -> Plan:
     """Enumerate every candidate, reject the infeasible ones with a reason, rank the feasible ones
     and pick the best (or validate ``explicit``).  Raises ValueError if nothing is feasible or if
     ``explicit`` is infeasible (the message is the rejection reason).
@@ -419,7 +427,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
     target_m, target_n = _targets(kind, bc, br)
 
     all_cands = [
-        evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes, arch)
+        evaluate(kind, TileConfig(bm, bn, nw, ns), d, dtype_bytes, sram_bytes, arch, score_bytes)
         for bm in BLOCK_SIZES for bn in BLOCK_SIZES for nw in WARP_COUNTS for ns in STAGE_COUNTS
     ]
     feasible = sorted((c for c in all_cands if c.rejected is None),
@@ -435,7 +443,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
             value = getattr(explicit, field)
             if value not in allowed:
                 raise ValueError(f"tile config {explicit}: {field} {value} not in {allowed}")
-        cand = evaluate(kind, explicit, d, dtype_bytes, sram_bytes, arch)
+        cand = evaluate(kind, explicit, d, dtype_bytes, sram_bytes, arch, score_bytes)
         if cand.rejected is not None:
             raise ValueError(f"tile config {explicit} infeasible for {what}: {cand.rejected}")
         chosen = explicit

@@ -51,11 +51,20 @@ def check_dtype_built(dtype) -> None:
             f"to `dtypes` in {BUILT_FOR['spec']} and rebuild, or cast the inputs")
 
 
-def check_head_dim_built(d: int) -> None:
-    if d not in BUILT_FOR["head_dims"]:
+def check_head_dim_built(d: int, dv: "int | None" = None) -> None:
+    """Q/K head dim d (and V's dv when it differs: MLA-style pairs) was built."""
+    pairs = [tuple(p) for p in BUILT_FOR.get("head_dim_pairs", ())] or \
+        [(x, x) for x in BUILT_FOR["head_dims"]]
+    dv = d if dv is None else dv
+    if (d, dv) not in pairs:
+        if d == dv:
+            raise ValueError(
+                f"{PACKAGE} was built for head dims {list(BUILT_FOR['head_dims'])}, not {d}: add "
+                f"{d} to `head_dims` in {BUILT_FOR['spec']} and rebuild")
         raise ValueError(
-            f"{PACKAGE} was built for head dims {list(BUILT_FOR['head_dims'])}, not {d}: add "
-            f"{d} to `head_dims` in {BUILT_FOR['spec']} and rebuild")
+            f"q/k have head dim {d} and v {dv}: {PACKAGE} was built for (q/k, v) head dims "
+            f"{pairs}; add " + "{qk: %d, v: %d}" % (d, dv) + f" to `head_dims` in {BUILT_FOR['spec']} and "
+            "rebuild")
 
 
 def check_heads(h_q: int, h_kv: int) -> None:
@@ -94,13 +103,14 @@ def check_tensors(q, k, v, *, bnhd: bool = False) -> None:
     check_dtype_built(q.dtype)
     bq, hq, nq, d = bhnd(q.shape, bnhd)
     bk, hk, nk, dk = bhnd(k.shape, bnhd)
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v must have one shape (but for the head dim), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     if bk != bq:
         raise ValueError(f"q has batch {bq} but k, v have batch {bk}")
     if dk != d:
-        raise ValueError(f"q has head dim {d} but k, v have {dk}")
-    check_head_dim_built(d)
+        raise ValueError(f"q has head dim {d} but k has {dk}")
+    check_head_dim_built(d, v.shape[-1])
     check_heads(hq, hk)
     check_unit_stride(named)
 
@@ -137,14 +147,15 @@ def check_window(window_size) -> tuple:
 # Dispatch: call -> kernel variant -> launch config
 # ----------------------------------------------------------------------------------------
 def variant_name(kind: str, mask: str, dropout: bool, head_dim: int, dtype: str,
-                 mods: tuple = ()) -> str:
-    words = [kind, _MASK_WORDS[mask], *mods, "dropout" if dropout else "", f"d{head_dim}", dtype]
+                 mods: tuple = (), v_dim: "int | None" = None) -> str:
+    dim = f"d{head_dim}" if v_dim is None or v_dim == head_dim else f"d{head_dim}v{v_dim}"
+    words = [kind, _MASK_WORDS[mask], *mods, "dropout" if dropout else "", dim, dtype]
     return "_".join(w for w in words if w)
 
 
 def find_variant(kind: str, mask: str, dropout: bool, head_dim: int, dtype: str,
-                 mods: tuple = ()) -> str:
-    name = variant_name(kind, mask, dropout, head_dim, dtype, mods)
+                 mods: tuple = (), v_dim: "int | None" = None) -> str:
+    name = variant_name(kind, mask, dropout, head_dim, dtype, mods, v_dim)
     if name not in VARIANTS:
         if mods:
             built = sorted({(f["mask"], "+".join(f["mods"])) for f in VARIANTS.values()
@@ -410,7 +421,7 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             # a variant with mods is not tuned yet: its base variant's configs (the same
             # kernel but for the mods' few extra operations per score) are the best guess
             base = variant_name(facts["kind"], facts["mask"], facts["dropout"],
-                                facts["head_dim"], facts["dtype"])
+                                facts["head_dim"], facts["dtype"], (), facts.get("v_head_dim"))
             tuned = TUNED.get(gpu, {}).get(base)
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
                  and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"],
@@ -424,7 +435,9 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             config = _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
         else:
             facts = VARIANTS[name]
-            plan = _planner.plan(facts["kind"], facts["head_dim"], _DTYPE_BYTES[facts["dtype"]], smem, sms,
+            plan = _planner.plan(facts["kind"], max(facts["head_dim"], facts.get("v_head_dim", 0)),
+                                 _DTYPE_BYTES[facts["dtype"]], smem, sms,
+                                 score_bytes=facts.get("score_bytes", 0),
                                  arch=key_arch(gpu))
             config = plan.chosen.as_dict()
         config = _configs[cache_key] = dict(config)
@@ -521,7 +534,7 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
     if batch * h_q * n_q == 0:
         return None, (), False, lse_shape, scratch, None
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
-                        mods.names if mods is not None else ())
+                        mods.names if mods is not None else (), v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     if cfg.get("family") == "gluon":
         why = (_gluon_too_small(batch, h_q, n_q, n_k, d, mask)
@@ -802,7 +815,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     if batch * h_q * n_q * n_k == 0:
         return None
     names = mods.names if mods is not None else ()
-    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names)
+    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
                    dict(BLOCK_M=PREPROCESS_BLOCK))
@@ -854,7 +867,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     locks_shape = (batch * h_q * triton_cdiv(n_q, block_m),)
     tiles = None
     if mods is not None and mods.block_sparse:
-        fwd = variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names)
+        fwd = variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
         tiles = ((fwd, block_m, block_n, True), (fwd, dq_m, dq_n, False))
     return (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, (batch, h_q, n_q), fused,
             acc_shape, locks_shape, tma, tiles)

@@ -244,7 +244,8 @@ class _ModAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, args, call, *tensors):
         bnhd, mask, lo, hi, scale, dropout_p = args
         rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = (torch.empty_like(q, memory_format=torch.contiguous_format)
+               if v.shape[-1] == q.shape[-1] else q.new_empty(q.shape[:-1] + v.shape[-1:]))
         lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
                                dropout_p=dropout_p, rng=rng, bnhd=bnhd, mods=call)
         ctx.save_for_backward(q, k, v, out, lse, *tensors)

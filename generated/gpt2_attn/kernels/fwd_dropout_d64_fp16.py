@@ -26,10 +26,15 @@ from .._dropout import keep_mask
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
+# Head dims: of Q and K, and of V and the output.
 HEAD_DIM = tl.constexpr(64)
-# The head dim is tiled by power-of-two chunks instead of padding it to a power of two.
+V_DIM = tl.constexpr(64)
+
+# The head dims are tiled by power-of-two chunks instead of padding them to a power of two.
 D0_OFFSET = tl.constexpr(0)
 D0_SIZE = tl.constexpr(64)
+DV0_OFFSET = tl.constexpr(0)
+DV0_SIZE = tl.constexpr(64)
 # Whether the band has a lower edge (sliding window) and an upper edge (causal / window).
 MASK_LEFT = tl.constexpr(False)
 MASK_RIGHT = tl.constexpr(False)
@@ -95,12 +100,14 @@ def fwd_dropout_d64_fp16_kernel(
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
     q0 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     k_ptrs0 = k_base + offs_n[:, None] * stride_kn + offs_d0[None, :]  # [BLOCK_N, D0_SIZE]
-    v_ptrs0 = v_base + offs_n[:, None] * stride_vn + offs_d0[None, :]  # [BLOCK_N, D0_SIZE]
-    acc0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
     if USE_TMA:
         # rows past N_K and columns past HEAD_DIM read as zeros
         k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N_K, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, D0_SIZE])
-        v_desc0 = tl.make_tensor_descriptor(v_base, shape=[N_K, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, D0_SIZE])
+    offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
+    v_ptrsv0 = v_base + offs_n[:, None] * stride_vn + offs_dv0[None, :]  # [BLOCK_N, DV0_SIZE]
+    accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
+    if USE_TMA:
+        v_descv0 = tl.make_tensor_descriptor(v_base, shape=[N_K, V_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV0_SIZE])
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
 
@@ -137,8 +144,8 @@ def fwd_dropout_d64_fp16_kernel(
                 keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 p = tl.where(keep, p, 0.0)
             p = p.to(V.dtype.element_ty)
-            v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
-            acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)  # [BLOCK_M, D0_SIZE]
+            vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
+            accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
             m_i = m_new
 
     # Phase 2: blocks every row may see in full -- the bulk of the work, no mask arithmetic
@@ -161,10 +168,10 @@ def fwd_dropout_d64_fp16_kernel(
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         if USE_TMA:
-            v0 = v_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
+            vv0 = v_descv0.load([n0, DV0_OFFSET])  # [BLOCK_N, DV0_SIZE]
         else:
-            v0 = tl.load(v_ptrs0 + n0 * stride_vn)  # [BLOCK_N, D0_SIZE]
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)  # [BLOCK_M, D0_SIZE]
+            vv0 = tl.load(v_ptrsv0 + n0 * stride_vn)  # [BLOCK_N, DV0_SIZE]
+        accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
 
     # Phase 3: the diagonal band and the ragged end of the keys, masked
@@ -193,8 +200,8 @@ def fwd_dropout_d64_fp16_kernel(
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
-        v0 = tl.load(v_ptrs0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0)  # [BLOCK_M, D0_SIZE]
+        vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
+        accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
 
     # ------------------------------------------------------------------------------------
@@ -207,5 +214,5 @@ def fwd_dropout_d64_fp16_kernel(
         inv_l = inv_l * DROP_SCALE
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
     tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
-    o0 = (acc0 * inv_l[:, None]).to(O.dtype.element_ty)  # [BLOCK_M, D0_SIZE]
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d0[None, :], o0, mask=row_ok[:, None])
+    ov0 = (accv0 * inv_l[:, None]).to(O.dtype.element_ty)  # [BLOCK_M, DV0_SIZE]
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], ov0, mask=row_ok[:, None])

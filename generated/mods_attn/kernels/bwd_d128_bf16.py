@@ -39,9 +39,14 @@ from .._band import key_ranges
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant
 # ----------------------------------------------------------------------------------------
+# Head dims: of Q and K, and of V, the output and dO.
 HEAD_DIM = tl.constexpr(128)
+V_DIM = tl.constexpr(128)
+
 D0_OFFSET = tl.constexpr(0)
 D0_SIZE = tl.constexpr(128)
+DV0_OFFSET = tl.constexpr(0)
+DV0_SIZE = tl.constexpr(128)
 MASK_LEFT = tl.constexpr(False)
 MASK_RIGHT = tl.constexpr(False)
 # Dropout: the forward's keep mask, regenerated from the same Philox counters
@@ -66,10 +71,10 @@ def bwd_d128_bf16_preprocess(
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-    offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)
-    o0 = tl.load(o_base + offs_m[:, None] * stride_om + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-    do0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-    delta += tl.sum(o0.to(tl.float32) * do0.to(tl.float32), 1)
+    offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)
+    ov0 = tl.load(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
+    dov0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
+    delta += tl.sum(ov0.to(tl.float32) * dov0.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * DELTA_ROW + offs_m, delta, mask=row_ok)
 
 
@@ -155,9 +160,10 @@ def bwd_d128_bf16_dkdv_kernel(
     # ------------------------------------------------------------------------------------
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
     k0 = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d0[None, :], mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
-    v0 = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d0[None, :], mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
     dk0 = tl.zeros([BLOCK_N, D0_SIZE], dtype=tl.float32)
-    dv0 = tl.zeros([BLOCK_N, D0_SIZE], dtype=tl.float32)
+    offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
+    vv0 = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv0[None, :], mask=col_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
+    dvv0 = tl.zeros([BLOCK_N, DV0_SIZE], dtype=tl.float32)
 
     # ------------------------------------------------------------------------------------
     # Which query rows see this key block: j - HI_OFF <= i <= j - LO_OFF
@@ -190,7 +196,7 @@ def bwd_d128_bf16_dkdv_kernel(
         if USE_TMA:
             # columns past HEAD_DIM read as zeros
             q_desc0 = tl.make_tensor_descriptor(q_base, shape=[N_Q, HEAD_DIM], strides=[stride_qm, 1], block_shape=[BLOCK_M, D0_SIZE])
-            do_desc0 = tl.make_tensor_descriptor(do_base, shape=[N_Q, HEAD_DIM], strides=[stride_dom, 1], block_shape=[BLOCK_M, D0_SIZE])
+            do_descv0 = tl.make_tensor_descriptor(do_base, shape=[N_Q, V_DIM], strides=[stride_dom, 1], block_shape=[BLOCK_M, DV0_SIZE])
 
         # The query blocks are walked from the last down: with FUSED_DQ every program
         # then reaches a block of dQ rows one short step after the program of the key
@@ -200,7 +206,7 @@ def bwd_d128_bf16_dkdv_kernel(
         for t in range(0, steps):
             m0 = full_hi + (steps - 1 - t) * BLOCK_M
             q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-            do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
+            dov0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_dv0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
             # rows past N_Q read LSE = +inf so that their probabilities are exactly 0
             lse = tl.load(lse_base + m0 + offs_m, mask=(m0 + offs_m) < N_Q, other=float("inf"))  # [BLOCK_M]
             delta = tl.load(delta_base + m0 + offs_m, mask=(m0 + offs_m) < N_Q, other=0.0)  # [BLOCK_M]
@@ -217,7 +223,7 @@ def bwd_d128_bf16_dkdv_kernel(
                 visible = visible & (offs_n[:, None] >= rows + LO_OFF)
             p_t = tl.where(visible, p_t, 0.0)
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v0, tl.trans(do0))
+            dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
                 # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
@@ -229,7 +235,7 @@ def bwd_d128_bf16_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
-            dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
+            dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
             dk0 += tl.dot(ds_t, q0)  # [BLOCK_N, D0_SIZE]
             if FUSED_DQ:
                 # this key block's share of dQ for the query block: dS K * scale
@@ -267,10 +273,12 @@ def bwd_d128_bf16_dkdv_kernel(
             m0 = full_lo + (steps - 1 - t) * BLOCK_M
             if USE_TMA:
                 q0 = q_desc0.load([m0, D0_OFFSET])  # [BLOCK_M, D0_SIZE]
-                do0 = do_desc0.load([m0, D0_OFFSET])  # [BLOCK_M, D0_SIZE]
             else:
                 q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
-                do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :])  # [BLOCK_M, D0_SIZE]
+            if USE_TMA:
+                dov0 = do_descv0.load([m0, DV0_OFFSET])  # [BLOCK_M, DV0_SIZE]
+            else:
+                dov0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_dv0[None, :])  # [BLOCK_M, DV0_SIZE]
             lse = tl.load(lse_base + m0 + offs_m)  # [BLOCK_M]
             delta = tl.load(delta_base + m0 + offs_m)  # [BLOCK_M]
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0 instead of NaN
@@ -279,7 +287,7 @@ def bwd_d128_bf16_dkdv_kernel(
             s_t = tl.dot(k0, tl.trans(q0))
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v0, tl.trans(do0))
+            dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
                 # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
@@ -291,7 +299,7 @@ def bwd_d128_bf16_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
-            dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
+            dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
             dk0 += tl.dot(ds_t, q0)  # [BLOCK_N, D0_SIZE]
             if FUSED_DQ:
                 # this key block's share of dQ for the query block: dS K * scale
@@ -328,7 +336,7 @@ def bwd_d128_bf16_dkdv_kernel(
         for t in range(0, steps):
             m0 = lo + (steps - 1 - t) * BLOCK_M
             q0 = tl.load(q_base + (m0 + offs_m)[:, None] * stride_qm + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-            do0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_d0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
+            dov0 = tl.load(do_base + (m0 + offs_m)[:, None] * stride_dom + offs_dv0[None, :], mask=((m0 + offs_m) < N_Q)[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
             # rows past N_Q read LSE = +inf so that their probabilities are exactly 0
             lse = tl.load(lse_base + m0 + offs_m, mask=(m0 + offs_m) < N_Q, other=float("inf"))  # [BLOCK_M]
             delta = tl.load(delta_base + m0 + offs_m, mask=(m0 + offs_m) < N_Q, other=0.0)  # [BLOCK_M]
@@ -345,7 +353,7 @@ def bwd_d128_bf16_dkdv_kernel(
                 visible = visible & (offs_n[:, None] >= rows + LO_OFF)
             p_t = tl.where(visible, p_t, 0.0)
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
-            dp_t = tl.dot(v0, tl.trans(do0))
+            dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
                 # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
@@ -357,7 +365,7 @@ def bwd_d128_bf16_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
-            dv0 += tl.dot(p_t, do0)  # [BLOCK_N, D0_SIZE]
+            dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
             dk0 += tl.dot(ds_t, q0)  # [BLOCK_N, D0_SIZE]
             if FUSED_DQ:
                 # this key block's share of dQ for the query block: dS K * scale
@@ -392,8 +400,9 @@ def bwd_d128_bf16_dkdv_kernel(
     dk_base = DK + b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh
     dv_base = DV + b.to(tl.int64) * stride_dvb + kv_h.to(tl.int64) * stride_dvh
     out_ok0 = col_ok[:, None]
+    out_okv0 = col_ok[:, None]
     tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d0[None, :], (dk0 * SCALE).to(DK.dtype.element_ty), mask=out_ok0)
-    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_d0[None, :], dv0.to(DV.dtype.element_ty), mask=out_ok0)
+    tl.store(dv_base + offs_n[:, None] * stride_dvn + offs_dv0[None, :], dvv0.to(DV.dtype.element_ty), mask=out_okv0)
 
 
 
@@ -433,11 +442,12 @@ def bwd_d128_bf16_dq_kernel(
 
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
     q0 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-    do0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     dq0 = tl.zeros([BLOCK_M, D0_SIZE], dtype=tl.float32)
+    offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
+    dov0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
     if USE_TMA:
         k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N_K, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, D0_SIZE])
-        v_desc0 = tl.make_tensor_descriptor(v_base, shape=[N_K, HEAD_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, D0_SIZE])
+        v_descv0 = tl.make_tensor_descriptor(v_base, shape=[N_K, V_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV0_SIZE])
     lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # [BLOCK_M]
     delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=0.0)  # [BLOCK_M]
@@ -449,7 +459,7 @@ def bwd_d128_bf16_dq_kernel(
     if MASK_LEFT:
         for n0 in range(lo, full_lo, BLOCK_N):
             k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
-            v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
+            vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
             # scores in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
             p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
@@ -460,7 +470,7 @@ def bwd_d128_bf16_dq_kernel(
             if MASK_LEFT:
                 visible = visible & (cols >= offs_m[:, None] + LO_OFF)
             p = tl.where(visible, p, 0.0)
-            dp = tl.dot(do0, tl.trans(v0))  # [BLOCK_M, BLOCK_N]
+            dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
                 keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
@@ -472,14 +482,16 @@ def bwd_d128_bf16_dq_kernel(
     for n0 in range(full_lo, full_hi, BLOCK_N):
         if USE_TMA:
             k0 = k_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
-            v0 = v_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
         else:
             k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
-            v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
+        if USE_TMA:
+            vv0 = v_descv0.load([n0, DV0_OFFSET])  # [BLOCK_N, DV0_SIZE]
+        else:
+            vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
-        dp = tl.dot(do0, tl.trans(v0))  # [BLOCK_M, BLOCK_N]
+        dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
@@ -490,7 +502,7 @@ def bwd_d128_bf16_dq_kernel(
 
     for n0 in range(full_hi, hi, BLOCK_N):
         k0 = tl.load(k_base + (n0 + offs_n)[:, None] * stride_kn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
-        v0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_d0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
+        vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
@@ -501,7 +513,7 @@ def bwd_d128_bf16_dq_kernel(
         if MASK_LEFT:
             visible = visible & (cols >= offs_m[:, None] + LO_OFF)
         p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do0, tl.trans(v0))  # [BLOCK_M, BLOCK_N]
+        dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
