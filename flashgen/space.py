@@ -76,7 +76,11 @@ def _needs_sm90(config, facts: Facts) -> str | None:  # for knobs such as tma / 
 # A knob here must also be read by its template and runtime (with the same default).
 def _dq_tile(config, facts: Facts) -> str | None:
     """The dQ kernel's own tile must pass the planner's backward resource model, read with
-    its roles swapped (the resident rows are the dQ kernel's query rows)."""
+    its roles swapped (the resident rows are the dQ kernel's query rows). The Gluon
+    backward has no dQ kernel: its points keep the default."""
+    if config.get("family") == "gluon":
+        return (None if config["dq_tile"] == planner_core.DQ_MIRROR else
+                "a `tl` knob (the Gluon backward computes dQ in its one kernel)")
     m, n, w, st = planner_core.dq_tile(config)
     cand = planner_core.evaluate("bwd", TileConfig(n, m, w, st),
                                  planner_core.padded_head_dim(facts.head_dim),
@@ -128,10 +132,19 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
             # consumer/producer registers per thread (setmaxnreg)
             Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
                  _gluon_only("regs", families.REG_SPLITS[0]))),
-    # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
+    # `family` as for the forward: a Gluon point's tile is the backward's warpgroups'
+    # (block_n = 2 consumers x 64 keys, num_warps = 4, block_m = 64 or 128 query rows a
+    # step, num_stages = the Q/dO ring depth), checked by families.bwd_config_reason
+    # (shared memory) instead of the planner; `regs` is its own knob. The Gluon backward is
+    # not searched under torch.use_deterministic_algorithms(True) (tune.gluon_here): its dQ
+    # additions are in no fixed order, and the package sends such calls to `tl`.
     "bwd": (
+        # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",
                          "64x32w4s4"), planner_core.DQ_MIRROR, _dq_tile),
+        Knob("family", ("tl", "gluon"), "tl", _family),
+        Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
+             _gluon_only("regs", families.REG_SPLITS[0])),
         # Reachable through override_config but not tuned, both measured slower on the
         # H100 (docs/PERF_NOTES.md): `fused_dq=True` (dQ inside the dK/dV kernel) and
         # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: 0 to -12%
@@ -186,8 +199,8 @@ class Space:
         tile = TileConfig(*(int(config[n]) for n in TILE_PARAMS))
         if config.get("family") == "gluon":
             # the Gluon tile is fixed by its warpgroups; the planner's model is the tl kernel's
-            reason = families.config_reason(config, self.facts.head_dim, self.facts.dtype_bytes,
-                                            self.facts.sram_bytes)
+            why = families.bwd_config_reason if self.facts.kind == "bwd" else families.config_reason
+            reason = why(config, self.facts.head_dim, self.facts.dtype_bytes, self.facts.sram_bytes)
         else:
             reason = self.tile_reasons.get(tile, "not a planner candidate")
         if reason is not None:
@@ -207,7 +220,8 @@ class Space:
         out = []
         tiles = list(self.tiles)
         if any(k.name == "family" for k in self.knobs) and self.facts.gluon is None:
-            tiles += [t for t in GLUON_TILES if t not in tiles]
+            gluon = GLUON_BWD_TILES if self.facts.kind == "bwd" else GLUON_TILES
+            tiles += [t for t in gluon if t not in tiles]
         for tile in tiles:
             for values in itertools.product(*knob_values):
                 cfg = {**tile.as_dict(), **{k.name: v for k, v in zip(self.knobs, values)}}
@@ -234,6 +248,12 @@ class Space:
 # 64- or 128-key blocks, a 2- to 4-deep K/V ring (config_reason drops what does not fit)
 GLUON_TILES = tuple(TileConfig(families.CONSUMERS * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
                     for n in (128, 64) for s in (2, 3, 4))
+# the tiles a Gluon backward may take: 2 consumer warpgroups x 64 keys, 4 warps a partition,
+# 64 or 128 query rows a step, a 2- to 4-deep Q/dO ring (bwd_config_reason drops what does
+# not fit: at d=128 block_m 128 and a 4-deep ring, at d=64 block_m 128 past a 2-deep ring)
+GLUON_BWD_TILES = tuple(
+    TileConfig(m, families.CONSUMERS * families.KEY_ROWS_PER_CONSUMER, 4, s)
+    for m in families.GLUON_BWD_BLOCK_MS for s in families.GLUON_BWD_STAGES)
 
 
 def _default_first(knob: Knob) -> tuple:

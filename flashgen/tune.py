@@ -10,8 +10,9 @@ next `flashgen build` embeds into the package's TUNED table.
   shared memory, times the kind's template knobs. The sampler (:class:`FeasibleSampler`,
   Optuna's TPE underneath) only ever proposes feasible points that have not been measured,
   so no infeasible config is launched and no trial is wasted on a repeat.
-* Warm starts: the planner's config for this GPU (what an untuned package runs, whose time
-  is reported as "default") and the spec's explicit tile are enqueued first, once.
+* Warm starts: the planner's config for this GPU (whose time is reported as "default"),
+  the Gluon family's untuned config where the variant has a Gluon kernel here (forward or
+  backward) and the spec's explicit tile are enqueued first, once.
 * A trial checks the config's output against a float64 reference on fresh random inputs at
   a small shape (a wrong answer fails the trial, with the reason, and is never chosen),
   then times it with CUDA events (triton.testing.do_bench, median, L2 flushed) at a shape
@@ -613,10 +614,16 @@ def _space(kind, facts, gpu: GpuInfo) -> Space:
 def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
     """Why this variant cannot run a Gluon kernel on this GPU with this Triton (None when
     it can, and the tuner then measures both families)."""
+    import torch
     import triton
 
     reason = families.gluon_reason(kind, facts.get("dropout", False), facts["head_dim"],
                                    facts["dtype"])
+    if reason is None and kind == "bwd" and torch.are_deterministic_algorithms_enabled():
+        # the package sends such a call to `tl` (runtime.gluon_backward_reason): a Gluon
+        # point would time the planner's `tl` kernels under the Gluon family's name
+        reason = ("torch.use_deterministic_algorithms(True): the Gluon backward adds dQ in "
+                  "no fixed order, the `tl` backward serves these calls")
     if reason is None and tuple(gpu.capability) not in families.GLUON_CAPABILITIES:
         reason = f"sm{gpu.capability[0]}{gpu.capability[1]}: the Gluon kernels are for sm90"
     if reason is None and not families.triton_ok(triton.__version__):
@@ -659,13 +666,17 @@ def _try_config(space: Space, raw: Mapping) -> dict | None:
 
 def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = None,
                  tries: Sequence[Mapping] = ()) -> list:
-    """What a study measures first: the planner's config, the spec's explicit tile, the
+    """What a study measures first: the planner's config, the Gluon family's untuned config
+    of this kind (where the space holds the family), the spec's explicit tile, the
     config the tuning file already holds for this GPU and bucket ("tuned": a re-tune starts
     from the last winner and cannot end slower) and the run's `--try` configs."""
     starts = [("planner", space.default())]
     if space.facts.gluon is None and any(k.name == "family" for k in space.knobs):
-        # the Gluon family's untuned config: on Hopper the package's default launch
-        starts.append(("gluon", space.config(families.gluon_default(space.facts.head_dim))))
+        # the Gluon family's untuned config of this kind (the backward's: 64 query rows a
+        # step, 2 x 64 keys, a 2-deep ring): on Hopper the package's default launch where
+        # families.gluon_by_default says so
+        starts.append(("gluon", space.config(families.gluon_default(space.facts.head_dim,
+                                                                    kind))))
     explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
                                      "decode": "decode"}[kind], None)
     if explicit is not None:

@@ -128,6 +128,148 @@ def test_the_gluon_family_is_searched_where_it_runs():
     assert no.check({**too_deep, "num_stages": 2}) == "family='gluon': no Gluon dropout yet"
 
 
+def test_the_gluon_backward_is_searched_where_it_runs():
+    """The backward's `family` knob: Gluon points take the backward's warpgroup tile
+    (2 x 64 keys, 4 warps), 64 or 128 query rows a step and a 2- to 4-deep Q/dO ring where
+    shared memory allows, each register split; `dq_tile` stays a `tl` knob and `regs` a
+    Gluon one, so no config is measured twice."""
+    assert [k.name for k in KNOBS["bwd"]] == ["dq_tile", "family", "regs"]
+    tiles = {}
+    for d in (64, 96, 128):
+        space = space_for("bwd", d, 2, **H100, gluon=None)
+        gluon = [p for p in space.points() if p["family"] == "gluon"]
+        tl = [p for p in space.points() if p["family"] == "tl"]
+        assert all(p["dq_tile"] == "mirror" for p in gluon)
+        assert all(p["regs"] == "240/24" for p in tl)
+        assert {(p["block_n"], p["num_warps"]) for p in gluon} == {(128, 4)}
+        assert {p["regs"] for p in gluon} == set(families.REG_SPLITS)
+        tiles[d] = {(p["block_m"], p["num_stages"]) for p in gluon}
+        assert len(gluon) == len(tiles[d]) * len(families.REG_SPLITS)
+        # the `tl` part is what it was without the knob
+        assert tl == [p for p in space_for("bwd", d, 2, **H100).points()]
+        default = space.config(families.gluon_default(d, "bwd"))
+        assert space.check(default) is None and default in gluon
+    # d=96 runs d=128's tiles; 128 query rows a step fit at d=64 only, with a 2-deep ring
+    assert tiles[128] == tiles[96] == {(64, 2), (64, 3)}
+    assert tiles[64] == {(64, 2), (64, 3), (64, 4), (128, 2)}
+
+    space = space_for("bwd", 128, 2, **H100, gluon=None)
+    base = space.config(families.GLUON_BWD_DEFAULT)
+    reasons = {
+        "block_m": (128, "needs 330752 bytes of shared memory, the GPU has 232448"),
+        "num_stages": (4, "needs 265216 bytes of shared memory, the GPU has 232448"),
+        "block_n": (64, "block_n must be 2 consumers x 64 keys"),
+        "num_warps": (8, "num_warps must be 4 (one warpgroup per partition)"),
+    }
+    for name, (value, why) in reasons.items():
+        assert space.check({**base, name: value}) == why, name
+    assert space.check({**base, "block_m": 32}).startswith("block_m must be 64 or 128")
+    assert space.check({**base, "num_stages": 1}).startswith("num_stages (the Q/dO ring")
+    assert space.check({**base, "dq_tile": "128x64w8s3"}) == (
+        "dq_tile='128x64w8s3': a `tl` knob (the Gluon backward computes dQ in its one kernel)")
+    tl = space.default()
+    assert space.check({**tl, "regs": "232/40"}) == "regs='232/40': a Gluon knob (family=gluon only)"
+    # the reasons come from the GPU's shared memory: with less, the 3-deep ring goes at d=128
+    smaller = space_for("bwd", 128, 2, **{**H100, "sram_bytes": 200 * 1024}, gluon=None)
+    assert {p["num_stages"] for p in smaller.points() if p["family"] == "gluon"} == {2}
+    # a variant without a Gluon backward, or a GPU without Gluon, never gets a Gluon point
+    no = space_for("bwd", 128, 2, **H100, gluon="no Gluon dropout yet")
+    assert all(p["family"] == "tl" for p in no.points())
+    assert no.check(base) == "family='gluon': no Gluon dropout yet"
+
+
+# (head dim, block_m, ring depth) -> shared bytes of the sm_90 compile
+# (python -m flashgen.gluon_compile's compile_variant, Triton 3.6.0, bf16 bwd variants)
+GLUON_BWD_COMPILED_SHARED = {
+    (128, 64, 2): 198176, (128, 64, 3): 231520, (128, 128, 2): 330272, (128, 128, 3): 396896,
+    (64, 64, 2): 116256, (64, 64, 3): 133216, (64, 64, 4): 150112,
+    (64, 128, 2): 199200, (64, 128, 3): 233056, (64, 128, 4): 266848,
+}
+
+
+def test_the_gluon_backward_shared_memory_estimate_is_the_compilers_plus_a_margin():
+    """families.bwd_shared_bytes (the template's allocations plus 1 KiB) is at most 1 KiB
+    over what the compile reports, never under, and agrees with it on what fits an H100."""
+    for (d, block_m, ring), compiled in GLUON_BWD_COMPILED_SHARED.items():
+        est = families.bwd_shared_bytes(d, 2, block_m, ring)
+        assert 0 < est - compiled <= 1024, (d, block_m, ring, est, compiled)
+        assert (est <= H100["sram_bytes"]) == (compiled <= H100["sram_bytes"])
+    # the default at d=128: the "198 KB" of docs/PERF_NOTES.md
+    assert families.bwd_shared_bytes(128, 2, 64, 2) == 198656
+    assert families.bwd_shared_bytes(96, 2, 64, 2) == families.bwd_shared_bytes(128, 2, 64, 2)
+
+
+def test_the_backward_warm_starts_include_the_gluon_backward_default():
+    spec = load_spec(ROOT / "specs" / "llama.yaml")
+    bwd = space_for("bwd", 128, 2, **H100, gluon=None)
+    starts = _warm_starts(spec, "bwd", bwd)
+    assert [tag for tag, _ in starts] == ["planner", "gluon"]
+    assert starts[1][1] == {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2,
+                            "dq_tile": "mirror", "family": "gluon", "regs": "240/24"}
+    assert all(bwd.check(cfg) is None for _, cfg in starts)
+    # the forward keeps its own Gluon default; no Gluon kernel, no Gluon warm start
+    fwd = space_for("fwd", 128, 2, **H100, gluon=None)
+    assert _warm_starts(spec, "fwd", fwd)[1][1]["block_m"] == 128
+    assert [t for t, _ in _warm_starts(spec, "bwd", space_for("bwd", 128, 2, **H100))] == [
+        "planner"]
+    # an old `tl` winner and a --try naming the Gluon family and a register split
+    old = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3, "dq_tile": "mirror"}
+    tries = [parse_try("64x128w4s3:family=gluon,regs=232/40"),
+             parse_try("128x128w4s2:family=gluon")]   # 128 rows a step: not at d=128
+    starts = _warm_starts(spec, "bwd", bwd, incumbent=old, tries=tries)
+    assert starts[2] == ("tuned", {**old, "family": "tl", "regs": "240/24"})
+    assert starts[3][1]["family"] == "gluon" and starts[3][1]["regs"] == "232/40"
+    assert bwd.check(starts[3][1]) is None and "shared memory" in bwd.check(starts[4][1])
+
+
+def test_a_deterministic_process_tunes_the_tl_backward_only():
+    """Under torch.use_deterministic_algorithms(True) the package sends every backward to
+    `tl`, so the tuner does not offer the Gluon backward (its trials would time `tl`)."""
+    from flashgen.tune import gluon_here
+
+    gpu = GpuInfo(key=FAKE_KEY, name="Fake GPU", capability=(9, 0), sm_count=132,
+                  sram_bytes=232448)
+    facts = {"kind": "bwd", "head_dim": 128, "dtype": "bf16", "dropout": False}
+    assert gluon_here("bwd", facts, gpu) is None
+    torch.use_deterministic_algorithms(True)
+    try:
+        why = gluon_here("bwd", facts, gpu)
+        assert why is not None and "deterministic" in why
+        assert gluon_here("fwd", {**facts, "kind": "fwd"}, gpu) is None  # no dQ sum there
+        space = space_for("bwd", 128, 2, **H100, gluon=why)
+        assert {p["family"] for p in space.points()} == {"tl"}
+        assert _warm_starts(load_spec(ROOT / "specs" / "llama.yaml"), "bwd", space)[-1][0] == "planner"
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_a_gluon_backward_winner_round_trips_through_the_tuning_data():
+    """A backward entry names its family and register split; an older one keeps lacking
+    them (the package reads that absence: the Gluon default at d >= 96 on Hopper)."""
+    won = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 3,
+           "dq_tile": "mirror", "family": "gluon", "regs": "232/40"}
+    assert tuning_data._config_only("bwd", {**won, "ms": 1.0, "default_ms": 1.1}) == won
+    old = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3}
+    assert tuning_data._config_only("bwd", old) == {**old, "dq_tile": "mirror"}
+
+
+def test_a_backward_study_measures_both_families(storage):
+    space = space_for("bwd", 64, 2, **H100, gluon=None)
+    seen = []
+
+    def measure(cfg):
+        assert space.check(cfg) is None
+        seen.append(cfg)
+        return 0.5 if cfg["family"] == "gluon" and cfg["num_stages"] == 3 else 1.0 + len(seen) / 100
+
+    spec = load_spec(ROOT / "specs" / "gpt2.yaml")
+    r = tune_study(storage=storage, name="bwd-families", space=space, measure=measure,
+                   n_trials=6, warm_starts=_warm_starts(spec, "bwd", space), progress=quiet,
+                   confirm_top=0)
+    assert seen[1] == space.config(families.GLUON_BWD_DEFAULT)
+    assert {c["family"] for c in seen} == {"tl", "gluon"} and r.complete == 6
+
+
 # ----------------------------------------------------------------------------------------
 # studies
 # ----------------------------------------------------------------------------------------
