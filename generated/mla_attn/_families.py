@@ -89,6 +89,15 @@ GLUON_BWD_DEFAULT = {
 }
 
 
+# What the Gluon backward's tile may be (bwd_config_reason): BLOCK_N is fixed by the consumer
+# count rendered into the kernel (CONSUMERS x KEY_ROWS_PER_CONSUMER keys per program);
+# BLOCK_M, the query rows of one step through the Q/dO ring, is the N extent of
+# S^T = K Q^T and the M extent of the dQ = dS K product (one warpgroup: at least 64), and
+# 128 fits shared memory at d=64 only; the ring is 2 to 4 deep where shared memory allows.
+GLUON_BWD_BLOCK_MS = (64, 128)
+GLUON_BWD_STAGES = (2, 3, 4)
+
+
 def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
     """The untuned Gluon config of a kernel kind for a head dim. At d <= 64 the forward's
     consumers run without ping-pong: a block's products take half as long as at d=128
@@ -147,6 +156,57 @@ def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int
     qo = 2 * CONSUMERS * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
     kv = 2 * num_buffers * block_n * d * dtype_bytes
     return qo + kv + 1024
+
+
+def bwd_shared_bytes(head_dim: int, dtype_bytes: int, block_m: int, num_buffers: int) -> int:
+    """Shared memory of a Gluon backward tile, from templates/gluon/bwd.py.j2's allocations:
+    the Q/dO ring (each slot a [block_m, d] tile of Q and of dO, and fp32 LSE and D for its
+    rows), the program's K and V ([64, d] per consumer), every consumer's dS^T
+    double-buffered ([64, block_m] each), the fp32 dQ staging tiles of the TMA reduce-adds
+    ([block_m, d / CONSUMERS] per consumer), and 1 KiB for the rest. The sm_90 compile
+    (flashgen/gluon_compile.py, Triton 3.6.0) reports 544-608 bytes beyond the tiles
+    (mbarriers, the partitions' arguments, alignment), so this is 416-480 bytes over:
+
+        d    block_m  ring   estimate   compiled
+        128  64       2      198656     198176     (the default)
+        128  64       3      231936     231520     (fits the H100's 232448)
+        128  128      2      330752     330272
+        64   64       2      116736     116256
+        64   64       4      150528     150112
+        64   128      2      199680     199200
+        64   128      3      233472     233056     (does not fit)
+    """
+    d = head_dim_pad(head_dim)
+    keys = CONSUMERS * KEY_ROWS_PER_CONSUMER
+    ring = num_buffers * (2 * block_m * d * dtype_bytes + 2 * block_m * 4)
+    kv = 2 * keys * d * dtype_bytes
+    ds = 2 * keys * block_m * dtype_bytes
+    dq = block_m * d * 4
+    return ring + kv + ds + dq + 1024
+
+
+def bwd_config_reason(config: dict, head_dim: int, dtype_bytes: int,
+                      sram_bytes: int) -> str | None:
+    """Why a Gluon backward launch config cannot run (None when it can): the backward's
+    counterpart of config_reason. The program's keys are the consumers' (block_n), the
+    query step is one or two wgmma extents (block_m), and the whole tile must fit in one
+    block's shared memory (bwd_shared_bytes)."""
+    keys = CONSUMERS * KEY_ROWS_PER_CONSUMER
+    if config.get("block_n") != keys:
+        return f"block_n must be {CONSUMERS} consumers x {KEY_ROWS_PER_CONSUMER} keys"
+    if config.get("num_warps") != 4:
+        return "num_warps must be 4 (one warpgroup per partition)"
+    if config.get("block_m") not in GLUON_BWD_BLOCK_MS:
+        return ("block_m must be 64 or 128 (the query rows of a step are the M extent of "
+                "the dQ product: at least one warpgroup's 64)")
+    if config.get("num_stages") not in GLUON_BWD_STAGES:
+        return "num_stages (the Q/dO ring depth) must be 2, 3 or 4"
+    if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
+        return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
+    need = bwd_shared_bytes(head_dim, dtype_bytes, config["block_m"], config["num_stages"])
+    if need > sram_bytes:
+        return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
+    return None
 
 
 def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int) -> str | None:
