@@ -164,6 +164,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     sink = next((m.expr for m in ms if m.kind == "sink"), None)
     names = {v: v for v in mods.INDEX_VARS}
     names["score"] = "score"
+    if variant.kind == "decode":
+        # decode stacks the query heads of a KV head as rows: h is a [BLOCK_M, 1] column
+        names["h"] = "mod_h"
     tensors, params = [], []
     for m in ms:
         for p, _ in m.params:
@@ -210,7 +213,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     mask_expr = None
     for e in masks_:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
+    rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
     return {
+        "sink_rows": mods.to_triton(sink, rows, load) if sink is not None else "",
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
         "score_grad": tri(mods.derivative(score, var_score)) if score is not None else "",

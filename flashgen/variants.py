@@ -80,7 +80,9 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for d, dv in spec.head_dim_pairs if dv == d  # (decode with V's dim apart: not yet)
         for dtype in spec.dtypes
     ] if spec.decode else []
-    # the spec's `variants:` (mods on top of a band mask): forward and backward
+    # the spec's `variants:` (mods on top of a band mask): forward and backward, and
+    # decode when the spec builds decode kernels (not for SDPA's attn_mask, which decode
+    # does not take)
     modded = [
         Variant(kind, mv.mask, dropout, d, dtype, mv.mods, dv if dv != d else None)
         for mv in spec.mod_variants
@@ -88,7 +90,12 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for dropout in dropouts
         for d, dv in spec.head_dim_pairs
         for dtype in spec.dtypes
-    ]
+    ] + ([
+        Variant("decode", mv.mask, False, d, dtype, mv.mods)
+        for mv in spec.mod_variants if mv.mods != ("sdpa_mask",)
+        for d, dv in spec.head_dim_pairs if dv == d
+        for dtype in spec.dtypes
+    ] if spec.decode else [])
     out = tuple(training + decoding + modded)
     names = [v.name for v in out]
     for v in out:

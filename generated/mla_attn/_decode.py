@@ -310,8 +310,9 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
 
 
 def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits):
-    """Check everything that needs no device values and derive the launches."""
+               window_size, num_splits, mods=()):
+    """Check everything that needs no device values and derive the launches (`mods`: the
+    names of the call's mods, which pick a decode variant with them)."""
     paged, page_size, capacity, n_new = _check_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
     window = _runtime.check_window(window_size)
@@ -321,7 +322,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     num_blocks = k_cache.shape[0] if paged else 1
     scale = _runtime.softmax_scale(softmax_scale, d)
     mask, _, _ = _runtime.band(n_q, n_q, causal, window, True)
-    name = _runtime.find_variant("decode", mask, False, d, _runtime._DTYPE_NAMES[q.dtype])
+    name = _runtime.find_variant("decode", mask, False, d, _runtime._DTYPE_NAMES[q.dtype], mods)
     per_row = isinstance(cache_seqlens, torch.Tensor)
 
     plan = _Plan()
@@ -433,7 +434,8 @@ def _ticket_counters(device, tiles):
 # ----------------------------------------------------------------------------------------
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
-                            window_size=(-1, -1), num_splits=0, return_lse=False):
+                            window_size=(-1, -1), num_splits=0, return_lse=False, *,
+                            mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_with_kvcache (decoding with a KV cache).
 
     q (B, N_q, H_q, d); k_cache, v_cache (B, N_cache, H_kv, d), or with `block_table`
@@ -449,7 +451,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     No device->host sync: cache_seqlens and block-table values are checked on the host
     only when that is free or FLASHGEN_CHECK_VALUES=1 asks for it; otherwise the kernels
     clamp them, so bad values give wrong output, never an out-of-bounds access (module
-    docstring)."""
+    docstring).
+
+    mods: names of the spec's mods (a `variants:` entry with this call's mask), their
+    tensors and params as keyword arguments, as in flash_attn_func; here q_idx is a
+    query's cache position and kv_idx a key's (tensors indexed by them must cover the
+    cache: Nq / Nk / N >= its capacity)."""
+    if mods is not None or mod_args:
+        return _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                          causal, window_size, num_splits, return_lse, mods, mod_args)
     try:
         key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                         causal, window_size, num_splits)
@@ -463,6 +473,41 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
+    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, ())
+
+
+def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
+               window_size, num_splits, return_lse, mods, mod_args):
+    """flash_attn_with_kvcache with mods: the plan (keyed also by the mods and their
+    tensors' layouts, which the kernel is compiled for) and the call's mod arguments."""
+    from . import _mods
+
+    if mods is None:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
+                        "need mods=(...)")
+    names = _mods.combo(mods)
+    base = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                      causal, window_size, num_splits, names)
+    call = _mods.prepare(names, mod_args, q.shape[0], q.shape[2], base.capacity,
+                         base.capacity, q.device)
+    try:
+        key = (_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                         causal, window_size, num_splits), names, call.signature)
+    except (AttributeError, TypeError):
+        key = None
+    plan = _plans.get(key) if key is not None else None
+    if plan is None:
+        plan = base
+        if key is not None:
+            if len(_plans) >= MAX_PLANS:
+                _plans.clear()
+            _plans[key] = plan
+    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse,
+                call.args)
+
+
+def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, mod_args):
+    """Check a call against its plan, append the new keys and launch."""
     _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
 
     # lengths: a tensor is read by the kernels; an int (or a full cache) rides in LEN_ADD
@@ -490,5 +535,5 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         ws = counters = out
     (plan.kernel_lse if return_lse else plan.kernel)(
         q, k_cache, v_cache, out, lse, ws, counters, seqlens, bt, *plan.strides,
-        start + plan.n_new, *plan.tail)
+        start + plan.n_new, *plan.tail, *mod_args)
     return (out, lse) if return_lse else out
