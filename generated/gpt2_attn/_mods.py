@@ -256,50 +256,170 @@ class _ModAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *tensors = ctx.saved_tensors
-        bnhd, mask, lo, hi, scale, dropout_p = ctx.args
-        call = ctx.call
-        names = list(call.tensors)
-        wanted = {n: ctx.needs_input_grad[5 + i] for i, n in enumerate(names)}
-        batch, h_q, n_q, n_k = call.shape
-        call.grad_buffers = {
-            n: torch.zeros((batch, h_q, n_q, n_k), device=q.device, dtype=torch.float32)
-            for n in call.info["grads"] if wanted[n]}
-        view = (lambda t: t.transpose(1, 2)) if bnhd else (lambda t: t)
-        if dout.stride(-1) != 1:
-            dout = dout.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        delta = _runtime.backward(view(dout), view(q), view(k), view(v), view(out), lse,
-                                  view(dq), view(dk), view(dv), mask=mask, lo=lo, hi=hi,
-                                  scale=scale, dropout_p=dropout_p, rng=ctx.rng, mods=call)
-        grads = {}
-        for n, buf in call.grad_buffers.items():
-            grads[n] = _reduce_grad(buf, call.tensors[n], call.info["grad_index"][n])
-        call.grad_buffers = None
-        sink_wanted = [n for n in call.info["sink_tensors"] if wanted[n]]
-        if sink_wanted and delta is not None:
-            with torch.enable_grad():
-                leaves = {n: t.detach().requires_grad_(n in sink_wanted)
-                          for n, t in zip(names, tensors)}
-                sink = _sink_values(call, leaves)
-                finite = torch.isfinite(lse)
-                p_sink = torch.where(finite, torch.exp(sink[..., None] - lse), 0.0)
-                dsink = -(p_sink * delta).sum(-1)
-                got = torch.autograd.grad(sink, [leaves[n] for n in sink_wanted], dsink,
-                                          allow_unused=True)
-            for n, g in zip(sink_wanted, got):
-                grads[n] = torch.zeros_like(leaves[n]) if g is None else g
-        return (dq, dk, dv, None, None, *(grads.get(n) for n in names))
+        names = list(ctx.call.tensors)
+        wanted = [ctx.needs_input_grad[5 + i] for i in range(len(names))]
+        dq, dk, dv, tgrads = _backward(ctx.call, tensors, wanted, dout, q, k, v, out, lse,
+                                       ctx.rng, ctx.args)
+        return (dq, dk, dv, None, None, *tgrads)
 
 
-@torch.compiler.disable
+def _backward(call, tensors, wanted, dout, q, k, v, out, lse, rng, args):
+    """(dq, dk, dv, [gradient or None per mod tensor]) of a call with mods."""
+    bnhd, mask, lo, hi, scale, dropout_p = args[:6]
+    names = list(call.tensors)
+    wanted = dict(zip(names, wanted))
+    batch, h_q, n_q, n_k = call.shape
+    call.grad_buffers = {
+        n: torch.zeros((batch, h_q, n_q, n_k), device=q.device, dtype=torch.float32)
+        for n in call.info["grads"] if wanted[n]}
+    # the dK/dV kernel stores a tensor's gradient exactly when it is wanted (GRAD_<NAME>)
+    call.grad_flags = {f"GRAD_{n.upper()}": n in call.grad_buffers for n in call.info["grads"]}
+    call.signature = call.signature[:2] + (tuple(call.grad_flags.values()),)
+    view = (lambda t: t.transpose(1, 2)) if bnhd else (lambda t: t)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = _runtime.backward(view(dout), view(q), view(k), view(v), view(out), lse,
+                              view(dq), view(dk), view(dv), mask=mask, lo=lo, hi=hi,
+                              scale=scale, dropout_p=dropout_p, rng=rng, mods=call)
+    grads = {}
+    for n, buf in call.grad_buffers.items():
+        grads[n] = _reduce_grad(buf, call.tensors[n], call.info["grad_index"][n])
+    call.grad_buffers = None
+    sink_wanted = [n for n in call.info["sink_tensors"] if wanted[n]]
+    if sink_wanted and delta is not None:
+        with torch.enable_grad():
+            leaves = {n: t.detach().requires_grad_(n in sink_wanted)
+                      for n, t in zip(names, tensors)}
+            sink = _sink_values(call, leaves)
+            finite = torch.isfinite(lse)
+            p_sink = torch.where(finite, torch.exp(sink[..., None] - lse), 0.0)
+            dsink = -(p_sink * delta).sum(-1)
+            got = torch.autograd.grad(sink, [leaves[n] for n in sink_wanted], dsink,
+                                      allow_unused=True)
+        for n, g in zip(sink_wanted, got):
+            grads[n] = torch.zeros_like(leaves[n]) if g is None else g
+    return dq, dk, dv, [grads.get(n) for n in names]
+
+
 def attention(q, k, v, mods, mod_kwargs, *, bnhd, mask, lo, hi, scale, dropout_p):
-    """(out, lse) of a call with mods, q in the caller's layout (B, N, H, d) with bnhd."""
+    """(out, lse) of a call with mods, q in the caller's layout (B, N, H, d) with bnhd.
+    Under torch.compile this is the `mod_fwd` custom operator (its backward `mod_bwd`),
+    so a compiled model traces through it; eager calls skip the operator's dispatch."""
+    if torch.compiler.is_compiling():
+        names = combo(mods)
+        info = MOD_COMBOS["+".join(names)]
+        unknown = set(mod_kwargs) - set(info["tensors"]) - set(info["params"])
+        if unknown or any(t not in mod_kwargs for t in info["tensors"]):
+            prepare(names, mod_kwargs, 1, 1, 1, 1, q.device)  # raises the right message
+        defaults = {p: v for m in names for p, v in MODS[m]["params"].items()}
+        # params travel as text: a list of floats is not a pytree leaf an operator's
+        # backward can mirror under torch.compile (torch 2.11-2.13), a string is
+        params = ",".join(repr(float(mod_kwargs.get(p, defaults[p]))) for p in info["params"])
+        out, lse, _ = _op_fwd(q, k, v, [mod_kwargs[t] for t in info["tensors"]], bnhd, mask,
+                              lo, hi, scale, float(dropout_p), "+".join(names), params)
+        return out, lse
     batch, n_q, h_q = (q.shape[0], q.shape[1], q.shape[2]) if bnhd else \
         (q.shape[0], q.shape[2], q.shape[1])
     n_k = k.shape[1] if bnhd else k.shape[2]
     call = prepare(mods, mod_kwargs, batch, h_q, n_q, n_k, q.device)
     args = (bnhd, mask, lo, hi, scale, float(dropout_p))
     return _ModAttention.apply(q, k, v, args, call, *call.tensors.values())
+
+
+# ----------------------------------------------------------------------------------------
+# The custom operators torch.compile sees
+# ----------------------------------------------------------------------------------------
+def _call_from_op(q, k, bnhd, mods, tensors, params):
+    """A Call from an operator's flat arguments (params as comma-separated floats)."""
+    names = tuple(mods.split("+"))
+    info = MOD_COMBOS[mods]
+    defaults = {p: v for m in names for p, v in MODS[m]["params"].items()}
+    kw = dict(zip(info["tensors"], tensors))
+    for p, value in zip(info["params"], [float(x) for x in params.split(",") if x]):
+        kw[p] = int(value) if isinstance(defaults[p], int) else float(value)
+    batch, n_q, h_q = (q.shape[0], q.shape[1], q.shape[2]) if bnhd else \
+        (q.shape[0], q.shape[2], q.shape[1])
+    n_k = k.shape[1] if bnhd else k.shape[2]
+    return prepare(names, kw, batch, h_q, n_q, n_k, q.device)
+
+
+def _out_shape(q, v):
+    return q.shape[:-1] + v.shape[-1:]
+
+
+def _register():
+    from ._ops import NAMESPACE
+
+    name = f"{NAMESPACE}::mod_fwd"
+    try:
+        torch._C._dispatch_find_schema_or_throw(name, "")
+        ns = getattr(torch.ops, NAMESPACE)
+        return ns.mod_fwd, ns.mod_bwd
+    except RuntimeError:
+        pass
+
+    @torch.library.custom_op(name, mutates_args=())
+    def mod_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tensors: list[torch.Tensor],
+                bnhd: bool, mask: str, lo: int, hi: int, scale: float, dropout_p: float,
+                mods: str, params: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.no_grad():  # gradients come from mod_bwd, never from inside this op
+            call = _call_from_op(q, k, bnhd, mods, tensors, params)
+        rng = (_runtime._dropout().draw_rng(q.device) if dropout_p > 0.0
+               else torch.zeros(2, dtype=torch.int64))
+        out = q.new_empty(_out_shape(q, v))
+        lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
+                               dropout_p=dropout_p, rng=rng if dropout_p > 0.0 else None,
+                               bnhd=bnhd, mods=call)
+        return out, lse, rng
+
+    @mod_fwd.register_fake
+    def _(q, k, v, tensors, bnhd, mask, lo, hi, scale, dropout_p, mods, params):
+        b, h, n_q = (q.shape[0], q.shape[2], q.shape[1]) if bnhd else q.shape[:3]
+        return (q.new_empty(_out_shape(q, v)), q.new_empty((b, h, n_q), dtype=torch.float32),
+                q.new_empty((2,), dtype=torch.int64, device="cpu"))
+
+    @torch.library.custom_op(f"{NAMESPACE}::mod_bwd", mutates_args=())
+    def mod_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor, lse: torch.Tensor, rng: torch.Tensor,
+                tensors: list[torch.Tensor], wanted: list[bool], bnhd: bool, mask: str, lo: int,
+                hi: int, scale: float, dropout_p: float, mods: str, params: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            call = _call_from_op(q, k, bnhd, mods, tensors, params)
+        grads = _backward(call, list(tensors), wanted, do, q, k, v, out, lse,
+                          rng if dropout_p > 0.0 else None, (bnhd, mask, lo, hi, scale, dropout_p))
+        dq, dk, dv, tgrads = grads
+        # a tensor without a gradient gets zeros (an operator returns tensors, not None)
+        return dq, dk, dv, [g if g is not None else torch.zeros_like(t)
+                            for g, t in zip(tgrads, tensors)]
+
+    @mod_bwd.register_fake
+    def _(do, q, k, v, out, lse, rng, tensors, wanted, bnhd, mask, lo, hi, scale, dropout_p,
+          mods, params):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                [torch.empty_like(t) for t in tensors])
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, tensors, bnhd, mask, lo, hi, scale, dropout_p, mods, params = inputs
+        out, lse, rng = output
+        ctx.save_for_backward(q, k, v, out, lse, rng, *tensors)
+        ctx.n_tensors = len(tensors)
+        ctx.args = (bnhd, mask, lo, hi, scale, dropout_p, mods, params)
+        ctx.mark_non_differentiable(lse, rng)
+
+    def backward(ctx, dout, _dlse, _drng):
+        q, k, v, out, lse, rng, *tensors = ctx.saved_tensors
+        bnhd, mask, lo, hi, scale, dropout_p, mods, params = ctx.args
+        wanted = [bool(x) for x in ctx.needs_input_grad[3]] if isinstance(
+            ctx.needs_input_grad[3], (list, tuple)) else [bool(ctx.needs_input_grad[3])] * len(tensors)
+        dq, dk, dv, tgrads = mod_bwd(dout, q, k, v, out, lse, rng, tensors, wanted, bnhd, mask,
+                                     lo, hi, scale, dropout_p, mods, params)
+        return (dq, dk, dv, [g if w else None for g, w in zip(tgrads, wanted)],
+                None, None, None, None, None, None, None, None)
+
+    mod_fwd.register_autograd(backward, setup_context=setup_context)
+    return mod_fwd, mod_bwd
 
 
 def block_mask(mods, *, n_q: int, n_k: int, batch: int = 1, heads: int = 1, **mod_kwargs):
@@ -341,3 +461,6 @@ def sdpa_mask(attn_mask, query, key) -> torch.Tensor:
     if not m.is_floating_point():
         raise ValueError(f"attn_mask must be bool or floating point, got {m.dtype}")
     return m.float()
+
+
+_op_fwd, _op_bwd = _register()
