@@ -34,16 +34,18 @@ def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
                                  spec.gpu.sram_bytes, spec.gpu.sm_count, explicit=tile,
                                  arch=arch, score_bytes=variant_score_bytes(spec, variant))
     except ValueError as e:
-        need = min_sram_bytes(variant.kind, variant.plan_dim, variant.dtype_bytes, arch)
+        sb = variant_score_bytes(spec, variant)
+        need = min_sram_bytes(variant.kind, variant.plan_dim, variant.dtype_bytes, arch, sb)
         if tile is None or (need is not None and need > spec.gpu.sram_bytes):
             # nothing fits the budget at all: the budget is what to change, not the tile
-            needs = {v.name: min_sram_bytes(v.kind, v.plan_dim, v.dtype_bytes, arch)
+            needs = {v.name: min_sram_bytes(v.kind, v.plan_dim, v.dtype_bytes, arch,
+                                            variant_score_bytes(spec, v))
                      for v in variants_for(spec)}
             worst = max(needs, key=lambda n: needs[n] or 0)
             raise spec.error(
                 "gpu.sram_bytes",
                 f"{spec.gpu.sram_bytes} B of shared memory per block fits no tile of "
-                f"{variant.name} (its smallest feasible tile, {smallest_tile(variant, arch)})",
+                f"{variant.name} (its smallest feasible tile, {smallest_tile(variant, arch, sb)})",
                 f"at least {needs[worst]} B, what the most demanding kernel of this spec "
                 f"({worst}) needs for its smallest feasible tile; the planner picks larger, "
                 "faster tiles the more there is",
@@ -65,7 +67,7 @@ def plan_spec(spec: Spec) -> dict[Variant, planner_core.Plan]:
 
 
 def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int,
-                      arch: int = planner_core.DEFAULT_ARCH):
+                      arch: int = planner_core.DEFAULT_ARCH, score_bytes: int = 0):
     """Every candidate tile that only a shared-memory budget could rule out."""
     d = planner_core.padded_head_dim(head_dim)
     big = 1 << 30
@@ -74,21 +76,24 @@ def _feasible_anywhere(kind: str, head_dim: int, dtype_bytes: int,
             for nw in planner_core.WARP_COUNTS:
                 for ns in planner_core.STAGE_COUNTS:
                     cand = planner_core.evaluate(kind, planner_core.TileConfig(bm, bn, nw, ns),
-                                                 d, dtype_bytes, big, arch)
+                                                 d, dtype_bytes, big, arch, score_bytes)
                     if cand.rejected is None:
                         yield cand
 
 
 def min_sram_bytes(kind: str, head_dim: int, dtype_bytes: int,
-                   arch: int = planner_core.DEFAULT_ARCH) -> int | None:
+                   arch: int = planner_core.DEFAULT_ARCH, score_bytes: int = 0) -> int | None:
     """The smallest shared-memory budget under which the planner finds a tile (None: no
     tile of this kind fits in registers at any budget)."""
-    return min((c.smem_bytes for c in _feasible_anywhere(kind, head_dim, dtype_bytes, arch)),
+    return min((c.smem_bytes for c in _feasible_anywhere(kind, head_dim, dtype_bytes, arch,
+                                                         score_bytes)),
                default=None)
 
 
-def smallest_tile(variant: Variant, arch: int = planner_core.DEFAULT_ARCH) -> str:
-    best = min(_feasible_anywhere(variant.kind, variant.head_dim, variant.dtype_bytes, arch),
+def smallest_tile(variant: Variant, arch: int = planner_core.DEFAULT_ARCH,
+                  score_bytes: int = 0) -> str:
+    best = min(_feasible_anywhere(variant.kind, variant.plan_dim, variant.dtype_bytes, arch,
+                                  score_bytes),
                key=lambda c: c.smem_bytes, default=None)
     if best is None:
         return "none: no tile of this kind fits in registers"
