@@ -270,6 +270,12 @@ def test_block_mask_matches_brute_force_and_is_cached(pkg):
     doc[0, :] = 0
     call2 = pkg._mods.prepare(("document",), {"doc": doc}, 2, 2, 70, 70, torch.device("cpu"))
     assert call2.sparse(name, 16, 32, False, lo, hi) is not lists
+    # ... and so is another tensor with the same address, version and layout (a view of
+    # the same storage stands in for a freed tensor whose memory came back)
+    alias = doc.view(doc.shape)
+    call3 = pkg._mods.prepare(("document",), {"doc": alias}, 2, 2, 70, 70, torch.device("cpu"))
+    assert call3.mask_key == call2.mask_key
+    assert call3.sparse(name, 16, 32, False, lo, hi) is not call2.sparse(name, 16, 32, False, lo, hi)
 
 
 # ----------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ spec's declarations before anything launches and flattens them into the kernels'
 arguments (a `Call`). A variant with a mask mod takes a block mask: which key blocks of
 each query block are empty (skipped), full (no mask arithmetic) or partial. It is computed
 on the device by the variant's `block_state` kernel at the tile each kernel runs with,
-and cached by the mask's inputs (the tensors' storage and version, the params, the
-lengths and the band), so layers that share a mask share it; `block_mask` builds one
+and cached by the mask's inputs (the very tensors, alive, at the same version; the params,
+the lengths and the band), so layers that share a mask share it; `block_mask` builds one
 ahead of time (FlexAttention's `create_block_mask` habit).
 
 Gradients: q, k, v always; a score-mod tensor read as t[..., q_idx, kv_idx] (an additive
@@ -18,6 +18,7 @@ d sink = -sum_i exp(sink - LSE_i) * D_i with D = rowsum(dO * O). Other mod tenso
 no gradient: passing one that requires grad raises NotImplementedError.
 """
 import collections
+import weakref
 
 import torch
 
@@ -48,7 +49,7 @@ class Call:
     """One call's mods, validated: kernel arguments and what the backward needs."""
 
     __slots__ = ("names", "info", "tensors", "params", "args", "signature", "block_sparse",
-                 "grad_flags", "grad_buffers", "shape", "device", "mask_key")
+                 "grad_flags", "grad_buffers", "shape", "device", "mask_key", "mask_tensors")
 
     def grad_args(self) -> tuple:
         out = ()
@@ -159,6 +160,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     call.mask_key = (tuple((tensors[t].data_ptr(), tensors[t]._version, tuple(tensors[t].shape),
                             tensors[t].stride()) for t in mask_tensors),
                      tuple(params[p] for p in mask_params))
+    call.mask_tensors = tuple(tensors[t] for t in mask_tensors)
     return call
 
 
@@ -180,9 +182,12 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi) -> tuple:
     key = (variant, block_m, block_n, transpose, lo, hi, n_q, n_k, groups, call.mask_key,
            call.device)
     hit = _states.get(key)
-    if hit is not None:
+    # a hit must be the very tensors the lists were made from, still alive: a freed
+    # tensor's storage can come back at the same address, with a version counter at 0 again
+    if hit is not None and len(hit[1]) == len(call.mask_tensors) and all(
+            ref() is t for ref, t in zip(hit[1], call.mask_tensors)):
         _states.move_to_end(key)
-        return hit
+        return hit[0]
     nqb, nkb = _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n)
     state = torch.empty((groups, nqb, nkb), device=call.device, dtype=torch.int8)
     _runtime.kernel(variant, "block_state")[(groups, nqb, nkb)](
@@ -198,7 +203,7 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi) -> tuple:
              h_m if "b" in uses else 0, 1 if "h" in uses else 0)
     if len(_states) >= _MAX_STATES:
         _states.popitem(last=False)
-    _states[key] = lists
+    _states[key] = (lists, tuple(weakref.ref(t) for t in call.mask_tensors))
     return lists
 
 
