@@ -43,7 +43,7 @@ def family_summary(spec) -> str:
 
     gluon, tl = [], {}
     for v in variants_for(spec):
-        why = gluon_reason(v)
+        why = gluon_reason(v, spec)
         if why is None:
             gluon.append(v.name)
         else:

@@ -49,8 +49,28 @@ def _ptxas_report(log: str) -> tuple[int, int]:
     return regs, int(stack.group(1)) if stack else 0
 
 
-def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) -> GluonResources:
-    """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90."""
+_MOD_POINTERS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int32": "i32",
+                 "int64": "i64", "bool": "i8"}
+
+
+def mod_arg_types(registry, name: str) -> dict:
+    """Signature types of a variant's mod arguments, from its package's registry: tensor
+    pointers of their declared dtype, params fp32 or i32 by their default, the rest
+    (strides, extents) i32."""
+    out = {}
+    for mod in registry.VARIANTS[name].get("mods", ()):
+        decl = registry.MODS[mod]
+        for t, _, dt in decl["tensors"]:
+            out[f"T_{t}"] = "*" + _MOD_POINTERS[dt]
+        for p, default in decl["params"].items():
+            out[f"P_{p}"] = "i32" if isinstance(default, int) else "fp32"
+    return out
+
+
+def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
+                    mod_types: dict | None = None) -> GluonResources:
+    """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
+    the signature types of the variant's mod arguments, see mod_arg_types)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -95,6 +115,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict) 
             attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
         elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE"):
             sig[arg] = "fp32"
+        elif mod_types and arg in mod_types:
+            sig[arg] = mod_types[arg]
         else:
             sig[arg] = "i32"
     # Triton's own ptxas run prints its -v log (offline.py reads it the same way); a cached
@@ -136,7 +158,8 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None) ->
         for config in configs:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
-            res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config)
+            res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
+                                  mod_arg_types(registry, name))
             if log:
                 log(res.row())
             out.append(res)

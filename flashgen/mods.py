@@ -455,9 +455,10 @@ def to_source(e: Expr) -> str:
     return f"{op}({', '.join(to_source(x) for x in a)})"
 
 
-def to_triton(e: Expr, names: dict, load) -> str:
+def to_triton(e: Expr, names: dict, load, lang: str = "tl") -> str:
     """A Triton expression. `names` maps vars and params to the kernel's names; `load(node,
-    index_texts)` renders a tensor load (the template owns pointers, strides and masks)."""
+    index_texts)` renders a tensor load (the template owns pointers, strides and masks).
+    lang "gl" prints Gluon (the same functions under gl., tanh without tl.sigmoid)."""
     def r(x: Expr) -> str:
         op, a = x.op, x.args
         if op == "const":
@@ -477,13 +478,15 @@ def to_triton(e: Expr, names: dict, load) -> str:
         if op in ("and", "or"):
             return "(" + (" & " if op == "and" else " | ").join(r(v) for v in a) + ")"
         if op == "where":
-            return f"tl.where({r(a[0])}, {r(a[1])}, {r(a[2])})"
+            return f"{lang}.where({r(a[0])}, {r(a[1])}, {r(a[2])})"
         if op == "abs":
-            return f"tl.abs({r(a[0])})"
+            return f"{lang}.abs({r(a[0])})"
         if op in ("min", "max"):
-            return f"tl.{op}imum({r(a[0])}, {r(a[1])})"
+            return f"{lang}.{op}imum({r(a[0])}, {r(a[1])})"
         if op in ("exp", "log", "sqrt"):
-            return f"tl.{op}(({r(a[0])}).to(tl.float32))"
+            return f"{lang}.{op}(({r(a[0])}).to({lang}.float32))"
+        if op == "tanh" and lang == "gl":  # Gluon has no sigmoid: 2 / (1 + e^-2x) - 1
+            return f"(2.0 / (1.0 + gl.exp(-2.0 * ({r(a[0])}).to(gl.float32))) - 1.0)"
         if op == "tanh":  # Triton's language has no tanh: 2 sigmoid(2x) - 1
             return f"(2.0 * tl.sigmoid(2.0 * ({r(a[0])}).to(tl.float32)) - 1.0)"
         raise ModError(f"cannot render `{op}`")

@@ -174,16 +174,23 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
             params.append(f"P_{p}")
         tensors += list(m.tensors)
 
-    def load(node, idx):
-        decl = next(t for t in tensors if t.name == node.value)
-        off = " + ".join(
-            f"tl.minimum(tl.maximum({i}, 0), T_{decl.name}_D{k} - 1).to(tl.int64) * T_{decl.name}_S{k}"
-            for k, i in enumerate(idx))
-        text = f"tl.load(T_{decl.name} + {off})"
-        return f"({text} != 0)" if decl.dtype == "bool" else text
+    def loader(lang):
+        def load(node, idx):
+            decl = next(t for t in tensors if t.name == node.value)
+            off = " + ".join(
+                f"{lang}.minimum({lang}.maximum({i}, 0), T_{decl.name}_D{k} - 1).to({lang}.int64)"
+                f" * T_{decl.name}_S{k}" for k, i in enumerate(idx))
+            text = f"{lang}.load(T_{decl.name} + {off})"
+            return f"({text} != 0)" if decl.dtype == "bool" else text
+        return load
+
+    load = loader("tl")
 
     def tri(e):
         return mods.to_triton(e, names, load) if e is not None else ""
+
+    def glu(e):
+        return mods.to_triton(e, names, loader("gl"), "gl") if e is not None else ""
 
     tensor_args = []
     for t in tensors:
@@ -215,6 +222,11 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
     return {
+        # the Gluon forward's: the score mod (returning a full [rows, cols] block even if
+        # the expression does not read `score`) and the sink
+        "gl_score_mod": glu(score) + ("" if score is None or "score" in mods.free_names(score)
+                                      else " + score * 0.0"),
+        "gl_sink": glu(sink),
         "sink_rows": mods.to_triton(sink, rows, load) if sink is not None else "",
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
@@ -231,10 +243,13 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     }
 
 
-def gluon_reason(variant: Variant) -> str | None:
-    """Why `variant` has no Gluon kernel; None when it has one."""
-    if variant.mods:
-        return "mods are rendered into the `tl` kernels only so far"
+def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
+    """Why `variant` has no Gluon kernel; None when it has one (a variant with mods needs
+    its spec to tell: score mods and sinks have a Gluon forward, mask mods do not)."""
+    if variant.mods and (variant.kind != "fwd" or spec is None or any(
+            m.kind == "mask" for m in variant_mods(spec, variant))):
+        return ("mask mods and the backward with mods are rendered into the `tl` kernels "
+                "only so far")
     if variant.v_dim != variant.head_dim:
         return "V's head dim differs from Q's: the `tl` kernels only so far"
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
@@ -260,6 +275,8 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "worker_warps": ", ".join(["4"] * (len(consumers) - 1) + ["1"]),
         "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
+        **{k: v for k, v in mod_context(spec, variant).items()
+           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink")},
     }
 
 
@@ -279,7 +296,7 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
         for v in plans
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
-    gluon = {v.name: gluon_reason(v) for v in plans}
+    gluon = {v.name: gluon_reason(v, spec) for v in plans}
     built_for = {
         "spec": Path(spec.path).name, "sha": spec.sha,
         "head_dims": spec.head_dims, "dtypes": spec.dtypes, "masks": spec.masks,
@@ -374,7 +391,7 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
                              + FAMILIES_SOURCE.read_text())
     files["kernels/__init__.py"] = (header("flashgen/render.py", spec) + "\n"
                                     '"""One module per kernel variant, named canonically."""\n')
-    gluon = [v for v in plans if gluon_reason(v) is None]
+    gluon = [v for v in plans if gluon_reason(v, spec) is None]
     if gluon:
         files["kernels/gluon/__init__.py"] = (
             header("flashgen/render.py", spec) + "\n"

@@ -265,3 +265,34 @@ def test_plan_names_each_variants_family(capsys):
     assert gluon.startswith("gluon (12): ") and "fwd_window_d128_bf16" in gluon
     assert "bwd_causal_d128_bf16" in gluon
     assert "why: no Gluon decode kernel yet" in out
+
+
+@needs_gluon_triton
+def test_gluon_forwards_with_score_mods_and_sinks_compile():
+    """The Gluon forward renders score mods (before the online softmax step, in raw units)
+    and sinks (in the epilogue): they compile for sm_90 into the same design. Mask mods
+    and backwards with mods stay on `tl`, with the reason."""
+    pkg_dir = ROOT / "generated" / "mods_attn"
+    rows = _compile(pkg_dir, variants=["fwd_causal_softcap_d128_bf16",
+                                       "fwd_causal_sink_logits_d64_fp16"])
+    assert {r["variant"] for r in rows} == {"fwd_causal_softcap_d128_bf16",
+                                            "fwd_causal_sink_logits_d64_fp16"}
+    for r in rows:
+        assert r["wgmma"] > 0 and r["shared"] <= 232448, r
+        assert families.CONSUMER_REGS in r["setmaxnreg"], r
+        assert r["spill_bytes"] <= 320, r  # measured 112-312 (the fp32 bias gather most)
+    text = (pkg_dir / "kernels" / "gluon" / "fwd_causal_softcap_d128_bf16.py").read_text()
+    assert "def _score_mod(" in text and "gl.exp(-2.0 *" in text
+
+
+def test_gluon_reasons_for_mods():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "mods_attn_registry", ROOT / "generated" / "mods_attn" / "_registry.py")
+    reg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reg)
+    assert reg.GLUON["fwd_causal_softcap_d128_bf16"] is None
+    assert reg.GLUON["fwd_causal_sink_logits_d128_bf16"] is None
+    assert "mask mods" in reg.GLUON["fwd_causal_document_d128_bf16"]
+    assert "backward with mods" in reg.GLUON["bwd_causal_softcap_d128_bf16"]

@@ -334,3 +334,35 @@ def test_torch_compile_fullgraph_with_mods_and_bias_gradient(pkg):
         got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias))
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mods, kw", [(("softcap",), {"cap": 20.0}), (("alibi",), None),
+                                      (("sink_logits",), None)], ids=["softcap", "alibi", "sinks"])
+def test_gluon_forward_with_mods_on_hopper(mods, kw):
+    """The shipped mods package's Gluon forward (score mods, sinks) against the `tl`
+    kernel and float64, bf16 d=128 (FLASHGEN_FAMILY=gluon forces it; it is opt-in)."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon kernels run on Hopper only")
+    import importlib
+    import sys
+    sys.path.insert(0, str(ROOT / "generated"))
+    pkg = importlib.import_module("mods_attn")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 300, 16, 128, generator=g).cuda().bfloat16() for _ in range(3))
+    if mods == ("alibi",):
+        kw = {"slope": torch.tensor([2.0 ** (-(i + 1) / 2) for i in range(16)], device="cuda")}
+    if mods == ("sink_logits",):
+        kw = {"sinks": torch.randn(16, generator=g).cuda()}
+    pkg._runtime.use_family("gluon")
+    try:
+        out = pkg.flash_attn_func(q, k, v, causal=True, mods=mods, **kw)
+    finally:
+        pkg._runtime.use_family("")
+    pkg._runtime.use_family("tl")
+    try:
+        ref = pkg.flash_attn_func(q, k, v, causal=True, mods=mods, **kw)
+    finally:
+        pkg._runtime.use_family("")
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)

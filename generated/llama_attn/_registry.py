@@ -796,10 +796,12 @@ GLUON = {'fwd_d128_fp16': None,
                             'GPU',
  'decode_window_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
                             'GPU',
- 'fwd_sdpa_mask_d128_fp16': 'mods are rendered into the `tl` kernels only so far',
- 'fwd_sdpa_mask_d128_bf16': 'mods are rendered into the `tl` kernels only so far',
- 'bwd_sdpa_mask_d128_fp16': 'mods are rendered into the `tl` kernels only so far',
- 'bwd_sdpa_mask_d128_bf16': 'mods are rendered into the `tl` kernels only so far'}
+ 'fwd_sdpa_mask_d128_fp16': None,
+ 'fwd_sdpa_mask_d128_bf16': None,
+ 'bwd_sdpa_mask_d128_fp16': 'mask mods and the backward with mods are rendered into the `tl` '
+                            'kernels only so far',
+ 'bwd_sdpa_mask_d128_bf16': 'mask mods and the backward with mods are rendered into the `tl` '
+                            'kernels only so far'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

@@ -423,7 +423,9 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             base = variant_name(facts["kind"], facts["mask"], facts["dropout"],
                                 facts["head_dim"], facts["dtype"], (), facts.get("v_head_dim"))
             tuned = TUNED.get(gpu, {}).get(base)
+        # (a Gluon kernel with mods has not run on a GPU yet: opt-in, FLASHGEN_FAMILY=gluon)
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
+                 and not VARIANTS[name].get("mods")
                  and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"],
                                             VARIANTS[name]["head_dim"]))
         if tuned:
@@ -692,7 +694,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
         _descriptor_allocator()
     if tma == _GLUON:
-        launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop))
+        launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
+               *(mods.args if mods is not None else ()))
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
                *(mods.sparse(*sparse, lo, hi) if sparse else ()))

@@ -71,8 +71,9 @@ TUNED = {}
 # else why not (the `tl` kernel serves it everywhere)
 GLUON = {'fwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
  'bwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
- 'fwd_sdpa_mask_d192v128_bf16': 'mods are rendered into the `tl` kernels only so far',
- 'bwd_sdpa_mask_d192v128_bf16': 'mods are rendered into the `tl` kernels only so far'}
+ 'fwd_sdpa_mask_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
+ 'bwd_sdpa_mask_d192v128_bf16': 'mask mods and the backward with mods are rendered into the '
+                                '`tl` kernels only so far'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses
