@@ -37,6 +37,7 @@ PACKAGE_FILES = {
     "_mods.py": "package/mods.py.j2",
     "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
     "_ring_merge.py": "package/ring_merge.py.j2",
+    "_hf.py": "package/hf.py.j2",  # Hugging Face transformers (docs/TRANSFORMERS.md)
 }
 
 

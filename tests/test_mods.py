@@ -147,6 +147,19 @@ def test_document_softcap_gqa(pkg, device):
           mask=lambda b, h, i, j: d[b, i] == d[b, j], h=4, h_kv=1)
 
 
+def test_softcap_key_padding_gqa(pkg, device):
+    # Gemma 2 on a padded batch: a score mod listed before a mask mod (the kernels take the
+    # tensors before the params whatever the order), right and left padding (left-padded
+    # query rows see no key: 0 and LSE -inf), N_q != N_k
+    keep = torch.ones(2, 41, dtype=torch.bool)
+    keep[0, 30:] = False
+    keep[1, :9] = False
+    check(pkg, device, torch.float32, causal=True, mods=("softcap", "key_padding"),
+          kw={"keep": keep.to(device), "cap": 2.0},
+          score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+          mask=lambda b, h, i, j: keep[b, j], n_q=37, n_k=41, h=4, h_kv=2)
+
+
 def test_prefix_lm(pkg, device):
     prefix = torch.tensor([5, 30], dtype=torch.int32, device=device)
     p = prefix.cpu().long()

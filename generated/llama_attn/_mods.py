@@ -91,7 +91,9 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     names = combo(mods)
     info = MOD_COMBOS["+".join(names)]
     kwargs = dict(kwargs)
-    tensors, params, args, sig = {}, {}, [], []
+    # the kernels take every mod's tensors first, then every mod's params (render.py's
+    # mod_context), whatever order the mods interleave them in
+    tensors, params, args, param_args, sig = {}, {}, [], [], []
     for m in names:
         decl = MODS[m]
         where = f"mod `{m}` (spec {BUILT_FOR['spec']}, mods.{m}: {decl['source']})"
@@ -136,7 +138,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
                 raise TypeError(f"{where}: param `{p}` is an integer (default {default}), "
                                 f"got {value!r}")
             params[p] = value
-            args.append(float(value) if isinstance(default, float) else value)
+            param_args.append(float(value) if isinstance(default, float) else value)
             sig.append(type(value))
     if kwargs:
         accepted = [t for m in names for t, _, _ in MODS[m]["tensors"]] + \
@@ -145,7 +147,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
                         f"{'+'.join(names)}; they take {accepted or 'nothing'}")
     call = Call()
     call.names, call.info, call.tensors, call.params = names, info, tensors, params
-    call.args = tuple(args)
+    call.args = tuple(args + param_args)
     call.block_sparse = info["block_sparse"]
     want_grad = torch.is_grad_enabled()
     call.grad_flags = {f"GRAD_{t.upper()}": bool(want_grad and tensors[t].requires_grad)
