@@ -262,6 +262,18 @@ def test_block_mask_matches_brute_force_and_is_cached(pkg):
     lists = call.sparse(name, 16, 32, False, lo, hi)
     assert call.sparse(name, 16, 32, False, lo, hi) is lists  # cached by the mask's inputs
     assert len(pkg._mods._states) == before + 1
+    # ... for that tensor object only: an equal tensor that is another object (as a new
+    # one at a freed one's address would be) recomputes; an inference tensor (no version
+    # counter) is not cached
+    other = pkg._mods.prepare(("document",), {"doc": doc.clone()}, 2, 2, 70, 70,
+                              torch.device("cpu"))
+    other.mask_key = call.mask_key
+    assert other.sparse(name, 16, 32, False, lo, hi) is not lists
+    with torch.inference_mode():
+        frozen = pkg._mods.prepare(("document",), {"doc": doc.clone()}, 2, 2, 70, 70,
+                                   torch.device("cpu"))
+        assert frozen.mask_key is None
+        assert frozen.sparse(name, 16, 32, False, lo, hi) is not frozen.sparse(name, 16, 32, False, lo, hi)
     full_cnt, full_idx, part_cnt, part_idx, sb, sh = lists
     assert (sb, sh) == (1, 0)  # the document mask depends on b, not on h
     i, j = torch.arange(70)[:, None], torch.arange(70)[None, :]

@@ -122,7 +122,7 @@ def test_llama_generate_left_padded(fa, calls, device):
     out = {}
     for impl in ("sdpa", "fgen"):
         model.set_attn_implementation(impl)
-        with torch.no_grad():
+        with torch.inference_mode():  # inference tensors: no version counters to cache by
             gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3,
                                  do_sample=False, output_scores=True,
                                  return_dict_in_generate=True, pad_token_id=0)

@@ -21,8 +21,8 @@ and go to the kernels through strides, never copied; GQA is native):
 * no mask: the module's causal flag, as transformers' SDPA path reads it (a static
   cache's empty tail is cut off like SDPA does; one query sees every key); a
   `sliding_window` the keys reach beyond is applied as a band;
-* a 4-D boolean mask (B or 1, 1, N_q, N_k): read once per forward (cached by the mask
-  tensor's identity and version, so every layer that gets the same mask shares it) and
+* a 4-D boolean mask (B or 1, 1, N_q, N_k): read once per forward (the result is cached
+  on the mask tensor, by its version: every layer gets the same mask object) and
   recognized as a band (causal, or causal with the layer's sliding window, aligned
   bottom-right as with a KV cache, or none) AND a key-padding vector, optionally AND a
   packed-sequence document mask (from `position_ids`), verified element by element. Then the
@@ -40,7 +40,6 @@ kernel, when the package has one, will take cu_seqlens instead.
 """
 
 import warnings
-import weakref
 
 import torch
 
@@ -124,8 +123,7 @@ class _Layout:
         self.causal, self.left, self.keep, self.doc, self.bias = causal, left, keep, doc, bias
 
 
-_layouts = {}  # id(mask) -> (weakref to the mask, its version, layout)
-_MAX_LAYOUTS = 32
+_CACHE = "_flashgen_hf"  # attribute of a mask tensor: (its version, {key: value})
 _warned = set()
 
 
@@ -197,22 +195,46 @@ def _analyze(mask, causal, left, position_ids):
     return _Layout(bias=_bias_of(mask))
 
 
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
+def _cached(mask, key, make):
+    """make(), cached on the mask tensor itself (an attribute, so it dies with the mask)
+    by `key` and the mask's version: every layer of a forward gets the same mask object, so
+    a forward reads its mask once. A mask that requires grad is not cached."""
+    if mask.requires_grad:
+        return make()
+    store = getattr(mask, _CACHE, None)
+    if store is None or store[0] != _version(mask):
+        store = (_version(mask), {})
+        try:
+            setattr(mask, _CACHE, store)
+        except (AttributeError, RuntimeError):
+            return make()
+    if key not in store[1]:
+        store[1][key] = make()
+    return store[1][key]
+
+
 def _layout(mask, causal, left, position_ids):
-    """_analyze, cached by the mask tensor's identity and version (every layer of a
-    forward gets the same mask object)."""
-    key = (id(mask), causal, left)
-    hit = _layouts.get(key)
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
-        return hit[2]
-    layout = _analyze(mask, causal, left, position_ids)
-    if mask.requires_grad:  # a learned mask: nothing to share between calls
-        return layout
-    for k in [k for k, v in _layouts.items() if v[0]() is None]:
-        del _layouts[k]  # masks of finished forwards (their layouts may hold a bias)
-    if len(_layouts) >= _MAX_LAYOUTS:
-        _layouts.clear()
-    _layouts[key] = (weakref.ref(mask), mask._version, layout)
-    return layout
+    """_analyze, cached on the mask."""
+    return _cached(mask, ("layout", causal, left),
+                   lambda: _analyze(mask, causal, left, position_ids))
+
+
+def _bias_of(mask):
+    """The mask as an additive fp32 bias for the sdpa_mask mod (0 / -inf for a boolean
+    one), cached on the mask; a float mask that requires grad is passed as it is."""
+    def make():
+        if mask.dtype != torch.bool:
+            return mask.float()
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        return bias.masked_fill_(~mask, float("-inf"))
+    return mask if mask.requires_grad else _cached(mask, "bias", make)
 
 
 # ----------------------------------------------------------------------------------------
@@ -301,24 +323,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out = _api.flash_attn_func(q, k, v, dropout, scaling, layout.causal, window, mods=names,
                                **args)
     return out.contiguous(), None
-
-
-_biases = {}
-
-
-def _bias_of(mask):
-    """The mask as an additive fp32 bias for the sdpa_mask mod, cached by the mask's
-    identity and version (the last one only: the layers of a forward share it)."""
-    if mask.dtype != torch.bool:
-        return mask if mask.requires_grad else mask.float()
-    hit = _biases.get(id(mask))
-    if hit is not None and hit[0]() is mask and hit[1] == mask._version:
-        return hit[2]
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-    bias.masked_fill_(~mask, float("-inf"))
-    _biases.clear()
-    _biases[id(mask)] = (weakref.ref(mask), mask._version, bias)
-    return bias
 
 
 def _generic(query, key, value, bias, dropout, scaling, softcap):
