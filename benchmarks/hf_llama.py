@@ -18,6 +18,10 @@ hits both alike; the median is reported. The optimizer steps on a copy of the we
 is restored before every step, so every step sees the same weights and both
 implementations do identical work.
 
+--sdpa-backend pins SDPA's backend (flash, cudnn, ...) for the sdpa side; by default SDPA
+picks its own (on an H100 in bf16 that may be cuDNN, whose backward flashgen's trails at
+N >= 4k per the README's Status, so run both `--sdpa-backend flash` and the default).
+
 Logits: one forward of each in bf16 on the same batch: max and mean |fgen - sdpa| over the
 real tokens, and (with --fp32-ref) each one's error against an fp32 SDPA run of the same
 weights, so the two bf16 errors can be compared (the bar's "logits match": flashgen's
@@ -57,6 +61,9 @@ def parse():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fp32-ref", action="store_true", help="also compare with fp32 SDPA")
     p.add_argument("--package", default="generated.llama_attn")
+    p.add_argument("--sdpa-backend", default="default",
+                   choices=["default", "flash", "cudnn", "efficient", "math"],
+                   help="pin PyTorch SDPA's backend for the sdpa runs (default: its own choice)")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny model on CPU in Triton's interpreter (checks the script)")
     p.add_argument("--out", default="")
@@ -97,6 +104,18 @@ def loss_of(model, ids, mask):
     return torch.nn.functional.cross_entropy(logits[:, :-1][pairs].float(), ids[:, 1:][pairs])
 
 
+def sdpa_backend(args, impl):
+    """A context that pins SDPA's backend for the sdpa runs (--sdpa-backend)."""
+    import contextlib
+
+    if impl != "sdpa" or args.sdpa_backend == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "math": SDPBackend.MATH}[args.sdpa_backend])
+
+
 def logits_check(args, model, ids, mask, device):
     import torch
 
@@ -105,7 +124,8 @@ def logits_check(args, model, ids, mask, device):
     with torch.no_grad():
         for impl in ("sdpa", "fgen"):
             model.set_attn_implementation(impl)
-            out[impl] = model(input_ids=ids, attention_mask=mask).logits[real].float()
+            with sdpa_backend(args, impl):
+                out[impl] = model(input_ids=ids, attention_mask=mask).logits[real].float()
         diff = (out["fgen"] - out["sdpa"]).abs()
         res = {"max_abs_fgen_vs_sdpa": diff.max().item(),
                "mean_abs_fgen_vs_sdpa": diff.mean().item(),
@@ -134,6 +154,10 @@ def time_steps(args, model, ids, mask, device):
     cuda = device == "cuda"
 
     def step(impl):
+        with sdpa_backend(args, impl):
+            return timed_step(impl)
+
+    def timed_step(impl):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             for n, p in model.named_parameters():
