@@ -570,6 +570,10 @@ BUILTINS = {
                      tensors={"doc": "[B, N] int32"},
                      doc="document masking for packed sequences: a query sees only keys of "
                          "its own document (doc = each token's document id)"),
+    "key_padding": dict(kind="mask", expr="keep[b, kv_idx]", tensors={"keep": "[B, Nk] bool"},
+                        doc="a key-padding mask (True = a real token): a padded batch read "
+                            "through one (B, Nk) tensor (what the transformers integration "
+                            "passes, docs/TRANSFORMERS.md)"),
     "sliding_window_sinks": dict(kind="mask",
                                  expr="kv_idx <= q_idx and (kv_idx < sinks or q_idx - kv_idx <= window)",
                                  params={"sinks": 4, "window": 1024},

@@ -38,6 +38,7 @@ PACKAGE_FILES = {
     "_mods.py": "package/mods.py.j2",
     "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
     "_ring_merge.py": "package/ring_merge.py.j2",
+    "_hf.py": "package/hf.py.j2",  # Hugging Face transformers (docs/TRANSFORMERS.md)
 }
 
 
@@ -250,6 +251,11 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
             m.kind == "mask" for m in variant_mods(spec, variant))):
         return ("mask mods and the backward with mods are rendered into the `tl` kernels "
                 "only so far")
+    if variant.mods and variant_score_bytes(spec, variant):
+        # measured offline: the gather of an fp32 bias tile in the consumers' registers
+        # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
+        return ("a mod reading a [q, kv] tile (a bias) is staged through shared memory by "
+                "the `tl` kernel; the Gluon forward would gather it in registers")
     if variant.v_dim != variant.head_dim:
         return "V's head dim differs from Q's: the `tl` kernels only so far"
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)

@@ -147,6 +147,19 @@ def test_document_softcap_gqa(pkg, device):
           mask=lambda b, h, i, j: d[b, i] == d[b, j], h=4, h_kv=1)
 
 
+def test_softcap_key_padding_gqa(pkg, device):
+    # Gemma 2 on a padded batch: a score mod listed before a mask mod (the kernels take the
+    # tensors before the params whatever the order), right and left padding (left-padded
+    # query rows see no key: 0 and LSE -inf), N_q != N_k
+    keep = torch.ones(2, 41, dtype=torch.bool)
+    keep[0, 30:] = False
+    keep[1, :9] = False
+    check(pkg, device, torch.float32, causal=True, mods=("softcap", "key_padding"),
+          kw={"keep": keep.to(device), "cap": 2.0},
+          score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+          mask=lambda b, h, i, j: keep[b, j], n_q=37, n_k=41, h=4, h_kv=2)
+
+
 def test_prefix_lm(pkg, device):
     prefix = torch.tensor([5, 30], dtype=torch.int32, device=device)
     p = prefix.cpu().long()
@@ -249,6 +262,18 @@ def test_block_mask_matches_brute_force_and_is_cached(pkg):
     lists = call.sparse(name, 16, 32, False, lo, hi)
     assert call.sparse(name, 16, 32, False, lo, hi) is lists  # cached by the mask's inputs
     assert len(pkg._mods._states) == before + 1
+    # ... for that tensor object only: an equal tensor that is another object (as a new
+    # one at a freed one's address would be) recomputes; an inference tensor (no version
+    # counter) is not cached
+    other = pkg._mods.prepare(("document",), {"doc": doc.clone()}, 2, 2, 70, 70,
+                              torch.device("cpu"))
+    other.mask_key = call.mask_key
+    assert other.sparse(name, 16, 32, False, lo, hi) is not lists
+    with torch.inference_mode():
+        frozen = pkg._mods.prepare(("document",), {"doc": doc.clone()}, 2, 2, 70, 70,
+                                   torch.device("cpu"))
+        assert frozen.mask_key is None
+        assert frozen.sparse(name, 16, 32, False, lo, hi) is not frozen.sparse(name, 16, 32, False, lo, hi)
     full_cnt, full_idx, part_cnt, part_idx, sb, sh = lists
     assert (sb, sh) == (1, 0)  # the document mask depends on b, not on h
     i, j = torch.arange(70)[:, None], torch.arange(70)[None, :]

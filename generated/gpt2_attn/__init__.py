@@ -14,6 +14,7 @@ from ._api import (DEFAULT_WINDOW, dropout_mask, flash_attn_func, flash_attn_qkv
                    scaled_dot_product_attention)
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
+from ._hf import register_transformers
 from ._module import Attention
 from ._ring import (ring_flash_attn_func, ring_scaled_dot_product_attention, shard,
                     shard_sequence, unshard, unshard_sequence)
@@ -33,4 +34,5 @@ __all__ = [
     "unshard",
     "shard_sequence",
     "unshard_sequence",
+    "register_transformers",
 ]

@@ -1102,16 +1102,24 @@ GLUON = {'fwd_d64_fp16': None,
                                 'mask serves it',
  'bwd_causal_dropout_d64_fp32': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
                                 'mask serves it',
- 'fwd_sdpa_mask_d64_fp16': None,
- 'fwd_sdpa_mask_d64_bf16': None,
- 'fwd_sdpa_mask_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
-                           'tf32x3',
- 'fwd_sdpa_mask_dropout_d64_fp16': "dropout at head dim <= 64: the Gluon forward's Philox "
-                                   "measured slower than the `tl` kernel's",
- 'fwd_sdpa_mask_dropout_d64_bf16': "dropout at head dim <= 64: the Gluon forward's Philox "
-                                   "measured slower than the `tl` kernel's",
- 'fwd_sdpa_mask_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs '
-                                   'fp32 as tf32x3',
+ 'fwd_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'registers',
+ 'fwd_sdpa_mask_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'registers',
+ 'fwd_sdpa_mask_d64_fp32': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'registers',
+ 'fwd_sdpa_mask_dropout_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'gather it in registers',
+ 'fwd_sdpa_mask_dropout_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'gather it in registers',
+ 'fwd_sdpa_mask_dropout_d64_fp32': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'gather it in registers',
  'bwd_sdpa_mask_d64_fp16': 'mask mods and the backward with mods are rendered into the `tl` '
                            'kernels only so far',
  'bwd_sdpa_mask_d64_bf16': 'mask mods and the backward with mods are rendered into the `tl` '

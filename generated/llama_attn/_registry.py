@@ -796,8 +796,12 @@ GLUON = {'fwd_d128_fp16': None,
                             'GPU',
  'decode_window_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
                             'GPU',
- 'fwd_sdpa_mask_d128_fp16': None,
- 'fwd_sdpa_mask_d128_bf16': None,
+ 'fwd_sdpa_mask_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                            'memory by the `tl` kernel; the Gluon forward would gather it in '
+                            'registers',
+ 'fwd_sdpa_mask_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                            'memory by the `tl` kernel; the Gluon forward would gather it in '
+                            'registers',
  'bwd_sdpa_mask_d128_fp16': 'mask mods and the backward with mods are rendered into the `tl` '
                             'kernels only so far',
  'bwd_sdpa_mask_d128_bf16': 'mask mods and the backward with mods are rendered into the `tl` '

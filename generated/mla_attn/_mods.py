@@ -7,8 +7,8 @@ spec's declarations before anything launches and flattens them into the kernels'
 arguments (a `Call`). A variant with a mask mod takes a block mask: which key blocks of
 each query block are empty (skipped), full (no mask arithmetic) or partial. It is computed
 on the device by the variant's `block_state` kernel at the tile each kernel runs with,
-and cached by the mask's inputs (the very tensors, alive, at the same version; the params,
-the lengths and the band), so layers that share a mask share it; `block_mask` builds one
+and cached by the mask's inputs (the tensor objects and their versions, the params, the
+lengths and the band; not for inference tensors), so layers that share a mask share it; `block_mask` builds one
 ahead of time (FlexAttention's `create_block_mask` habit).
 
 Gradients: q, k, v always; a score-mod tensor read as t[..., q_idx, kv_idx] (an additive
@@ -49,7 +49,7 @@ class Call:
     """One call's mods, validated: kernel arguments and what the backward needs."""
 
     __slots__ = ("names", "info", "tensors", "params", "args", "signature", "block_sparse",
-                 "grad_flags", "grad_buffers", "shape", "device", "mask_key", "mask_tensors")
+                 "grad_flags", "grad_buffers", "shape", "device", "mask_key", "mask_refs")
 
     def grad_args(self) -> tuple:
         out = ()
@@ -92,7 +92,9 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     names = combo(mods)
     info = MOD_COMBOS["+".join(names)]
     kwargs = dict(kwargs)
-    tensors, params, args, sig = {}, {}, [], []
+    # the kernels take every mod's tensors first, then every mod's params (render.py's
+    # mod_context), whatever order the mods interleave them in
+    tensors, params, args, param_args, sig = {}, {}, [], [], []
     for m in names:
         decl = MODS[m]
         where = f"mod `{m}` (spec {BUILT_FOR['spec']}, mods.{m}: {decl['source']})"
@@ -137,7 +139,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
                 raise TypeError(f"{where}: param `{p}` is an integer (default {default}), "
                                 f"got {value!r}")
             params[p] = value
-            args.append(float(value) if isinstance(default, float) else value)
+            param_args.append(float(value) if isinstance(default, float) else value)
             sig.append(type(value))
     if kwargs:
         accepted = [t for m in names for t, _, _ in MODS[m]["tensors"]] + \
@@ -146,7 +148,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
                         f"{'+'.join(names)}; they take {accepted or 'nothing'}")
     call = Call()
     call.names, call.info, call.tensors, call.params = names, info, tensors, params
-    call.args = tuple(args)
+    call.args = tuple(args + param_args)
     call.block_sparse = info["block_sparse"]
     want_grad = torch.is_grad_enabled()
     call.grad_flags = {f"GRAD_{t.upper()}": bool(want_grad and tensors[t].requires_grad)
@@ -157,10 +159,16 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     call.device = device
     mask_tensors = [t for m in names if MODS[m]["kind"] == "mask" for t, _, _ in MODS[m]["tensors"]]
     mask_params = [p for m in names if MODS[m]["kind"] == "mask" for p in MODS[m]["params"]]
-    call.mask_key = (tuple((tensors[t].data_ptr(), tensors[t]._version, tuple(tensors[t].shape),
-                            tensors[t].stride()) for t in mask_tensors),
-                     tuple(params[p] for p in mask_params))
-    call.mask_tensors = tuple(tensors[t] for t in mask_tensors)
+    try:
+        call.mask_key = (tuple((tensors[t].data_ptr(), tensors[t]._version, tuple(tensors[t].shape),
+                                tensors[t].stride()) for t in mask_tensors),
+                         tuple(params[p] for p in mask_params))
+    except RuntimeError:  # an inference tensor has no version counter: no caching
+        call.mask_key = None
+    # the cached block masks are valid only for these very tensor objects: a new tensor at
+    # a freed one's address, with the same shape and version 0 (what the CUDA caching
+    # allocator hands out to the next batch's mask), must not reuse them
+    call.mask_refs = tuple(weakref.ref(tensors[t]) for t in mask_tensors)
     return call
 
 
@@ -181,11 +189,8 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi) -> tuple:
     groups = (batch if "b" in uses else 1) * h_m
     key = (variant, block_m, block_n, transpose, lo, hi, n_q, n_k, groups, call.mask_key,
            call.device)
-    hit = _states.get(key)
-    # a hit must be the very tensors the lists were made from, still alive: a freed
-    # tensor's storage can come back at the same address, with a version counter at 0 again
-    if hit is not None and len(hit[1]) == len(call.mask_tensors) and all(
-            ref() is t for ref, t in zip(hit[1], call.mask_tensors)):
+    hit = _states.get(key) if call.mask_key is not None else None
+    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
         _states.move_to_end(key)
         return hit[0]
     nqb, nkb = _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n)
@@ -201,9 +206,11 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi) -> tuple:
              part.sum(-1, dtype=torch.int32).contiguous(),
              torch.sort((~part).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous(),
              h_m if "b" in uses else 0, 1 if "h" in uses else 0)
+    if call.mask_key is None:
+        return lists
     if len(_states) >= _MAX_STATES:
         _states.popitem(last=False)
-    _states[key] = (lists, tuple(weakref.ref(t) for t in call.mask_tensors))
+    _states[key] = (lists, call.mask_refs)
     return lists
 
 
@@ -430,7 +437,7 @@ def _register():
 def block_mask(mods, *, n_q: int, n_k: int, batch: int = 1, heads: int = 1, **mod_kwargs):
     """Validate a mask's inputs once (like FlexAttention's create_block_mask) and return
     the keyword arguments to pass to every call that uses it: the block masks the kernels
-    compute from them are cached by the tensors' storage and version, so each tile size is
+    compute from them are cached by the tensor objects and their versions, so each tile size is
     computed once however many layers pass them."""
     names = combo(mods)
     device = next((t.device for t in mod_kwargs.values() if isinstance(t, torch.Tensor)),

@@ -71,7 +71,9 @@ TUNED = {}
 # else why not (the `tl` kernel serves it everywhere)
 GLUON = {'fwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
  'bwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
- 'fwd_sdpa_mask_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
+ 'fwd_sdpa_mask_d192v128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                'shared memory by the `tl` kernel; the Gluon forward would '
+                                'gather it in registers',
  'bwd_sdpa_mask_d192v128_bf16': 'mask mods and the backward with mods are rendered into the '
                                 '`tl` kernels only so far'}
 
