@@ -948,17 +948,21 @@ def check_values_setting():
 
 
 def _seqlen_arg(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
-        raise ValueError(f"{name} must be an int (the longest sequence's length), got "
-                         f"{type(value).__name__}")
+    if isinstance(value, (bool, torch.Tensor)) or not (
+            isinstance(value, torch.SymInt) or hasattr(value, "__index__")):
+        raise ValueError(f"{name} must be a host int (the longest sequence's length; a "
+                         f"tensor would need a device-to-host sync), got {type(value).__name__}")
+    if not isinstance(value, torch.SymInt):
+        value = int(value.__index__())
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value
 
 
-def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
+def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k) -> tuple:
     """Shapes, dtypes, devices and strides of a varlen call (ValueError before any launch);
-    the values of cu_seqlens are checked by check_cu_seqlens."""
+    the values of cu_seqlens are checked by check_cu_seqlens. Returns (max_q, max_k) as
+    Python ints (SymInts under torch.compile)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -981,8 +985,7 @@ def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k) -> None:
     if cu_q.shape[0] != cu_k.shape[0]:
         raise ValueError(f"cu_seqlens_q has {cu_q.shape[0]} entries but cu_seqlens_k "
                          f"{cu_k.shape[0]}: both are (batch + 1,)")
-    _seqlen_arg("max_seqlen_q", max_q)
-    _seqlen_arg("max_seqlen_k", max_k)
+    return _seqlen_arg("max_seqlen_q", max_q), _seqlen_arg("max_seqlen_k", max_k)
 
 
 def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int) -> None:

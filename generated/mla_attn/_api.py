@@ -289,7 +289,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             "flash_attn_varlen_func does not take mods yet (the block-sparse lists and the "
             "mods' [B, N] tensors are per dense batch): pad the batch and call "
             "flash_attn_func(..., mods=...), or drop the mods")
-    _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k)
     _runtime.check_dropout(dropout_p)
     window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
                                    else window_size)
