@@ -3,6 +3,7 @@
 
 Key j is visible to query i when i + LO_OFF <= j <= i + HI_OFF and j < N_K. For one block
 of query rows this returns which key blocks to visit and which of them need no mask.
+`seq_span` gives a packed (varlen) batch's sequence span, clamped into the tensors.
 """
 import triton
 import triton.language as tl

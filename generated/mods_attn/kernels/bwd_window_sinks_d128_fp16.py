@@ -30,6 +30,10 @@ Each output element is written by exactly one program and no atomics are used, s
 gradients are bitwise reproducible run to run. The band mask is the forward's: key j is
 visible to query i when i + LO_OFF <= j <= i + HI_OFF and j < N_K; blocks wholly inside
 the band skip the mask arithmetic, blocks wholly outside are never visited.
+
+With VARLEN (flash_attn_varlen_func) the dK/dV and dQ programs are per (sequence, head) and
+block of the sequence, as in the forward; LSE and D are [H_Q, total_q] and the preprocess
+runs on the packed rows as one dense batch.
 """
 import triton
 import triton.language as tl

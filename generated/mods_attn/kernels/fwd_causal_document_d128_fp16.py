@@ -16,6 +16,12 @@ where the launcher turns `causal` / `is_causal` / `window_size` into the two off
 Key blocks wholly inside the band run without any mask arithmetic; only the blocks that
 straddle an edge of the band (or the ragged end of the keys) are masked, and blocks wholly
 outside it are never visited.
+
+With VARLEN (flash_attn_varlen_func) the batch is packed along the rows: program axis 0 is
+(sequence, head), and each program reads its sequence's span from CU_Q / CU_K and runs as
+a dense program of that sequence's lengths (band aligned bottom-right per sequence, LSE in
+flash-attn's [H_Q, total_q] layout). A dense launch passes VARLEN=False and None for the
+two pointers, which compiles none of it.
 """
 import triton
 import triton.language as tl
