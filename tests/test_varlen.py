@@ -193,6 +193,11 @@ def test_bad_arguments_raise_value_errors(pkg, change, match):
                                    args["max_q"], args["max_k"])
 
 
+def test_describe_and_the_gluon_reason(pkg):
+    assert "flash_attn_varlen_func runs the `tl` kernels" in pkg.describe()
+    assert "dense (B, H, N, d)" in pkg._runtime.VARLEN_GLUON_REASON
+
+
 def test_mods_are_not_served_yet(pkg):
     q, k, v = packed([3], [3], 2, 2, torch.float32, "cpu", grad=False)
     with pytest.raises(NotImplementedError, match="mods"):
