@@ -1043,7 +1043,8 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
         drop, widths = _NO_DROP, None
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), o.stride(),
            q.dtype, q.device, cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
-           k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0)
+           # Triton specialises pointers on 16-byte alignment (o: a fresh allocation)
+           alignments(q, k, v, cu_q, cu_k))
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
@@ -1118,8 +1119,7 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            do.stride(), o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device,
            cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
-           q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-           do.data_ptr() % 16 == 0)
+           alignments(q, k, v, do, cu_q, cu_k))
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
