@@ -10,6 +10,8 @@ the ValueErrors of bad arguments; and that a corrupted cu_seqlens, unchecked, is
 inside the kernels: q, k, v and dO live inside NaN-filled buffers, so a read outside the
 tensors would show up as NaN in the result.
 """
+import contextlib
+
 import pytest
 import torch
 
@@ -80,10 +82,10 @@ def assert_all(got, ref, dtype):
                                    msg=lambda m: f"{name}: {m}")
 
 
-def run(pkg, q, k, v, lq, lk, *, causal=False, window=(-1, -1), p=0.0, seed=0):
+def run(pkg, q, k, v, lq, lk, *, causal=False, window=(-1, -1), p=0.0, seed=0, tiles=TILES):
     cq, ck = cu(lq, q.device), cu(lk, q.device)
     torch.manual_seed(seed)
-    with pkg._runtime.override_config(**TILES):
+    with pkg._runtime.override_config(**tiles) if tiles else contextlib.nullcontext():
         out, lse = pkg.flash_attn_varlen_func(q, k, v, cq, ck, max(lq), max(lk), dropout_p=p,
                                               causal=causal, window_size=window,
                                               return_lse=True)
@@ -103,23 +105,31 @@ LK = [9, 3, 17, 1, 20, 0]
     (False, (6, 2), 2, 2, torch.float32),
     (True, (-1, -1), 2, 1, torch.bfloat16),
 ], ids=["full", "causal_gqa4", "window", "causal_bf16"])
-def test_forward_and_gradients(pkg, poison, causal, window, h_q, h_kv, dtype):
-    q, k, v = packed(LQ, LK, h_q, h_kv, dtype, "cpu")
+def test_forward_and_gradients(pkg, device, poison, causal, window, h_q, h_kv, dtype):
+    q, k, v = packed(LQ, LK, h_q, h_kv, dtype, device)
     got, do = run(pkg, q, k, v, LQ, LK, causal=causal, window=window)
     assert got[0].shape == q.shape and got[1].shape == (h_q, sum(LQ))
     assert_all(got, reference(q, k, v, LQ, LK, do, causal=causal, window=window), dtype)
 
 
-def test_dropout_uses_the_replayed_mask(pkg, poison):
+def test_dropout_uses_the_replayed_mask(pkg, device, poison):
     """Forward and backward regenerate one keep mask, keyed by (sequence, head) and
     in-sequence positions: dropout_mask(batch, H, max_q, max_k)[i, :, :n_q, :n_k]."""
     lq, lk, p = [21, 3, 0, 18], [21, 40, 2, 9], 0.25
-    q, k, v = packed(lq, lk, 2, 1, torch.float32, "cpu")
+    q, k, v = packed(lq, lk, 2, 1, torch.float32, device)
     got, do = run(pkg, q, k, v, lq, lk, causal=True, p=p, seed=7)
     torch.manual_seed(7)
-    keep = pkg.dropout_mask(len(lq), 2, max(lq), max(lk), p, device="cpu")
+    keep = pkg.dropout_mask(len(lq), 2, max(lq), max(lk), p, device=device)
     ref = reference(q, k, v, lq, lk, do, causal=True, keep=keep, p=p)
     assert_all(got, ref, torch.float32)
+
+
+def test_planned_tiles(pkg, device, poison):
+    """The planner's (on a GPU: tuned, TMA where it applies) tiles, not the forced 16 x 16."""
+    lq = lk = [130, 0, 77, 1]
+    q, k, v = packed(lq, lk, 2, 2, torch.bfloat16, device)
+    got, do = run(pkg, q, k, v, lq, lk, causal=True, tiles=None)
+    assert_all(got, reference(q, k, v, lq, lk, do, causal=True), torch.bfloat16)
 
 
 def test_qkvpacked_matches_the_unpacked_call(pkg):
