@@ -28,7 +28,10 @@ from pathlib import Path
 _TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 # pointer arguments of the kernels that are not of the variant's dtype
 _FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC", "PARTIAL_O", "PARTIAL_LSE", "M_PARTIAL"}
-_INT_POINTERS = {"LOCKS": "*i32"}
+_INT_POINTERS = {"LOCKS": "*i32", "CU_Q": "*i32", "CU_K": "*i32"}
+# the packed-batch (varlen) kernels' cumulative lengths: None, a constexpr, in a dense launch
+_VARLEN_POINTERS = ("CU_Q", "CU_K")
+_DENSE = dict(CU_Q=None, CU_K=None, VARLEN=False)
 _FLOATS = {"QK_SCALE_LOG2", "SCALE", "DROP_SCALE", "SM_SCALE"}
 _WIDE_INTS = {"SEED"}
 
@@ -55,8 +58,8 @@ def _signature(fn, dtype: str, extra: dict | None = None):
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         name = p.name
-        if p.is_constexpr:
-            sig[name] = "constexpr"
+        if p.is_constexpr or (name in _VARLEN_POINTERS and not (extra and name in extra)):
+            sig[name] = "constexpr"  # a dense launch passes None
             continue
         if extra and name in extra:  # a mod's argument (render.mod_arg_types)
             sig[name] = extra[name]
@@ -86,13 +89,15 @@ def _launches(kind: str, config: dict, function_names):
     from . import planner_core
     bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
     if kind == "fwd":
-        return [("kernel", dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, WARP_SPECIALIZE=False),
-                 w, s)]
+        return [("kernel", dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, WARP_SPECIALIZE=False,
+                                **_DENSE), w, s)]
     if kind == "bwd":
         dq_m, dq_n, dq_w, dq_s = planner_core.dq_tile(config)
         return [("preprocess", dict(BLOCK_M=64), 4, 1),
-                ("dkdv_kernel", dict(BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=0, USE_TMA=False), w, s),
-                ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False), dq_w, dq_s)]
+                ("dkdv_kernel", dict(BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=0, USE_TMA=False, **_DENSE),
+                 w, s),
+                ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False, **_DENSE), dq_w,
+                 dq_s)]
     raise ValueError(f"offline compilation covers fwd and bwd kernels, not {kind}")
 
 

@@ -72,7 +72,7 @@ def _register():
     under another name (the operator namespace carries the spec's sha)."""
     if _defined():
         namespace = getattr(torch.ops, NAMESPACE)
-        return namespace.fwd, namespace.bwd
+        return namespace.fwd, namespace.bwd, namespace.varlen_fwd, namespace.varlen_bwd
 
     @torch.library.custom_op(f"{NAMESPACE}::fwd", mutates_args=())
     def fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bnhd: bool, mask: str,
@@ -111,7 +111,50 @@ def _register():
         return dq, dk, dv, None, None, None, None, None, None
 
     fwd.register_autograd(backward, setup_context=setup_context)
-    return fwd, bwd
+
+    # packed ragged batches (flash_attn_varlen_func): q (total_q, H_q, d), k/v (total_k,
+    # H_kv, d), int32 cu_seqlens; the LSE is (H_q, total_q)
+    @torch.library.custom_op(f"{NAMESPACE}::varlen_fwd", mutates_args=())
+    def varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                   cu_k: torch.Tensor, max_q: int, max_k: int, mask: str, lo: int, hi: int,
+                   scale: float, dropout_p: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _varlen_forward_impl(q, k, v, cu_q, cu_k, max_q, max_k, mask, lo, hi, scale,
+                                    dropout_p)
+
+    @varlen_fwd.register_fake
+    def _(q, k, v, cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p):
+        return (q.new_empty(q.shape[:-1] + v.shape[-1:]),
+                q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+                q.new_empty((2,), dtype=torch.int64, device="cpu"))
+
+    @torch.library.custom_op(f"{NAMESPACE}::varlen_bwd", mutates_args=())
+    def varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, rng: torch.Tensor, cu_q: torch.Tensor,
+                   cu_k: torch.Tensor, max_q: int, max_k: int, mask: str, lo: int, hi: int,
+                   scale: float, dropout_p: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _varlen_backward_impl(do, q, k, v, out, lse, rng, cu_q, cu_k,
+                                     (max_q, max_k, mask, lo, hi, scale, dropout_p))
+
+    @varlen_bwd.register_fake
+    def _(do, q, k, v, out, lse, rng, cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def varlen_setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, *args = inputs
+        out, lse, rng = output
+        ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k)
+        ctx.args = tuple(args)
+        ctx.mark_non_differentiable(lse, rng)
+
+    def varlen_backward(ctx, dout, _dlse, _drng):
+        q, k, v, out, lse, rng, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = varlen_bwd(dout, q, k, v, out, lse, rng, cu_q, cu_k, *ctx.args)
+        return (dq, dk, dv) + (None,) * 9
+
+    varlen_fwd.register_autograd(varlen_backward, setup_context=varlen_setup_context)
+    return fwd, bwd, varlen_fwd, varlen_bwd
 
 
 def _defined() -> bool:
@@ -122,7 +165,27 @@ def _defined() -> bool:
         return False
 
 
-fwd_op, bwd_op = _register()
+def _varlen_forward_impl(q, k, v, cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p):
+    """(out, lse (H_q, total_q), rng) of a packed ragged batch."""
+    rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else _NO_RNG.clone()
+    out = _out_like(q, v)
+    lse = _runtime.forward_varlen(q, k, v, out, cu_q, cu_k, max_q, max_k, mask=mask, lo=lo,
+                                  hi=hi, scale=scale, dropout_p=dropout_p, rng=rng)
+    return out, lse, rng
+
+
+def _varlen_backward_impl(do, q, k, v, out, lse, rng, cu_q, cu_k, args):
+    """args = (max_q, max_k, mask, lo, hi, scale, dropout_p)."""
+    max_q, max_k, mask, lo, hi, scale, dropout_p = args
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _runtime.backward_varlen(do, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k,
+                             mask=mask, lo=lo, hi=hi, scale=scale, dropout_p=dropout_p, rng=rng)
+    return dq, dk, dv
+
+
+fwd_op, bwd_op, varlen_fwd_op, varlen_bwd_op = _register()
 
 
 # The eager autograd path: the operators' implementations without their dispatch. The
@@ -273,3 +336,45 @@ def attention(q, k, v, *, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
         out, lse, _ = fwd_op(q, k, v, bnhd, mask, lo, hi, scale, dropout_p)
         return out, lse
     return eager(q, k, v, (bnhd, mask, lo, hi, scale, dropout_p), need_lse)
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """out, lse of a packed ragged batch (the LSE non-differentiable); `args` =
+    (max_q, max_k, mask, lo, hi, scale, dropout_p)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, args):
+        max_q, max_k, mask, lo, hi, scale, dropout_p = args
+        rng = _draw_rng(q, dropout_p)
+        out = _out_like(q, v)
+        lse = _runtime.forward_varlen(q, k, v, out, cu_q, cu_k, max_q, max_k, mask=mask,
+                                      lo=lo, hi=hi, scale=scale, dropout_p=dropout_p, rng=rng)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+        ctx.args, ctx.rng = args, rng
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = _varlen_backward_impl(dout, q, k, v, out, lse, ctx.rng, cu_q, cu_k,
+                                           ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, *, max_q: int, max_k: int, mask: str, lo: int,
+                     hi: int, scale: float, dropout_p: float = 0.0):
+    """(out like q, lse (H_q, total_q) fp32) of a packed ragged batch whose arguments were
+    checked. Under torch.compile this is the `varlen_fwd` operator; eager calls that need
+    gradients run _VarlenAttention, the others launch directly."""
+    args = (max_q, max_k, mask, lo, hi, scale, dropout_p)
+    if torch.compiler.is_compiling():
+        out, lse, _ = varlen_fwd_op(q, k, v, cu_q, cu_k, *args)
+        return out, lse
+    if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _VarlenAttention.apply(q, k, v, cu_q, cu_k, args)
+    out = _out_like(q, v)
+    lse = _runtime.forward_varlen(q, k, v, out, cu_q, cu_k, max_q, max_k, mask=mask, lo=lo,
+                                  hi=hi, scale=scale, dropout_p=dropout_p,
+                                  rng=_draw_rng(q, dropout_p))
+    return out, lse

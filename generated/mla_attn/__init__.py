@@ -11,6 +11,7 @@ CPU, where TRITON_INTERPRET=1 runs the kernels in Triton's interpreter): copy th
 into your project and import it. Kernels are compiled on first use, not at import.
 """
 from ._api import (DEFAULT_WINDOW, dropout_mask, flash_attn_func, flash_attn_qkvpacked_func,
+                   flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func,
                    scaled_dot_product_attention)
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
@@ -23,6 +24,8 @@ __all__ = [
     "scaled_dot_product_attention",
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
     "describe",
     "Attention",
     "flash_attn_with_kvcache",

@@ -3,6 +3,7 @@
 
 Key j is visible to query i when i + LO_OFF <= j <= i + HI_OFF and j < N_K. For one block
 of query rows this returns which key blocks to visit and which of them need no mask.
+`seq_span` gives a packed (varlen) batch's sequence span, clamped into the tensors.
 """
 import triton
 import triton.language as tl
@@ -30,3 +31,14 @@ def key_ranges(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: tl.constexpr,
     full_lo = tl.maximum(tl.minimum(full_lo, hi), lo)
     full_hi = tl.maximum(tl.minimum(full_hi, hi), full_lo)
     return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def seq_span(CU, b, TOTAL):
+    """(start, length) of sequence b of a packed batch from its cumulative lengths CU
+    ([B + 1] int32), clamped into [0, TOTAL] so that whatever CU holds, rows
+    [start, start + length) lie inside the packed tensor (a bad CU gives a wrong answer,
+    never an out-of-bounds access)."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), TOTAL)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), TOTAL)
+    return start, end - start

@@ -47,6 +47,9 @@ def describe() -> str:
     lines.append(f"  the Gluon family runs on {hopper} with Triton {', '.join(GLUON_TRITON)}; "
                  "anything else (other GPUs, other Triton, the interpreter, strides TMA "
                  "cannot read, FLASHGEN_FAMILY=tl) runs the `tl` kernels")
+    lines.append("  flash_attn_varlen_func runs the `tl` kernels with VARLEN=True on every GPU "
+                 "(a packed ragged batch: the Gluon kernels take dense (B, H, N, d) batches "
+                 "only so far); no mods")
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():

@@ -546,13 +546,14 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
             return launch, args, _GLUON, lse_shape, scratch, None
         cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
-    args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
+    args = (None, None,  # CU_Q, CU_K: a dense batch
+            *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(
         (k, bhnd(k.stride(), bnhd)), (v, bhnd(v.stride(), bnhd)))
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
-                WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)),
+                WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=False,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sparse = ((name, cfg["block_m"], cfg["block_n"], False)
               if mods is not None and mods.block_sparse else None)
@@ -845,9 +846,10 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
     dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(n_k, block_n)),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, USE_TMA=tma,
-                         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                         VARLEN=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
                          **(mods.grad_flags if mods is not None else {})))
-    dkdv_args = (q.stride(0), q.stride(1), q.stride(2),
+    dkdv_args = (None, None,  # CU_Q, CU_K: a dense batch
+                 q.stride(0), q.stride(1), q.stride(2),
                  k.stride(0), k.stride(1), k.stride(2),
                  v.stride(0), v.stride(1), v.stride(2),
                  do.stride(0), do.stride(1), do.stride(2),
@@ -858,9 +860,10 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     # block_m keys; the dq_tile knob ("MxNwWsS") gives it a tile and launch of its own
     dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)
     dq_launch = Launcher(kernel(name, "dq_kernel"), (batch * h_q, triton_cdiv(n_q, dq_m)),
-                         dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, num_warps=dq_w,
-                              num_stages=dq_s))
-    dq_args = (q.stride(0), q.stride(1), q.stride(2),
+                         dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, VARLEN=False,
+                              num_warps=dq_w, num_stages=dq_s))
+    dq_args = (None, None,  # CU_Q, CU_K: a dense batch
+               q.stride(0), q.stride(1), q.stride(2),
                k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2),
                do.stride(0), do.stride(1), do.stride(2),
@@ -926,3 +929,250 @@ def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
             batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
             _vec_row(n_q))
     return launch, args
+
+
+# ----------------------------------------------------------------------------------------
+# Packed ragged batches: flash_attn_varlen_func
+# ----------------------------------------------------------------------------------------
+# A varlen call packs its sequences along one token axis: q (total_q, H_q, d), k and v
+# (total_k, H_kv, d), sequence i at rows cu_seqlens[i]:cu_seqlens[i + 1]. The `tl` kernels
+# serve it with VARLEN=True: a program per (sequence, head, block of max_seqlen rows), its
+# sequence's span read from cu_seqlens on the device (clamped into the tensors), so no call
+# reads a device value on the host. The LSE is flash-attn 2's varlen layout (H_q, total_q).
+VARLEN_GLUON_REASON = ("a packed ragged (varlen) batch: the Gluon kernels take dense "
+                       "(B, H, N, d) batches only so far")
+
+
+def check_values_setting():
+    """The package's FLASHGEN_CHECK_VALUES setting (`_decode.CHECK_VALUES`: None = check
+    tensors on the CPU only, where it is free; True = CUDA too, one sync; False = never)."""
+    from . import _decode
+    return _decode.CHECK_VALUES
+
+
+def _seqlen_arg(name: str, value) -> int:
+    if isinstance(value, (bool, torch.Tensor)) or not (
+            isinstance(value, torch.SymInt) or hasattr(value, "__index__")):
+        raise ValueError(f"{name} must be a host int (the longest sequence's length; a "
+                         f"tensor would need a device-to-host sync), got {type(value).__name__}")
+    if not isinstance(value, torch.SymInt):
+        value = int(value.__index__())
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def check_varlen(q, k, v, cu_q, cu_k, max_q, max_k) -> tuple:
+    """Shapes, dtypes, devices and strides of a varlen call (ValueError before any launch);
+    the values of cu_seqlens are checked by check_cu_seqlens. Returns (max_q, max_k) as
+    Python ints (SymInts under torch.compile)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 3-D (total_tokens, heads, head_dim) "
+                             f"torch.Tensor (sequences packed along the tokens), got {got}")
+    # the dense checks on (1, total, H, d) views
+    check_tensors(q[None], k[None], v[None], bnhd=True)
+    for name, cu, t in (("cu_seqlens_q", cu_q, "q"), ("cu_seqlens_k", cu_k, "k")):
+        if not isinstance(cu, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 (flash-attn's convention), got {cu.dtype}: "
+                             f"pass {name}.to(torch.int32)")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{name} must be 1-D (batch + 1,), got shape {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} is on {cu.device} but {t} is on {q.device}: move it there")
+        if cu.stride(0) != 1 and cu.shape[0] > 1:
+            raise ValueError(f"{name} must be contiguous; pass {name}.contiguous()")
+    if cu_q.shape[0] != cu_k.shape[0]:
+        raise ValueError(f"cu_seqlens_q has {cu_q.shape[0]} entries but cu_seqlens_k "
+                         f"{cu_k.shape[0]}: both are (batch + 1,)")
+    return _seqlen_arg("max_seqlen_q", max_q), _seqlen_arg("max_seqlen_k", max_k)
+
+
+def check_cu_seqlens(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int) -> None:
+    """The values of cu_seqlens (0 first, non-decreasing, the total last, no sequence longer
+    than max_seqlen), when FLASHGEN_CHECK_VALUES says so: by default only for CPU tensors,
+    where reading them costs nothing; CUDA tensors only with FLASHGEN_CHECK_VALUES=1 (a
+    sync). Unchecked bad values are clamped in the kernels: a wrong answer, never an
+    out-of-bounds access."""
+    setting = check_values_setting()
+    for name, cu, total, longest, arg in (("cu_seqlens_q", cu_q, total_q, max_q, "max_seqlen_q"),
+                                          ("cu_seqlens_k", cu_k, total_k, max_k, "max_seqlen_k")):
+        if not (setting or (setting is None and cu.device.type == "cpu")):
+            continue
+        values = cu.tolist()
+        if values[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {values[0]}")
+        lengths = [b - a for a, b in zip(values, values[1:])]
+        if any(n < 0 for n in lengths):
+            i = next(i for i, n in enumerate(lengths) if n < 0)
+            raise ValueError(f"{name} must be non-decreasing, but entry {i + 1} ({values[i + 1]}) "
+                             f"< entry {i} ({values[i]})")
+        if values[-1] != total:
+            raise ValueError(f"{name}[-1] = {values[-1]} but the packed tensor has {total} "
+                             "tokens: the last entry is the total")
+        if lengths and max(lengths) > longest:
+            raise ValueError(f"{arg} = {longest} but a sequence in {name} has {max(lengths)} "
+                             f"tokens: pass {arg} >= the longest sequence")
+
+
+def varlen_band(max_q: int, max_k: int, causal: bool, window: tuple) -> tuple:
+    """(mask name, LO_OFF, HI_OFF) of a varlen call, relative to the diagonal: the kernels
+    add each sequence's n_k - n_q (flash-attn's bottom-right alignment, per sequence).
+    "Unbounded" is max_q + max_k + 1, past any sequence's band."""
+    left, right = window
+    if causal:
+        right = 0
+    unbounded = max_q + max_k + 1
+    lo = -left if left >= 0 else -unbounded
+    hi = right if right >= 0 else unbounded
+    if window != (-1, -1):
+        return "sliding_window", lo, hi
+    return ("causal" if causal else "none"), lo, hi
+
+
+def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str, lo: int,
+                   hi: int, scale: float, dropout_p: float = 0.0, rng=None):
+    """The forward of a packed ragged batch (q (total_q, H_q, d), k/v (total_k, H_kv, d),
+    int32 cu_seqlens of batch + 1 entries); writes o (like q) in place, returns the LSE as
+    (H_q, total_q) fp32. lo/hi from varlen_band. Cached per call signature like forward."""
+    check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    if dropout_p > 0.0:
+        drop = _dropout().launch_args(rng, dropout_p)
+        widths = int_widths(drop[0], drop[1])
+    else:
+        drop, widths = _NO_DROP, None
+    key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), o.stride(),
+           q.dtype, q.device, cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
+           # Triton specialises pointers on 16-byte alignment (o: a fresh allocation)
+           alignments(q, k, v, cu_q, cu_k))
+    plan = _forward_plans.get(key)
+    if plan is None:
+        if len(_forward_plans) >= _MAX_PLANS:
+            _forward_plans.clear()
+        plan = _forward_plans[key] = _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask,
+                                                          lo, hi, scale, widths is not None)
+    launch, args, tma = plan
+    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    if launch is None:
+        if lse.numel():
+            lse.fill_(float("-inf"))
+            o.zero_()
+        return lse
+    if tma:
+        _descriptor_allocator()
+    launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop)
+    return lse
+
+
+def _varlen_config(name, device, max_q, max_k):
+    """The launch config of a varlen call's `tl` kernel, for the bucket of its longest
+    sequence. Where the dense call would take a Gluon config (VARLEN_GLUON_REASON), the
+    variant's tuned `tl` entry for that bucket serves if there is one (a backward tuned
+    among `tl` configs, which the Gluon default replaces for dense calls), else the
+    planner's tile."""
+    n = max(max_q, max_k)
+    cfg = launch_config(name, device, n)
+    if cfg.get("family") != "gluon":
+        return cfg
+    if device.type == "cuda" and not _override:
+        tuned = TUNED.get(gpu_key(device)[0], {}).get(name)
+        if tuned:
+            bucket = nearest_bucket(n)
+            best = tuned[min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))]
+            if best.get("family", "tl") != "gluon":
+                return dict(best)
+    return PLANNED[name]
+
+
+def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dropout):
+    total_q, h_q, d = q.shape
+    total_k, h_kv, _ = k.shape
+    batch = cu_q.shape[0] - 1
+    if batch * h_q * total_q * max_q == 0:
+        return None, (), False
+    name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
+    cfg = _varlen_config(name, q.device, max_q, max_k)
+    grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
+    # batch strides 0: the kernels move each program to its sequence's first row
+    args = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0),
+            0, v.stride(1), v.stride(0), 0, o.stride(1), o.stride(0),
+            total_q, total_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
+    tma = (bool(cfg.get("tma", False)) and total_k > 0
+           and _descriptor_ready((k, (0, *k.stride()[1::-1])), (v, (0, *v.stride()[1::-1]))))
+    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
+                WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return Launcher(kernel(name), grid, meta), args, tma
+
+
+def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max_k: int, *,
+                    mask: str, lo: int, hi: int, scale: float, dropout_p: float = 0.0,
+                    rng=None):
+    """Gradients of forward_varlen; writes dq, dk, dv (shaped like q, k, v) in place. `lse`
+    is the forward's (H_q, total_q) LSE. Three launches as the dense backward (D per token,
+    a dK/dV program per key block of each sequence, a dQ program per query block)."""
+    if dropout_p > 0.0:
+        drop = _dropout().launch_args(rng, dropout_p)
+        widths = int_widths(drop[0], drop[1])
+    else:
+        drop, widths = _NO_DROP, None
+    key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
+           do.stride(), o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device,
+           cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
+           alignments(q, k, v, do, cu_q, cu_k))
+    plan = _backward_plans.get(key)
+    if plan is None:
+        if len(_backward_plans) >= _MAX_PLANS:
+            _backward_plans.clear()
+        plan = _backward_plans[key] = _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q,
+                                                            max_q, max_k, mask, lo, hi, scale,
+                                                            widths is not None)
+    if plan is None:
+        dq.zero_()
+        dk.zero_()
+        dv.zero_()
+        return None
+    pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma = plan
+    delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)  # (H_q, total_q)
+    pre(o, do, delta, *pre_args, q.shape[0])
+    if tma:
+        _descriptor_allocator()
+    dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop)
+    dq_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k, *dq_args, *drop)
+    return delta
+
+
+def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, lo, hi,
+                          scale, dropout):
+    total_q, h_q, d = q.shape
+    total_k, h_kv, _ = k.shape
+    batch = cu_q.shape[0] - 1
+    if batch * h_q * total_q * total_k * max_q * max_k == 0:
+        return None
+    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
+    cfg = _varlen_config(name, q.device, max_q, max_k)
+    # D = rowsum(dO * O) per token: the dense preprocess over one (1, H_q, total_q) batch
+    pre = Launcher(kernel(name, "preprocess"), (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK)),
+                   dict(BLOCK_M=PREPROCESS_BLOCK))
+    pre_args = (0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0), total_q, h_q)
+    block_m, block_n = cfg["block_m"], cfg["block_n"]
+    group = h_q // h_kv
+    tma = bool(cfg.get("tma", False)) and _descriptor_ready(
+        *((t, (0, *t.stride()[1::-1])) for t in (q, do, k, v)))
+    dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(max_k, block_n)),
+                    dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=0, USE_TMA=tma,
+                         VARLEN=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    strides = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0),
+               0, v.stride(1), v.stride(0), 0, do.stride(1), do.stride(0))
+    dkdv_args = (*strides, 0, dk.stride(1), dk.stride(0), 0, dv.stride(1), dv.stride(0),
+                 total_q, total_k, h_kv, group, scale * LOG2E, scale, lo, hi)
+    dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)
+    dq_launch = Launcher(kernel(name, "dq_kernel"), (batch * h_q, triton_cdiv(max_q, dq_m)),
+                         dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, VARLEN=True,
+                              num_warps=dq_w, num_stages=dq_s))
+    dq_args = (*strides, 0, dq.stride(1), dq.stride(0),
+               total_q, total_k, h_q, group, scale * LOG2E, scale, lo, hi)
+    return pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma

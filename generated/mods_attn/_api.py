@@ -260,3 +260,58 @@ def dropout_mask(batch, heads, n_q, n_k, dropout_p, device="cuda"):
     from ._dropout import dropout_mask as replay  # imports triton only when asked
 
     return replay(batch, heads, n_q, n_k, dropout_p, device)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
+                           return_lse=False, *, mods=None, **mod_args):
+    """Drop-in for flash_attn.flash_attn_varlen_func: sequences packed along one token axis,
+    q (total_q, H_q, d), k and v (total_k, H_kv, d); sequence i is rows
+    cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k
+    and v (int32 tensors of batch + 1 entries on q's device, starting at 0 and ending at the
+    total); max_seqlen_q / max_seqlen_k are host ints >= every sequence's length (they size
+    the grid: nothing is read back from the device). Causal and window_size are aligned
+    bottom-right per sequence, as in flash-attn; window_size=None is DEFAULT_WINDOW.
+    With return_lse, returns (out, lse), lse (H_q, total_q) fp32 in natural log
+    (flash-attn 2's varlen layout; -inf for a row that sees no key).
+
+    Checks: shapes, dtypes, devices and strides always (ValueError); the values of
+    cu_seqlens when that is free (CPU tensors) or with FLASHGEN_CHECK_VALUES=1 (one sync);
+    otherwise the kernels clamp every sequence's span into the packed tensors, so a bad
+    value gives a wrong answer, never an out-of-bounds access.
+
+    Dropout's keep mask for sequence i is dropout_mask(batch, H_q, max_seqlen_q,
+    max_seqlen_k, p)[i, :, :n_q_i, :n_k_i] (keyed by sequence and in-sequence positions).
+    Runs the `tl` kernels on every GPU (runtime.VARLEN_GLUON_REASON). Mods are not served
+    with packed batches yet (NotImplementedError)."""
+    if mods is not None or mod_args:
+        raise NotImplementedError(
+            "flash_attn_varlen_func does not take mods yet (the block-sparse lists and the "
+            "mods' [B, N] tensors are per dense batch): pad the batch and call "
+            "flash_attn_func(..., mods=...), or drop the mods")
+    max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                       max_seqlen_q, max_seqlen_k)
+    _runtime.check_dropout(dropout_p)
+    window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
+                                   else window_size)
+    scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
+    mask, lo, hi = _runtime.varlen_band(max_seqlen_q, max_seqlen_k, bool(causal), window)
+    out, lse = _ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q=max_seqlen_q,
+                                     max_k=max_seqlen_k, mask=mask, lo=lo, hi=hi, scale=scale,
+                                     dropout_p=float(dropout_p))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
+                                     softmax_scale=None, causal=False, window_size=None,
+                                     return_lse=False):
+    """Drop-in for flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, H, d), read
+    in place through strides, one cu_seqlens / max_seqlen for queries and keys; otherwise
+    flash_attn_varlen_func."""
+    if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
+        shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
+        raise ValueError(f"qkv must be a (total_tokens, 3, H, d) tensor, got {shape}")
+    return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
+                                  max_seqlen, max_seqlen, dropout_p=dropout_p,
+                                  softmax_scale=softmax_scale, causal=causal,
+                                  window_size=window_size, return_lse=return_lse)

@@ -30,11 +30,15 @@ Each output element is written by exactly one program and no atomics are used, s
 gradients are bitwise reproducible run to run. The band mask is the forward's: key j is
 visible to query i when i + LO_OFF <= j <= i + HI_OFF and j < N_K; blocks wholly inside
 the band skip the mask arithmetic, blocks wholly outside are never visited.
+
+With VARLEN (flash_attn_varlen_func) the dK/dV and dQ programs are per (sequence, head) and
+block of the sequence, as in the forward; LSE and D are [H_Q, total_q] and the preprocess
+runs on the packed rows as one dense batch.
 """
 import triton
 import triton.language as tl
 
-from .._band import key_ranges
+from .._band import key_ranges, seq_span
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant
@@ -126,8 +130,9 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
                                "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0"])
 def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32, contiguous
+    Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
+    CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -147,18 +152,39 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
     BLOCK_N: tl.constexpr,  # key rows owned by this program
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
     USE_TMA: tl.constexpr,  # unmasked Q/dO blocks through tensor descriptors (Hopper TMA)
+    VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
 ):
     bkv = tl.program_id(0)
     b = bkv // H_KV
     kv_h = bkv % H_KV
     pid_n = tl.program_id(1)
+    if VARLEN:
+        tl.static_assert(FUSED_DQ == 0, "a packed ragged batch takes the dQ kernel")
+        if not MASK_RIGHT:
+            # every key block of a sequence costs the same here, and the highest exist only
+            # in the longest sequences: start those first (with a causal band the low key
+            # blocks are the expensive ones, and they come first as they are)
+            pid_n = tl.num_programs(1) - 1 - pid_n
     n_start = pid_n * BLOCK_N
+    if VARLEN:
+        # sequence b: rows [q_start, q_start + N_Q) of the packed queries, [k_start,
+        # k_start + N_K) of the keys, clamped into the tensors (see the forward)
+        TOTAL_Q = N_Q
+        q_start, N_Q = seq_span(CU_Q, b, N_Q)
+        k_start, N_K = seq_span(CU_K, b, N_K)
+        LO_OFF = LO_OFF + (N_K - N_Q)
+        HI_OFF = HI_OFF + (N_K - N_Q)
+        if n_start >= N_K:
+            return  # past the end of this sequence's keys
     offs_n = n_start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
     col_ok = offs_n < N_K
 
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+    if VARLEN:  # stride_*b are 0: the batch is packed along the rows
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
 
     # ------------------------------------------------------------------------------------
     # This program's K and V block stays on chip; dK and dV accumulate in fp32
@@ -194,8 +220,14 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
         bh = b * (H_KV * KV_GROUP) + h
         q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
-        lse_base = LSE + bh.to(tl.int64) * N_Q
-        delta_base = DELTA + bh.to(tl.int64) * N_Q
+        if VARLEN:
+            q_base += q_start.to(tl.int64) * stride_qm
+            do_base += q_start.to(tl.int64) * stride_dom
+            lse_base = LSE + h.to(tl.int64) * TOTAL_Q + q_start  # [H_Q, total_q]
+            delta_base = DELTA + h.to(tl.int64) * TOTAL_Q + q_start
+        else:
+            lse_base = LSE + bh.to(tl.int64) * N_Q
+            delta_base = DELTA + bh.to(tl.int64) * N_Q
         dq_base = DQ_ACC + bh.to(tl.int64) * N_Q * HEAD_DIM
         lock_base = LOCKS + bh.to(tl.int64) * tl.cdiv(N_Q, BLOCK_M)
         if USE_TMA:
@@ -410,6 +442,9 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
 
     dk_base = DK + b.to(tl.int64) * stride_dkb + kv_h.to(tl.int64) * stride_dkh
     dv_base = DV + b.to(tl.int64) * stride_dvb + kv_h.to(tl.int64) * stride_dvh
+    if VARLEN:
+        dk_base += k_start.to(tl.int64) * stride_dkn
+        dv_base += k_start.to(tl.int64) * stride_dvn
     out_ok0 = col_ok[:, None]
     out_okv0 = col_ok[:, None]
     tl.store(dk_base + offs_n[:, None] * stride_dkn + offs_d0[None, :], (dk0 * SCALE).to(DK.dtype.element_ty), mask=out_ok0)
@@ -421,6 +456,7 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
                                "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0"])
 def bwd_causal_sink_logits_d128_bf16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
+    CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -437,12 +473,27 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
+    VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
 ):
     bh = tl.program_id(0)
     b = bh // H_Q
     h = bh % H_Q
     kv_h = h // KV_GROUP
-    m_start = tl.program_id(1) * BLOCK_M
+    if VARLEN:
+        # the highest query blocks exist only in the longest sequences: those first
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        pid_m = tl.program_id(1)
+    m_start = pid_m * BLOCK_M
+    if VARLEN:
+        # sequence b, clamped into the packed tensors (see the forward)
+        TOTAL_Q = N_Q
+        q_start, N_Q = seq_span(CU_Q, b, N_Q)
+        k_start, N_K = seq_span(CU_K, b, N_K)
+        LO_OFF = LO_OFF + (N_K - N_Q)
+        HI_OFF = HI_OFF + (N_K - N_Q)
+        if m_start >= N_Q:
+            return  # past the end of this sequence
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = offs_m < N_Q
@@ -451,6 +502,11 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
     do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+    if VARLEN:  # stride_*b are 0: the batch is packed along the rows
+        q_base += q_start.to(tl.int64) * stride_qm
+        do_base += q_start.to(tl.int64) * stride_dom
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
 
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
     q0 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
@@ -460,9 +516,13 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
     if USE_TMA:
         k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N_K, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, D0_SIZE])
         v_descv0 = tl.make_tensor_descriptor(v_base, shape=[N_K, V_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV0_SIZE])
-    lse = tl.load(LSE + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=float("inf"))
+    if VARLEN:
+        row_base = h.to(tl.int64) * TOTAL_Q + q_start  # [H_Q, total_q]
+    else:
+        row_base = bh.to(tl.int64) * N_Q
+    lse = tl.load(LSE + row_base + offs_m, mask=row_ok, other=float("inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # [BLOCK_M]
-    delta = tl.load(DELTA + bh.to(tl.int64) * N_Q + offs_m, mask=row_ok, other=0.0)  # [BLOCK_M]
+    delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)  # [BLOCK_M]
 
     # the forward's key-block ranges, for this query block
     lo, full_lo, full_hi, hi = key_ranges(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N,
@@ -541,4 +601,6 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
 
 
     dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
+    if VARLEN:
+        dq_base += q_start.to(tl.int64) * stride_dqm
     tl.store(dq_base + offs_m[:, None] * stride_dqm + offs_d0[None, :], (dq0 * SCALE).to(DQ.dtype.element_ty), mask=row_ok[:, None])

@@ -16,11 +16,17 @@ where the launcher turns `causal` / `is_causal` / `window_size` into the two off
 Key blocks wholly inside the band run without any mask arithmetic; only the blocks that
 straddle an edge of the band (or the ragged end of the keys) are masked, and blocks wholly
 outside it are never visited.
+
+With VARLEN (flash_attn_varlen_func) the batch is packed along the rows: program axis 0 is
+(sequence, head), and each program reads its sequence's span from CU_Q / CU_K and runs as
+a dense program of that sequence's lengths (band aligned bottom-right per sequence, LSE in
+flash-attn's [H_Q, total_q] layout). A dense launch passes VARLEN=False and None for the
+two pointers, which compiles none of it.
 """
 import triton
 import triton.language as tl
 
-from .._band import key_ranges
+from .._band import key_ranges, seq_span
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
@@ -53,7 +59,8 @@ LOG2E = tl.constexpr(1.4426950408889634)
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
                                "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0"])
 def fwd_causal_sink_logits_d64_bf16_kernel(
-    Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32, contiguous
+    Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
+    CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -72,6 +79,7 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
     WARP_SPECIALIZE: tl.constexpr,  # split the unmasked loop into producer/consumer warps
+    VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
 ):
     # ------------------------------------------------------------------------------------
     # Which queries this program owns
@@ -81,6 +89,10 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
         # with a band the last query blocks see the most keys: schedule them first so the
         # tail of the grid is made of short programs
         pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+    elif VARLEN:
+        # the grid has cdiv(max_seqlen_q, BLOCK_M) query blocks per sequence; the highest
+        # exist only in the longest sequences, so walking them first starts those first
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
     else:
         pid_m = tl.program_id(1)
     b = bh // H_Q
@@ -88,6 +100,19 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
     kv_h = h // KV_GROUP  # GQA / MQA by index mapping: K and V are never repeated
 
     m_start = pid_m * BLOCK_M
+    if VARLEN:
+        # sequence b is rows [q_start, q_start + N_Q) of the packed queries and
+        # [k_start, k_start + N_K) of the keys (N_Q, N_K arrive as the totals and become
+        # this sequence's lengths, clamped so that a bad cu_seqlens never leaves the
+        # tensors); positions, the band, dropout and the mods are all in-sequence
+        TOTAL_Q = N_Q
+        q_start, N_Q = seq_span(CU_Q, b, N_Q)
+        k_start, N_K = seq_span(CU_K, b, N_K)
+        # LO_OFF / HI_OFF arrive relative to the diagonal: align it bottom-right per sequence
+        LO_OFF = LO_OFF + (N_K - N_Q)
+        HI_OFF = HI_OFF + (N_K - N_Q)
+        if m_start >= N_Q:
+            return  # past the end of this sequence
     offs_m = m_start + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = offs_m < N_Q
@@ -97,6 +122,10 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
     v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+    if VARLEN:  # stride_*b are 0: the batch is packed along the rows
+        q_base += q_start.to(tl.int64) * stride_qm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
 
     # ------------------------------------------------------------------------------------
     # Load the query block once; it stays on chip for the whole key loop
@@ -231,6 +260,11 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
     if DROPOUT:
         inv_l = inv_l * DROP_SCALE
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * LN2, float("-inf"))
-    tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
+    if VARLEN:
+        # flash-attn's varlen layout: [H_Q, total_q]
+        tl.store(LSE + h.to(tl.int64) * TOTAL_Q + q_start + offs_m, lse, mask=row_ok)
+        o_base += q_start.to(tl.int64) * stride_om  # here: no 64-bit pointer across the loop
+    else:
+        tl.store(LSE + bh.to(tl.int64) * N_Q + offs_m, lse, mask=row_ok)
     ov0 = (accv0 * inv_l[:, None]).to(O.dtype.element_ty)  # [BLOCK_M, DV0_SIZE]
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], ov0, mask=row_ok[:, None])

@@ -1,0 +1,48 @@
+"""The varlen benchmark's CPU parts: the workload's lengths, cu_seqlens, FLOPs, the plan,
+the dry run and the bar's arithmetic. The measuring needs a GPU."""
+import pytest
+
+from flashgen import bench_varlen as bv
+
+
+def test_ragged_lengths_are_the_bars_workload():
+    lengths = bv.ragged_lengths(16, 16384, 128, 4096, seed=0)
+    assert len(lengths) == 16 and sum(lengths) == 16384
+    assert min(lengths) == 128 and max(lengths) == 4096
+    assert lengths != sorted(lengths, reverse=True), "packed in a shuffled order"
+    assert lengths == bv.ragged_lengths(16, 16384, 128, 4096, seed=0), "deterministic"
+    assert bv.ragged_lengths(1, 77, 1, 100) == [77]
+    with pytest.raises(ValueError, match="cannot split"):
+        bv.ragged_lengths(4, 100, 30, 40)
+
+
+def test_cu_seqlens_and_flops():
+    assert bv.cu_seqlens([3, 0, 5]) == [0, 3, 3, 8]
+    f = bv.document_flops([2, 4], h=1, d=1, causal=False, mode="fwd")
+    assert f == 4 * (4 + 16)
+    assert bv.document_flops([2, 4], 1, 1, True, "bwd") == 2.5 * f / 2
+
+
+def test_plan_and_dry_run():
+    cases = bv.plan(modes=("fwd", "bwd"))
+    assert [c["provider"] for c in cases] == list(bv.PROVIDERS) * 2
+    dense = next(c for c in cases if c["provider"] == "flashgen_dense")
+    varlen = next(c for c in cases if c["provider"] == "flashgen_varlen")
+    assert dense["flops"] == bv.document_flops([4096] * 4, 16, 128, True, "fwd")
+    assert varlen["flops"] == bv.document_flops(varlen["lengths"], 16, 128, True, "fwd")
+    text = bv.dry_run_text(cases)
+    assert "16 documents, 16384 tokens" in text and "B=4 x N=4096" in text
+    with pytest.raises(ValueError, match="unknown provider"):
+        bv.plan(providers=["nope"])
+    with pytest.raises(ValueError, match="multiple"):
+        bv.plan(dense_n=3000)
+    assert bv.main(["--dry-run", "--modes", "fwd"]) == 0
+
+
+def test_bar_text():
+    rows = [dict(mode="fwd", provider="flashgen_varlen", tflops=380.0),
+            dict(mode="fwd", provider="flashgen_dense", tflops=400.0),
+            dict(mode="fwd", provider="flex_document", tflops=300.0)]
+    text = bv.bar_text(rows)
+    assert "varlen / flashgen_dense = 0.950 (meets the bar 0.95)" in text
+    assert "varlen / flex_document = 1.267 (meets" in text
