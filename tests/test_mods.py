@@ -391,3 +391,25 @@ def test_gluon_forward_with_mods_on_hopper(mods, kw):
         pkg._runtime.use_family("")
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_sdpa_attn_mask_with_a_score_mod(pkg, device):
+    """attn_mask together with mods=...: the spec's {mods: [softcap, sdpa_mask]} variant,
+    the mask added after the softcap (Gemma 2 with an arbitrary mask)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(2, 2, 29, 32, generator=g).to(device).requires_grad_()
+               for _ in range(3))
+    keep = torch.rand(2, 1, 29, 29, generator=g) > 0.3
+    keep[..., 0] = True  # every row sees a key
+    with pkg._runtime.override_config(**TILE):
+        out = pkg.scaled_dot_product_attention(q, k, v, attn_mask=keep.to(device),
+                                               mods=("softcap",), cap=2.0)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    s = 2.0 * torch.tanh(leaves[0] @ leaves[1].transpose(-1, -2) / math.sqrt(32) / 2.0)
+    ref = torch.softmax(s.masked_fill(~keep, float("-inf")), -1) @ leaves[2]
+    want = torch.autograd.grad(ref, leaves, dout.cpu().double())
+    torch.testing.assert_close(out.detach().cpu().double(), ref, atol=2e-5, rtol=2e-5)
+    for got, exp in zip((q.grad, k.grad, v.grad), want):
+        torch.testing.assert_close(got.cpu().double(), exp, atol=1e-4, rtol=1e-4)

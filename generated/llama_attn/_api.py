@@ -98,10 +98,13 @@ def _sdpa_mods(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot both be set (as in PyTorch): "
                              "fold the causal mask into attn_mask")
-        if mods is not None or "bias" in mod_args:
-            raise ValueError("attn_mask is its own mod (sdpa_mask): pass mods or attn_mask, "
-                             "not both")
-        mods, mod_args = ("sdpa_mask",), {**mod_args, "bias": _mods.sdpa_mask(attn_mask, query, key)}
+        if "bias" in mod_args:
+            raise ValueError("attn_mask is the sdpa_mask mod's `bias`: pass one of them")
+        # attn_mask is the sdpa_mask mod; with other mods it applies after them (a spec
+        # variant such as {mask: none, mods: [softcap, sdpa_mask]})
+        names = (() if mods is None else ((mods,) if isinstance(mods, str) else tuple(mods)))
+        mods = names + ("sdpa_mask",)
+        mod_args = {**mod_args, "bias": _mods.sdpa_mask(attn_mask, query, key)}
     elif mods is None:
         raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
                         "need mods=(...)")
