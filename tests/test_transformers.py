@@ -224,3 +224,28 @@ def test_register_needs_transformers(fa, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ImportError, match="pip install transformers"):
         fa.register_transformers()
+
+
+def test_softcap_with_an_arbitrary_mask_uses_the_sdpa_mask_variant(tmp_path):
+    """With {mask: none, mods: [softcap, sdpa_mask]} in the spec, soft-capping with a mask
+    that is no band runs (the bias after the softcap), against float64."""
+    pkg = build_and_import(tmp_path, "fg_test_hf_capmask", """
+        head_dims: [16]
+        dtypes: [fp32]
+        masks: [none, causal]
+        gqa: true
+        mods:
+          softcap: {builtin: softcap}
+        variants:
+          - {mask: none, mods: [softcap, sdpa_mask]}
+        """)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 8, 16, generator=g)
+    k, v = (torch.randn(2, 2, 8, 16, generator=g) for _ in range(2))
+    mask = torch.rand(2, 1, 8, 8, generator=g) > 0.3
+    mask[..., 0] = True
+    out, _ = pkg._hf.attention_forward(_Layer(), q, k, v, mask, softcap=5.0)
+    kk, vv = (t.repeat_interleave(2, 1).double() for t in (k, v))
+    s = 5.0 * torch.tanh(q.double() @ kk.transpose(-1, -2) / 4.0 / 5.0)
+    ref = (torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ vv).transpose(1, 2)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)

@@ -44,7 +44,7 @@ import warnings
 import torch
 
 from . import _api
-from ._registry import BUILT_FOR, MODS, PACKAGE, VARIANTS
+from ._registry import BUILT_FOR, MOD_COMBOS, MODS, PACKAGE, VARIANTS
 
 # The attn_implementation register_transformers uses by default. Not "flashgen":
 # transformers treats every attn_implementation whose name contains "flash" as a
@@ -326,14 +326,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 
 def _generic(query, key, value, bias, dropout, scaling, softcap):
-    """Any mask, as an additive bias (the sdpa_mask mod): no softcap."""
+    """Any mask, as an additive bias (the sdpa_mask mod); with softcap, the spec's
+    {mask: none, mods: [<softcap>, sdpa_mask]} variant (the bias after the softcap)."""
+    extra = {}
     if softcap:
-        raise ValueError(
-            f"{PACKAGE}: this transformers layer needs soft-capping (softcap={softcap}) with a "
-            "mask that is not a band, key padding and packed sequences, and flashgen has no "
-            "kernel that applies softcap together with an arbitrary mask yet; use "
-            "attn_implementation='eager' for this model")
+        cap = next((n for n, m in MODS.items() if m["builtin"] == "softcap"
+                    and f"{n}+sdpa_mask" in MOD_COMBOS), None)
+        if cap is None:
+            raise ValueError(
+                f"{PACKAGE}: this transformers layer needs soft-capping (softcap={softcap}) "
+                "with a mask that is not a band, key padding and packed sequences: add "
+                "{mask: none, mods: [softcap, sdpa_mask]} to `variants` in "
+                f"{BUILT_FOR['spec']} (softcap: {{builtin: softcap}} under `mods`) and "
+                "rebuild, or use attn_implementation='eager' for this model")
+        extra = {"mods": (cap,), "cap": float(softcap)}
     out = _api.scaled_dot_product_attention(
         query, key, value, attn_mask=bias, dropout_p=dropout, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
+        enable_gqa=query.shape[1] != key.shape[1], **extra)
     return out.transpose(1, 2).contiguous()
