@@ -136,6 +136,7 @@ class Plan:
     chosen: TileConfig
     candidates: tuple[Candidate, ...]  # feasible ones ranked best-first, then the rejected ones
     arch: int = DEFAULT_ARCH           # the compute capability planned for (80 = sm_80)
+    score_bytes: int = 0               # a mod's [q, kv] tile per score element (smem_estimate)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -276,6 +277,11 @@ def spill_warning(plan: "Plan") -> "str | None":
         return (f"d = {plan.head_dim} on {where}: past d = {MMA_SYNC_MAX_HEAD_DIM} no tile keeps "
                 f"its accumulators within the pre-Hopper cap ({MMA_SYNC_MAX_ACC_REGS} regs/thread), "
                 "so it is planned with the H100's model and may spill (not measured)")
+    if plan.kind == "bwd" and plan.score_bytes:
+        return (f"a mod's [q, kv] tile (e.g. attn_mask's fp32 bias) in the backward on {where}: "
+                "the dK/dV kernel holds it and its gradient beside the accumulators; compiled "
+                "offline at the planned tiles it spilled 8-56 B/thread (docs/OTHER_GPUS.md), "
+                "and the register model counting it leaves no feasible tile, so it may spill")
     if plan.dtype_bytes == 4:
         return (f"fp32 on {where}: tf32x3 splits every operand into two 32-bit halves, four "
                 "times the registers of a 16-bit operand; the forward spilled at the planned "
@@ -463,7 +469,7 @@ def plan(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int, sm_count: 
 
     return Plan(kind=kind, head_dim=head_dim, head_dim_padded=d, dtype_bytes=dtype_bytes,
                 sram_bytes=sram_bytes, sm_count=sm_count, fa1_bc=bc, fa1_br=br, chosen=chosen,
-                candidates=tuple(feasible + rejected), arch=arch)
+                candidates=tuple(feasible + rejected), arch=arch, score_bytes=score_bytes)
 
 
 def format_plan(plan: Plan) -> str:
