@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import families
-from .offline import _ptxas_numbers
+from .offline import _ptxas_numbers, mod_arg_types
 
 H100_SMEM = 232448  # bytes one block may use on sm_90 (227 KiB)
 
@@ -47,24 +47,6 @@ def _ptxas_report(log: str) -> tuple[int, int]:
     regs, _, _ = _ptxas_numbers(log)
     stack = re.search(r"(\d+) bytes stack frame", log)
     return regs, int(stack.group(1)) if stack else 0
-
-
-_MOD_POINTERS = {"fp32": "fp32", "fp16": "fp16", "bf16": "bf16", "int32": "i32",
-                 "int64": "i64", "bool": "i8"}
-
-
-def mod_arg_types(registry, name: str) -> dict:
-    """Signature types of a variant's mod arguments, from its package's registry: tensor
-    pointers of their declared dtype, params fp32 or i32 by their default, the rest
-    (strides, extents) i32."""
-    out = {}
-    for mod in registry.VARIANTS[name].get("mods", ()):
-        decl = registry.MODS[mod]
-        for t, _, dt in decl["tensors"]:
-            out[f"T_{t}"] = "*" + _MOD_POINTERS[dt]
-        for p, default in decl["params"].items():
-            out[f"P_{p}"] = "i32" if isinstance(default, int) else "fp32"
-    return out
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
@@ -159,7 +141,7 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None) ->
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
             res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
-                                  mod_arg_types(registry, name))
+                                  mod_arg_types(registry, name)[0])
             if log:
                 log(res.row())
             out.append(res)

@@ -54,6 +54,31 @@ class KernelResources:
                 + (f" planner: may spill ({self.may_spill}) |" if self.may_spill else ""))
 
 
+_MOD_POINTERS = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int32": "*i32",
+                 "int64": "*i64", "bool": "*i8"}
+_BLOCK_LISTS = ("FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX")
+
+
+def mod_arg_types(registry, name: str) -> tuple[dict, dict]:
+    """(signature types of a variant's mod arguments, its GRAD_<T> constexprs set True),
+    read from its package's registry: tensors are pointers of their declared dtype,
+    params fp32 or i32 by their default, a tensor's gradient buffer and the block lists
+    pointers; strides and extents fall through to i32 in _signature."""
+    facts = registry.VARIANTS[name]
+    if not facts.get("mods"):
+        return {}, {}
+    types = {name_: "*i32" for name_ in _BLOCK_LISTS}
+    for mod in facts["mods"]:
+        decl = registry.MODS[mod]
+        for t, _, dt in decl["tensors"]:
+            types[f"T_{t}"] = _MOD_POINTERS[dt]
+            types[f"DT_{t}"] = "*fp32"
+        for p, default in decl["params"].items():
+            types[f"P_{p}"] = "i32" if isinstance(default, int) else "fp32"
+    grads = registry.MOD_COMBOS["+".join(facts["mods"])]["grads"]
+    return types, {f"GRAD_{t.upper()}": True for t in grads}
+
+
 def _signature(fn, dtype: str, extra: dict | None = None):
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
@@ -61,7 +86,7 @@ def _signature(fn, dtype: str, extra: dict | None = None):
         if p.is_constexpr or (name in _VARLEN_POINTERS and not (extra and name in extra)):
             sig[name] = "constexpr"  # a dense launch passes None
             continue
-        if extra and name in extra:  # a mod's argument (render.mod_arg_types)
+        if extra and name in extra:  # a mod's argument (mod_arg_types)
             sig[name] = extra[name]
         elif name in _FP32_POINTERS:
             sig[name] = "*fp32"
@@ -136,7 +161,6 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
     from . import planner_core
     from .build import build_spec
     from .plan import plan_spec
-    from .render import mod_arg_types
     from .spec import load_spec
 
     spec = load_spec(spec_path)
@@ -146,19 +170,20 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
     out = Path(tempfile.mkdtemp(prefix="flashgen-offline-"))
     build_spec(spec, out)
     sys.path.insert(0, str(out))
+    registry = importlib.import_module(f"{spec.package}._registry")
     results = []
     for variant, plan in plans.items():
         if variant.kind not in ("fwd", "bwd") or (variants and variant.name not in variants):
             continue
         module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
         config = plan.chosen.as_dict()
-        mods = mod_arg_types(spec, variant) if variant.mods else {"types": {}, "flags": {}}
+        types, flags = mod_arg_types(registry, variant.name)
         for function, constexprs, warps, stages in _launches(variant.kind, config, ()):
             fn = getattr(module, f"{variant.name}_{function}")
             if function == "dkdv_kernel":  # a tensor's gradient stored: the costlier build
-                constexprs = {**constexprs, **mods["flags"]}
+                constexprs = {**constexprs, **flags}
             shared, regs, stores, loads = compile_kernel(fn, variant.dtype, constexprs, warps,
-                                                         stages, capability, mods["types"])
+                                                         stages, capability, types)
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}"
             warning = "" if function == "preprocess" else planner_core.spill_warning(plan) or ""

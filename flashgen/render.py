@@ -129,33 +129,6 @@ def grad_tensors(mods_: list) -> list:
     return out
 
 
-_TRITON_TYPES = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int32": "*i32",
-                 "int64": "*i64", "bool": "*i8"}
-
-
-def mod_arg_types(spec: Spec, variant: Variant) -> dict:
-    """Triton signature types of a variant's mod arguments (for offline compilation, where
-    no tensors exist to read them from), and its GRAD_<T> constexprs as True."""
-    ctx = mod_context(spec, variant)
-    types = {}
-    params = {p: v for m in variant_mods(spec, variant) for p, v in m.params}
-    for m in variant_mods(spec, variant):
-        for t in m.tensors:
-            types[f"T_{t.name}"] = _TRITON_TYPES[t.dtype]
-    for a in ctx["mod_args"] + ctx["grad_args"] + ctx["sparse_args"]:
-        if a in types:
-            continue
-        if a.startswith("P_"):
-            types[a] = "i32" if isinstance(params[a[2:]], int) else "fp32"
-        elif a.startswith("DT_") and "_S" not in a:
-            types[a] = "*fp32"
-        elif a in ("FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX"):
-            types[a] = "*i32"
-        else:
-            types[a] = "i32"
-    return {"types": types, "flags": {f: True for f in ctx["grad_flags"]}}
-
-
 def mod_context(spec: Spec, variant: Variant) -> dict:
     """What the kernel templates need to render a variant's mods: source lines, already
     printed as Triton expressions (the templates only place them), and argument lists."""
@@ -193,31 +166,28 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     def glu(e):
         return mods.to_triton(e, names, loader("gl"), "gl") if e is not None else ""
 
-    tensor_args = []
+    # each tensor: pointer, strides, extents; then the params
+    tensor_args, sizes = [], []
     for t in tensors:
-        tensor_args += [f"T_{t.name}"] + [f"T_{t.name}_S{k}" for k in range(len(t.dims))] + \
-                       [f"T_{t.name}_D{k}" for k in range(len(t.dims))]
+        strides = [f"T_{t.name}_S{k}" for k in range(len(t.dims))]
+        extents = [f"T_{t.name}_D{k}" for k in range(len(t.dims))]
+        tensor_args += [f"T_{t.name}", *strides, *extents]
+        sizes += strides + extents
     mod_args = tensor_args + params
-    grads = grad_tensors(ms) if score is not None else []
-    var_score = mods.Expr("var", value="score")
-    grad_lines = []
-    for t, ld, idx_names in grads:
-        # d score_mod / d t[...] evaluated at this element
-        d = mods.derivative(score, ld)
-        order = {"b": 0, "h": 1, "q_idx": 2, "kv_idx": 3}
-        grad_lines.append({
-            "name": t.name,
-            "deriv": tri(d),
-            "flag": f"GRAD_{t.name.upper()}",
-        })
-    grad_args = []
+    # the gradient of each tensor read once per score element: d score_mod / d t[...]
+    grad_lines = [{"name": t.name, "deriv": tri(mods.derivative(score, ld)),
+                   "flag": f"GRAD_{t.name.upper()}"}
+                  for t, ld, _ in (grad_tensors(ms) if score is not None else [])]
+    grad_args, grad_strides = [], []
     for g in grad_lines:
-        grad_args += [f"DT_{g['name']}"] + [f"DT_{g['name']}_S{k}" for k in range(4)]
+        strides = [f"DT_{g['name']}_S{k}" for k in range(4)]
+        grad_args += [f"DT_{g['name']}", *strides]
+        grad_strides += strides
     block_sparse = bool(masks_)
     sparse_args = ["FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BM_SB", "BM_SH"] if block_sparse else []
-    ints = [a for a in mod_args if "_S" in a or "_D" in a] + \
-           [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
-           [a for a in grad_args if "_S" in a] + (["BM_SB", "BM_SH"] if block_sparse else [])
+    # integers that change per call: not specialised on (a new length reuses the binary)
+    ints = sizes + [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
+        grad_strides + (["BM_SB", "BM_SH"] if block_sparse else [])
     mask_expr = None
     for e in masks_:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
@@ -231,7 +201,8 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "sink_rows": mods.to_triton(sink, rows, load) if sink is not None else "",
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
-        "score_grad": tri(mods.derivative(score, var_score)) if score is not None else "",
+        "score_grad": tri(mods.derivative(score, mods.Expr("var", value="score")))
+                      if score is not None else "",
         "mask_mod": tri(mask_expr),
         "sink_mod": tri(sink),
         "block_sparse": block_sparse,

@@ -123,6 +123,14 @@ def test_decode_mods_paged_cache_and_bad_tensor(pkg):
                                           mods=("alibi",), slope=slope)
     ref = reference(q, k, v, lens, score=lambda s, b, h, i, j: s - slope.double()[h] * (i - j).abs())
     torch.testing.assert_close(out.double(), ref, atol=3e-5, rtol=3e-5)
+    # a repeated call reuses its plan (two lookups, no re-planning) and gives the same result
+    plans = len(pkg._decode._plans)
+    with pkg._runtime.override_config(block_m=16, block_n=16, num_warps=4, num_stages=1):
+        again = pkg.flash_attn_with_kvcache(q, k_pages, v_pages, cache_seqlens=lens,
+                                            block_table=table, causal=True, num_splits=2,
+                                            mods=("alibi",), slope=slope)
+    assert len(pkg._decode._plans) == plans
+    assert torch.equal(again, out)
     # doc ids must cover the cache's positions (its capacity), not only the new tokens
     with pytest.raises(ValueError, match=r"`doc` has shape \(3, 2\)"):
         pkg.flash_attn_with_kvcache(q, k, v, cache_seqlens=lens, causal=True,

@@ -318,12 +318,15 @@ def attention(q, k, v, mods, mod_kwargs, *, bnhd, mask, lo, hi, scale, dropout_p
     """(out, lse) of a call with mods, q in the caller's layout (B, N, H, d) with bnhd.
     Under torch.compile this is the `mod_fwd` custom operator (its backward `mod_bwd`),
     so a compiled model traces through it; eager calls skip the operator's dispatch."""
+    batch, n_q, h_q = (q.shape[0], q.shape[1], q.shape[2]) if bnhd else \
+        (q.shape[0], q.shape[2], q.shape[1])
+    n_k = k.shape[1] if bnhd else k.shape[2]
     if torch.compiler.is_compiling():
         names = combo(mods)
         info = MOD_COMBOS["+".join(names)]
         unknown = set(mod_kwargs) - set(info["tensors"]) - set(info["params"])
         if unknown or any(t not in mod_kwargs for t in info["tensors"]):
-            prepare(names, mod_kwargs, 1, 1, 1, 1, q.device)  # raises the right message
+            prepare(names, mod_kwargs, batch, h_q, n_q, n_k, q.device)  # raises the message
         defaults = {p: v for m in names for p, v in MODS[m]["params"].items()}
         # params travel as text: a list of floats is not a pytree leaf an operator's
         # backward can mirror under torch.compile (torch 2.11-2.13), a string is
@@ -331,9 +334,6 @@ def attention(q, k, v, mods, mod_kwargs, *, bnhd, mask, lo, hi, scale, dropout_p
         out, lse, _ = _op_fwd(q, k, v, [mod_kwargs[t] for t in info["tensors"]], bnhd, mask,
                               lo, hi, scale, float(dropout_p), "+".join(names), params)
         return out, lse
-    batch, n_q, h_q = (q.shape[0], q.shape[1], q.shape[2]) if bnhd else \
-        (q.shape[0], q.shape[2], q.shape[1])
-    n_k = k.shape[1] if bnhd else k.shape[2]
     call = prepare(mods, mod_kwargs, batch, h_q, n_q, n_k, q.device)
     args = (bnhd, mask, lo, hi, scale, float(dropout_p))
     return _ModAttention.apply(q, k, v, args, call, *call.tensors.values())

@@ -456,7 +456,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     mods: names of the spec's mods (a `variants:` entry with this call's mask), their
     tensors and params as keyword arguments, as in flash_attn_func; here q_idx is a
     query's cache position and kv_idx a key's (tensors indexed by them must cover the
-    cache: Nq / Nk / N >= its capacity)."""
+    cache: Nq / Nk / N >= its capacity). A repeated call finds its plan in two lookups."""
     if mods is not None or mod_args:
         return _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                           causal, window_size, num_splits, return_lse, mods, mod_args)
@@ -486,24 +486,36 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
                         "need mods=(...)")
     names = _mods.combo(mods)
-    base = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                      causal, window_size, num_splits, names)
-    call = _mods.prepare(names, mod_args, q.shape[0], q.shape[2], base.capacity,
-                         base.capacity, q.device)
     try:
         key = (_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                         causal, window_size, num_splits), names, call.signature)
-    except (AttributeError, TypeError):
-        key = None
-    plan = _plans.get(key) if key is not None else None
-    if plan is None:
-        plan = base
+                         causal, window_size, num_splits), names)
+        capacity = _capacities.get(key)
+    except (AttributeError, TypeError):  # the full checks in _make_plan say what is wrong
+        key = capacity = None
+    plan = None
+    if capacity is None:  # the mod tensors are checked against the cache's capacity
+        plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
+                          causal, window_size, num_splits, names)
+        capacity = plan.capacity
         if key is not None:
+            _capacities[key] = capacity
+    call = _mods.prepare(names, mod_args, q.shape[0], q.shape[2], capacity, capacity, q.device)
+    if key is not None:  # the launchers compile for the mod tensors' layouts: a plan each
+        full = key + (call.signature,)
+        cached = _plans.get(full)
+        if cached is None:
+            cached = plan or _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                        softmax_scale, causal, window_size, num_splits, names)
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
-            _plans[key] = plan
+                _capacities.clear()
+            _plans[full] = cached
+        plan = cached
     return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse,
                 call.args)
+
+
+_capacities = {}  # (plan key, mod names) -> the cache capacity a call with mods checks against
 
 
 def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, mod_args):
