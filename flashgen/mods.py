@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["ModError", "Expr", "TensorDecl", "Mod", "BUILTINS", "parse_expr",
            "parse_tensor_decl", "derivative", "substitute", "to_triton", "to_torch",
-           "free_names", "loads_of", "combine", "INDEX_VARS", "FUNCTIONS"]
+           "free_names", "ops_of", "loads_of", "combine", "INDEX_VARS", "FUNCTIONS"]
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 FUNCTIONS = ("where", "abs", "min", "max", "exp", "log", "tanh", "sqrt")
@@ -311,6 +311,14 @@ def free_names(e: Expr) -> set:
     return out
 
 
+def ops_of(e: Expr) -> set:
+    """Every operation the tree uses (e.g. whether a kernel needs tanh)."""
+    out = {e.op}
+    for c in _children(e):
+        out |= ops_of(c)
+    return out
+
+
 def loads_of(e: Expr) -> list:
     out = [e] if e.op == "load" else []
     for c in _children(e):
@@ -455,10 +463,12 @@ def to_source(e: Expr) -> str:
     return f"{op}({', '.join(to_source(x) for x in a)})"
 
 
-def to_triton(e: Expr, names: dict, load, lang: str = "tl") -> str:
+def to_triton(e: Expr, names: dict, load, lang: str = "tl", tanh_fn: str | None = None) -> str:
     """A Triton expression. `names` maps vars and params to the kernel's names; `load(node,
     index_texts)` renders a tensor load (the template owns pointers, strides and masks).
-    lang "gl" prints Gluon (the same functions under gl., tanh without tl.sigmoid)."""
+    lang "gl" prints Gluon (the same functions under gl., tanh without tl.sigmoid).
+    `tanh_fn` names a jit function of one fp32 tensor that computes tanh (the package's
+    special-function-unit version); None spells tanh with exp."""
     def r(x: Expr) -> str:
         op, a = x.op, x.args
         if op == "const":
@@ -485,6 +495,8 @@ def to_triton(e: Expr, names: dict, load, lang: str = "tl") -> str:
             return f"{lang}.{op}imum({r(a[0])}, {r(a[1])})"
         if op in ("exp", "log", "sqrt"):
             return f"{lang}.{op}(({r(a[0])}).to({lang}.float32))"
+        if op == "tanh" and tanh_fn:
+            return f"{tanh_fn}(({r(a[0])}).to({lang}.float32))"
         if op == "tanh" and lang == "gl":  # Gluon has no sigmoid: 2 / (1 + e^-2x) - 1
             return f"(2.0 / (1.0 + gl.exp(-2.0 * ({r(a[0])}).to(gl.float32))) - 1.0)"
         if op == "tanh":  # Triton's language has no tanh: 2 sigmoid(2x) - 1

@@ -30,6 +30,7 @@ PACKAGE_FILES = {
     "_runtime.py": "package/runtime.py.j2",
     "_ops.py": "package/ops.py.j2",
     "_dropout.py": "package/dropout.py.j2",
+    "_fastmath.py": "package/fastmath.py.j2",  # tanh on the special-function unit
     "_band.py": "package/band.py.j2",
     "_registry.py": "package/registry.py.j2",
     "_describe.py": "package/describe.py.j2",
@@ -160,11 +161,16 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
 
     load = loader("tl")
 
+    # 16-bit variants take tanh from the special-function unit (_fastmath.py says why)
+    fast = variant.dtype in ("bf16", "fp16")
+
     def tri(e):
-        return mods.to_triton(e, names, load) if e is not None else ""
+        return (mods.to_triton(e, names, load, tanh_fn="_tanh" if fast else None)
+                if e is not None else "")
 
     def glu(e):
-        return mods.to_triton(e, names, loader("gl"), "gl") if e is not None else ""
+        return (mods.to_triton(e, names, loader("gl"), "gl", tanh_fn="_tanh" if fast else None)
+                if e is not None else "")
 
     # each tensor: pointer, strides, extents; then the params
     tensor_args, sizes = [], []
@@ -198,7 +204,10 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "gl_score_mod": glu(score) + ("" if score is None or "score" in mods.free_names(score)
                                       else " + score * 0.0"),
         "gl_sink": glu(sink),
-        "sink_rows": mods.to_triton(sink, rows, load) if sink is not None else "",
+        "sink_rows": (mods.to_triton(sink, rows, load, tanh_fn="_tanh" if fast else None)
+                      if sink is not None else ""),
+        # whether the kernel module imports _fastmath's tanh as `_tanh`
+        "fast_tanh": fast and any("tanh" in mods.ops_of(m.expr) for m in ms),
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
         "score_grad": tri(mods.derivative(score, mods.Expr("var", value="score")))
@@ -253,7 +262,8 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
         **{k: v for k, v in mod_context(spec, variant).items()
-           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink")},
+           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink",
+                         "fast_tanh")},
     }
 
 

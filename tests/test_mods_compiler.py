@@ -156,3 +156,34 @@ def test_builtins_parse():
     for name in M.BUILTINS:
         mod = M.builtin_mod(name, name)
         assert mod.kind in M.KINDS and mod.source
+
+
+def test_tanh_on_the_special_function_unit_for_16_bit_variants_only():
+    """A 16-bit kernel spells tanh as _fastmath's tanh.approx.f32 (one special-function
+    instruction instead of exp and a reciprocal); fp32 kernels keep the exact spelling,
+    since the approximation's ~2^-11 relative error exceeds the fp32 tolerance."""
+    from flashgen.render import mod_context
+
+    e = M.parse_expr("cap * tanh(score / cap)", "score", {"cap": 50.0}, {})
+    names = {"score": "score", "cap": "P_cap"}
+    assert "_tanh((" in M.to_triton(e, names, None, tanh_fn="_tanh")
+    assert "tl.sigmoid" in M.to_triton(e, names, None)
+    assert "gl.exp(" in M.to_triton(e, names, None, "gl")
+    assert "tanh" in M.ops_of(e) and "exp" not in M.ops_of(e)
+
+    spec = parse_spec(textwrap.dedent("""\
+        package: tanh_attn
+        head_dims: [64]
+        dtypes: [bf16, fp32]
+        masks: [causal]
+        attn_mask: false
+        mods:
+          softcap: {builtin: softcap}
+        variants:
+          - {mask: causal, mods: [softcap]}
+        gpu: {name: H100, sram_bytes: 232448}
+        """), "t.yaml")
+    by_dtype = {v.dtype: v for v in variants_for(spec) if v.mods and v.kind == "fwd"}
+    fast, exact = mod_context(spec, by_dtype["bf16"]), mod_context(spec, by_dtype["fp32"])
+    assert fast["fast_tanh"] and "_tanh(" in fast["score_mod"] and "_tanh(" in fast["score_grad"]
+    assert not exact["fast_tanh"] and "tl.sigmoid" in exact["score_mod"]

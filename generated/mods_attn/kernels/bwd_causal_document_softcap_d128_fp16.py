@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .._band import key_ranges, seq_span
+from .._fastmath import tanh_approx as _tanh
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant
@@ -60,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # symbolically by flashgen:
 #   document (mask): doc[b, q_idx] == doc[b, kv_idx]
 #   softcap (score): cap * tanh(score / cap)
-#   d/dscore: (P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))
+#   d/dscore: (P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))
 
 
 @triton.jit(do_not_specialize=["N_Q", "H_Q", "DELTA_ROW"])
@@ -265,7 +266,7 @@ def bwd_causal_document_softcap_d128_fp16_dkdv_kernel(
             q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
             kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
             score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2(((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
@@ -278,7 +279,7 @@ def bwd_causal_document_softcap_d128_fp16_dkdv_kernel(
             else:
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))))
+            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
@@ -327,7 +328,7 @@ def bwd_causal_document_softcap_d128_fp16_dkdv_kernel(
             q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
             kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
             score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2(((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2(((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
             if MASK_RIGHT:
@@ -348,7 +349,7 @@ def bwd_causal_document_softcap_d128_fp16_dkdv_kernel(
             else:
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))))
+            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
@@ -488,14 +489,14 @@ def bwd_causal_document_softcap_d128_fp16_dq_kernel(
         q_idx = offs_m[:, None]  # [BLOCK_M, 1]
         kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
         score = s * SCALE  # natural units, what the score mod sees
-        p = tl.exp2(((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
+        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
 
@@ -508,7 +509,7 @@ def bwd_causal_document_softcap_d128_fp16_dq_kernel(
         q_idx = offs_m[:, None]  # [BLOCK_M, 1]
         kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
         score = s * SCALE  # natural units, what the score mod sees
-        p = tl.exp2(((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2(((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K
         if MASK_RIGHT:
@@ -523,7 +524,7 @@ def bwd_causal_document_softcap_d128_fp16_dq_kernel(
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
+        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
 

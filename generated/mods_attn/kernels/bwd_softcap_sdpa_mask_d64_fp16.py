@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .._band import key_ranges, seq_span
+from .._fastmath import tanh_approx as _tanh
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant
@@ -60,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # symbolically by flashgen:
 #   softcap (score): cap * tanh(score / cap)
 #   sdpa_mask (score): score + bias[b, h, q_idx, kv_idx]
-#   d/dscore: (P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))
+#   d/dscore: (P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))
 
 
 @triton.jit(do_not_specialize=["N_Q", "H_Q", "DELTA_ROW"])
@@ -259,7 +260,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dkdv_kernel(
             q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
             kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
             score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2((((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2((((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
             if MASK_RIGHT:
@@ -282,7 +283,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dkdv_kernel(
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
                 tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + q_idx.to(tl.int64) * DT_bias_S2 + kv_idx.to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=(q_idx < N_Q) & (kv_idx < N_K))
             # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))))
+            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
@@ -338,7 +339,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dkdv_kernel(
             q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
             kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
             score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2((((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2((((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
@@ -354,7 +355,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dkdv_kernel(
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
                 tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + q_idx.to(tl.int64) * DT_bias_S2 + kv_idx.to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=(q_idx < N_Q) & (kv_idx < N_K))
             # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))))
+            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
@@ -405,7 +406,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dkdv_kernel(
             q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
             kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
             score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2((((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            p_t = tl.exp2((((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
             if MASK_RIGHT:
@@ -428,7 +429,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dkdv_kernel(
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
                 tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + q_idx.to(tl.int64) * DT_bias_S2 + kv_idx.to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=(q_idx < N_Q) & (kv_idx < N_K))
             # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap)))))
+            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap)))))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0)  # [BLOCK_N, DV0_SIZE]
@@ -560,7 +561,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dq_kernel(
             q_idx = offs_m[:, None]  # [BLOCK_M, 1]
             kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
             score = s * SCALE  # natural units, what the score mod sees
-            p = tl.exp2((((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+            p = tl.exp2((((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
             if MASK_RIGHT:
@@ -574,7 +575,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dq_kernel(
                 keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-            ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
+            ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
             dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
 
@@ -592,14 +593,14 @@ def bwd_softcap_sdpa_mask_d64_fp16_dq_kernel(
         q_idx = offs_m[:, None]  # [BLOCK_M, 1]
         kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
         score = s * SCALE  # natural units, what the score mod sees
-        p = tl.exp2((((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2((((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
+        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
 
@@ -611,7 +612,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dq_kernel(
         q_idx = offs_m[:, None]  # [BLOCK_M, 1]
         kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
         score = s * SCALE  # natural units, what the score mod sees
-        p = tl.exp2((((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        p = tl.exp2((((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K
         if MASK_RIGHT:
@@ -625,7 +626,7 @@ def bwd_softcap_sdpa_mask_d64_fp16_dq_kernel(
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - ((2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0) * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
+        ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
 
 

@@ -67,6 +67,8 @@ addresses b * stride + j * stride_n directly, with no table.
 import triton
 import triton.language as tl
 
+from .._fastmath import tanh_approx as _tanh
+
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
@@ -238,7 +240,7 @@ def decode_causal_softcap_d128_fp16_kernel(
             s = tl.dot(q0, tl.trans(k0))
             kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
             score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+            s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
             # this block straddles an edge of the band or of the split: hide what a row may not see
             visible = key_ok[None, :]
             if MASK_RIGHT:
@@ -295,7 +297,7 @@ def decode_causal_softcap_d128_fp16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+        s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
         # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -346,7 +348,7 @@ def decode_causal_softcap_d128_fp16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+        s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
         # this block straddles an edge of the band or of the split: hide what a row may not see
         visible = key_ok[None, :]
         if MASK_RIGHT:

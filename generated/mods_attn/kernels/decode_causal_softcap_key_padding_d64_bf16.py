@@ -67,6 +67,8 @@ addresses b * stride + j * stride_n directly, with no table.
 import triton
 import triton.language as tl
 
+from .._fastmath import tanh_approx as _tanh
+
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ def decode_causal_softcap_key_padding_d64_bf16_kernel(
             s = tl.dot(q0, tl.trans(k0))
             kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
             score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+            s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
             # this block straddles an edge of the band or of the split: hide what a row may not see
             visible = key_ok[None, :]
             if MASK_RIGHT:
@@ -297,7 +299,7 @@ def decode_causal_softcap_key_padding_d64_bf16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+        s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
         # the mask mod applies in every block: decode walks no block lists
         s = tl.where((tl.load(T_keep + tl.minimum(tl.maximum(b, 0), T_keep_D0 - 1).to(tl.int64) * T_keep_S0 + tl.minimum(tl.maximum(kv_idx, 0), T_keep_D1 - 1).to(tl.int64) * T_keep_S1) != 0), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
@@ -350,7 +352,7 @@ def decode_causal_softcap_key_padding_d64_bf16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+        s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
         # this block straddles an edge of the band or of the split: hide what a row may not see
         visible = key_ok[None, :]
         if MASK_RIGHT:

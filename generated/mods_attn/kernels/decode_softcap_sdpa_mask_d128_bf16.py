@@ -67,6 +67,8 @@ addresses b * stride + j * stride_n directly, with no table.
 import triton
 import triton.language as tl
 
+from .._fastmath import tanh_approx as _tanh
+
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
@@ -239,7 +241,7 @@ def decode_softcap_sdpa_mask_d128_bf16_kernel(
             s = tl.dot(q0, tl.trans(k0))
             kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
             score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = (((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
+            s = (((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
             # this block straddles an edge of the band or of the split: hide what a row may not see
             visible = key_ok[None, :]
             if MASK_RIGHT:
@@ -296,7 +298,7 @@ def decode_softcap_sdpa_mask_d128_bf16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = (((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
+        s = (((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
         # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -347,7 +349,7 @@ def decode_softcap_sdpa_mask_d128_bf16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = (((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0)) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
+        s = (((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
         # this block straddles an edge of the band or of the split: hide what a row may not see
         visible = key_ok[None, :]
         if MASK_RIGHT:

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._band import key_ranges, seq_span
+from .._fastmath import tanh_approx as _tanh
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
@@ -159,7 +160,7 @@ def fwd_causal_softcap_d128_fp16_kernel(
             q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
             kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
             score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+            s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
             # this block straddles an edge of the band: hide what the query may not see
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
@@ -195,7 +196,7 @@ def fwd_causal_softcap_d128_fp16_kernel(
         q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
         kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+        s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
         # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -223,7 +224,7 @@ def fwd_causal_softcap_d128_fp16_kernel(
         q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
         kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((P_cap * (2.0 * tl.sigmoid(2.0 * ((score / P_cap)).to(tl.float32)) - 1.0))) * LOG2E
+        s = ((P_cap * _tanh(((score / P_cap)).to(tl.float32)))) * LOG2E
         # this block straddles an edge of the band: hide what the query may not see
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K

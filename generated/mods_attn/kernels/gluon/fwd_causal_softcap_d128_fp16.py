@@ -53,6 +53,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
+from ..._fastmath import tanh_approx_gl as _tanh
+
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
@@ -287,7 +289,7 @@ def _score_mod(qk, rows, cols, n0, b, h, qk_scale, P_cap):
     kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
     natural = qk_scale * LN2  # the softmax scale
     score = qk * natural
-    return ((P_cap * (2.0 / (1.0 + gl.exp(-2.0 * ((score / P_cap)).to(gl.float32))) - 1.0))) * (1.0 / natural)
+    return ((P_cap * _tanh(((score / P_cap)).to(gl.float32)))) * (1.0 / natural)
 
 
 @gluon.jit
