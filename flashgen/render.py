@@ -191,6 +191,8 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         grad_strides += strides
     block_sparse = bool(masks_)
     sparse_args = ["FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BM_SB", "BM_SH"] if block_sparse else []
+    # the Gluon forward's: one list per query block in walk order (_mods._block_lists, merged)
+    gl_sparse_args = ["FULL_CNT", "PART_CNT", "BLOCK_IDX", "BM_SB", "BM_SH"] if block_sparse else []
     # integers that change per call: not specialised on (a new length reuses the binary)
     ints = sizes + [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
         grad_strides + (["BM_SB", "BM_SH"] if block_sparse else [])
@@ -204,6 +206,7 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "gl_score_mod": glu(score) + ("" if score is None or "score" in mods.free_names(score)
                                       else " + score * 0.0"),
         "gl_sink": glu(sink),
+        "gl_mask_mod": glu(mask_expr),
         "sink_rows": (mods.to_triton(sink, rows, load, tanh_fn="_tanh" if fast else None)
                       if sink is not None else ""),
         # whether the kernel module imports _fastmath's tanh as `_tanh`
@@ -220,17 +223,17 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "grad_args": grad_args,
         "grad_flags": [g["flag"] for g in grad_lines],
         "sparse_args": sparse_args,
+        "gl_sparse_args": gl_sparse_args,
         "mod_nospec": ints,
     }
 
 
 def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
     """Why `variant` has no Gluon kernel; None when it has one (a variant with mods needs
-    its spec to tell: score mods and sinks have a Gluon forward, mask mods do not)."""
-    if variant.mods and (variant.kind != "fwd" or spec is None or any(
-            m.kind == "mask" for m in variant_mods(spec, variant))):
-        return ("mask mods and the backward with mods are rendered into the `tl` kernels "
-                "only so far")
+    its spec to tell: score mods, sinks and mask mods have a Gluon forward, mods reading a
+    [q, kv] tile do not)."""
+    if variant.mods and (variant.kind != "fwd" or spec is None):
+        return "the backward with mods is rendered into the `tl` kernels only so far"
     if variant.mods and variant_score_bytes(spec, variant):
         # measured offline: the gather of an fp32 bias tile in the consumers' registers
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
@@ -244,6 +247,7 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
 def gluon_context(spec: Spec, variant: Variant) -> dict:
     template = GLUON_TEMPLATES[variant.kind]
     consumers = list(range(families.CONSUMERS))
+    context = mod_context(spec, variant)
     return {
         "header": header(f"templates/{template}", spec),
         "name": variant.name,
@@ -254,16 +258,18 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "dropout": variant.dropout,
         "mask_left": variant.mask == "sliding_window",
         "mask_right": variant.mask in ("causal", "sliding_window"),
-        "longest_first": variant.mask in ("causal", "sliding_window"),
+        # a mask mod's tiles also see different numbers of keys (the shipped ones: prefix-LM,
+        # windows with sinks, documents are all heavier towards the last query blocks)
+        "longest_first": variant.mask in ("causal", "sliding_window") or context["block_sparse"],
         "consumers": consumers,
         # the first consumer runs in the kernel's own warps; each other one is a 4-warp
         # worker, and the producer a 1-warp worker
         "worker_warps": ", ".join(["4"] * (len(consumers) - 1) + ["1"]),
         "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
-        **{k: v for k, v in mod_context(spec, variant).items()
-           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink",
-                         "fast_tanh")},
+        **{k: v for k, v in context.items()
+           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
+                    "block_sparse", "gl_sparse_args", "fast_tanh")},
     }
 
 
