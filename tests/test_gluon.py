@@ -268,23 +268,94 @@ def test_plan_names_each_variants_family(capsys):
     assert "why: no Gluon decode kernel yet" in out
 
 
-@needs_gluon_triton
-def test_gluon_forwards_with_score_mods_and_sinks_compile():
-    """The Gluon forward renders score mods (before the online softmax step, in raw units)
-    and sinks (in the epilogue): they compile for sm_90 into the same design. Mask mods
-    and backwards with mods stay on `tl`, with the reason."""
-    pkg_dir = ROOT / "generated" / "mods_attn"
-    rows = _compile(pkg_dir, variants=["fwd_causal_softcap_d128_bf16",
-                                       "fwd_causal_sink_logits_d64_fp16"])  # + alibi: tested on GPU
-    assert {r["variant"] for r in rows} == {"fwd_causal_softcap_d128_bf16",
-                                            "fwd_causal_sink_logits_d64_fp16"}
+def _mask_mod_variants(registry):
+    """The forward variants of a package's registry that have a mask mod."""
+    return [n for n, v in registry.VARIANTS.items() if v["kind"] == "fwd" and any(
+        registry.MODS[m]["kind"] == "mask" for m in v.get("mods", ()))]
+
+
+def _check_mods_rows(rows, stack=160):
     for r in rows:
         assert r["wgmma"] > 0 and r["shared"] <= 232448, r
-        assert families.CONSUMER_REGS in r["setmaxnreg"], r
-        assert r["spill_bytes"] <= 160, r  # measured 112-136 (plain forwards: up to 112)
+        consumer = 224 if "regs 224/56" in r["config"] else families.CONSUMER_REGS
+        assert consumer in r["setmaxnreg"], r
+        # the plain forwards: up to 112 B; score mods / sinks 112-136; mask mods 0-96
+        # (the block list merged into walk order: with a full and a partial list the
+        # consumers' key loop spilled its pointers, 136 B)
+        assert r["spill_bytes"] <= stack, r
+
+
+@needs_gluon_triton
+def test_gluon_forwards_with_mods_compile():
+    """The Gluon forward renders score mods (before the online softmax step, in raw units),
+    sinks (in the epilogue) and mask mods (block-sparse: only the partial blocks of the
+    block mask run the band and the mask mod): they compile for sm_90 into the same design.
+    One variant per mask mod of specs/mods.yaml here (every one, both tiles: the slow test
+    below). Backwards with mods stay on `tl`, with the reason."""
+    pkg_dir = ROOT / "generated" / "mods_attn"
+    variants = ["fwd_causal_softcap_d128_bf16", "fwd_causal_sink_logits_d64_fp16",
+                "fwd_causal_document_d128_bf16", "fwd_causal_document_softcap_d64_fp16",
+                "fwd_prefix_lm_d128_fp16", "fwd_window_sinks_d64_bf16",
+                "fwd_causal_softcap_key_padding_d128_bf16"]  # + alibi: tested on GPU
+    rows = _compile(pkg_dir, variants=variants)
+    assert sorted(r["variant"] for r in rows) == sorted(variants)
+    _check_mods_rows(rows)
     text = (pkg_dir / "kernels" / "gluon" / "fwd_causal_softcap_d128_bf16.py").read_text()
     # a 16-bit variant takes tanh from the special-function unit (_fastmath.py)
     assert "def _score_mod(" in text and "_tanh(" in text and "tanh_approx_gl as _tanh" in text
+    assert "BLOCK_IDX" not in text and "def _mask_mod(" not in text
+
+
+@needs_gluon_triton
+@pytest.mark.slow
+def test_every_gluon_mask_mod_forward_compiles():
+    """Every mask-mod forward of the shipped mods package, at the default tile and at the
+    tuner's other corner (128 x 64, a 3-deep ring, no ping-pong, 224/56 registers)."""
+    import importlib.util
+
+    pkg_dir = ROOT / "generated" / "mods_attn"
+    spec = importlib.util.spec_from_file_location("mods_attn_reg", pkg_dir / "_registry.py")
+    reg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reg)
+    variants = _mask_mod_variants(reg)
+    assert len(variants) == 20  # document, document+softcap, prefix-LM, window+sinks, padding
+    for which in ("default", "knobs"):
+        rows = _compile(pkg_dir, which, variants)
+        assert sorted(r["variant"] for r in rows) == sorted(variants)
+        _check_mods_rows(rows)
+
+
+@needs_gluon_triton
+def test_gluon_mask_mods_with_score_mods_and_sinks(tmp_path):
+    """A mask mod together with a score mod and a sink (gpt-oss: a window with sinks and a
+    learned sink logit per head) renders into one kernel: the partial blocks run the band
+    and the mask after the score mod, the sink joins the epilogue; it compiles for sm_90."""
+    pkg = build_and_import(tmp_path, "fg_gluon_mask_sink", """
+        head_dims: [128]
+        dtypes: [bf16]
+        masks: [none, causal]
+        gqa: true
+        attn_mask: false
+        mods:
+          document: {builtin: document}
+          softcap: {builtin: softcap}
+          sink_logits: {builtin: sink_logits}
+          window_sinks: {builtin: sliding_window_sinks}
+          head_sink: {sink: "sink_w[h]", tensors: {sink_w: "[H] fp32"}}
+        variants:
+          - {mask: causal, mods: [document, softcap, sink_logits]}
+          - {mask: none, mods: [window_sinks, head_sink]}
+        """)
+    names = ["fwd_causal_document_softcap_sink_logits_d128_bf16",
+             "fwd_window_sinks_head_sink_d128_bf16"]
+    for name in names:
+        assert pkg._registry.GLUON[name] is None
+        text = (Path(pkg.__file__).parent / "kernels" / "gluon" / f"{name}.py").read_text()
+        assert "def _mask_mod(" in text and "BLOCK_IDX" in text and "sink = (" in text
+        assert "LONGEST_FIRST = gl.constexpr(True)" in text  # the band order for mask mods
+    assert "def _score_mod(" in (Path(pkg.__file__).parent / "kernels" / "gluon" /
+                                 f"{names[0]}.py").read_text()
+    _check_mods_rows(_compile(Path(pkg.__file__).parent, variants=names))
 
 
 def test_gluon_reasons_for_mods():
@@ -296,7 +367,20 @@ def test_gluon_reasons_for_mods():
     spec.loader.exec_module(reg)
     assert reg.GLUON["fwd_causal_softcap_d128_bf16"] is None
     assert reg.GLUON["fwd_causal_sink_logits_d128_bf16"] is None
-    assert "mask mods" in reg.GLUON["fwd_causal_document_d128_bf16"]
+    for name in _mask_mod_variants(reg):
+        assert reg.GLUON[name] is None, name  # mask mods: block-sparse Gluon forwards
     assert "backward with mods" in reg.GLUON["bwd_causal_softcap_d128_bf16"]
+    assert "backward with mods" in reg.GLUON["bwd_causal_document_d128_bf16"]
     assert "[q, kv] tile" in reg.GLUON["fwd_sdpa_mask_d128_bf16"]
     assert "[q, kv] tile" in reg.GLUON["fwd_relative_bias_d128_bf16"]
+    assert "[q, kv] tile" in reg.GLUON["fwd_softcap_sdpa_mask_d128_bf16"]
+
+
+def test_gluon_forwards_with_mods_are_opt_in():
+    """Gluon forwards with mods run with FLASHGEN_FAMILY=gluon / override_config only,
+    until their kinds join families.GLUON_MOD_KINDS_BY_DEFAULT (the lead's switch)."""
+    assert families.gluon_by_default("fwd", False, 128)
+    for kinds in (("score",), ("mask",), ("sink",), ("mask", "score")):
+        want = set(kinds) <= families.GLUON_MOD_KINDS_BY_DEFAULT
+        assert families.gluon_by_default("fwd", False, 128, kinds) == want
+    assert not families.gluon_by_default("bwd", False, 128, ("mask",))

@@ -413,3 +413,167 @@ def test_sdpa_attn_mask_with_a_score_mod(pkg, device):
     torch.testing.assert_close(out.detach().cpu().double(), ref, atol=2e-5, rtol=2e-5)
     for got, exp in zip((q.grad, k.grad, v.grad), want):
         torch.testing.assert_close(got.cpu().double(), exp, atol=1e-4, rtol=1e-4)
+
+
+def test_merged_block_list_for_the_gluon_forward(pkg):
+    """The Gluon forward's block mask: one list per query block in the order its producer
+    and consumers walk it (the full blocks, then the partial ones), equal to the `tl`
+    kernels' two lists laid end to end; cached apart from them."""
+    doc = documents(3, 150, "cpu", seed=4)
+    call = pkg._mods.prepare(("document",), {"doc": doc}, 3, 2, 150, 150, torch.device("cpu"))
+    name, lo, hi = "fwd_causal_document_d32_fp32", -151, 0
+    full_cnt, full_idx, part_cnt, part_idx, sb, sh = call.sparse(name, 32, 16, False, lo, hi)
+    merged = call.sparse(name, 32, 16, False, lo, hi, merged=True)
+    assert call.sparse(name, 32, 16, False, lo, hi, merged=True) is merged  # cached
+    m_full, m_part, idx, m_sb, m_sh = merged
+    assert (m_sb, m_sh) == (sb, sh) == (1, 0)
+    assert torch.equal(m_full, full_cnt) and torch.equal(m_part, part_cnt)
+    assert idx.dtype == torch.int32 and idx.shape == full_idx.shape
+    for g in range(3):
+        for m in range(idx.shape[1]):
+            f, p = int(full_cnt[g, m]), int(part_cnt[g, m])
+            want = full_idx[g, m, :f].tolist() + part_idx[g, m, :p].tolist()
+            assert idx[g, m, :f + p].tolist() == want
+
+
+# ----------------------------------------------------------------------------------------
+# The Gluon forward with mods on Hopper (-m gpu): mask mods walk the block mask
+# ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gluon_pkg(tmp_path_factory):
+    """specs/mods.yaml at its own head dims and dtypes (the Gluon kernels' sizes), plus
+    a mask mod with a score mod and a sink in one variant (and a window with sinks and
+    sink logits, gpt-oss's pair)."""
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    body = body.replace("decode: true", "decode: false")
+    # (sink_logits' tensor shares its name with window_sinks' param: a sink of its own)
+    body = body.replace("\nvariants:\n", "\n  head_sink: {sink: \"sink_w[h]\", tensors: {sink_w: \"[H] fp32\"}}\n"
+                        "\nvariants:\n"
+                        "  - {mask: causal, mods: [document, softcap, sink_logits]}\n"
+                        "  - {mask: none, mods: [window_sinks, head_sink]}\n")
+    return build_and_import(tmp_path_factory.mktemp("gmods"), "mods_gluon_t", body)
+
+
+def _gluon_case(mods, b, n_q, n_k, h, device):
+    """(keyword arguments, score, mask, sink name) of one mask-mod case."""
+    kw, score, masks, sink = {}, None, [], None
+    g = torch.Generator().manual_seed(11)
+    if "document" in mods:
+        doc = documents(b, n_q, device, seed=2)
+        d = doc.cpu().long()
+        kw["doc"] = doc
+        masks.append(lambda b_, h_, i, j: d[b_, i] == d[b_, j])
+    if "prefix_lm" in mods:
+        prefix = torch.randint(1, n_k, (b,), generator=g, dtype=torch.int32)
+        kw["prefix_len"] = prefix.to(device)
+        masks.append(lambda b_, h_, i, j: (j < prefix.long()[b_]) | (j <= i))
+    if "window_sinks" in mods:
+        kw.update(sinks=4, window=100)
+        masks.append(lambda b_, h_, i, j: (j <= i) & ((j < 4) | (i - j <= 100)))
+    if "key_padding" in mods:
+        keep = torch.ones(b, n_k, dtype=torch.bool)
+        keep[0, n_k - 70:] = False  # right padding
+        keep[-1, :100] = False  # left padding: the first query rows see no key
+        kw["keep"] = keep.to(device)
+        masks.append(lambda b_, h_, i, j: keep[b_, j])
+    if "softcap" in mods:
+        kw["cap"] = 5.0
+        score = lambda s, b_, h_, i, j: 5.0 * torch.tanh(s / 5.0)  # noqa: E731
+    if "sink_logits" in mods or "head_sink" in mods:
+        sink = "sinks" if "sink_logits" in mods else "sink_w"
+        kw[sink] = torch.randn(h, generator=g).to(device)
+    mask = None
+    if masks:
+        def mask(b_, h_, i, j):
+            out = masks[0](b_, h_, i, j)
+            for m in masks[1:]:
+                out = out & m(b_, h_, i, j)
+            return out
+    return kw, score, mask, sink
+
+
+def _plan_families(pkg):
+    return {type(p[0].fn).__name__ for p in pkg._runtime._forward_plans.values()
+            if p[0] is not None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # (mods, causal, B, Nq, Nk, Hq, Hkv, d, dtype)
+    (("document",), True, 3, 257, 257, 8, 2, 128, torch.bfloat16),
+    (("document",), True, 2, 2048, 2048, 8, 8, 128, torch.bfloat16),  # persistent rounds
+    (("document", "softcap"), True, 3, 59, 59, 4, 1, 64, torch.float16),
+    (("prefix_lm",), False, 2, 257, 700, 4, 4, 128, torch.bfloat16),
+    (("prefix_lm",), False, 3, 1031, 1031, 8, 2, 64, torch.bfloat16),
+    (("window_sinks",), False, 2, 1000, 1000, 4, 2, 64, torch.bfloat16),
+    (("window_sinks",), False, 1, 4096, 4096, 4, 1, 128, torch.float16),
+    (("softcap", "key_padding"), True, 3, 257, 300, 8, 2, 128, torch.bfloat16),
+    (("document", "softcap", "sink_logits"), True, 3, 300, 300, 4, 1, 128, torch.bfloat16),
+    (("window_sinks", "head_sink"), False, 2, 777, 777, 4, 4, 128, torch.bfloat16),
+], ids=["document-b3-gqa4", "document-2k", "document-softcap-n59-d64", "prefix-nq<nk",
+        "prefix-1031-d64", "window-sinks", "window-sinks-4k-fp16", "softcap-padding-empty-rows",
+        "document-softcap-sink", "window-sinks-head-sink"])
+@pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False,
+                                        "persistent": False, "regs": "224/56"}],
+                         ids=["default", "knobs"])
+def test_gluon_forward_with_mask_mods_against_float64(gluon_pkg, poison, case, knobs):
+    """The Gluon forward of every mask mod (block-sparse: lists at its 128-row tile) and of
+    a mask mod with a score mod and a sink against float64: ragged ends, Nq != Nk, GQA,
+    batch 3, rows that see no key (0, LSE -inf); the Gluon kernel must be what ran."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon kernels run on Hopper only")
+    pkg = gluon_pkg
+    mods, causal, b, n_q, n_k, h, h_kv, d, dtype = case
+    kw, score, mask, sink = _gluon_case(mods, b, n_q, n_k, h, "cuda")
+    q, k, v = (t.detach() for t in inputs(b, n_q, n_k, h, h_kv, d, dtype, "cuda"))
+    pkg._runtime._forward_plans.clear()
+    with torch.no_grad(), pkg._runtime.override_config(family="gluon", **knobs):
+        out, lse = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, return_lse=True, **kw)
+        torch.cuda.synchronize()
+        assert _plan_families(pkg) == {"GluonJITFunction"}
+        (plan,) = [p for p in pkg._runtime._forward_plans.values() if p[0] is not None]
+        block_n = knobs.get("block_n", 128)
+        assert plan[5] is None if mask is None else plan[5][1:] == (128, block_n, False)
+    ref, ref_lse = reference(q.cpu(), k.cpu(), v.cpu(), causal=causal, score=score, mask=mask,
+                             sink=None if sink is None else kw[sink].cpu())
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.cpu().double(), ref, atol=atol, rtol=rtol)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], atol=1e-4, rtol=1e-4)
+    empty = ~finite.transpose(1, 2)  # (B, Nq, H): rows that see no key
+    assert (out.cpu()[empty] == 0).all()
+    if "key_padding" in mods:
+        assert empty.any()
+
+
+@pytest.mark.gpu
+def test_gluon_forward_with_mask_mods_is_opt_in_and_matches_tl(gluon_pkg):
+    """Without FLASHGEN_FAMILY=gluon or override_config(family="gluon") a mask-mod
+    forward runs `tl` (families.GLUON_MOD_KINDS_BY_DEFAULT is empty); the two families agree."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon kernels run on Hopper only")
+    from flashgen import families
+
+    pkg = gluon_pkg
+    rt = pkg._runtime
+    doc = documents(4, 4096, "cuda", seed=3)
+    q, k, v = (t.detach() for t in inputs(4, 4096, 4096, 16, 16, 128, torch.bfloat16, "cuda"))
+    outs = {}
+    for family in ("", "tl", "gluon"):
+        rt.use_family(family)
+        try:
+            with torch.no_grad():
+                outs[family] = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+            ran = _plan_families(pkg)
+        finally:
+            rt.use_family("")
+        if family == "":
+            want = "GluonJITFunction" if "mask" in families.GLUON_MOD_KINDS_BY_DEFAULT else "JITFunction"
+            assert ran == {want}
+        else:
+            assert ran == {"GluonJITFunction" if family == "gluon" else "JITFunction"}
+    assert not torch.isnan(outs["gluon"]).any()
+    torch.testing.assert_close(outs["gluon"].float(), outs["tl"].float(), atol=2e-2, rtol=2e-2)
