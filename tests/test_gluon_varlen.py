@@ -74,7 +74,7 @@ def test_varlen_gluon_forward_compiles_for_sm90(pkg):
         assert r["spill_bytes"] <= 128, r
 
 
-def test_the_runtime_says_why_not_gluon(pkg):
+def test_the_runtime_says_why_not_gluon(pkg, monkeypatch):
     rt = pkg._runtime
     q = torch.randn(40, 4, 128, dtype=torch.bfloat16)
     cfg = {"family": "gluon"}
@@ -83,6 +83,15 @@ def test_the_runtime_says_why_not_gluon(pkg):
     assert "tl" in rt.gluon_varlen_reason("fwd_causal_d128_bf16", {}, q, q, q, q, 40, "causal")
     assert "dropout at head dim <= 64" in rt.gluon_varlen_reason(
         "fwd_dropout_d64_bf16", cfg, q[..., :64], q[..., :64], q[..., :64], q[..., :64], 40, "none")
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)  # as on an H100
+    assert "dropout in a packed batch" in rt.gluon_varlen_reason(
+        "fwd_dropout_d128_bf16", cfg, q, q, q, q, 40, "none")
+    odd = torch.randn(40 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(40, 4, 128)
+    assert "TMA" in rt.gluon_varlen_reason("fwd_causal_d128_bf16", cfg, q, q, odd, q, 40, "causal")
+    assert "no keys" in rt.gluon_varlen_reason("fwd_causal_d128_bf16", cfg, q, q[:0], q[:0], q,
+                                               0, "causal")
+    assert "too small" in rt.gluon_varlen_reason("fwd_causal_d128_bf16", cfg, q, q, q, q, 40,
+                                                 "causal")
     kernel = (Path(pkg.__file__).parent / "kernels" / "gluon" / "fwd_causal_d128_bf16.py").read_text()
     assert "VARLEN: gl.constexpr" in kernel and "def _varlen_tile(" in kernel
 
@@ -100,7 +109,7 @@ def _families_ran(pkg):
 
 
 def _run(pkg, lq, lk, h_q, h_kv, d, dtype, *, causal=False, window=(-1, -1), p=0.0,
-         grad=True, seed=0):
+         grad=True, seed=0, expect="GluonJITFunction"):
     q = torch.randn(sum(lq), h_q, d, dtype=dtype, device="cuda", requires_grad=grad)
     k = torch.randn(sum(lk), h_kv, d, dtype=dtype, device="cuda", requires_grad=grad)
     v = torch.randn(sum(lk), h_kv, d, dtype=dtype, device="cuda", requires_grad=grad)
@@ -110,7 +119,7 @@ def _run(pkg, lq, lk, h_q, h_kv, d, dtype, *, causal=False, window=(-1, -1), p=0
         out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, "cuda"), cu(lk, "cuda"),
                                               max(lq), max(lk), dropout_p=p, causal=causal,
                                               window_size=window, return_lse=True)
-        assert _families_ran(pkg) == {"GluonJITFunction"}, "the Gluon forward did not run"
+        assert _families_ran(pkg) == {expect}, f"expected {expect} to run"
         do = torch.randn_like(out)
         if grad:
             out.backward(do)
@@ -180,11 +189,14 @@ def test_gluon_varlen_bench_shape(pkg, poison):
 
 
 @pytest.mark.gpu
-def test_gluon_varlen_dropout_uses_the_replayed_mask(pkg, poison):
+def test_dropout_falls_back_to_tl(pkg, poison):
+    """Dropout with a packed batch stays on `tl` (gluon_varlen_reason), asked-for family
+    or not, and is still the replayed mask."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
     lq, lk, p = [211, 3, 0, 130], [211, 400, 2, 90], 0.25
-    q, k, v, out, lse, do = _run(pkg, lq, lk, 4, 1, 128, torch.bfloat16, causal=True, p=p, seed=7)
+    q, k, v, out, lse, do = _run(pkg, lq, lk, 4, 1, 128, torch.bfloat16, causal=True, p=p, seed=7,
+                                 expect="JITFunction")
     torch.manual_seed(7)
     keep = pkg.dropout_mask(len(lq), 4, max(lq), max(lk), p, device="cuda")
     ref = reference(q, k, v, lq, lk, do, causal=True, keep=keep, p=p)
