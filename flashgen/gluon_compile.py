@@ -50,9 +50,10 @@ def _ptxas_report(log: str) -> tuple[int, int]:
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
-                    mod_types: dict | None = None) -> GluonResources:
+                    mod_types: dict | None = None, varlen: bool = False) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
-    the signature types of the variant's mod arguments, see mod_arg_types)."""
+    the signature types of the variant's mod arguments, see mod_arg_types; varlen: a
+    forward's packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -85,8 +86,13 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
                      **regs,
                      QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
-                     KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype))
+                     KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype),
+                     VARLEN=varlen)
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
+        if varlen:
+            pointers.update(CU_Q="i32", CU_K="i32")
+        else:
+            const.update(CU_Q=None, CU_K=None)  # a dense launch passes None
     sig, constexprs, attrs = {}, {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
@@ -112,7 +118,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                                   options=dict(num_warps=config["num_warps"]))
     ptx = compiled.asm["ptx"]
     regs, stack = _ptxas_report(buf.getvalue())
-    tile = f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
+    tile = ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
         "" if config.get("pingpong", True) else " no-pingpong") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
@@ -122,9 +128,10 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})))
 
 
-def compile_package(package_dir: Path, configs=None, variants=None, log=None) -> list[GluonResources]:
+def compile_package(package_dir: Path, configs=None, variants=None, log=None,
+                    varlen: bool = False) -> list[GluonResources]:
     """Compile every Gluon kernel of a generated package (at each of `configs`, default
-    the untuned Gluon default)."""
+    the untuned Gluon default); with varlen, the forwards' packed-batch form as well."""
     package_dir = Path(package_dir).resolve()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -140,11 +147,12 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None) ->
         for config in configs:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
-            res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
-                                  mod_arg_types(registry, name)[0])
-            if log:
-                log(res.row())
-            out.append(res)
+            for packed in (False, True) if varlen and facts["kind"] == "fwd" else (False,):
+                res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
+                                      mod_arg_types(registry, name)[0], varlen=packed)
+                if log:
+                    log(res.row())
+                out.append(res)
     return out
 
 

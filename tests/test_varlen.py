@@ -204,8 +204,15 @@ def test_bad_arguments_raise_value_errors(pkg, change, match):
 
 
 def test_describe_and_the_gluon_reason(pkg):
-    assert "flash_attn_varlen_func runs the `tl` kernels" in pkg.describe()
+    text = pkg.describe()
+    assert "flash_attn_varlen_func: the forward runs the Gluon forward with VARLEN=True" in text
+    assert "backward runs the `tl` kernels with VARLEN=True" in text
     assert "dense (B, H, N, d)" in pkg._runtime.VARLEN_GLUON_REASON
+    # d=32 has no Gluon kernel: the reason names the variant's, whatever the device
+    cfg = {"family": "gluon"}
+    q = torch.randn(8, 2, D, dtype=torch.bfloat16)
+    assert "head dim 32" in pkg._runtime.gluon_varlen_reason("fwd_causal_d32_bf16", cfg, q, q, q,
+                                                             q, 8, "causal")
 
 
 def test_mods_are_not_served_yet(pkg):

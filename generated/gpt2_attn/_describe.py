@@ -32,7 +32,8 @@ def describe() -> str:
         why = GLUON.get(name)
         g = gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
         v = VARIANTS[name]
-        opt_in = "" if gluon_by_default(v["kind"], v["dropout"], v["head_dim"]) else (
+        kinds = {MODS[m]["kind"] for m in v.get("mods", ())}
+        opt_in = "" if gluon_by_default(v["kind"], v["dropout"], v["head_dim"], kinds) else (
             "; opt-in: tl unless tuned to it or FLASHGEN_FAMILY=gluon")
         family = (f"gluon {g['block_m']}x{g['block_n']}, {g['num_stages']}-deep ring"
                   f"{', ping-pong' if g.get('pingpong') else ''}{opt_in}"
@@ -52,9 +53,10 @@ def describe() -> str:
     lines.append(f"  the Gluon family runs on {hopper} with Triton {', '.join(GLUON_TRITON)}; "
                  "anything else (other GPUs, other Triton, the interpreter, strides TMA "
                  "cannot read, FLASHGEN_FAMILY=tl) runs the `tl` kernels")
-    lines.append("  flash_attn_varlen_func runs the `tl` kernels with VARLEN=True on every GPU "
-                 "(a packed ragged batch: the Gluon kernels take dense (B, H, N, d) batches "
-                 "only so far); no mods")
+    lines.append("  flash_attn_varlen_func: the forward runs the Gluon forward with VARLEN=True "
+                 "where the dense call runs the Gluon forward, else the `tl` kernels with "
+                 "VARLEN=True; the backward runs the `tl` kernels with VARLEN=True on every GPU "
+                 "(the Gluon backward takes dense (B, H, N, d) batches only so far); no mods")
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():

@@ -1120,18 +1120,18 @@ GLUON = {'fwd_d64_fp16': None,
  'fwd_sdpa_mask_dropout_d64_fp32': 'a mod reading a [q, kv] tile (a bias) is staged through '
                                    'shared memory by the `tl` kernel; the Gluon forward would '
                                    'gather it in registers',
- 'bwd_sdpa_mask_d64_fp16': 'mask mods and the backward with mods are rendered into the `tl` '
-                           'kernels only so far',
- 'bwd_sdpa_mask_d64_bf16': 'mask mods and the backward with mods are rendered into the `tl` '
-                           'kernels only so far',
- 'bwd_sdpa_mask_d64_fp32': 'mask mods and the backward with mods are rendered into the `tl` '
-                           'kernels only so far',
- 'bwd_sdpa_mask_dropout_d64_fp16': 'mask mods and the backward with mods are rendered into the '
-                                   '`tl` kernels only so far',
- 'bwd_sdpa_mask_dropout_d64_bf16': 'mask mods and the backward with mods are rendered into the '
-                                   '`tl` kernels only so far',
- 'bwd_sdpa_mask_dropout_d64_fp32': 'mask mods and the backward with mods are rendered into the '
-                                   '`tl` kernels only so far'}
+ 'bwd_sdpa_mask_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
+                           'far',
+ 'bwd_sdpa_mask_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
+                           'far',
+ 'bwd_sdpa_mask_d64_fp32': 'the backward with mods is rendered into the `tl` kernels only so '
+                           'far',
+ 'bwd_sdpa_mask_dropout_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
+                                   'only so far',
+ 'bwd_sdpa_mask_dropout_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
+                                   'only so far',
+ 'bwd_sdpa_mask_dropout_d64_fp32': 'the backward with mods is rendered into the `tl` kernels '
+                                   'only so far'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

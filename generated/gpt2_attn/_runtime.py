@@ -15,7 +15,8 @@ import re
 import torch
 
 from . import _families, _planner
-from ._registry import BUCKETS, BUILT_FOR, GLUON, PACKAGE, PLANNED, TARGET_GPU, TUNED, VARIANTS
+from ._registry import (BUCKETS, BUILT_FOR, GLUON, MODS, PACKAGE, PLANNED, TARGET_GPU, TUNED,
+                        VARIANTS)
 
 LOG2E = 1.4426950408889634
 _DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -423,11 +424,16 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             base = variant_name(facts["kind"], facts["mask"], facts["dropout"],
                                 facts["head_dim"], facts["dtype"], (), facts.get("v_head_dim"))
             tuned = TUNED.get(gpu, {}).get(base)
-        # (a Gluon kernel with mods has not run on a GPU yet: opt-in, FLASHGEN_FAMILY=gluon)
+        # (a Gluon forward with mods is opt-in, FLASHGEN_FAMILY=gluon, until its mods' kinds
+        # are in _families.GLUON_MOD_KINDS_BY_DEFAULT)
+        default = _families.gluon_by_default(facts["kind"], facts["dropout"], facts["head_dim"],
+                                              mod_kinds(name))
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
-                 and not VARIANTS[name].get("mods")
-                 and _families.gluon_by_default(VARIANTS[name]["kind"], VARIANTS[name]["dropout"],
-                                            VARIANTS[name]["head_dim"]))
+                 and default)
+        if tuned and facts.get("mods") and not default and TUNED.get(gpu, {}).get(name) is None:
+            # the base variant's Gluon winners do not carry over to a mods variant whose
+            # Gluon kernel is opt-in
+            tuned = {b: c for b, c in tuned.items() if c.get("family") != "gluon"}
         if tuned:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
@@ -444,6 +450,11 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             config = plan.chosen.as_dict()
         config = _configs[cache_key] = dict(config)
     return config
+
+
+def mod_kinds(name: str) -> tuple:
+    """The kinds (score / mask / sink) of a variant's mods, for _families.gluon_by_default."""
+    return tuple(sorted({MODS[m]["kind"] for m in VARIANTS[name].get("mods", ())}))
 
 
 _gluon_ready = {}
@@ -543,7 +554,11 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
                or gluon_call_reason(name, q, k, v, o, bnhd))
         if why is None:
             launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale)
-            return launch, args, _GLUON, lse_shape, scratch, None
+            # a mask mod's block list at the Gluon tile (BLOCK_M = the consumers' rows),
+            # merged into the walk order (_mods._block_lists)
+            sparse = ((name, cfg["block_m"], cfg["block_n"], False)
+                      if mods is not None and mods.block_sparse else None)
+            return launch, args, _GLUON, lse_shape, scratch, sparse
         cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
     args = (None, None,  # CU_Q, CU_K: a dense batch
@@ -620,11 +635,12 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, dtype),
                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
-                num_warps=4)
+                VARLEN=False, num_warps=4)
     # persistent: one program per SM walks its share of the tiles; else one per tile
     grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
     launch = Launcher(kernel(name, family="gluon"), grid, meta)
-    args = (*bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
+    args = (None, None,  # CU_Q, CU_K: a dense batch
+            *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
             head_group)
@@ -696,7 +712,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         _descriptor_allocator()
     if tma == _GLUON:
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
-               *(mods.args if mods is not None else ()))
+               *(mods.args if mods is not None else ()),
+               *(mods.sparse(*sparse, lo, hi, merged=True) if sparse else ()))
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
                *(mods.sparse(*sparse, lo, hi) if sparse else ()))
@@ -939,8 +956,18 @@ def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
 # serve it with VARLEN=True: a program per (sequence, head, block of max_seqlen rows), its
 # sequence's span read from cu_seqlens on the device (clamped into the tensors), so no call
 # reads a device value on the host. The LSE is flash-attn 2's varlen layout (H_q, total_q).
-VARLEN_GLUON_REASON = ("a packed ragged (varlen) batch: the Gluon kernels take dense "
+VARLEN_GLUON_REASON = ("a packed ragged (varlen) batch: the Gluon backward takes dense "
                        "(B, H, N, d) batches only so far")
+# The varlen forward takes the Gluon forward (VARLEN=True) wherever the dense call of its
+# variant would (the Gluon default, a tuned entry naming it, FLASHGEN_FAMILY=gluon,
+# override_config(family="gluon")). The one-line switch: False makes it opt-in (only when
+# the family is asked for), every other varlen forward runs `tl`.
+VARLEN_GLUON_FORWARD = True
+# Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
+# group (the walk restarts from the longest tiles in each group; a model of the 16-document
+# bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
+# one group, 1.37x with the L2 rule's 2 heads). More heads per group share L2 less.
+VARLEN_GLUON_ROUNDS = 8
 
 
 def check_values_setting():
@@ -1063,14 +1090,17 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
         return lse
     if tma:
         _descriptor_allocator()
-    launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop)
+    if tma == _GLUON:
+        launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop))
+    else:
+        launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop)
     return lse
 
 
 def _varlen_config(name, device, max_q, max_k):
     """The launch config of a varlen call's `tl` kernel, for the bucket of its longest
-    sequence. Where the dense call would take a Gluon config (VARLEN_GLUON_REASON), the
-    variant's tuned `tl` entry for that bucket serves if there is one (a backward tuned
+    sequence. Where the dense call would take a Gluon config the varlen call cannot run
+    (gluon_varlen_reason; every backward: VARLEN_GLUON_REASON), the variant's tuned `tl` entry for that bucket serves if there is one (a backward tuned
     among `tl` configs, which the Gluon default replaces for dense calls), else the
     planner's tile."""
     n = max(max_q, max_k)
@@ -1087,6 +1117,31 @@ def _varlen_config(name, device, max_q, max_k):
     return PLANNED[name]
 
 
+def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) -> "str | None":
+    """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
+    (None when it does): the dense rules (a Gluon config, the variant, the device, not too
+    small), TMA-readable packed tensors, some keys, and VARLEN_GLUON_FORWARD."""
+    if cfg.get("family") != "gluon":
+        return "the dense call of this variant takes `tl` here"
+    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if not VARLEN_GLUON_FORWARD and not asked:
+        return "VARLEN_GLUON_FORWARD = False: the Gluon varlen forward runs when asked for"
+    reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
+    if reason is not None:
+        return reason
+    if VARIANTS[name]["dropout"]:
+        # the Philox rounds beside the walk's state: a 400-byte stack frame offline at d=128
+        # (the dense dropout kernel: 136), and the dense one is opt-in already
+        return "dropout in a packed batch: the Gluon varlen form spills with Philox; `tl` serves it"
+    total_q, h_q, d = q.shape
+    if k.shape[0] == 0 or max_k == 0:
+        return "no keys: every row is 0 (the `tl` kernel writes it)"
+    # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped
+    if not _descriptor_ready(*((t, (t.stride(0), t.stride(1), t.stride(0))) for t in (q, k, v, o))):
+        return "TMA needs 16-byte aligned tensors and strides"
+    return _gluon_too_small(1, h_q, total_q, max_k, d, mask)
+
+
 def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dropout):
     total_q, h_q, d = q.shape
     total_k, h_kv, _ = k.shape
@@ -1094,6 +1149,9 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     if batch * h_q * total_q * max_q == 0:
         return None, (), False
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
+    cfg = launch_config(name, q.device, max(max_q, max_k))
+    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) is None:
+        return _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale)
     cfg = _varlen_config(name, q.device, max_q, max_k)
     grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
     # batch strides 0: the kernels move each program to its sequence's first row
@@ -1106,6 +1164,49 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
                 num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launcher(kernel(name), grid, meta), args, tma
+
+
+def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale):
+    """(Launcher, run-time arguments, _GLUON) of the Gluon forward with VARLEN=True: the
+    dense kernel's descriptors over a (1, H, total, d) view of each packed tensor, the
+    sequences' spans read from cu_seqlens on the device; the tiles (at most
+    cdiv(max_seqlen_q, BLOCK_M) per sequence and head) are counted on the device too, so
+    the grid is sized from an upper bound."""
+    from triton.experimental.gluon import language as gl
+
+    total_q, h_q, d = q.shape
+    total_k, h_kv, _ = k.shape
+    d_pad = _families.head_dim_pad(d)
+    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
+    kv_box = [1, 1, cfg["block_n"], d_pad]
+    _, _, sms = gpu_key(q.device)
+    block_m = cfg["block_m"]
+    num_m = triton_cdiv(max_q, block_m)
+    # query tiles of one head: sum of cdiv(n_i, BLOCK_M) <= total_q / BLOCK_M + batch
+    per_head = min(batch * num_m, triton_cdiv(total_q, block_m) + batch)
+    group = h_q // h_kv
+    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
+    kv_head_bytes = 2 * total_k * d * q.element_size()
+    kv_heads = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1),
+                   triton_cdiv(VARLEN_GLUON_ROUNDS * sms, per_head * group))
+    head_group = min(kv_heads, h_kv) * group
+    consumer_regs, producer_regs = _families.regs(cfg)
+    meta = dict(BLOCK_M=block_m, BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
+                PINGPONG=bool(cfg.get("pingpong", True)),
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, dtype),
+                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
+                VARLEN=True, num_warps=4)
+    tiles = h_q * per_head  # an upper bound: the kernel counts the real ones
+    grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
+    launch = Launcher(kernel(name, family="gluon"), grid, meta)
+    # batch strides: the token stride (one batch; never stepped, only a valid descriptor)
+    args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
+            v.stride(0), v.stride(1), v.stride(0), o.stride(0), o.stride(1), o.stride(0),
+            batch, total_q, total_k, h_q, group, scale * LOG2E, lo, hi, num_m, batch * h_q,
+            0, head_group)
+    return launch, args, _GLUON
 
 
 def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max_k: int, *,

@@ -66,10 +66,23 @@ def regs(config: dict) -> tuple[int, int]:
 #    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
 #    288 / 410 for the `tl` backward in the same run (seventh session). Its d=64 kernel was
 #    last measured in an older form, slower than `tl` in GPT-2 small's step;
-#  - not the dropout forward: its shipped form was compiled for sm_90 but has not run.
+#  - not the dropout forward: its shipped form was compiled for sm_90 but has not run;
+#  - a forward with mods only where every kind of mod it has is in
+#    GLUON_MOD_KINDS_BY_DEFAULT.
 # Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
-def gluon_by_default(kind: str, dropout: bool, head_dim: int) -> bool:
+#
+# The switch for the forwards with mods: score mods and sinks ("score", "sink") and mask
+# mods with block sparsity ("mask") have Gluon forwards compiled for sm_90 but not yet
+# measured against `tl` and FlexAttention on the H100, so none is taken by default. Adding
+# a kind here makes every Gluon forward whose mods are all of the listed kinds the Hopper
+# default (untuned, or tuned without `family`), as the plain forward is.
+GLUON_MOD_KINDS_BY_DEFAULT = frozenset()
+
+
+def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=()) -> bool:
     if dropout:
+        return False
+    if mod_kinds and (kind != "fwd" or not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT):
         return False
     return kind == "fwd" or (kind == "bwd" and head_dim >= 96)
 

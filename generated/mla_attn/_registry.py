@@ -74,8 +74,8 @@ GLUON = {'fwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` ke
  'fwd_sdpa_mask_d192v128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
                                 'shared memory by the `tl` kernel; the Gluon forward would '
                                 'gather it in registers',
- 'bwd_sdpa_mask_d192v128_bf16': 'mask mods and the backward with mods are rendered into the '
-                                '`tl` kernels only so far'}
+ 'bwd_sdpa_mask_d192v128_bf16': 'the backward with mods is rendered into the `tl` kernels only '
+                                'so far'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

@@ -61,8 +61,8 @@ class Call:
                 out += (buf, *buf.stride())
         return out
 
-    def sparse(self, variant, block_m, block_n, transpose, lo, hi) -> tuple:
-        return _block_lists(self, variant, block_m, block_n, transpose, lo, hi)
+    def sparse(self, variant, block_m, block_n, transpose, lo, hi, merged=False) -> tuple:
+        return _block_lists(self, variant, block_m, block_n, transpose, lo, hi, merged)
 
 
 def _expected(dims, batch, h_q, n_q, n_k) -> list:
@@ -179,16 +179,19 @@ _MAX_STATES = 64
 _states = collections.OrderedDict()
 
 
-def _block_lists(call, variant, block_m, block_n, transpose, lo, hi) -> tuple:
+def _block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged=False) -> tuple:
     """(FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH) for one kernel's tile: per
     query block (per key block when transposed, for the dK/dV kernel) the key (query)
-    blocks that are fully / partly visible, full ones first, in index order."""
+    blocks that are fully / partly visible, full ones first, in index order. merged (the
+    Gluon forward): (FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH), one list per query block
+    in the order the kernel walks it, the full blocks and then the partial ones, so that
+    its consumers find a block with one load and no pointer select (which spilled)."""
     batch, h_q, n_q, n_k = call.shape
     uses = call.info["mask_uses"]
     h_m = h_q if "h" in uses else 1
     groups = (batch if "b" in uses else 1) * h_m
     key = (variant, block_m, block_n, transpose, lo, hi, n_q, n_k, groups, call.mask_key,
-           call.device)
+           call.device, merged)
     hit = _states.get(key) if call.mask_key is not None else None
     if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
         _states.move_to_end(key)
@@ -200,12 +203,20 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi) -> tuple:
     if transpose:
         state = state.transpose(1, 2)
     full, part = state == 2, state == 1
-    # a stable sort of "not wanted" puts the wanted block indices first, in order
-    lists = (full.sum(-1, dtype=torch.int32).contiguous(),
-             torch.sort((~full).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous(),
-             part.sum(-1, dtype=torch.int32).contiguous(),
-             torch.sort((~part).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous(),
-             h_m if "b" in uses else 0, 1 if "h" in uses else 0)
+    strides = (h_m if "b" in uses else 0, 1 if "h" in uses else 0)
+    if merged:
+        # a stable sort of 2 - state: full blocks (2) first, then partial (1), then empty
+        lists = (full.sum(-1, dtype=torch.int32).contiguous(),
+                 part.sum(-1, dtype=torch.int32).contiguous(),
+                 torch.sort(2 - state, dim=-1, stable=True).indices.to(torch.int32).contiguous(),
+                 *strides)
+    else:
+        # a stable sort of "not wanted" puts the wanted block indices first, in order
+        lists = (full.sum(-1, dtype=torch.int32).contiguous(),
+                 torch.sort((~full).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous(),
+                 part.sum(-1, dtype=torch.int32).contiguous(),
+                 torch.sort((~part).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous(),
+                 *strides)
     if call.mask_key is None:
         return lists
     if len(_states) >= _MAX_STATES:

@@ -46,6 +46,13 @@ handled. Masking is the same band as the `tl` kernel's: key j is visible to quer
     i + LO_OFF <= j <= i + HI_OFF   and   j < N_K
 and only the key blocks that straddle an edge of the band run the mask arithmetic.
 
+Packed ragged batches (VARLEN, flash_attn_varlen_func; docs/VARLEN.md) run this kernel
+too: the descriptors span the packed token axis as one batch, a tile's boxes start at its
+sequence's first row, the persistent walk visits only tiles that exist (see
+_varlen_tile), keys past the sequence's end are masked like a ragged end, and a 64-row
+slab that crosses the end is stored from registers, row by row, instead of by TMA (whose
+box would write the next sequence's rows).
+
 Verified with Triton 3.6 (Gluon's API moves between versions).
 """
 from triton.experimental import gluon
@@ -69,6 +76,7 @@ NUM_CONSUMERS = gl.constexpr(2)
 DROPOUT = gl.constexpr(False)
 SPLIT_M = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M extent
 LN2 = gl.constexpr(0.6931471805599453)
+SEQ_CHUNK = gl.constexpr(32)  # VARLEN: sequences read from cu_seqlens at a time (one per lane)
 
 
 # ----------------------------------------------------------------------------------------
@@ -135,6 +143,162 @@ def _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr, BLOCK_N
     full_lo = gl.maximum(gl.minimum(full_lo, hi), lo)
     full_hi = gl.maximum(gl.minimum(full_hi, hi), full_lo)
     return lo, full_lo, full_hi, hi
+
+
+# ----------------------------------------------------------------------------------------
+# VARLEN: the walk over a packed ragged batch's tiles (a dense call compiles none of this)
+# ----------------------------------------------------------------------------------------
+# The grid cannot be sized from the sequences' lengths (they are on the device; reading them
+# would sync), and a B x H x cdiv(max_seqlen, BLOCK_M) walk that skips the missing tiles deals
+# the real ones to the programs unevenly (a model of the 16-document bench: the busiest
+# program 1.2-1.5x the mean, vs 1.03 for the walk below). So every partition counts the real
+# tiles itself from cu_seqlens (a few L1-resident loads per tile) and walks only those: head
+# group by head group (HEAD_GROUP heads whose K/V share L2), then query-block levels from the
+# top (the longest tiles first: a level holds block m of every sequence longer than
+# m * BLOCK_M), then sequences, then heads. Programs take every P-th tile, back and forth,
+# as in the dense schedule, so each walks down the levels monotonically and carries its
+# position (group, level, first tile of the level, tiles in the level) from tile to tile.
+@gluon.jit
+def _seq_span(CU, b, TOTAL):
+    """(first row, length) of sequence b, clamped into [0, TOTAL] as the `tl` kernels'
+    seq_span: a bad cu_seqlens gives a wrong answer, never an access outside the tensors."""
+    start = gl.minimum(gl.maximum(gl.load(CU + b), 0), TOTAL)
+    end = gl.minimum(gl.maximum(gl.load(CU + b + 1), start), TOTAL)
+    return start, end - start
+
+
+@gluon.jit
+def _seq_lengths(CU, c0, BATCH, TOTAL, layout: gl.constexpr):
+    """(indices, lengths) of sequences c0 .. c0 + SEQ_CHUNK - 1, one per lane (0 past BATCH)."""
+    i = c0 + gl.arange(0, SEQ_CHUNK, layout=layout)
+    ok = i < BATCH
+    start = gl.minimum(gl.maximum(gl.load(CU + i, mask=ok, other=0), 0), TOTAL)
+    end = gl.minimum(gl.maximum(gl.load(CU + i + 1, mask=ok, other=0), start), TOTAL)
+    return i, end - start
+
+
+@gluon.jit
+def _varlen_tiles_per_head(CU_Q, BATCH, TOTAL_Q, NUM_M, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """Query tiles of one head over all sequences (at most NUM_M each: a sequence longer
+    than max_seqlen_q, a bad input, loses its rows past it, as in the `tl` kernels)."""
+    n = gl.program_id(0) * 0
+    for c0 in range(0, BATCH, SEQ_CHUNK):
+        _, lens = _seq_lengths(CU_Q, c0, BATCH, TOTAL_Q, layout)
+        n += gl.sum(gl.minimum((lens + BLOCK_M - 1) // BLOCK_M, NUM_M), axis=0)
+    return n
+
+
+@gluon.jit
+def _varlen_level_size(CU_Q, BATCH, TOTAL_Q, m_blk, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """How many sequences have query block m_blk."""
+    n = gl.program_id(0) * 0
+    for c0 in range(0, BATCH, SEQ_CHUNK):
+        _, lens = _seq_lengths(CU_Q, c0, BATCH, TOTAL_Q, layout)
+        n += gl.sum((lens > m_blk * BLOCK_M).to(gl.int32), axis=0)
+    return n
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _varlen_seq(CU_Q, BATCH, TOTAL_Q, m_blk, rank, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """The rank-th (from 0) sequence that has query block m_blk."""
+    b = BATCH  # not found yet
+    seen = gl.program_id(0) * 0  # such sequences before chunk c0
+    c0 = gl.program_id(0) * 0
+    while (b == BATCH) & (c0 < BATCH):
+        i, lens = _seq_lengths(CU_Q, c0, BATCH, TOTAL_Q, layout)
+        has = (lens > m_blk * BLOCK_M).to(gl.int32)
+        count = gl.associative_scan(has, 0, _add) + seen  # inclusive running count
+        b = gl.min(gl.where((has > 0) & (count == rank + 1), i, BATCH), axis=0)
+        seen += gl.sum(has, axis=0)
+        c0 += SEQ_CHUNK
+    return gl.minimum(b, BATCH - 1)
+
+
+@gluon.jit
+def _varlen_tile(k, group, level, base, size, CU_Q, BATCH, TOTAL_Q, H_Q, HEAD_GROUP,
+                 TILES_PER_HEAD, NUM_M, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """(sequence, head, query block) of this program's k-th tile, and the walk's new
+    position (group, level, first tile of the level, tiles in the level)."""
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    t = k * P + pid
+    if k % 2 == 1:
+        t = k * P + (P - 1 - pid)
+    g = t // (HEAD_GROUP * TILES_PER_HEAD)
+    g0 = g * HEAD_GROUP
+    g_size = gl.minimum(HEAD_GROUP, H_Q - g0)
+    if g != group:  # a new head group: from the top level again
+        group = g
+        level = NUM_M
+        base = g0 * TILES_PER_HEAD
+        size = group * 0
+    # down to the level that holds tile t (level > 0 only guards a corrupt cu_seqlens)
+    while (t - base >= size) & (level > 0):
+        base += size
+        level -= 1
+        size = _varlen_level_size(CU_Q, BATCH, TOTAL_Q, level, BLOCK_M, layout) * g_size
+    r = t - base
+    b = _varlen_seq(CU_Q, BATCH, TOTAL_Q, level, r // g_size, BLOCK_M, layout)
+    return b, g0 + r % g_size, level, group, level, base, size
+
+
+@gluon.jit
+def _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN: gl.constexpr):
+    """(first query row, first key row, query rows, key rows, LO_OFF, HI_OFF) of batch b:
+    the whole of N_Q / N_K for a dense batch; with VARLEN sequence b's span of the packed
+    rows (N_Q, N_K are the totals) and its band, aligned bottom-right per sequence."""
+    if VARLEN:
+        q0, n_q = _seq_span(CU_Q, b, N_Q)
+        k0, n_k = _seq_span(CU_K, b, N_K)
+        return q0, k0, n_q, n_k, LO_OFF + (n_k - n_q), HI_OFF + (n_k - n_q)
+    else:
+        return 0, 0, N_Q, N_K, LO_OFF, HI_OFF
+
+
+@gluon.jit
+def _varlen_start(CU_Q, BATCH, TOTAL_Q, H_Q, NUM_M, BLOCK_M: gl.constexpr, layout: gl.constexpr):
+    """(tiles, tiles per head, and the walk's starting position) of a packed batch."""
+    per_head = _varlen_tiles_per_head(CU_Q, BATCH, TOTAL_Q, NUM_M, BLOCK_M, layout)
+    zero = per_head * 0
+    return H_Q * per_head, per_head, zero - 1, zero, zero, zero
+
+
+@gluon.jit
+def _store_tma(desc_o, o_buf, o, db, h, row):
+    """A consumer's SPLIT_M output rows from `row` on, through its staging buffer and TMA
+    (a box past the end of N_Q stores nothing there)."""
+    tma.store_wait(0)  # this consumer's previous output has left the buffer
+    o_buf.reshape([SPLIT_M, HEAD_DIM_PAD]).store(o)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc_o, [db, h, row, 0], o_buf)
+
+
+@gluon.jit
+def _store_rows(O, o_buf, o, h, row, n_rows, stride_oh, stride_om):
+    """VARLEN: a consumer's output rows [row, row + SPLIT_M) of the packed O, where only
+    the first n_rows belong to its sequence (a TMA box would write the next sequence's
+    rows): staged in its buffer like a TMA store, then read back 16 rows at a time in a
+    row-major layout and stored with a row mask, 16 bytes a thread. (A masked store
+    straight from the accumulator's layout spilled ~490 bytes a thread, and failed to
+    lower at all when mixed with the TMA path.)"""
+    tma.store_wait(0)  # this consumer's previous output has left the buffer
+    buf = o_buf.reshape([SPLIT_M, HEAD_DIM_PAD])
+    buf.store(o)
+    cols_t: gl.constexpr = HEAD_DIM_PAD // 8  # threads along a row, 8 elements each
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_t, cols_t], [4, 1], [1, 0])
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+    c = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, layout))
+    base = O + h.to(gl.int64) * stride_oh + row.to(gl.int64) * stride_om
+    offs = gl.expand_dims(r * stride_om, 1) + gl.expand_dims(c, 0)
+    for r0 in gl.static_range(0, SPLIT_M, 16):
+        part = buf.slice(r0, 16).load(layout)
+        gl.store(base + r0 * stride_om + offs, part,
+                 mask=gl.expand_dims(r0 + r < n_rows, 1) & gl.expand_dims(c < HEAD_DIM, 0))
 
 
 # ----------------------------------------------------------------------------------------
@@ -224,19 +388,32 @@ def _keep_from_words(r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr):
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               q_ready, q_empty, k_full, k_empty, v_full, v_empty,
               N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH, NUM_TILES, HEAD_GROUP,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+              CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
     cnt = 0  # K/V blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     tphase = 0
+    if VARLEN:
+        seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        NUM_TILES, per_head, group, level, base, size = _varlen_start(
+            CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
     for k in range(0, _my_tile_count(NUM_TILES)):
-        b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP)
+        if VARLEN:
+            b, h, m_blk, group, level, base, size = _varlen_tile(
+                k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
+                NUM_M, BLOCK_M, seq_layout)
+            db = 0  # the descriptors see the packed rows as one batch
+        else:
+            b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP)
+            db = b
+        q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
         kv_h = h // KV_GROUP  # GQA / MQA by index: K and V are never repeated
         m_start = m_blk * BLOCK_M
-        lo, full_lo, full_hi, hi = _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = _key_range(m_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N)
         for c in gl.static_range(NUM_CONSUMERS):
             # consumer c has finished its last tile's S = Q K^T products
             mbarrier.wait(q_empty.index(c), tphase ^ 1)
             mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [b, h, m_start + c * SPLIT_M, 0],
+            tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m_start + c * SPLIT_M, 0],
                                             q_ready.index(c), q_smem.index(c))
         for n0 in range(lo, hi, BLOCK_N):
             s = cnt % NUM_BUFFERS
@@ -244,10 +421,10 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
             # K and V have barriers of their own, so S = Q K^T can start before V lands
             mbarrier.wait(k_empty.index(s), ph ^ 1)
             mbarrier.expect(k_full.index(s), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [b, kv_h, n0, 0], k_full.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n0, 0], k_full.index(s), k_smem.index(s))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_full.index(s), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [b, kv_h, n0, 0], v_full.index(s), v_smem.index(s))
+            tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n0, 0], v_full.index(s), v_smem.index(s))
             cnt += 1
         tphase ^= 1
 
@@ -282,8 +459,9 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, m
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
               NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-              DROP_SCALE, CID: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr):
+              DROP_SCALE, CU_Q, CU_K, BATCH, O, stride_oh,
+              stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -299,10 +477,23 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
     cnt = 0
     tphase = 0
     turn_phase = 0
+    if VARLEN:
+        seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        NUM_TILES, per_head, group, level, base, size = _varlen_start(
+            CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
     for k in range(0, _my_tile_count(NUM_TILES)):
-        b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP)
+        if VARLEN:
+            b, h, m_blk, group, level, base, size = _varlen_tile(
+                k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
+                NUM_M, BLOCK_M, seq_layout)
+            db = 0  # the descriptors (and the LSE, (H_Q, total_q)) see one batch
+        else:
+            b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP)
+            db = b
+        # in-sequence lengths and band (VARLEN; else N_Q, N_K, LO_OFF, HI_OFF and 0 offsets)
+        q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
         m_start = m_blk * BLOCK_M
-        lo, full_lo, full_hi, hi = _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N)
+        lo, full_lo, full_hi, hi = _key_range(m_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N)
         rows = m_start + CID * SPLIT_M + gl.arange(0, SPLIT_M, layout=row_s)  # [SPLIT_M]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
         q_buf = q_smem.index(CID).reshape([SPLIT_M, HEAD_DIM_PAD])
@@ -330,8 +521,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
             masked = (lo < full_lo) | (lo >= full_hi)
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, lo, rows, cols, N_K, LO_OFF,
-                                               HI_OFF, qk_scale, masked)
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, lo, rows, cols, n_k, lo_off,
+                                               hi_off, qk_scale, masked)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
                 w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, lo,
                                                 SPLIT_M, BLOCK_N)
@@ -360,8 +551,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 qk = warpgroup_mma_wait(1, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
                 masked = (n0 < full_lo) | (n0 >= full_hi)
-                p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF,
-                                                   HI_OFF, qk_scale, masked)
+                p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, n_k, lo_off,
+                                                   hi_off, qk_scale, masked)
                 if DROPOUT:
                     w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n0,
                                                     SPLIT_M, BLOCK_N)
@@ -399,13 +590,16 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             inv_l = inv_l * DROP_SCALE  # the kept P entries' 1 / (1 - p)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
                        float("-inf"))
-        gl.store(LSE + bh.to(gl.int64) * N_Q + rows, lse, mask=rows < N_Q)
+        gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
         o = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-        o_buf = o_smem.index(CID)
-        tma.store_wait(0)  # this consumer's previous output has left the buffer
-        o_buf.reshape([SPLIT_M, HEAD_DIM_PAD]).store(o.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(desc_o, [b, h, m_start + CID * SPLIT_M, 0], o_buf)
+        if VARLEN:
+            if row0 + SPLIT_M > n_q:  # this consumer's slab runs past its sequence's end
+                _store_rows(O, o_smem.index(CID), o.to(dtype), h, q0 + row0, n_q - row0,
+                            stride_oh, stride_om)
+            else:
+                _store_tma(desc_o, o_smem.index(CID), o.to(dtype), db, h, q0 + row0)
+        else:
+            _store_tma(desc_o, o_smem.index(CID), o.to(dtype), db, h, row0)
         tphase ^= 1
     tma.store_wait(0)
 
@@ -418,7 +612,12 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                               "RNG_OFFSET", "DROP_THRESHOLD"])
 def fwd_d128_fp16_kernel(
     Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
-    LSE,  # [B, H_Q, N_Q] fp32, contiguous
+    LSE,  # [B, H_Q, N_Q] fp32, contiguous (VARLEN: [H_Q, total_q])
+    # VARLEN: [B + 1] int32 cumulative sequence lengths (else None); then Q, K, V, O are
+    # the packed (total, H, HEAD_DIM) tensors, BATCH counts sequences, N_Q / N_K are the
+    # totals, LO_OFF / HI_OFF are relative to each sequence's diagonal, NUM_M is
+    # cdiv(max_seqlen_q, BLOCK_M) and NUM_TILES is counted on the device
+    CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -446,21 +645,26 @@ def fwd_d128_fp16_kernel(
     PRODUCER_REGS: gl.constexpr,
     QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
     KV_LAYOUT: gl.constexpr,
+    VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
     # persistent grid) rather than encoded by the host on every call, which cost ~30 us of
     # host time a call: a box never crosses a head or a batch, one that runs past N reads
-    # zeros and stores nothing
-    desc_q = tma.make_tensor_descriptor(Q, [BATCH, H_Q, N_Q, HEAD_DIM],
+    # zeros and stores nothing. VARLEN: one batch of the packed rows; a box that runs past a
+    # sequence's end reads the next sequence's rows, which the band and the stores ignore
+    desc_b = BATCH
+    if VARLEN:
+        desc_b = 1
+    desc_q = tma.make_tensor_descriptor(Q, [desc_b, H_Q, N_Q, HEAD_DIM],
                                         [stride_qb, stride_qh, stride_qm, 1],
                                         [1, 1, SPLIT_M, HEAD_DIM_PAD], QO_LAYOUT)
-    desc_o = tma.make_tensor_descriptor(O, [BATCH, H_Q, N_Q, HEAD_DIM],
+    desc_o = tma.make_tensor_descriptor(O, [desc_b, H_Q, N_Q, HEAD_DIM],
                                         [stride_ob, stride_oh, stride_om, 1],
                                         [1, 1, SPLIT_M, HEAD_DIM_PAD], QO_LAYOUT)
-    desc_k = tma.make_tensor_descriptor(K, [BATCH, H_Q // KV_GROUP, N_K, HEAD_DIM],
+    desc_k = tma.make_tensor_descriptor(K, [desc_b, H_Q // KV_GROUP, N_K, HEAD_DIM],
                                         [stride_kb, stride_kh, stride_kn, 1],
                                         [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
-    desc_v = tma.make_tensor_descriptor(V, [BATCH, H_Q // KV_GROUP, N_K, HEAD_DIM],
+    desc_v = tma.make_tensor_descriptor(V, [desc_b, H_Q // KV_GROUP, N_K, HEAD_DIM],
                                         [stride_vb, stride_vh, stride_vn, 1],
                                         [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
@@ -493,12 +697,15 @@ def fwd_d128_fp16_kernel(
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG)),
+                     DROP_SCALE, CU_Q, CU_K, BATCH, O,
+                     stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG, VARLEN)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG)),
+                     DROP_SCALE, CU_Q, CU_K, BATCH, O,
+                     stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG, VARLEN)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                      k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
-                     NUM_TILES, HEAD_GROUP, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     NUM_TILES, HEAD_GROUP, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
+                     NUM_BUFFERS, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
