@@ -66,11 +66,18 @@ def regs(config: dict) -> tuple[int, int]:
 #    288 / 410 for the `tl` backward in the same run (seventh session). Its d=64 kernel was
 #    last measured in an older form, slower than `tl` in GPT-2 small's step;
 #  - not the dropout forward: its shipped form was compiled for sm_90 but has not run.
+#  - a variant with mods only where its kind is in GLUON_MODS_BY_DEFAULT.
 # Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
-def gluon_by_default(kind: str, dropout: bool, head_dim: int) -> bool:
-    if dropout:
+def gluon_by_default(kind: str, dropout: bool, head_dim: int, mods: bool = False) -> bool:
+    if dropout or (mods and kind not in GLUON_MODS_BY_DEFAULT):
         return False
     return kind == "fwd" or (kind == "bwd" and head_dim >= 96)
+
+
+# The kinds whose Gluon kernels with mods (score mods, sinks; mask mods in the backward)
+# replace `tl` by default: none until they have run on a GPU and beaten `tl` there. Adding
+# "bwd" here is the whole switch for the backward.
+GLUON_MODS_BY_DEFAULT: tuple[str, ...] = ()
 
 
 KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)

@@ -192,17 +192,23 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     for e in masks_:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
+    dscore = (mods.derivative(score, mods.Expr("var", value="score"))
+              if score is not None else None)
     return {
         # the Gluon forward's: the score mod (returning a full [rows, cols] block even if
         # the expression does not read `score`) and the sink
         "gl_score_mod": glu(score) + ("" if score is None or "score" in mods.free_names(score)
                                       else " + score * 0.0"),
         "gl_sink": glu(sink),
+        # the Gluon backward's: d(score mod)/d(score) ("" where it is 1: nothing to apply)
+        # and the mask mod
+        "gl_score_grad": "" if dscore is None or (dscore.op == "const" and dscore.value == 1.0)
+                         else glu(dscore),
+        "gl_mask_mod": glu(mask_expr),
         "sink_rows": mods.to_triton(sink, rows, load) if sink is not None else "",
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
-        "score_grad": tri(mods.derivative(score, mods.Expr("var", value="score")))
-                      if score is not None else "",
+        "score_grad": tri(dscore),
         "mask_mod": tri(mask_expr),
         "sink_mod": tri(sink),
         "block_sparse": block_sparse,
@@ -217,11 +223,17 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
 
 def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
     """Why `variant` has no Gluon kernel; None when it has one (a variant with mods needs
-    its spec to tell: score mods and sinks have a Gluon forward, mask mods do not)."""
-    if variant.mods and (variant.kind != "fwd" or spec is None or any(
-            m.kind == "mask" for m in variant_mods(spec, variant))):
-        return ("mask mods and the backward with mods are rendered into the `tl` kernels "
-                "only so far")
+    its spec to tell: score mods and sinks have a Gluon forward, mask mods do not; the
+    Gluon backward takes score mods, mask mods and sinks)."""
+    if variant.mods and spec is None:
+        return "a variant with mods: its spec tells which family renders them"
+    if variant.mods and variant.kind == "fwd" and any(
+            m.kind == "mask" for m in variant_mods(spec, variant)):
+        return "mask mods are rendered into the `tl` kernels only so far"
+    if variant.mods and variant.kind == "bwd" and grad_tensors(variant_mods(spec, variant)):
+        # the `tl` dK/dV kernel writes each element's gradient once, no atomics
+        return ("a mod tensor with a gradient (a bias read at every (q_idx, kv_idx)): the "
+                "`tl` backward writes it")
     if variant.mods and variant_score_bytes(spec, variant):
         # measured offline: the gather of an fp32 bias tile in the consumers' registers
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
@@ -253,7 +265,8 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
         **{k: v for k, v in mod_context(spec, variant).items()
-           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink")},
+           if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink",
+                    "gl_score_grad", "gl_mask_mod", "block_sparse", "sparse_args")},
     }
 
 
