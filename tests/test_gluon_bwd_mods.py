@@ -250,8 +250,8 @@ def _gluon_compiles():
 @pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
 def test_gluon_backwards_with_mods_compile_for_sm90(pkg):
     """Every served mod backward compiles for sm_90 into the design (wgmma, the 240/24
-    split, shared memory within 227 KiB). Stack frames measured with Triton 3.6.0 at the
-    default tile (64 x 128, 2-deep ring), d=128 bf16: plain 32 B; see STACK below."""
+    split, shared memory within 227 KiB: 198176-198240 B at d=128, ~116300 at d=64) at the
+    default tile (64 x 128, 2-deep ring), with the stack frames STACK records."""
     names = [_bwd_name(m, c) for m, c in SERVED.values()] + ["bwd_prefix_lm_d64_fp16"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
@@ -264,11 +264,26 @@ def test_gluon_backwards_with_mods_compile_for_sm90(pkg):
         assert r["wgmma"] > 0 and r["shared"] <= 232448, r
         assert families.CONSUMER_REGS in r["setmaxnreg"], r
         assert families.PRODUCER_REGS in r["setmaxnreg"], r
-        assert r["spill_bytes"] <= STACK.get(name.split("_d")[0], 32), r
+        assert r["spill_bytes"] <= STACK.get(re.sub(r"_d\d+_\w+$", "", name), 32), r
 
 
-# stack frame bytes allowed per variant (measured + a little); the plain backward's is 32
-STACK = {}
+# Stack frame bytes allowed per variant at d=128 (the d=64 kernels measured 0-24): measured
+# with Triton 3.6.0, rounded up. The plain d=128 backward takes 32 B; its dK and dV
+# accumulators leave a consumer ~16 free registers of its 240, so whatever a mod adds to a
+# step pushes loop scalars (and, with a mask mod's loads beside a score mod, a few values of
+# the step) to the stack: the block lists' walk alone measured 96 B (window_sinks without
+# its mask), the mask +32, a softcap and its derivative +160. Whether that costs time is
+# for the GPU run (.scratch/gpu_check.sh's bench).
+STACK = {
+    "bwd_causal_softcap": 192,  # measured 192
+    "bwd_causal_alibi": 112,  # 104
+    "bwd_causal_document": 208,  # 208 (d=64: 16)
+    "bwd_causal_document_softcap": 432,  # 424
+    "bwd_prefix_lm": 112,  # 112 (d=64 fp16: 0)
+    "bwd_window_sinks": 128,  # 128
+    "bwd_causal_sink_logits": 32,  # 32, the plain kernel's: the sink is host-side
+    "bwd_causal_softcap_key_padding": 336,  # 328
+}
 
 
 # ---------------------------------------------------------------------------------------
