@@ -66,22 +66,22 @@ def regs(config: dict) -> tuple[int, int]:
 #    288 / 410 for the `tl` backward in the same run (seventh session). Its d=64 kernel was
 #    last measured in an older form, slower than `tl` in GPT-2 small's step;
 #  - not the dropout forward: its shipped form was compiled for sm_90 but has not run;
-#  - a forward with mods only where every kind of mod it has is in
-#    GLUON_MOD_KINDS_BY_DEFAULT.
+#  - a kernel with mods only where every kind of mod it has is in
+#    GLUON_MOD_KINDS_BY_DEFAULT[its kind].
 # Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
 #
-# The switch for the forwards with mods: score mods and sinks ("score", "sink") and mask
-# mods with block sparsity ("mask") have Gluon forwards compiled for sm_90 but not yet
-# measured against `tl` and FlexAttention on the H100, so none is taken by default. Adding
-# a kind here makes every Gluon forward whose mods are all of the listed kinds the Hopper
-# default (untuned, or tuned without `family`), as the plain forward is.
-GLUON_MOD_KINDS_BY_DEFAULT = frozenset()
+# The switch for the kernels with mods, per kernel kind: score mods and sinks ("score",
+# "sink") and mask mods with block sparsity ("mask") have Gluon forwards and backwards
+# compiled for sm_90. Adding a mod kind under "fwd" or "bwd" makes every Gluon kernel of
+# that kind whose mods are all of the listed kinds the Hopper default (untuned, or tuned
+# without `family`), as the plain kernels are.
+GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset(), "bwd": frozenset()}
 
 
 def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=()) -> bool:
     if dropout:
         return False
-    if mod_kinds and (kind != "fwd" or not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT):
+    if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
     return kind == "fwd" or (kind == "bwd" and head_dim >= 96)
 

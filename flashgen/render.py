@@ -200,12 +200,17 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     for e in masks_:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
+    dscore = (mods.derivative(score, mods.Expr("var", value="score"))
+              if score is not None else None)
     return {
         # the Gluon forward's: the score mod (returning a full [rows, cols] block even if
         # the expression does not read `score`) and the sink
         "gl_score_mod": glu(score) + ("" if score is None or "score" in mods.free_names(score)
                                       else " + score * 0.0"),
         "gl_sink": glu(sink),
+        # the Gluon backward's: d(score mod)/d(score) ("" where it is 1: nothing to apply)
+        "gl_score_grad": "" if dscore is None or (dscore.op == "const" and dscore.value == 1.0)
+                         else glu(dscore),
         "gl_mask_mod": glu(mask_expr),
         "sink_rows": (mods.to_triton(sink, rows, load, tanh_fn="_tanh" if fast else None)
                       if sink is not None else ""),
@@ -213,8 +218,7 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "fast_tanh": fast and any("tanh" in mods.ops_of(m.expr) for m in ms),
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
-        "score_grad": tri(mods.derivative(score, mods.Expr("var", value="score")))
-                      if score is not None else "",
+        "score_grad": tri(dscore),
         "mask_mod": tri(mask_expr),
         "sink_mod": tri(sink),
         "block_sparse": block_sparse,
@@ -230,15 +234,19 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
 
 def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
     """Why `variant` has no Gluon kernel; None when it has one (a variant with mods needs
-    its spec to tell: score mods, sinks and mask mods have a Gluon forward, mods reading a
+    its spec to tell: score mods, sinks and mask mods have Gluon kernels, mods reading a
     [q, kv] tile do not)."""
-    if variant.mods and (variant.kind != "fwd" or spec is None):
-        return "the backward with mods is rendered into the `tl` kernels only so far"
+    if variant.mods and spec is None:
+        return "a variant with mods: its spec tells which family renders them"
+    if variant.mods and variant.kind == "bwd" and grad_tensors(variant_mods(spec, variant)):
+        # the `tl` dK/dV kernel writes each element's gradient once, no atomics
+        return ("a mod tensor with a gradient (a bias read at every (q_idx, kv_idx)): the "
+                "`tl` backward writes it")
     if variant.mods and variant_score_bytes(spec, variant):
         # measured offline: the gather of an fp32 bias tile in the consumers' registers
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
         return ("a mod reading a [q, kv] tile (a bias) is staged through shared memory by "
-                "the `tl` kernel; the Gluon forward would gather it in registers")
+                "the `tl` kernel; the Gluon kernels would gather it in registers")
     if variant.v_dim != variant.head_dim:
         return "V's head dim differs from Q's: the `tl` kernels only so far"
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
@@ -269,7 +277,8 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "gluon_triton": " / ".join(families.GLUON_TRITON),
         **{k: v for k, v in context.items()
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
-                    "block_sparse", "gl_sparse_args", "fast_tanh")},
+                    "gl_score_grad", "block_sparse", "gl_sparse_args", "sparse_args",
+                    "fast_tanh")},
     }
 
 

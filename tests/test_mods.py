@@ -571,7 +571,7 @@ def test_gluon_forward_with_mask_mods_is_opt_in_and_matches_tl(gluon_pkg):
         finally:
             rt.use_family("")
         if family == "":
-            want = "GluonJITFunction" if "mask" in families.GLUON_MOD_KINDS_BY_DEFAULT else "JITFunction"
+            want = "GluonJITFunction" if "mask" in families.GLUON_MOD_KINDS_BY_DEFAULT["fwd"] else "JITFunction"
             assert ran == {want}
         else:
             assert ran == {"GluonJITFunction" if family == "gluon" else "JITFunction"}

@@ -1103,35 +1103,35 @@ GLUON = {'fwd_d64_fp16': None,
  'bwd_causal_dropout_d64_fp32': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
                                 'mask serves it',
  'fwd_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',
  'fwd_sdpa_mask_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',
  'fwd_sdpa_mask_d64_fp32': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',
  'fwd_sdpa_mask_dropout_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
                                    'gather it in registers',
  'fwd_sdpa_mask_dropout_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
                                    'gather it in registers',
  'fwd_sdpa_mask_dropout_d64_fp32': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
                                    'gather it in registers',
- 'bwd_sdpa_mask_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_sdpa_mask_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_sdpa_mask_d64_fp32': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_sdpa_mask_dropout_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'bwd_sdpa_mask_dropout_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'bwd_sdpa_mask_dropout_d64_fp32': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far'}
+ 'bwd_sdpa_mask_d64_fp16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                           'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_d64_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                           'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_d64_fp32': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                           'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_dropout_d64_fp16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                                   'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_dropout_d64_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                                   'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_dropout_d64_fp32': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                                   'kv_idx)): the `tl` backward writes it'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

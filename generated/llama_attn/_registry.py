@@ -797,15 +797,15 @@ GLUON = {'fwd_d128_fp16': None,
  'decode_window_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
                             'GPU',
  'fwd_sdpa_mask_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                            'memory by the `tl` kernel; the Gluon forward would gather it in '
+                            'memory by the `tl` kernel; the Gluon kernels would gather it in '
                             'registers',
  'fwd_sdpa_mask_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                            'memory by the `tl` kernel; the Gluon forward would gather it in '
+                            'memory by the `tl` kernel; the Gluon kernels would gather it in '
                             'registers',
- 'bwd_sdpa_mask_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
-                            'far',
- 'bwd_sdpa_mask_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
-                            'far'}
+ 'bwd_sdpa_mask_d128_fp16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                            'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_d128_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                            'kv_idx)): the `tl` backward writes it'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

@@ -764,7 +764,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     arguments), so a repeated call allocates its scratch and launches three kernels.
     `mods`: the forward's `_mods.Call`, with `grad_buffers` set to where the gradients of
     the mods' tensors go. Returns D = rowsum(dO * O), (B, H_q, N_q) fp32 (None for an
-    empty call or the Gluon kernel), which a sink's gradient needs."""
+    empty call), which a sink's gradient needs."""
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
@@ -803,9 +803,13 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             lse = padded
         dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
         _descriptor_allocator()
-        dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args)
+        if mods is not None:
+            dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args, *mods.args,
+                 *(mods.sparse(*tiles, lo, hi) if tiles else ()))
+        else:
+            dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args)
         dq.copy_(dq_acc.view(dq.shape))
-        return None
+        return delta[..., :n_q]
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
     pre(o, do, delta, *pre_args, delta_shape[-1])
     if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
@@ -843,11 +847,15 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
                 n_q, h_q)
     if cfg.get("family") == "gluon":
-        why = gluon_backward_reason(name, q, k, v, do, mask)
+        why = gluon_backward_reason(name, q, k, v, do, mask, mods)
         if why is None:
             launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name)
+            tiles = None
+            if mods is not None and mods.block_sparse:  # the lists per key block
+                tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
+                                      v.shape[-1]), cfg["block_m"], cfg["block_n"], True)
             return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
-                    (batch * h_q, n_q, d), None, True, None)
+                    (batch * h_q, n_q, d), None, True, tiles)
         cfg = PLANNED[name]  # the `tl` kernels at the planner's tiles serve this call
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
@@ -899,14 +907,18 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
 _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics
 
 
-def gluon_backward_reason(name, q, k, v, do, mask) -> "str | None":
+def gluon_backward_reason(name, q, k, v, do, mask, mods=None) -> "str | None":
     """Why this backward call cannot take the Gluon kernel of `name` (None when it can):
     as for the forward (size, variant, device, TMA-readable q, k, v, do), plus
     determinism: the Gluon kernel sums dQ with TMA reduce-adds in no fixed order, so under
     torch.use_deterministic_algorithms(True) the `tl` kernels (bitwise reproducible)
-    serve it."""
+    serve it; and a mod tensor whose gradient this call wants (`mods`, the call's
+    `_mods.Call`): the `tl` dK/dV kernel writes it."""
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
+    if mods is not None and mods.grad_buffers:
+        return (f"the gradient of mod tensor(s) {', '.join(sorted(mods.grad_buffers))}: the "
+                "`tl` backward writes it")
     batch, h_q, n_q, d = q.shape
     return (_gluon_too_small(batch, h_q, n_q, k.shape[2], d, mask)
             or gluon_call_reason(name, q, k, v, do, False))

@@ -72,10 +72,10 @@ TUNED = {}
 GLUON = {'fwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
  'bwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` kernels only so far",
  'fwd_sdpa_mask_d192v128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                'shared memory by the `tl` kernel; the Gluon forward would '
+                                'shared memory by the `tl` kernel; the Gluon kernels would '
                                 'gather it in registers',
- 'bwd_sdpa_mask_d192v128_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                                'so far'}
+ 'bwd_sdpa_mask_d192v128_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                                'kv_idx)): the `tl` backward writes it'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

@@ -1411,238 +1411,218 @@ GLUON = {'fwd_d64_fp16': None,
  'fwd_causal_softcap_d64_bf16': None,
  'fwd_causal_softcap_d128_fp16': None,
  'fwd_causal_softcap_d128_bf16': None,
- 'bwd_causal_softcap_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                                'so far',
- 'bwd_causal_softcap_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                                'so far',
- 'bwd_causal_softcap_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'bwd_causal_softcap_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
+ 'bwd_causal_softcap_d64_fp16': None,
+ 'bwd_causal_softcap_d64_bf16': None,
+ 'bwd_causal_softcap_d128_fp16': None,
+ 'bwd_causal_softcap_d128_bf16': None,
  'fwd_causal_alibi_d64_fp16': None,
  'fwd_causal_alibi_d64_bf16': None,
  'fwd_causal_alibi_d128_fp16': None,
  'fwd_causal_alibi_d128_bf16': None,
- 'bwd_causal_alibi_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                              'so far',
- 'bwd_causal_alibi_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                              'so far',
- 'bwd_causal_alibi_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
- 'bwd_causal_alibi_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
+ 'bwd_causal_alibi_d64_fp16': None,
+ 'bwd_causal_alibi_d64_bf16': None,
+ 'bwd_causal_alibi_d128_fp16': None,
+ 'bwd_causal_alibi_d128_bf16': None,
  'fwd_causal_document_d64_fp16': None,
  'fwd_causal_document_d64_bf16': None,
  'fwd_causal_document_d128_fp16': None,
  'fwd_causal_document_d128_bf16': None,
- 'bwd_causal_document_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'bwd_causal_document_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'bwd_causal_document_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'bwd_causal_document_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
+ 'bwd_causal_document_d64_fp16': None,
+ 'bwd_causal_document_d64_bf16': None,
+ 'bwd_causal_document_d128_fp16': None,
+ 'bwd_causal_document_d128_bf16': None,
  'fwd_causal_document_softcap_d64_fp16': None,
  'fwd_causal_document_softcap_d64_bf16': None,
  'fwd_causal_document_softcap_d128_fp16': None,
  'fwd_causal_document_softcap_d128_bf16': None,
- 'bwd_causal_document_softcap_d64_fp16': 'the backward with mods is rendered into the `tl` '
-                                         'kernels only so far',
- 'bwd_causal_document_softcap_d64_bf16': 'the backward with mods is rendered into the `tl` '
-                                         'kernels only so far',
- 'bwd_causal_document_softcap_d128_fp16': 'the backward with mods is rendered into the `tl` '
-                                          'kernels only so far',
- 'bwd_causal_document_softcap_d128_bf16': 'the backward with mods is rendered into the `tl` '
-                                          'kernels only so far',
+ 'bwd_causal_document_softcap_d64_fp16': None,
+ 'bwd_causal_document_softcap_d64_bf16': None,
+ 'bwd_causal_document_softcap_d128_fp16': None,
+ 'bwd_causal_document_softcap_d128_bf16': None,
  'fwd_prefix_lm_d64_fp16': None,
  'fwd_prefix_lm_d64_bf16': None,
  'fwd_prefix_lm_d128_fp16': None,
  'fwd_prefix_lm_d128_bf16': None,
- 'bwd_prefix_lm_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_prefix_lm_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_prefix_lm_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
-                            'far',
- 'bwd_prefix_lm_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
-                            'far',
+ 'bwd_prefix_lm_d64_fp16': None,
+ 'bwd_prefix_lm_d64_bf16': None,
+ 'bwd_prefix_lm_d128_fp16': None,
+ 'bwd_prefix_lm_d128_bf16': None,
  'fwd_window_sinks_d64_fp16': None,
  'fwd_window_sinks_d64_bf16': None,
  'fwd_window_sinks_d128_fp16': None,
  'fwd_window_sinks_d128_bf16': None,
- 'bwd_window_sinks_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                              'so far',
- 'bwd_window_sinks_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                              'so far',
- 'bwd_window_sinks_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
- 'bwd_window_sinks_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
+ 'bwd_window_sinks_d64_fp16': None,
+ 'bwd_window_sinks_d64_bf16': None,
+ 'bwd_window_sinks_d128_fp16': None,
+ 'bwd_window_sinks_d128_bf16': None,
  'fwd_causal_sink_logits_d64_fp16': None,
  'fwd_causal_sink_logits_d64_bf16': None,
  'fwd_causal_sink_logits_d128_fp16': None,
  'fwd_causal_sink_logits_d128_bf16': None,
- 'bwd_causal_sink_logits_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'bwd_causal_sink_logits_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'bwd_causal_sink_logits_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                     'only so far',
- 'bwd_causal_sink_logits_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                     'only so far',
+ 'bwd_causal_sink_logits_d64_fp16': None,
+ 'bwd_causal_sink_logits_d64_bf16': None,
+ 'bwd_causal_sink_logits_d128_fp16': None,
+ 'bwd_causal_sink_logits_d128_bf16': None,
  'fwd_relative_bias_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                               'memory by the `tl` kernel; the Gluon forward would gather it '
+                               'memory by the `tl` kernel; the Gluon kernels would gather it '
                                'in registers',
  'fwd_relative_bias_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                               'memory by the `tl` kernel; the Gluon forward would gather it '
+                               'memory by the `tl` kernel; the Gluon kernels would gather it '
                                'in registers',
  'fwd_relative_bias_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                'shared memory by the `tl` kernel; the Gluon forward would '
+                                'shared memory by the `tl` kernel; the Gluon kernels would '
                                 'gather it in registers',
  'fwd_relative_bias_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                'shared memory by the `tl` kernel; the Gluon forward would '
+                                'shared memory by the `tl` kernel; the Gluon kernels would '
                                 'gather it in registers',
- 'bwd_relative_bias_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
- 'bwd_relative_bias_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
- 'bwd_relative_bias_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                                'so far',
- 'bwd_relative_bias_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                                'so far',
+ 'bwd_relative_bias_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                               'memory by the `tl` kernel; the Gluon kernels would gather it '
+                               'in registers',
+ 'bwd_relative_bias_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
+                               'memory by the `tl` kernel; the Gluon kernels would gather it '
+                               'in registers',
+ 'bwd_relative_bias_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                'shared memory by the `tl` kernel; the Gluon kernels would '
+                                'gather it in registers',
+ 'bwd_relative_bias_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                'shared memory by the `tl` kernel; the Gluon kernels would '
+                                'gather it in registers',
  'fwd_causal_softcap_key_padding_d64_fp16': None,
  'fwd_causal_softcap_key_padding_d64_bf16': None,
  'fwd_causal_softcap_key_padding_d128_fp16': None,
  'fwd_causal_softcap_key_padding_d128_bf16': None,
- 'bwd_causal_softcap_key_padding_d64_fp16': 'the backward with mods is rendered into the `tl` '
-                                            'kernels only so far',
- 'bwd_causal_softcap_key_padding_d64_bf16': 'the backward with mods is rendered into the `tl` '
-                                            'kernels only so far',
- 'bwd_causal_softcap_key_padding_d128_fp16': 'the backward with mods is rendered into the `tl` '
-                                             'kernels only so far',
- 'bwd_causal_softcap_key_padding_d128_bf16': 'the backward with mods is rendered into the `tl` '
-                                             'kernels only so far',
+ 'bwd_causal_softcap_key_padding_d64_fp16': None,
+ 'bwd_causal_softcap_key_padding_d64_bf16': None,
+ 'bwd_causal_softcap_key_padding_d128_fp16': None,
+ 'bwd_causal_softcap_key_padding_d128_bf16': None,
  'fwd_softcap_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
                                    'gather it in registers',
  'fwd_softcap_sdpa_mask_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                   'shared memory by the `tl` kernel; the Gluon forward would '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
                                    'gather it in registers',
  'fwd_softcap_sdpa_mask_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                    'shared memory by the `tl` kernel; the Gluon forward would '
+                                    'shared memory by the `tl` kernel; the Gluon kernels would '
                                     'gather it in registers',
  'fwd_softcap_sdpa_mask_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
-                                    'shared memory by the `tl` kernel; the Gluon forward would '
+                                    'shared memory by the `tl` kernel; the Gluon kernels would '
                                     'gather it in registers',
- 'bwd_softcap_sdpa_mask_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'bwd_softcap_sdpa_mask_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'bwd_softcap_sdpa_mask_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'bwd_softcap_sdpa_mask_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
+ 'bwd_softcap_sdpa_mask_d64_fp16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                                   'kv_idx)): the `tl` backward writes it',
+ 'bwd_softcap_sdpa_mask_d64_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                                   'kv_idx)): the `tl` backward writes it',
+ 'bwd_softcap_sdpa_mask_d128_fp16': 'a mod tensor with a gradient (a bias read at every '
+                                    '(q_idx, kv_idx)): the `tl` backward writes it',
+ 'bwd_softcap_sdpa_mask_d128_bf16': 'a mod tensor with a gradient (a bias read at every '
+                                    '(q_idx, kv_idx)): the `tl` backward writes it',
  'fwd_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',
  'fwd_sdpa_mask_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                           'memory by the `tl` kernel; the Gluon forward would gather it in '
+                           'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',
  'fwd_sdpa_mask_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                            'memory by the `tl` kernel; the Gluon forward would gather it in '
+                            'memory by the `tl` kernel; the Gluon kernels would gather it in '
                             'registers',
  'fwd_sdpa_mask_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
-                            'memory by the `tl` kernel; the Gluon forward would gather it in '
+                            'memory by the `tl` kernel; the Gluon kernels would gather it in '
                             'registers',
- 'bwd_sdpa_mask_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_sdpa_mask_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
-                           'far',
- 'bwd_sdpa_mask_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only so '
-                            'far',
- 'bwd_sdpa_mask_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only so '
-                            'far',
- 'decode_causal_softcap_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'decode_causal_softcap_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'decode_causal_softcap_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'decode_causal_softcap_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'decode_causal_alibi_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'decode_causal_alibi_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'decode_causal_alibi_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'decode_causal_alibi_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'decode_causal_document_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'decode_causal_document_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                    'only so far',
- 'decode_causal_document_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                     'only so far',
- 'decode_causal_document_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                     'only so far',
- 'decode_causal_document_softcap_d64_fp16': 'the backward with mods is rendered into the `tl` '
-                                            'kernels only so far',
- 'decode_causal_document_softcap_d64_bf16': 'the backward with mods is rendered into the `tl` '
-                                            'kernels only so far',
- 'decode_causal_document_softcap_d128_fp16': 'the backward with mods is rendered into the `tl` '
-                                             'kernels only so far',
- 'decode_causal_document_softcap_d128_bf16': 'the backward with mods is rendered into the `tl` '
-                                             'kernels only so far',
- 'decode_prefix_lm_d64_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                              'so far',
- 'decode_prefix_lm_d64_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                              'so far',
- 'decode_prefix_lm_d128_fp16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
- 'decode_prefix_lm_d128_bf16': 'the backward with mods is rendered into the `tl` kernels only '
-                               'so far',
- 'decode_window_sinks_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'decode_window_sinks_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                 'only so far',
- 'decode_window_sinks_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'decode_window_sinks_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'decode_causal_sink_logits_d64_fp16': 'the backward with mods is rendered into the `tl` '
-                                       'kernels only so far',
- 'decode_causal_sink_logits_d64_bf16': 'the backward with mods is rendered into the `tl` '
-                                       'kernels only so far',
- 'decode_causal_sink_logits_d128_fp16': 'the backward with mods is rendered into the `tl` '
-                                        'kernels only so far',
- 'decode_causal_sink_logits_d128_bf16': 'the backward with mods is rendered into the `tl` '
-                                        'kernels only so far',
- 'decode_relative_bias_d64_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'decode_relative_bias_d64_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                  'only so far',
- 'decode_relative_bias_d128_fp16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'decode_relative_bias_d128_bf16': 'the backward with mods is rendered into the `tl` kernels '
-                                   'only so far',
- 'decode_causal_softcap_key_padding_d64_fp16': 'the backward with mods is rendered into the '
-                                               '`tl` kernels only so far',
- 'decode_causal_softcap_key_padding_d64_bf16': 'the backward with mods is rendered into the '
-                                               '`tl` kernels only so far',
- 'decode_causal_softcap_key_padding_d128_fp16': 'the backward with mods is rendered into the '
-                                                '`tl` kernels only so far',
- 'decode_causal_softcap_key_padding_d128_bf16': 'the backward with mods is rendered into the '
-                                                '`tl` kernels only so far',
- 'decode_softcap_sdpa_mask_d64_fp16': 'the backward with mods is rendered into the `tl` '
-                                      'kernels only so far',
- 'decode_softcap_sdpa_mask_d64_bf16': 'the backward with mods is rendered into the `tl` '
-                                      'kernels only so far',
- 'decode_softcap_sdpa_mask_d128_fp16': 'the backward with mods is rendered into the `tl` '
-                                       'kernels only so far',
- 'decode_softcap_sdpa_mask_d128_bf16': 'the backward with mods is rendered into the `tl` '
-                                       'kernels only so far'}
+ 'bwd_sdpa_mask_d64_fp16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                           'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_d64_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                           'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_d128_fp16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                            'kv_idx)): the `tl` backward writes it',
+ 'bwd_sdpa_mask_d128_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
+                            'kv_idx)): the `tl` backward writes it',
+ 'decode_causal_softcap_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                   'every GPU',
+ 'decode_causal_softcap_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                   'every GPU',
+ 'decode_causal_softcap_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                    'every GPU',
+ 'decode_causal_softcap_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                    'every GPU',
+ 'decode_causal_alibi_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                 'every GPU',
+ 'decode_causal_alibi_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                 'every GPU',
+ 'decode_causal_alibi_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                  'every GPU',
+ 'decode_causal_alibi_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                  'every GPU',
+ 'decode_causal_document_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                    'every GPU',
+ 'decode_causal_document_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                    'every GPU',
+ 'decode_causal_document_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                     'every GPU',
+ 'decode_causal_document_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                     'every GPU',
+ 'decode_causal_document_softcap_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                            'serves it on every GPU',
+ 'decode_causal_document_softcap_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                            'serves it on every GPU',
+ 'decode_causal_document_softcap_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                             'serves it on every GPU',
+ 'decode_causal_document_softcap_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                             'serves it on every GPU',
+ 'decode_prefix_lm_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                              'GPU',
+ 'decode_prefix_lm_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                              'GPU',
+ 'decode_prefix_lm_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                               'GPU',
+ 'decode_prefix_lm_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on every '
+                               'GPU',
+ 'decode_window_sinks_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                 'every GPU',
+ 'decode_window_sinks_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                 'every GPU',
+ 'decode_window_sinks_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                  'every GPU',
+ 'decode_window_sinks_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
+                                  'every GPU',
+ 'decode_causal_sink_logits_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it '
+                                       'on every GPU',
+ 'decode_causal_sink_logits_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it '
+                                       'on every GPU',
+ 'decode_causal_sink_logits_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel serves it '
+                                        'on every GPU',
+ 'decode_causal_sink_logits_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it '
+                                        'on every GPU',
+ 'decode_relative_bias_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                  'shared memory by the `tl` kernel; the Gluon kernels would '
+                                  'gather it in registers',
+ 'decode_relative_bias_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                  'shared memory by the `tl` kernel; the Gluon kernels would '
+                                  'gather it in registers',
+ 'decode_relative_bias_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
+                                   'gather it in registers',
+ 'decode_relative_bias_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                   'shared memory by the `tl` kernel; the Gluon kernels would '
+                                   'gather it in registers',
+ 'decode_causal_softcap_key_padding_d64_fp16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                               'serves it on every GPU',
+ 'decode_causal_softcap_key_padding_d64_bf16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                               'serves it on every GPU',
+ 'decode_causal_softcap_key_padding_d128_fp16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                                'serves it on every GPU',
+ 'decode_causal_softcap_key_padding_d128_bf16': 'no Gluon decode kernel yet: the `tl` kernel '
+                                                'serves it on every GPU',
+ 'decode_softcap_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                      'shared memory by the `tl` kernel; the Gluon kernels '
+                                      'would gather it in registers',
+ 'decode_softcap_sdpa_mask_d64_bf16': 'a mod reading a [q, kv] tile (a bias) is staged through '
+                                      'shared memory by the `tl` kernel; the Gluon kernels '
+                                      'would gather it in registers',
+ 'decode_softcap_sdpa_mask_d128_fp16': 'a mod reading a [q, kv] tile (a bias) is staged '
+                                       'through shared memory by the `tl` kernel; the Gluon '
+                                       'kernels would gather it in registers',
+ 'decode_softcap_sdpa_mask_d128_bf16': 'a mod reading a [q, kv] tile (a bias) is staged '
+                                       'through shared memory by the `tl` kernel; the Gluon '
+                                       'kernels would gather it in registers'}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses

@@ -155,8 +155,8 @@ def _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr, BLOCK_N
 # tiles itself from cu_seqlens (a few L1-resident loads per tile) and walks only those: head
 # group by head group (HEAD_GROUP heads whose K/V share L2), then query-block levels from the
 # top (the longest tiles first: a level holds block m of every sequence longer than
-# m * BLOCK_M), then sequences, then heads. Programs take every P-th tile, back and forth,
-# as in the dense schedule, so each walks down the levels monotonically and carries its
+# m * BLOCK_M), then sequences, then heads. Programs take every P-th tile (back and forth
+# with a band, as in the dense schedule), so each walks down the levels monotonically and carries its
 # position (group, level, first tile of the level, tiles in the level) from tile to tile.
 @gluon.jit
 def _seq_span(CU, b, TOTAL):
@@ -227,8 +227,9 @@ def _varlen_tile(k, group, level, base, size, CU_Q, BATCH, TOTAL_Q, H_Q, HEAD_GR
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     t = k * P + pid
-    if k % 2 == 1:
-        t = k * P + (P - 1 - pid)
+    if LONGEST_FIRST:  # back and forth, as _my_tile_count counts them
+        if k % 2 == 1:
+            t = k * P + (P - 1 - pid)
     g = t // (HEAD_GROUP * TILES_PER_HEAD)
     g0 = g * HEAD_GROUP
     g_size = gl.minimum(HEAD_GROUP, H_Q - g0)

@@ -1,0 +1,421 @@
+"""The Gluon (Hopper) backward with mods: score mods (the chain rule through d(mod)/d(score)
+on dS^T), mask mods (the transposed block lists, the mask in partial blocks) and sinks (D
+back to the host for the sink's gradient).
+
+On the CPU: which backward variants of specs/mods.yaml get a Gluon kernel and why the
+others do not; the runtime's wiring, with the Gluon launch replaced by a recorder (every
+argument the kernel's signature declares, the block lists of its tile, the sink's gradient
+from the returned D, the `tl` fallback for a mod tensor whose gradient is wanted); the
+offline sm_90 compile of every such kernel (resources in the assertions). On the GPU (-m
+gpu): every mod's dq, dk, dv (and the sink's gradient) against float64 autograd, odd
+shapes, Nq != Nk, GQA 4:1, batch 3, rows that see no key, with a check that the Gluon
+backward is what ran.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GRAD_TOL
+from packages import build_and_import
+from test_mods import documents, reference
+
+from flashgen import families
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the backward variants of specs/mods.yaml the Gluon kernel serves (mods, causal)
+SERVED = {
+    "softcap": (("softcap",), True),
+    "alibi": (("alibi",), True),
+    "document": (("document",), True),
+    "document_softcap": (("document", "softcap"), True),
+    "prefix_lm": (("prefix_lm",), False),
+    "window_sinks": (("window_sinks",), False),
+    "sink_logits": (("sink_logits",), True),
+    "softcap_key_padding": (("softcap", "key_padding"), True),
+}
+
+
+def _bwd_name(mods, causal, d=128, dtype="bf16"):
+    return f"bwd_{'causal_' if causal else ''}{'_'.join(mods)}_d{d}_{dtype}"
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    body = body.replace("decode: true", "decode: false")
+    return build_and_import(tmp_path_factory.mktemp("gbwd_mods"), "fg_gbwd_mods", body)
+
+
+def _kernel_text(pkg, name):
+    return (Path(pkg.__file__).parent / "kernels" / "gluon" / f"{name}.py").read_text()
+
+
+# ---------------------------------------------------------------------------------------
+# which variants, what is rendered
+# ---------------------------------------------------------------------------------------
+def test_backward_mod_variants_with_a_gluon_kernel(pkg):
+    reasons = pkg._registry.GLUON
+    for mods, causal in SERVED.values():
+        for d in (64, 128):
+            for dt in ("bf16", "fp16"):
+                assert reasons[_bwd_name(mods, causal, d, dt)] is None
+    # a tensor with a gradient (the bias behind attn_mask): the `tl` dK/dV kernel writes it
+    assert "gradient" in reasons["bwd_sdpa_mask_d128_bf16"]
+    assert "gradient" in reasons["bwd_softcap_sdpa_mask_d128_bf16"]
+    # a [q, kv] gather: `tl`, as in the forward
+    assert "[q, kv] tile" in reasons["bwd_relative_bias_d128_bf16"]
+    # the forward with a mask mod has its Gluon kernel too (block-sparse, tests/test_gluon.py)
+    assert reasons["fwd_causal_document_d128_bf16"] is None
+
+
+def test_rendered_mods(pkg):
+    soft = _kernel_text(pkg, "bwd_causal_softcap_d128_bf16")
+    # the chain rule: the derivative (a 16-bit kernel's tanh from _fastmath) multiplies P^T,
+    # guarded
+    assert "pt = gl.where(pt == 0.0, 0.0, pt * (" in soft and "_tanh(" in soft
+    assert "dst = gl.where(dpt == 0.0, 0.0, pt * dpt) * SCALE" in soft
+    assert "FULL_CNT" not in soft
+    # ALiBi's derivative is 1: nothing to multiply
+    alibi = _kernel_text(pkg, "bwd_causal_alibi_d128_bf16")
+    assert "T_slope" in alibi and "pt * dpt" not in alibi
+    # a mask mod: the lists, walked by the producer and the consumers, the mask in partial
+    # blocks only
+    doc = _kernel_text(pkg, "bwd_causal_document_d128_bf16")
+    assert doc.count("_listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M)") == 2
+    assert "if i >= n_full:" in doc and "T_doc" in doc
+    assert "= _query_range(" not in doc
+    # the plain kernel of the same package takes none of it
+    plain = _kernel_text(pkg, "bwd_causal_d128_bf16")
+    for word in ("FULL_CNT", "score = st", "dpt == 0.0", "_listed_block", "q_idx"):
+        assert word not in plain
+
+
+# ---------------------------------------------------------------------------------------
+# the runtime's wiring, the Gluon launch recorded instead of run (no GPU here)
+# ---------------------------------------------------------------------------------------
+def _runtime_params(text, name):
+    """The run-time (not constexpr) parameters of `<name>_kernel` in a rendered module."""
+    fn = next(n for n in ast.parse(text).body
+              if isinstance(n, ast.FunctionDef) and n.name == f"{name}_kernel")
+    return [a.arg for a in fn.args.args
+            if not (a.annotation is not None and ast.unparse(a.annotation) == "gl.constexpr")]
+
+
+class _Recorder:
+    """Stands in for a @gluon.jit kernel: kernel[grid](*args, **meta) is recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **meta):
+            self.calls.append((grid, args, meta))
+        return launch
+
+
+def _wired(pkg, monkeypatch):
+    rt = pkg._runtime
+    rec = _Recorder()
+    real = rt.kernel
+    monkeypatch.setattr(rt, "kernel", lambda name, function="kernel", family="tl": (
+        rec if family == "gluon" else real(name, function, family)))
+    monkeypatch.setattr(rt, "gluon_call_reason", lambda *a: None)  # no Hopper here
+    rt._backward_plans.clear()
+    return rt, rec
+
+
+@pytest.mark.parametrize("case", sorted(SERVED))
+def test_backward_launch_passes_what_the_kernel_declares(pkg, monkeypatch, case):
+    """Every run-time parameter of the rendered kernel gets an argument, in order: the
+    mods' tensors and params, then (mask mods) the lists of the kernel's own tile,
+    transposed -- the very tensors the block-mask cache holds for them."""
+    mods, causal = SERVED[case]
+    rt, rec = _wired(pkg, monkeypatch)
+    b, n, h, d = 2, 150, 4, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, n, h, d, generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    kw = {"cap": 20.0, "slope": torch.rand(h), "doc": documents(b, n, "cpu"),
+          "prefix_len": torch.tensor([7, 90], dtype=torch.int32),
+          "sinks": torch.randn(h), "keep": torch.rand(b, n) > 0.2}
+    if case == "window_sinks":
+        kw["sinks"], kw["window"] = 4, 50
+    accepted = {a for m in mods for a in [t for t, _, _ in pkg._registry.MODS[m]["tensors"]]
+                + list(pkg._registry.MODS[m]["params"])}
+    kw = {a: x for a, x in kw.items() if a in accepted}
+    out = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, **kw)
+    with rt.override_config(family="gluon"):
+        out.backward(torch.randn_like(out))
+    name = _bwd_name(mods, causal)
+    assert len(rec.calls) == 1, "the Gluon backward did not run"
+    grid, args, meta = rec.calls[0]
+    params = _runtime_params(_kernel_text(pkg, name), name)
+    assert len(args) == len(params), (params, len(args))
+    assert meta["BLOCK_M"] == families.GLUON_BWD_DEFAULT["block_m"]
+    call = pkg._mods.prepare(mods, kw, b, h, n, n, torch.device("cpu"))
+    got = dict(zip(params, args))
+    mod_args = dict(zip([p for p in params if p.startswith(("T_", "P_"))], call.args))
+    for p, x in mod_args.items():
+        if isinstance(x, torch.Tensor):  # a bool tensor is passed as a fresh int8 view
+            assert torch.equal(got[p], x) and got[p].data_ptr() == x.data_ptr(), p
+        else:
+            assert got[p] == x, p
+    if pkg._registry.MOD_COMBOS["+".join(mods)]["block_sparse"]:
+        lo, hi = args[params.index("LO_OFF")], args[params.index("HI_OFF")]
+        fwd = name.replace("bwd_", "fwd_", 1)
+        lists = call.sparse(fwd, meta["BLOCK_M"], meta["BLOCK_N"], True, lo, hi)
+        for p, want in zip(("FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BM_SB", "BM_SH"),
+                           lists):
+            if isinstance(want, torch.Tensor):
+                assert got[p] is want, f"{p}: not the cached list of the kernel's tile"
+                # per key block (transposed), one row per query block of BLOCK_M rows
+                assert want.shape[-2 if want.dim() == 3 else -1] == -(-n // meta["BLOCK_N"])
+            else:
+                assert got[p] == want, p
+    else:
+        assert "FULL_CNT" not in params
+
+
+def test_sink_gradient_comes_from_the_gluon_backwards_d(pkg, monkeypatch):
+    """The sink's gradient is computed on the host from D, which the Gluon path returns
+    now (its rows padded for TMA, sliced back)."""
+    rt, rec = _wired(pkg, monkeypatch)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 70, 4, 128, generator=g, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    sinks = torch.randn(4, generator=g).requires_grad_()
+    out = pkg.flash_attn_func(q, k, v, causal=True, mods=("sink_logits",), sinks=sinks)
+    with rt.override_config(family="gluon"):
+        out.backward(torch.randn_like(out))
+    assert len(rec.calls) == 1
+    assert sinks.grad is not None and torch.isfinite(sinks.grad).all()
+    assert sinks.grad.abs().sum() > 0
+
+
+def test_a_wanted_mod_tensor_gradient_keeps_the_tl_backward(pkg, monkeypatch):
+    """A call whose mod tensor wants its gradient takes the `tl` backward, which writes it
+    (the variants with such a tensor have no Gluon backward at all; this is the call-time
+    guard behind that)."""
+    rt = pkg._runtime
+    monkeypatch.setattr(rt, "gluon_call_reason", lambda *a: None)
+    q = torch.randn(1, 2, 64, 128, dtype=torch.bfloat16)
+
+    class Call:
+        grad_buffers = None
+    with rt.override_config(family="gluon"):
+        assert rt.gluon_backward_reason("bwd_d128_bf16", q, q, q, q, "none", Call()) is None
+        Call.grad_buffers = {"bias": torch.zeros(1)}
+        why = rt.gluon_backward_reason("bwd_d128_bf16", q, q, q, q, "none", Call())
+    assert "gradient" in why and "bias" in why
+
+
+# ---------------------------------------------------------------------------------------
+# sm_90 compile, offline
+# ---------------------------------------------------------------------------------------
+_COMPILE = r"""
+import json, sys
+from pathlib import Path
+from flashgen import gluon_compile, families
+res = gluon_compile.compile_package(Path(sys.argv[1]),
+                                    configs=[{**families.GLUON_BWD_DEFAULT, "kind": "bwd"}],
+                                    variants=sys.argv[2].split(","))
+print(json.dumps([r.__dict__ for r in res]))
+"""
+
+
+def _gluon_compiles():
+    import triton
+
+    return families.triton_ok(triton.__version__)
+
+
+@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
+def test_gluon_backwards_with_mods_compile_for_sm90(pkg):
+    """Every served mod backward compiles for sm_90 into the design (wgmma, the 240/24
+    split, shared memory within 227 KiB: 198176-198240 B at d=128, ~116300 at d=64) at the
+    default tile (64 x 128, 2-deep ring), with the stack frames STACK records."""
+    names = [_bwd_name(m, c) for m, c in SERVED.values()] + ["bwd_prefix_lm_d64_fp16"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
+                          ",".join(names)], capture_output=True, text=True, env=env,
+                         cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert set(rows) == set(names)
+    for name, r in rows.items():
+        assert r["wgmma"] > 0 and r["shared"] <= 232448, r
+        assert families.CONSUMER_REGS in r["setmaxnreg"], r
+        assert families.PRODUCER_REGS in r["setmaxnreg"], r
+        assert r["spill_bytes"] <= STACK.get(re.sub(r"_d\d+_\w+$", "", name), 32), r
+
+
+# Stack frame bytes allowed per variant at d=128 (the d=64 kernels measured 0-24): measured
+# with Triton 3.6.0, rounded up. The plain d=128 backward takes 32 B; its dK and dV
+# accumulators leave a consumer ~16 free registers of its 240, so whatever a mod adds to a
+# step pushes loop scalars (and, with a mask mod's loads beside a score mod, a few values of
+# the step) to the stack: the block lists' walk alone measured 96 B (window_sinks without
+# its mask), the mask +32, a softcap and its derivative +160. Whether that costs time is
+# for the GPU run (.scratch/gpu_check.sh's bench).
+STACK = {
+    "bwd_causal_softcap": 192,  # measured 192
+    "bwd_causal_alibi": 112,  # 104
+    "bwd_causal_document": 208,  # 208 (d=64: 16)
+    "bwd_causal_document_softcap": 432,  # 424
+    "bwd_prefix_lm": 112,  # 112 (d=64 fp16: 0)
+    "bwd_window_sinks": 128,  # 128
+    "bwd_causal_sink_logits": 32,  # 32, the plain kernel's: the sink is host-side
+    "bwd_causal_softcap_key_padding": 336,  # 328
+}
+
+
+# ---------------------------------------------------------------------------------------
+# on the GPU
+# ---------------------------------------------------------------------------------------
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _bwd_plan_kinds(pkg):
+    return {"gluon" if p is not None and p[7] == pkg._runtime._BWD_GLUON else "tl"
+            for p in pkg._runtime._backward_plans.values()}
+
+
+def _gpu_check(pkg, mods, kw, *, causal, b, n_q, n_k, h, h_kv, d, dtype, score=None,
+               mask=None, sink=None, dead_rows=None):
+    """dq, dk, dv (and the sink's gradient) of the Gluon backward against float64
+    autograd through test_mods.reference; NaN fails; `dead_rows` (batch, rows) see no key
+    and must get exactly zero dq."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(b, n_q, h, d, generator=g).cuda().to(dtype).requires_grad_()
+    k = torch.randn(b, n_k, h_kv, d, generator=g).cuda().to(dtype).requires_grad_()
+    v = torch.randn(b, n_k, h_kv, d, generator=g).cuda().to(dtype).requires_grad_()
+    rt = pkg._runtime
+    rt._backward_plans.clear()
+    with rt.override_config(family="gluon"):
+        out = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, **kw)
+        dout = torch.randn(out.shape, generator=g).cuda().to(dtype)
+        out.backward(dout)
+        assert _bwd_plan_kinds(pkg) == {"gluon"}, "the Gluon backward did not run"
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    sink_leaf = None
+    if sink is not None:
+        sink_leaf = kw[sink].detach().cpu().double().requires_grad_()
+    ref, _ = reference(*leaves, causal=causal, score=score, mask=mask, sink=sink_leaf)
+    want = torch.autograd.grad(ref, leaves + ([sink_leaf] if sink_leaf is not None else []),
+                               dout.cpu().double())
+    atol, rtol = GRAD_TOL[dtype]
+    got = [q.grad, k.grad, v.grad] + ([kw[sink].grad] if sink is not None else [])
+    for name, gr, r in zip(("dq", "dk", "dv", "dsink"), got, want):
+        assert gr is not None and not torch.isnan(gr).any(), f"NaN in {name}"
+        torch.testing.assert_close(gr.double().cpu(), r, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{name}: {m}")
+    if dead_rows is not None:
+        bi, rows = dead_rows
+        assert torch.equal(q.grad[bi, rows], torch.zeros_like(q.grad[bi, rows]))
+
+
+def _skip_unless_hopper():
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
+
+
+def _soft(cap):
+    return lambda s, b, h, i, j: cap * torch.tanh(s / cap)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # (B, Nq, Nk, Hq, Hkv, d, dtype)
+    (3, 257, 257, 8, 2, 128, torch.bfloat16),
+    (2, 127, 259, 4, 4, 64, torch.float16),
+    (1, 1031, 1031, 4, 1, 128, torch.bfloat16),
+], ids=["b3-gqa4-257", "d64-nq<nk", "1031-gqa4"])
+def test_gluon_softcap_backward(pkg, poison, case):
+    _skip_unless_hopper()
+    b, nq, nk, h, hkv, d, dt = case
+    _gpu_check(pkg, ("softcap",), {"cap": 5.0}, causal=True, b=b, n_q=nq, n_k=nk, h=h,
+               h_kv=hkv, d=d, dtype=dt, score=_soft(5.0))
+
+
+@pytest.mark.gpu
+def test_gluon_alibi_backward(pkg, poison):
+    _skip_unless_hopper()
+    slope = torch.tensor([2.0 ** (-(i + 1)) for i in range(8)], device="cuda")
+    sl = slope.cpu().double()
+    _gpu_check(pkg, ("alibi",), {"slope": slope}, causal=True, b=3, n_q=59, n_k=59, h=8,
+               h_kv=2, d=128, dtype=torch.bfloat16,
+               score=lambda s, b, h, i, j: s - sl[h] * (i - j).abs())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, h, hkv, d, dt", [(257, 8, 2, 128, torch.bfloat16),
+                                               (1000, 4, 1, 64, torch.float16)],
+                         ids=["257-gqa4", "1000-d64"])
+def test_gluon_document_backward(pkg, poison, n, h, hkv, d, dt):
+    _skip_unless_hopper()
+    doc = documents(3, n, "cuda")
+    dd = doc.cpu().long()
+    _gpu_check(pkg, ("document",), {"doc": doc}, causal=True, b=3, n_q=n, n_k=n, h=h,
+               h_kv=hkv, d=d, dtype=dt, mask=lambda b, h, i, j: dd[b, i] == dd[b, j])
+
+
+@pytest.mark.gpu
+def test_gluon_document_softcap_backward(pkg, poison):
+    _skip_unless_hopper()
+    doc = documents(2, 777, "cuda", seed=3)
+    dd = doc.cpu().long()
+    _gpu_check(pkg, ("document", "softcap"), {"doc": doc, "cap": 5.0}, causal=True, b=2,
+               n_q=777, n_k=777, h=4, h_kv=1, d=128, dtype=torch.bfloat16, score=_soft(5.0),
+               mask=lambda b, h, i, j: dd[b, i] == dd[b, j])
+
+
+@pytest.mark.gpu
+def test_gluon_prefix_lm_backward(pkg, poison):
+    _skip_unless_hopper()
+    prefix = torch.tensor([5, 200, 90], dtype=torch.int32, device="cuda")
+    p = prefix.cpu().long()
+    _gpu_check(pkg, ("prefix_lm",), {"prefix_len": prefix}, causal=False, b=3, n_q=257,
+               n_k=257, h=8, h_kv=2, d=128, dtype=torch.bfloat16,
+               mask=lambda b, h, i, j: (j < p[b]) | (j <= i))
+
+
+@pytest.mark.gpu
+def test_gluon_window_sinks_backward(pkg, poison):
+    _skip_unless_hopper()
+    _gpu_check(pkg, ("window_sinks",), {"sinks": 4, "window": 100}, causal=False, b=2,
+               n_q=1031, n_k=1031, h=8, h_kv=2, d=128, dtype=torch.bfloat16,
+               mask=lambda b, h, i, j: (j <= i) & ((j < 4) | (i - j <= 100)))
+
+
+@pytest.mark.gpu
+def test_gluon_softcap_key_padding_backward_with_dead_rows(pkg, poison):
+    """Left padding of batch 1 hides every key from its first queries (bottom-right causal,
+    Nq < Nk): those rows' dq is exactly 0."""
+    _skip_unless_hopper()
+    keep = torch.ones(2, 259, dtype=torch.bool)
+    keep[0, 200:] = False
+    keep[1, :150] = False
+    _gpu_check(pkg, ("softcap", "key_padding"), {"keep": keep.cuda(), "cap": 5.0},
+               causal=True, b=2, n_q=127, n_k=259, h=8, h_kv=2, d=128, dtype=torch.float16,
+               score=_soft(5.0), mask=lambda b, h, i, j: keep[b, j],
+               dead_rows=(1, slice(0, 18)))
+
+
+@pytest.mark.gpu
+def test_gluon_sink_logits_backward(pkg, poison):
+    _skip_unless_hopper()
+    sinks = torch.tensor([0.7, -1.5, 2.0, 0.0, 1.0, -0.5, 3.0, -2.0], device="cuda")
+    sinks.requires_grad_()
+    _gpu_check(pkg, ("sink_logits",), {"sinks": sinks}, causal=True, b=3, n_q=257, n_k=257,
+               h=8, h_kv=2, d=128, dtype=torch.bfloat16, sink="sinks")
