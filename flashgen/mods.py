@@ -463,12 +463,43 @@ def to_source(e: Expr) -> str:
     return f"{op}({', '.join(to_source(x) for x in a)})"
 
 
-def to_triton(e: Expr, names: dict, load, lang: str = "tl", tanh_fn: str | None = None) -> str:
+def to_triton(e: Expr, names: dict, load, lang: str = "tl", tanh_fn: str | None = None,
+              float_names: dict | None = None) -> str:
     """A Triton expression. `names` maps vars and params to the kernel's names; `load(node,
     index_texts)` renders a tensor load (the template owns pointers, strides and masks).
     lang "gl" prints Gluon (the same functions under gl., tanh without tl.sigmoid).
     `tanh_fn` names a jit function of one fp32 tensor that computes tanh (the package's
-    special-function-unit version); None spells tanh with exp."""
+    special-function-unit version); None spells tanh with exp.
+
+    `float_names` maps index vars to fp32 copies the kernel has made once per row / column
+    vector (q_idx -> q_idx_f). With it, an int subtree of index sums and differences that
+    feeds float arithmetic (ALiBi's slope * abs(q_idx - kv_idx)) is computed in fp32 from
+    those vectors: one float add per score instead of an int add and an int-to-float
+    conversion, which runs at the special-function unit's quarter rate beside the
+    softmax's exp2. Exact while the indices stay below 2^24."""
+    def rf(x: Expr) -> str:
+        """An int-typed subtree as an fp32 expression."""
+        op, a = x.op, x.args
+        if op == "var" and x.value in float_names:
+            return float_names[x.value]
+        if op == "const" and not isinstance(x.value, bool):
+            return repr(float(x.value))
+        if op in ("add", "sub"):
+            return f"({rf(a[0])} {_SYMBOL[op]} {rf(a[1])})"
+        if op == "neg":
+            return f"(-{rf(a[0])})"
+        if op == "abs":
+            return f"{lang}.abs({rf(a[0])})"
+        if op in ("min", "max"):
+            return f"{lang}.{op}imum({rf(a[0])}, {rf(a[1])})"
+        return f"({r(x)}).to({lang}.float32)"
+
+    def operand(x: Expr, parent: Expr) -> str:
+        """x as an argument of `parent`: through rf where an int meets float arithmetic."""
+        if float_names and parent.type == "float" and x.type == "int":
+            return rf(x)
+        return r(x)
+
     def r(x: Expr) -> str:
         op, a = x.op, x.args
         if op == "const":
@@ -484,15 +515,15 @@ def to_triton(e: Expr, names: dict, load, lang: str = "tl", tanh_fn: str | None 
         if op == "not":
             return f"(~{r(a[0])})"
         if op in _SYMBOL:
-            return f"({r(a[0])} {_SYMBOL[op]} {r(a[1])})"
+            return f"({operand(a[0], x)} {_SYMBOL[op]} {operand(a[1], x)})"
         if op in ("and", "or"):
             return "(" + (" & " if op == "and" else " | ").join(r(v) for v in a) + ")"
         if op == "where":
-            return f"{lang}.where({r(a[0])}, {r(a[1])}, {r(a[2])})"
+            return f"{lang}.where({r(a[0])}, {operand(a[1], x)}, {operand(a[2], x)})"
         if op == "abs":
-            return f"{lang}.abs({r(a[0])})"
+            return f"{lang}.abs({operand(a[0], x)})"
         if op in ("min", "max"):
-            return f"{lang}.{op}imum({r(a[0])}, {r(a[1])})"
+            return f"{lang}.{op}imum({operand(a[0], x)}, {operand(a[1], x)})"
         if op in ("exp", "log", "sqrt"):
             return f"{lang}.{op}(({r(a[0])}).to({lang}.float32))"
         if op == "tanh" and tanh_fn:

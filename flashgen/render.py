@@ -169,7 +169,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
                 if e is not None else "")
 
     def glu(e):
-        return (mods.to_triton(e, names, loader("gl"), "gl", tanh_fn="_tanh" if fast else None)
+        # the Gluon kernels make q_idx_f / kv_idx_f (fp32 index vectors) beside q_idx / kv_idx
+        return (mods.to_triton(e, names, loader("gl"), "gl", tanh_fn="_tanh" if fast else None,
+                               float_names={"q_idx": "q_idx_f", "kv_idx": "kv_idx_f"})
                 if e is not None else "")
 
     # each tensor: pointer, strides, extents; then the params

@@ -379,9 +379,10 @@ def test_gluon_reasons_for_mods():
     assert "[q, kv] tile" in reg.GLUON["fwd_softcap_sdpa_mask_d128_bf16"]
 
 
-def test_gluon_forwards_with_mods_are_opt_in():
-    """Gluon forwards with mods run with FLASHGEN_FAMILY=gluon / override_config only,
-    until their kinds join families.GLUON_MOD_KINDS_BY_DEFAULT (the lead's switch)."""
+def test_gluon_kernels_with_mods_follow_the_switch():
+    """A Gluon kernel with mods is the default exactly where all of its mods' kinds are in
+    families.GLUON_MOD_KINDS_BY_DEFAULT[its kernel kind]; others run with
+    FLASHGEN_FAMILY=gluon / override_config."""
     assert families.gluon_by_default("fwd", False, 128)
     for kinds in (("score",), ("mask",), ("sink",), ("mask", "score")):
         for kind in ("fwd", "bwd"):

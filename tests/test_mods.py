@@ -366,7 +366,7 @@ def test_torch_compile_fullgraph_with_mods_and_bias_gradient(pkg):
                                       (("sink_logits",), None)], ids=["softcap", "alibi", "sinks"])
 def test_gluon_forward_with_mods_on_hopper(mods, kw):
     """The shipped mods package's Gluon forward (score mods, sinks) against the `tl`
-    kernel and float64, bf16 d=128 (FLASHGEN_FAMILY=gluon forces it; it is opt-in)."""
+    kernel and float64, bf16 d=128 (FLASHGEN_FAMILY=gluon forces it)."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("the Gluon kernels run on Hopper only")
     import importlib
@@ -550,9 +550,9 @@ def test_gluon_forward_with_mask_mods_against_float64(gluon_pkg, poison, case, k
 
 
 @pytest.mark.gpu
-def test_gluon_forward_with_mask_mods_is_opt_in_and_matches_tl(gluon_pkg):
-    """Without FLASHGEN_FAMILY=gluon or override_config(family="gluon") a mask-mod
-    forward runs `tl` (families.GLUON_MOD_KINDS_BY_DEFAULT is empty); the two families agree."""
+def test_gluon_forward_with_mask_mods_default_and_matches_tl(gluon_pkg):
+    """Without FLASHGEN_FAMILY or override_config a mask-mod forward runs the family that
+    families.GLUON_MOD_KINDS_BY_DEFAULT names for it; the two families agree."""
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
         pytest.skip("the Gluon kernels run on Hopper only")
     from flashgen import families

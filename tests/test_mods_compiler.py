@@ -187,3 +187,22 @@ def test_tanh_on_the_special_function_unit_for_16_bit_variants_only():
     fast, exact = mod_context(spec, by_dtype["bf16"]), mod_context(spec, by_dtype["fp32"])
     assert fast["fast_tanh"] and "_tanh(" in fast["score_mod"] and "_tanh(" in fast["score_grad"]
     assert not exact["fast_tanh"] and "tl.sigmoid" in exact["score_mod"]
+
+
+def test_index_arithmetic_feeding_a_float_is_done_in_fp32_vectors():
+    """ALiBi's slope * abs(q_idx - kv_idx): with float_names the int distance is computed
+    from the kernel's fp32 index vectors (no int-to-float conversion per score); the
+    value is the same, exactly, for indices below 2^24."""
+    e = M.parse_expr("score - slope[h] * abs(q_idx - kv_idx)", "score", {},
+                     {"slope": M.parse_tensor_decl("slope", "[H] fp32")})
+    names = {"score": "score", "h": "h", "q_idx": "q_idx", "kv_idx": "kv_idx"}
+
+    def load(node, idx):
+        return f"S[{', '.join(idx)}]"
+
+    fast = M.to_triton(e, names, load, "gl", float_names={"q_idx": "qf", "kv_idx": "kf"})
+    assert "gl.abs((qf - kf))" in fast and "q_idx" not in fast
+    assert "gl.abs((q_idx - kv_idx))" in M.to_triton(e, names, load, "gl")
+    # a pure int expression (a mask) is left alone
+    m = M.parse_expr("q_idx - kv_idx <= 16", "mask", {}, {})
+    assert "qf" not in M.to_triton(m, names, load, "gl", float_names={"q_idx": "qf", "kv_idx": "kf"})

@@ -424,8 +424,8 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             base = variant_name(facts["kind"], facts["mask"], facts["dropout"],
                                 facts["head_dim"], facts["dtype"], (), facts.get("v_head_dim"))
             tuned = TUNED.get(gpu, {}).get(base)
-        # (a Gluon forward with mods is opt-in, FLASHGEN_FAMILY=gluon, until its mods' kinds
-        # are in _families.GLUON_MOD_KINDS_BY_DEFAULT)
+        # (a Gluon kernel with mods is the default where its mods' kinds are in
+        # _families.GLUON_MOD_KINDS_BY_DEFAULT, else opt-in: FLASHGEN_FAMILY=gluon)
         default = _families.gluon_by_default(facts["kind"], facts["dropout"], facts["head_dim"],
                                               mod_kinds(name))
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None

@@ -210,8 +210,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             kv_idx = gl.expand_dims(keys, 1)  # [SPLIT_N, 1]: S^T's rows are keys
             q_idx = gl.expand_dims(m0 + qcols, 0)  # [1, BLOCK_M], its columns queries
+            # fp32 copies for index arithmetic that feeds a float (mods.to_triton)
+            kv_idx_f = gl.expand_dims(keys.to(gl.float32), 1)
+            q_idx_f = gl.expand_dims((m0 + qcols).to(gl.float32), 0)
             score = st * SCALE  # natural units, what the score mod sees
-            pt = gl.exp2(((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx - kv_idx))))) * LOG2E - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
+            pt = gl.exp2(((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx_f - kv_idx_f))))) * LOG2E - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
             if (m0 < full_lo) | (m0 + BLOCK_M > full_hi):
                 # this query block straddles an edge of the band or the end of the queries:
                 # hide what it may not see

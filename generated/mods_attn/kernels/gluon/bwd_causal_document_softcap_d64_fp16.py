@@ -239,6 +239,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             kv_idx = gl.expand_dims(keys, 1)  # [SPLIT_N, 1]: S^T's rows are keys
             q_idx = gl.expand_dims(m0 + qcols, 0)  # [1, BLOCK_M], its columns queries
+            # fp32 copies for index arithmetic that feeds a float (mods.to_triton)
+            kv_idx_f = gl.expand_dims(keys.to(gl.float32), 1)
+            q_idx_f = gl.expand_dims((m0 + qcols).to(gl.float32), 0)
             score = st * SCALE  # natural units, what the score mod sees
             pt = gl.exp2(((P_cap * _tanh(((score / P_cap)).to(gl.float32)))) * LOG2E - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
             if i >= n_full:

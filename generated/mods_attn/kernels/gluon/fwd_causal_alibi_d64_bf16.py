@@ -463,9 +463,13 @@ def _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_slope, T_slope_S0, T_slope_
     the online softmax step runs unchanged."""
     q_idx = gl.expand_dims(rows, 1)  # [SPLIT_M, 1] rows of the score matrix
     kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
+    # fp32 copies, converted once per vector: index arithmetic that feeds a float (ALiBi's
+    # distance) is done in fp32, not converted per score (mods.to_triton)
+    q_idx_f = gl.expand_dims(rows.to(gl.float32), 1)
+    kv_idx_f = gl.expand_dims((n0 + cols).to(gl.float32), 0)
     natural = qk_scale * LN2  # the softmax scale
     score = qk * natural
-    return ((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx - kv_idx))))) * (1.0 / natural)
+    return ((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx_f - kv_idx_f))))) * (1.0 / natural)
 
 
 @gluon.jit

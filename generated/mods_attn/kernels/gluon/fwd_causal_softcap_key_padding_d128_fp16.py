@@ -491,6 +491,10 @@ def _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_keep, T_keep_S0, T_keep_S1,
     the online softmax step runs unchanged."""
     q_idx = gl.expand_dims(rows, 1)  # [SPLIT_M, 1] rows of the score matrix
     kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
+    # fp32 copies, converted once per vector: index arithmetic that feeds a float (ALiBi's
+    # distance) is done in fp32, not converted per score (mods.to_triton)
+    q_idx_f = gl.expand_dims(rows.to(gl.float32), 1)
+    kv_idx_f = gl.expand_dims((n0 + cols).to(gl.float32), 0)
     natural = qk_scale * LN2  # the softmax scale
     score = qk * natural
     return ((P_cap * _tanh(((score / P_cap)).to(gl.float32)))) * (1.0 / natural)
@@ -502,6 +506,10 @@ def _mask_mod(rows, cols, n0, b, h, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_k
     (only the partial blocks of the block mask run it)."""
     q_idx = gl.expand_dims(rows, 1)  # [SPLIT_M, 1] rows of the score matrix
     kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
+    # fp32 copies, converted once per vector: index arithmetic that feeds a float (ALiBi's
+    # distance) is done in fp32, not converted per score (mods.to_triton)
+    q_idx_f = gl.expand_dims(rows.to(gl.float32), 1)
+    kv_idx_f = gl.expand_dims((n0 + cols).to(gl.float32), 0)
     return (gl.load(T_keep + gl.minimum(gl.maximum(b, 0), T_keep_D0 - 1).to(gl.int64) * T_keep_S0 + gl.minimum(gl.maximum(kv_idx, 0), T_keep_D1 - 1).to(gl.int64) * T_keep_S1) != 0)
 
 

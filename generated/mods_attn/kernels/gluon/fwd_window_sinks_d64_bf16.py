@@ -488,6 +488,10 @@ def _mask_mod(rows, cols, n0, b, h, P_sinks, P_window):
     (only the partial blocks of the block mask run it)."""
     q_idx = gl.expand_dims(rows, 1)  # [SPLIT_M, 1] rows of the score matrix
     kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
+    # fp32 copies, converted once per vector: index arithmetic that feeds a float (ALiBi's
+    # distance) is done in fp32, not converted per score (mods.to_triton)
+    q_idx_f = gl.expand_dims(rows.to(gl.float32), 1)
+    kv_idx_f = gl.expand_dims((n0 + cols).to(gl.float32), 0)
     return ((kv_idx <= q_idx) & ((kv_idx < P_sinks) | ((q_idx - kv_idx) <= P_window)))
 
 
