@@ -613,38 +613,50 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
 
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
     _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
-    d_pad = _families.head_dim_pad(d)
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
-    kv_box = [1, 1, cfg["block_n"], d_pad]
     _, _, sms = gpu_key(q.device)
     num_m = triton_cdiv(n_q, cfg["block_m"])
     tiles = batch * h_q * num_m
-    # heads whose K and V fit in a share of L2 together (the longest-first order walks
-    # them as a group); L2 size from the device, 50 MB if it does not say
-    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
-    kv_head_bytes = 2 * n_k * d * q.element_size()
-    # ... but at least enough heads for two rounds of the persistent grid: with fewer the
+    # at least enough heads a group for two rounds of the persistent grid: with fewer the
     # longest-first order restarts every few tiles and the programs' totals drift apart
     # (one head a group at N=16k ran causal d128 at 458 TFLOP/s, three at 547)
-    head_group = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1),
-                     triton_cdiv(2 * sms, num_m)) * (h_q // h_kv)
-    consumer_regs, producer_regs = _families.regs(cfg)
-    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
-                PINGPONG=bool(cfg.get("pingpong", True)),
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, dtype),
-                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
-                VARLEN=False, num_warps=4)
-    # persistent: one program per SM walks its share of the tiles; else one per tile
-    grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
-    launch = Launcher(kernel(name, family="gluon"), grid, meta)
+    head_group = _gluon_kv_heads(cfg, q, n_k, d, triton_cdiv(2 * sms, num_m)) * (h_q // h_kv)
+    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=False)
     args = (None, None,  # CU_Q, CU_K: a dense batch
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
             head_group)
     return launch, args
+
+
+def _gluon_kv_heads(cfg, q, n_k, d, at_least) -> int:
+    """K/V heads a group of the Gluon forward's longest-first walk: as many as fit in a
+    share of L2 together (L2 size from the device, 50 MB if it does not say), so the
+    programs running at one time share K/V blocks through L2, and at least `at_least`."""
+    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
+    kv_head_bytes = 2 * n_k * d * q.element_size()
+    return max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1), at_least)
+
+
+def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool):
+    """The Launcher of a Gluon forward (dense or VARLEN) at config `cfg` over `tiles` query
+    tiles: its compile-time meta and its grid."""
+    from triton.experimental.gluon import language as gl
+
+    d_pad = _families.head_dim_pad(d)
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
+    kv_box = [1, 1, cfg["block_n"], d_pad]
+    consumer_regs, producer_regs = _families.regs(cfg)
+    meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
+                PINGPONG=bool(cfg.get("pingpong", True)),
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
+                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
+                VARLEN=varlen, num_warps=4)
+    # persistent: one program per SM walks its share of the tiles; else one per tile
+    grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
+    return Launcher(kernel(name, family="gluon"), grid, meta)
 
 
 def _descriptor_ready(*tensors) -> bool:
@@ -803,11 +815,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             lse = padded
         dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
         _descriptor_allocator()
-        if mods is not None:
-            dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args, *mods.args,
-                 *(mods.sparse(*tiles, lo, hi) if tiles else ()))
-        else:
-            dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args)
+        dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args,
+             *(mods.args if mods is not None else ()),
+             *(mods.sparse(*tiles, lo, hi) if tiles else ()))
         dq.copy_(dq_acc.view(dq.shape))
         return delta[..., :n_q]
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
@@ -1184,35 +1194,18 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
     sequences' spans read from cu_seqlens on the device; the tiles (at most
     cdiv(max_seqlen_q, BLOCK_M) per sequence and head) are counted on the device too, so
     the grid is sized from an upper bound."""
-    from triton.experimental.gluon import language as gl
-
     total_q, h_q, d = q.shape
     total_k, h_kv, _ = k.shape
-    d_pad = _families.head_dim_pad(d)
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
-    kv_box = [1, 1, cfg["block_n"], d_pad]
     _, _, sms = gpu_key(q.device)
-    block_m = cfg["block_m"]
-    num_m = triton_cdiv(max_q, block_m)
+    num_m = triton_cdiv(max_q, cfg["block_m"])
     # query tiles of one head: sum of cdiv(n_i, BLOCK_M) <= total_q / BLOCK_M + batch
-    per_head = min(batch * num_m, triton_cdiv(total_q, block_m) + batch)
+    per_head = min(batch * num_m, triton_cdiv(total_q, cfg["block_m"]) + batch)
     group = h_q // h_kv
-    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
-    kv_head_bytes = 2 * total_k * d * q.element_size()
-    kv_heads = max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1),
-                   triton_cdiv(VARLEN_GLUON_ROUNDS * sms, per_head * group))
+    kv_heads = _gluon_kv_heads(cfg, q, total_k, d,
+                               triton_cdiv(VARLEN_GLUON_ROUNDS * sms, per_head * group))
     head_group = min(kv_heads, h_kv) * group
-    consumer_regs, producer_regs = _families.regs(cfg)
-    meta = dict(BLOCK_M=block_m, BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
-                PINGPONG=bool(cfg.get("pingpong", True)),
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, dtype),
-                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
-                VARLEN=True, num_warps=4)
     tiles = h_q * per_head  # an upper bound: the kernel counts the real ones
-    grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
-    launch = Launcher(kernel(name, family="gluon"), grid, meta)
+    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=True)
     # batch strides: the token stride (one batch; never stepped, only a valid descriptor)
     args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
             v.stride(0), v.stride(1), v.stride(0), o.stride(0), o.stride(1), o.stride(0),
