@@ -859,8 +859,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     if cfg.get("family") == "gluon":
         why = gluon_backward_reason(name, q, k, v, do, mask, mods)
         if why is None:
-            launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name,
-                                                banded=mask != "none")
+            launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name)
             tiles = None
             if mods is not None and mods.block_sparse:  # the lists per key block
                 tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
@@ -941,30 +940,7 @@ def _vec_row(n_q: int) -> int:
     return triton_cdiv(n_q, 4) * 4
 
 
-# The Gluon backward's program order under a band mask (causal, window): (batch, K/V head)
-# pairs in L2-sized groups, key blocks longest-first across each group (_block_coords in
-# templates/gluon/bwd.py.j2). False: head-major order, every mask.
-GLUON_BWD_HEAD_GROUPS = True
-
-
-def _gluon_bwd_head_group(cfg, q, h_kv, num_n, banded: bool) -> int:
-    """(batch, K/V head) pairs a group of the Gluon backward's program order: as many as
-    have their Q and dO fit a share of L2 together, and at least two rounds of the grid
-    (one program per SM at the backward's shared memory), so that each group's short last
-    key blocks overlap the next group's long first ones. 1 (head-major) without a band:
-    every key block is then equally long, and consecutive programs of one head share its
-    Q and dO best."""
-    if not (banded and GLUON_BWD_HEAD_GROUPS):
-        return 1
-    batch, h_q, n_q, d = q.shape
-    _, _, sms = gpu_key(q.device)
-    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
-    qdo_bytes = 2 * (h_q // h_kv) * n_q * d * q.element_size()  # a K/V head's Q and dO
-    fit = (l2 // int(cfg.get("l2_share", 4))) // max(qdo_bytes, 1)
-    return max(1, fit, triton_cdiv(2 * sms, num_n))
-
-
-def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name, banded=False):
+def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
     """(Launcher, run-time arguments) of the Gluon dK/dV/dQ kernel for one call signature
     (the preprocess launch is the `tl` family's)."""
     from triton.experimental.gluon import language as gl
@@ -990,7 +966,7 @@ def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name, banded=F
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3],
             batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
-            _gluon_bwd_head_group(cfg, q, h_kv, num_n, banded), _vec_row(n_q))
+            _vec_row(n_q))
     return launch, args
 
 

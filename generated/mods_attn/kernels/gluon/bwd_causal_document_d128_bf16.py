@@ -84,20 +84,14 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 # Which key block a program owns, and which query blocks see it
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _block_coords(NUM_N, H_KV, NUM_BKV, HEAD_GROUP, BLOCK_N: gl.constexpr):
-    """(batch, K/V head, first key row) of this program. The (batch, K/V head) pairs go in
-    groups of HEAD_GROUP, and within a group key block by key block, each across the
-    group's heads: the programs running together read few heads' Q and dO, which then stay
-    in L2, and under a causal mask the first key blocks -- the longest, every query row
-    sees them -- go first, so the last programs to start are short. HEAD_GROUP = 1 is
-    head-major order."""
+def _block_coords(NUM_N, H_KV, BLOCK_N: gl.constexpr):
+    """(batch, K/V head, first key row) of this program. Programs of one head are
+    consecutive, so the ones running together read the same Q and dO through L2; within a
+    head the first key blocks, which the most query rows see under a causal mask, go
+    first."""
     pid = gl.program_id(0)
-    group = pid // (HEAD_GROUP * NUM_N)
-    first = group * HEAD_GROUP
-    heads = gl.minimum(HEAD_GROUP, NUM_BKV - first)  # the last group may be smaller
-    r = pid - group * (HEAD_GROUP * NUM_N)
-    bkv = first + r % heads
-    return bkv // H_KV, bkv % H_KV, (r // heads) * BLOCK_N
+    bkv = pid // NUM_N
+    return bkv // H_KV, bkv % H_KV, (pid % NUM_N) * BLOCK_N
 
 
 @gluon.jit
@@ -140,9 +134,9 @@ def _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M: gl.conste
 @gluon.jit
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
               v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-              N_K, BATCH, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, VEC_ROW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BLOCK_M: gl.constexpr,
+              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
-    b, kv_h, n_start = _block_coords(NUM_N, H_KV, BATCH * H_KV, HEAD_GROUP, BLOCK_N)
+    b, kv_h, n_start = _block_coords(NUM_N, H_KV, BLOCK_N)
     # this program's K and V, a [SPLIT_N, HEAD_DIM_PAD] box of each per consumer
     mbarrier.expect(kv_ready, 2 * NUM_CONSUMERS * desc_k.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
@@ -182,8 +176,8 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
               kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-              stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, BATCH, H_KV, KV_GROUP, QK_SCALE_LOG2,
-              SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, CID: gl.constexpr, BLOCK_M: gl.constexpr,
+              stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
+              SCALE, LO_OFF, HI_OFF, NUM_N, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, CID: gl.constexpr, BLOCK_M: gl.constexpr,
               BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
     # [SPLIT_N, HEAD_DIM_PAD]; its columns of a query block's dQ are [BLOCK_M, DQ_COLS]
@@ -199,7 +193,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # along its keys
     dtype: gl.constexpr = q_smem.dtype
 
-    b, kv_h, n_start = _block_coords(NUM_N, H_KV, BATCH * H_KV, HEAD_GROUP, BLOCK_N)
+    b, kv_h, n_start = _block_coords(NUM_N, H_KV, BLOCK_N)
     keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
     qcols = gl.arange(0, BLOCK_M, layout=col_s)  # [BLOCK_M]
     d_cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, d_layout))  # [HEAD_DIM_PAD]
@@ -316,7 +310,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_N", "HEAD_GROUP", "VEC_ROW", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "BM_SB", "BM_SH"])
+                              "NUM_N", "VEC_ROW", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "BM_SB", "BM_SH"])
 def bwd_causal_document_d128_bf16_kernel(
     Q, K, V, DO,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
     LSE, DELTA,  # [B * H_Q, VEC_ROW] fp32: the forward's log-sum-exp, rowsum(dO * O)
@@ -335,7 +329,6 @@ def bwd_causal_document_d128_bf16_kernel(
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
     NUM_N,  # key blocks per (batch, K/V head); the grid is BATCH * H_KV * NUM_N programs
-    HEAD_GROUP,  # (batch, K/V head) pairs whose programs interleave (_block_coords)
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
     # the mods' tensors (pointer, strides, extents) and params
     T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1,
@@ -411,14 +404,14 @@ def bwd_causal_document_d128_bf16_kernel(
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, BATCH, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, BATCH, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
-                     do_empty, N_Q, N_K, BATCH, H_KV, KV_GROUP, LO_OFF, HI_OFF,
-                     NUM_N, HEAD_GROUP, VEC_ROW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
+                     NUM_N, VEC_ROW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
