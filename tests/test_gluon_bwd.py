@@ -146,5 +146,10 @@ def test_which_gluon_kernels_run_by_default():
     assert families.gluon_by_default("fwd", False, 64)
     assert families.gluon_by_default("bwd", False, 128)
     assert families.gluon_by_default("bwd", False, 96)
+    # d=64: `tl` below GLUON_BWD_SMALL_D_MIN_N, Gluon (128-row steps) from it up
     assert not families.gluon_by_default("bwd", False, 64)
+    assert not families.gluon_by_default("bwd", False, 64, (), families.GLUON_BWD_SMALL_D_MIN_N // 2)
+    assert families.gluon_by_default("bwd", False, 64, (), families.GLUON_BWD_SMALL_D_MIN_N)
+    assert families.gluon_default(64, "bwd")["block_m"] == 128
+    assert families.gluon_default(128, "bwd")["block_m"] == 64
     assert not families.gluon_by_default("fwd", True, 128)

@@ -62,10 +62,11 @@ def regs(config: dict) -> tuple[int, int]:
 # Which Gluon kernels replace the `tl` ones by default on Hopper (untuned, or tuned before
 # the `family` knob): those whose current form has run on the H100 and beaten `tl` there.
 #  - the forward without dropout (docs/PERF_NOTES.md, sixth session);
-#  - the backward at d >= 96 (d=96 runs the d=128 tiles): bf16 d=128, B*N = 16k, H=16,
+#  - the backward at d >= 96 (d=96 runs the d=128 tiles), and at d=64 from N = 2048 up
+#    (GLUON_BWD_SMALL_D_MIN_N): bf16 d=128, B*N = 16k, H=16,
 #    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
-#    288 / 410 for the `tl` backward in the same run (seventh session). Its d=64 kernel was
-#    last measured in an older form, slower than `tl` in GPT-2 small's step;
+#    288 / 410 for the `tl` backward in the same run (seventh session); d=64 below at
+#    GLUON_BWD_SMALL_D_MIN_N;
 #  - not the dropout forward: its shipped form was compiled for sm_90 but has not run;
 #  - a kernel with mods only where every kind of mod it has is in
 #    GLUON_MOD_KINDS_BY_DEFAULT[its kind].
@@ -83,12 +84,26 @@ GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
                               "bwd": frozenset({"score", "sink", "mask"})}
 
 
-def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=()) -> bool:
+# The backward at d <= 64 goes Gluon from this length bucket up: bf16, H=32, B*N = 16k on the
+# H100, Gluon with 128-row steps vs the `tl` backward's tuned tiles (TFLOP/s, one backward a
+# CUDA event pair): non-causal 266.8 / 330.2 / 404.2 vs 264.1 / 307.6 / 346.5 at N = 2k / 4k /
+# 16k, causal 182.1 / 260.3 / 376.4 vs 174.2 / 234.7 / 306.4; below 2k `tl` won (N = 512:
+# 118.9 vs 134.8 non-causal, 61.3 vs 65.3 causal; docs/PERF_NOTES.md, tenth session).
+GLUON_BWD_SMALL_D_MIN_N = 2048
+
+
+def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
+                     n: int | None = None) -> bool:
+    """Whether the Gluon kernel of a variant replaces the `tl` one by default on Hopper, for
+    calls of length bucket n (None: the variant as a whole, where a length rule counts as
+    not by default)."""
     if dropout:
         return False
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
-    return kind == "fwd" or (kind == "bwd" and head_dim >= 96)
+    if kind == "bwd" and head_dim <= 64:
+        return n is not None and n >= GLUON_BWD_SMALL_D_MIN_N
+    return kind in ("fwd", "bwd")
 
 
 KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)
@@ -121,7 +136,13 @@ def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
     while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k:
     466 vs 439 TFLOP/s)."""
     if kind == "bwd":
-        return dict(GLUON_BWD_DEFAULT)
+        cfg = dict(GLUON_BWD_DEFAULT)
+        if head_dim <= 64:
+            # 128 query rows a step: the products of a 64-row step at d=64 are too short
+            # for the step's fixed costs (barriers, the dQ hand-over); 12-17% faster at N >=
+            # 4k on the H100, level at 2k (GLUON_BWD_SMALL_D_MIN_N)
+            cfg["block_m"] = 128
+        return cfg
     cfg = dict(GLUON_DEFAULT)
     if head_dim <= 64:
         cfg["pingpong"] = False

@@ -394,7 +394,7 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     entry has no `family` (it was tuned before that knob existed) or has no tuned entry
     takes the Gluon default: measured faster than the tuned `tl` winners at every training
     shape on the H100 (docs/PERF_NOTES.md). That holds where _families.gluon_by_default
-    says so (the forward without dropout, the backward at d >= 96); the others reach their Gluon kernel through a
+    says so (the forward without dropout, the backward at d >= 96 and at d=64 from N = 2048); the others reach their Gluon kernel through a
     tuned entry that names it, FLASHGEN_FAMILY=gluon or override_config(family="gluon").
 
     FLASHGEN_FAMILY=gluon sends every call a Gluon kernel can serve to it, whatever the
@@ -427,7 +427,7 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
         # (a Gluon kernel with mods is the default where its mods' kinds are in
         # _families.GLUON_MOD_KINDS_BY_DEFAULT, else opt-in: FLASHGEN_FAMILY=gluon)
         default = _families.gluon_by_default(facts["kind"], facts["dropout"], facts["head_dim"],
-                                              mod_kinds(name))
+                                              mod_kinds(name), bucket)
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
                  and default)
         if tuned and facts.get("mods") and not default and TUNED.get(gpu, {}).get(name) is None:
