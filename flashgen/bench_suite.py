@@ -602,14 +602,19 @@ def host_time_us(call, calls=200):
 
 
 def _timed_call(fn, q, k, v, case):
-    """The callable do_bench times: the forward, or the backward of one saved forward."""
+    """(the callable do_bench times, the tensors whose .grad it clears before each call):
+    the forward, or the backward of one saved forward. Clearing the gradients matters:
+    left alone, every backward after the first adds its dQ, dK, dV into the previous ones
+    (three elementwise kernels, ~0.2 ms at B*N = 16k, H*d = 2048 on the H100), which a
+    training step never does with activations' gradients and which took every provider's
+    backward 5-20% slower than its kernels, pulling their ratios towards 1."""
     import torch
     if case.mode == "fwd":
-        return lambda: fn(q, k, v, case.causal, case.p)
+        return (lambda: fn(q, k, v, case.causal, case.p)), None
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v, case.causal, case.p)
     do = torch.randn_like(out)
-    return lambda: out.backward(do, retain_graph=True)
+    return (lambda: out.backward(do, retain_graph=True)), [q, k, v]
 
 
 def measure_attention(cases, meta, log=print, spec=None, progress=None):
@@ -647,8 +652,9 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None):
                 if wrong:
                     row["status"] = wrong
                 else:
-                    call = _timed_call(fn, q, k, v, case)
-                    ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+                    call, grads = _timed_call(fn, q, k, v, case)
+                    ms = triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads,
+                                                 return_mode="median")
                     row["ms"] = round(ms, 4)
                     row["tflops"] = round(tflops(ms, case.b, case.h, case.n, case.d,
                                                  case.causal, case.mode), 1)

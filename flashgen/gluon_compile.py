@@ -74,11 +74,25 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, config["block_m"]],
                                                                     gdtype),
                      DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(
-                         [1, config["block_m"], d_pad // families.CONSUMERS], gl.float32),
+                         [1, 1, config["block_m"], d_pad // families.CONSUMERS], gl.float32),
                      VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
-                                                                     gl.float32))
-        pointers = {"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "DK": dtype, "DV": dtype,
-                    "LSE": "fp32", "DELTA": "fp32", "DQ_ACC": "fp32"}
+                                                                     gl.float32),
+                     HOST_DESC=not varlen)
+        pointers = {"DK": dtype, "DV": dtype}
+        if varlen:  # the kernel makes its descriptors from pointers
+            pointers.update({"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "LSE": "fp32",
+                             "DELTA": "fp32", "DQ_ACC": "fp32"})
+        else:  # what the runtime launches: TMA descriptors made on the host
+            boxes = {"Q": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
+                     "DO": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
+                     "K": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
+                     "V": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
+                     "LSE": ([config["block_m"]], "VEC_LAYOUT", gl.float32),
+                     "DELTA": ([config["block_m"]], "VEC_LAYOUT", gl.float32),
+                     "DQ_ACC": ([1, 1, config["block_m"], d_pad // families.CONSUMERS],
+                                "DQ_LAYOUT", gl.float32)}
+            descriptors = {arg: _descriptor_type(dt, box, const[lay])
+                           for arg, (box, lay, dt) in boxes.items()}
     else:
         q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
         kv_box = [1, 1, config["block_n"], d_pad]
@@ -89,6 +103,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype),
                      VARLEN=varlen)
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
+        descriptors = {}
         if varlen:
             pointers.update(CU_Q="i32", CU_K="i32")
         else:
@@ -98,6 +113,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         if arg in const:
             sig[arg] = "constexpr"
             constexprs[(i,)] = const[arg]
+        elif arg in descriptors:
+            sig[arg] = descriptors[arg]
         elif arg in pointers:
             sig[arg] = "*" + pointers[arg]
             attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
@@ -126,6 +143,13 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
         spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
         setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})))
+
+
+def _descriptor_type(dtype, box, layout) -> str:
+    """The signature type Triton gives a host-made Gluon TensorDescriptor argument with this
+    element type, box and shared-memory layout (what its specialisation of a real one
+    says: `tensordesc<bf16[1, 1, 64, 128],NVMMASharedLayout(...)>`)."""
+    return f"tensordesc<{dtype.name if hasattr(dtype, 'name') else dtype}{list(box)},{layout!r}>"
 
 
 def compile_package(package_dir: Path, configs=None, variants=None, log=None,

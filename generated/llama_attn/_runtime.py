@@ -813,12 +813,19 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             padded = torch.empty(delta.shape, device=q.device, dtype=torch.float32)
             padded[..., :n_q] = lse
             lse = padded
-        dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
-        _descriptor_allocator()
-        dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, *dkdv_args,
-             *(mods.args if mods is not None else ()),
+        # dQ's fp32 sum, in dQ's own layout: the conversion below then streams in order
+        # (from a (B * H, N, d) sum into a (B, N, H, d) dQ it took 3x as long)
+        dq_acc = torch.empty_strided(dq.shape, acc_shape, device=q.device,
+                                     dtype=torch.float32).zero_()
+        if locks_shape is not None:  # the host's TMA descriptors (_gluon_bwd_descriptors)
+            tensors = _gluon_bwd_descriptors(locks_shape, q, k, v, do, lse, delta, dq_acc)
+        else:
+            _descriptor_allocator()
+            tensors = (q, k, v, do, lse, delta)
+        dkdv(*tensors[:6], dk, dv, tensors[6] if locks_shape is not None else dq_acc,
+             *dkdv_args, *(mods.args if mods is not None else ()),
              *(mods.sparse(*tiles, lo, hi) if tiles else ()))
-        dq.copy_(dq_acc.view(dq.shape))
+        dq.copy_(dq_acc)
         return delta[..., :n_q]
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
     pre(o, do, delta, *pre_args, delta_shape[-1])
@@ -859,13 +866,16 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     if cfg.get("family") == "gluon":
         why = gluon_backward_reason(name, q, k, v, do, mask, mods)
         if why is None:
-            launch, args = _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name)
+            launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
+                                                                   lo, hi, scale, name)
             tiles = None
             if mods is not None and mods.block_sparse:  # the lists per key block
                 tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
                                       v.shape[-1]), cfg["block_m"], cfg["block_n"], True)
+            # (the plan's acc_shape field holds the dQ sum's strides, locks_shape the
+            # descriptors' boxes and layouts, None when the kernel makes its own)
             return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
-                    (batch * h_q, n_q, d), None, True, tiles)
+                    acc_stride, boxes, True, tiles)
         cfg = PLANNED[name]  # the `tl` kernels at the planner's tiles serve this call
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
@@ -940,9 +950,18 @@ def _vec_row(n_q: int) -> int:
     return triton_cdiv(n_q, 4) * 4
 
 
-def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
-    """(Launcher, run-time arguments) of the Gluon dK/dV/dQ kernel for one call signature
-    (the preprocess launch is the `tl` family's)."""
+# The Gluon backward's TMA descriptors come from the host (made per call, encoded by
+# Triton's launcher: host time) rather than from each program of the kernel (device time:
+# a program per key block, each making seven descriptors at its start). False: the kernel
+# makes them, as the varlen form still does.
+GLUON_BWD_HOST_DESCRIPTORS = True
+
+
+def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
+    """(Launcher, run-time arguments, descriptor boxes, the dQ sum's strides) of the Gluon
+    dK/dV/dQ kernel for one call signature (the preprocess launch is the `tl` family's).
+    The boxes: what _gluon_bwd_descriptors needs, None when the kernel makes its own
+    descriptors."""
     from triton.experimental.gluon import language as gl
 
     batch, h_q, n_q, d = q.shape
@@ -953,21 +972,45 @@ def _gluon_backward_plan(cfg, q, k, v, do, dk, dv, lo, hi, scale, name):
     split = _families.KEY_ROWS_PER_CONSUMER
     num_n = triton_cdiv(n_k, block_n)
     consumer_regs, producer_regs = _families.regs(cfg)
+    qd_box, kv_box = [1, 1, block_m, d_pad], [1, 1, split, d_pad]
+    dq_box = [1, 1, block_m, d_pad // _families.CONSUMERS]
+    layouts = dict(QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(qd_box, dtype),
+                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
+                   DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
+                   VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m], gl.float32))
+    host = GLUON_BWD_HOST_DESCRIPTORS
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=cfg["num_stages"],
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                QD_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, block_m, d_pad], dtype),
-                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, split, d_pad], dtype),
                 DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], dtype),
-                DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(
-                    [1, block_m, d_pad // _families.CONSUMERS], gl.float32),
-                VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m], gl.float32),
-                num_warps=4)
+                HOST_DESC=host, num_warps=4, **layouts)
     launch = Launcher(kernel(name, family="gluon"), (batch * h_kv * num_n,), meta)
+    # the dQ sum takes dQ's layout (as empty_like lays it out), so that its conversion
+    # into dQ streams in order
+    acc_stride = torch.empty_like(dq, dtype=torch.float32).stride()
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
-            *dk.stride()[:3], *dv.stride()[:3],
+            *dk.stride()[:3], *dv.stride()[:3], *acc_stride[:3],
             batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
             _vec_row(n_q))
-    return launch, args
+    boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
+    return launch, args, boxes, acc_stride
+
+
+def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
+    """The host-made TMA descriptors of the Gluon backward, in its argument order: Q, K, V,
+    dO over (B, H, N, d) (a box past N or past d reads zeros), LSE and D as flat
+    vectors, and the dQ sum."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    (qd_box, kv_box, dq_box, vec_box), lay = boxes
+
+    def desc(t, box, layout):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box, layout)
+
+    return (desc(q, qd_box, lay["QD_LAYOUT"]), desc(k, kv_box, lay["KV_LAYOUT"]),
+            desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
+            desc(lse.view(-1), vec_box, lay["VEC_LAYOUT"]),
+            desc(delta.view(-1), vec_box, lay["VEC_LAYOUT"]),
+            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]))
 
 
 # ----------------------------------------------------------------------------------------

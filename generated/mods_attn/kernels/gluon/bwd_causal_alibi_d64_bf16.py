@@ -183,7 +183,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     d_cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, d_layout))  # [HEAD_DIM_PAD]
     k_buf = k_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
     v_buf = v_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
-    dq_buf = dq_smem.index(CID)  # [1, BLOCK_M, DQ_COLS] fp32
+    dq_buf = dq_smem.index(CID)  # [1, 1, BLOCK_M, DQ_COLS] fp32
 
     dk = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
     dv = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
@@ -193,7 +193,6 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 
     cnt = 0
     for g in range(0, KV_GROUP):
-        bh = b * (H_KV * KV_GROUP) + kv_h * KV_GROUP + g
         h = kv_h * KV_GROUP + g  # the query head, as the mods see it
         for m0 in range(lo, hi, BLOCK_M):
             s = cnt % NUM_BUFFERS
@@ -270,7 +269,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             tma.store_wait(0)
             dq_buf.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(desc_dq, [bh, m0, CID * DQ_COLS], dq_buf)
+            _tma_reduce_add(desc_dq, [b, kv_h * KV_GROUP + g, m0, CID * DQ_COLS], dq_buf)
             cnt += 1
 
     # ------------------------------------------------------------------------------------
@@ -293,16 +292,18 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
                               "NUM_N", "VEC_ROW", "T_slope_S0", "T_slope_D0"])
 def bwd_causal_alibi_d64_bf16_kernel(
+    # pointers, or with HOST_DESC the host's TMA descriptors over them
     Q, K, V, DO,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
     LSE, DELTA,  # [B * H_Q, VEC_ROW] fp32: the forward's log-sum-exp, rowsum(dO * O)
-    DK, DV,  # like K and V
-    DQ_ACC,  # [B * H_Q, N_Q, HEAD_DIM] fp32 zeros: dQ (scaled) is added into it
+    DK, DV,  # like K and V (pointers)
+    DQ_ACC,  # (B, H_Q, N_Q, HEAD_DIM) fp32 zeros: dQ (scaled) is added into it
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqm,
     BATCH, N_Q, N_K,
     H_KV,  # key/value heads
     KV_GROUP,  # query heads per key/value head (1 = MHA)
@@ -321,34 +322,48 @@ def bwd_causal_alibi_d64_bf16_kernel(
     QD_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, BLOCK_M, HEAD_DIM_PAD] boxes,
     KV_LAYOUT: gl.constexpr,  # of the [1, 1, SPLIT_N, HEAD_DIM_PAD] ones
     DS_LAYOUT: gl.constexpr,  # of dS^T, [SPLIT_N, BLOCK_M]
-    DQ_LAYOUT: gl.constexpr,  # of the fp32 [1, BLOCK_M, DQ_COLS] dQ tiles
+    DQ_LAYOUT: gl.constexpr,  # of the fp32 [1, 1, BLOCK_M, DQ_COLS] dQ tiles
     VEC_LAYOUT: gl.constexpr,  # and of the fp32 [BLOCK_M] LSE and D boxes
+    HOST_DESC: gl.constexpr,  # Q, K, V, DO, LSE, DELTA, DQ_ACC are TMA descriptors
 ):
     H_Q = H_KV * KV_GROUP
-    # TMA descriptors over (B, H, N, HEAD_DIM), made on the device: a box never crosses a
-    # head or a batch, and one that runs past N reads zeros
-    desc_q = tma.make_tensor_descriptor(Q, [BATCH, H_Q, N_Q, HEAD_DIM],
-                                        [stride_qb, stride_qh, stride_qm, 1],
-                                        [1, 1, BLOCK_M, HEAD_DIM_PAD], QD_LAYOUT)
-    desc_do = tma.make_tensor_descriptor(DO, [BATCH, H_Q, N_Q, HEAD_DIM],
-                                         [stride_dob, stride_doh, stride_dom, 1],
-                                         [1, 1, BLOCK_M, HEAD_DIM_PAD], QD_LAYOUT)
-    desc_k = tma.make_tensor_descriptor(K, [BATCH, H_KV, N_K, HEAD_DIM],
-                                        [stride_kb, stride_kh, stride_kn, 1],
-                                        [1, 1, SPLIT_N, HEAD_DIM_PAD], KV_LAYOUT)
-    desc_v = tma.make_tensor_descriptor(V, [BATCH, H_KV, N_K, HEAD_DIM],
-                                        [stride_vb, stride_vh, stride_vn, 1],
-                                        [1, 1, SPLIT_N, HEAD_DIM_PAD], KV_LAYOUT)
-    # dQ's fp32 sum, [B * H_Q, N_Q, HEAD_DIM]; TMA adds a consumer's [BLOCK_M, HEAD_DIM_PAD]
-    # share into it
-    desc_dq = tma.make_tensor_descriptor(DQ_ACC, [BATCH * H_Q, N_Q, HEAD_DIM],
-                                         [N_Q * HEAD_DIM, HEAD_DIM, 1],
-                                         [1, BLOCK_M, DQ_COLS], DQ_LAYOUT)
-    # LSE and D as flat vectors: a [BLOCK_M] box at a head's row offset, which TMA needs
-    # 16-byte aligned (VEC_ROW)
-    desc_lse = tma.make_tensor_descriptor(LSE, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M], VEC_LAYOUT)
-    desc_delta = tma.make_tensor_descriptor(DELTA, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
-                                            VEC_LAYOUT)
+    if HOST_DESC:
+        # the host made the descriptors (the runtime's _gluon_bwd_descriptors, the same boxes
+        # as below): made here, once per program, they cost ~10 us of a program's start,
+        # and a backward runs a program per key block
+        desc_q = Q
+        desc_do = DO
+        desc_k = K
+        desc_v = V
+        desc_dq = DQ_ACC
+        desc_lse = LSE
+        desc_delta = DELTA
+    else:
+        # TMA descriptors over (B, H, N, HEAD_DIM), made on the device: a box never crosses
+        # a head or a batch, and one that runs past N reads zeros
+        desc_q = tma.make_tensor_descriptor(Q, [BATCH, H_Q, N_Q, HEAD_DIM],
+                                            [stride_qb, stride_qh, stride_qm, 1],
+                                            [1, 1, BLOCK_M, HEAD_DIM_PAD], QD_LAYOUT)
+        desc_do = tma.make_tensor_descriptor(DO, [BATCH, H_Q, N_Q, HEAD_DIM],
+                                             [stride_dob, stride_doh, stride_dom, 1],
+                                             [1, 1, BLOCK_M, HEAD_DIM_PAD], QD_LAYOUT)
+        desc_k = tma.make_tensor_descriptor(K, [BATCH, H_KV, N_K, HEAD_DIM],
+                                            [stride_kb, stride_kh, stride_kn, 1],
+                                            [1, 1, SPLIT_N, HEAD_DIM_PAD], KV_LAYOUT)
+        desc_v = tma.make_tensor_descriptor(V, [BATCH, H_KV, N_K, HEAD_DIM],
+                                            [stride_vb, stride_vh, stride_vn, 1],
+                                            [1, 1, SPLIT_N, HEAD_DIM_PAD], KV_LAYOUT)
+        # dQ's fp32 sum, laid out like dQ (so its conversion to dQ reads and writes in
+        # order); TMA adds a consumer's [BLOCK_M, DQ_COLS] share into it
+        desc_dq = tma.make_tensor_descriptor(DQ_ACC, [BATCH, H_Q, N_Q, HEAD_DIM],
+                                             [stride_dqb, stride_dqh, stride_dqm, 1],
+                                             [1, 1, BLOCK_M, DQ_COLS], DQ_LAYOUT)
+        # LSE and D as flat vectors: a [BLOCK_M] box at a head's row offset, which TMA
+        # needs 16-byte aligned (VEC_ROW)
+        desc_lse = tma.make_tensor_descriptor(LSE, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
+                                              VEC_LAYOUT)
+        desc_delta = tma.make_tensor_descriptor(DELTA, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
+                                                VEC_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], VEC_LAYOUT)
