@@ -3,13 +3,15 @@ swapped for cheaper stand-ins (not for use: the stand-ins are not random). On th
 
     python benchmarks/dropout_rng_experiment.py
 
-  philox10 -- what ships: Philox4x32-10, 8 keep decisions per call, laid out as the
-              tensor-core accumulator holds them (rows r and r+8, pairs of adjacent
-              columns 8 apart), so the mask is built with no layout conversion
+  philox10 -- what ships: Philox4x32-10, 16 keep decisions per call (one byte each; 8
+              16-bit ones when the table in docs/PERF_NOTES.md was measured), laid out
+              as the tensor-core accumulator holds them (rows r and r+8, pairs of
+              adjacent columns 8 apart), so the mask is built with no layout conversion
   philox7  -- Philox4x32-7 (passes BigCrush per Salmon et al. 2011, less margin)
-  hash     -- one multiply-xorshift per 8 decisions: the cost of everything but Philox
-  row_major -- Philox4x32-10 with the first mapping: 8 draws for 8 neighbouring keys of
-              one row, converted to the accumulator's layout (see ROW_MAJOR)
+  hash     -- one multiply-xorshift per 16 decisions: the cost of everything but Philox
+  row_major -- Philox4x32-10 with the first mapping: 8 16-bit draws for 8 neighbouring
+              keys of one row, converted to the accumulator's layout (see ROW_MAJOR; its
+              16-bit draws against today's byte threshold drop almost nothing: timing only)
 and p = 0 (no dropout code) as the baseline. `--check` instead runs each package's forward
 and backward against a float64 reference with the package's replayed mask (CPU
 interpreter or GPU) and checks the keep rate.

@@ -31,11 +31,22 @@ def visible_mask(n_q: int, n_k: int, *, causal: bool, window=(-1, -1), bottom_ri
     return m
 
 
+def dropout_keep_rate(dropout_p: float) -> float:
+    """The keep rate the packages apply for dropout_p, from its documented definition: one
+    byte draw per element, dropped when below T = round(256 p) (halves up), T clamped to
+    [1, 255] for p > 0; kept elements are scaled by its inverse."""
+    if dropout_p == 0.0:
+        return 1.0
+    t = min(max(math.floor(dropout_p * 256 + 0.5), 1), 255)
+    return (256 - t) / 256
+
+
 def attention_ref(q, k, v, visible, scale=None, keep=None, dropout_p=0.0, score_mod=None,
                   sink=None):
     """q (B, Hq, Nq, d), k/v (B, Hkv, Nk, d), any dtype -> (out, lse) in float64.
     A row that sees no key gives out 0 and lse -inf. With dropout, `keep` is the
-    (B, Hq, Nq, Nk) bool mask and out = (P * keep / (1 - p)) @ V; the LSE is unaffected.
+    (B, Hq, Nq, Nk) bool mask and out = (P * keep / r) @ V with r the keep rate applied
+    for p (`dropout_keep_rate`: 1 - p rounded to 1/256); the LSE is unaffected.
     `visible` broadcasts to (B, Hq, Nq, Nk); score_mod maps the scaled scores to new ones;
     sink (B, Hq) adds one logit per row to the softmax denominator (no value row).
     Differentiable: autograd through it gives the reference gradients."""
@@ -56,5 +67,5 @@ def attention_ref(q, k, v, visible, scale=None, keep=None, dropout_p=0.0, score_
     if sink is not None:
         p = p[..., :-1]
     if keep is not None:
-        p = p * keep.to(p.device) / (1.0 - dropout_p)
+        p = p * keep.to(p.device) / dropout_keep_rate(dropout_p)
     return p @ v, lse

@@ -3,16 +3,21 @@
 The keep mask a call used is replayed with the package's `dropout_mask` hook (same
 generator state, same Philox stream), so the forward and all three gradients can be checked
 exactly against a float64 reference that applies that very mask:
-    out = (softmax(S) * keep / (1 - p)) @ V.
+    out = (softmax(S) * keep / r) @ V,
+with r the keep rate the packages document: one byte draw per element, dropped below
+T = round(256 p) (clamped to [1, 255]), r = 1 - T / 256. The mask itself is checked against
+an independent NumPy Philox4x32-10 and the documented element -> (call, word, byte) map.
 """
 import contextlib
+import importlib
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import GRAD_TOL, OUT_TOL
-from flashgen.reference import attention_ref, visible_mask
+from flashgen.reference import attention_ref, dropout_keep_rate, visible_mask
 from packages import build_and_import
 
 TILES = dict(block_m=16, block_n=32, num_warps=4, num_stages=2)
@@ -73,6 +78,29 @@ def test_forward_and_gradients_with_the_exact_mask(pkg, device, poison, n_q, n_k
     assert_close_all(got, ref, torch.float32)
 
 
+@pytest.mark.parametrize("tiles", [
+    dict(block_m=64, block_n=16, num_warps=4, num_stages=2),
+    dict(block_m=16, block_n=128, num_warps=4, num_stages=2),
+    dict(block_m=32, block_n=64, num_warps=4, num_stages=2, dq_tile="16x32w4s2"),
+    dict(block_m=128, block_n=32, num_warps=4, num_stages=2, dq_tile="64x128w4s2"),
+], ids=["fwd16keys-dkdv16keys", "fwd128keys-dq16keys", "dq16x32", "dq64x128"])
+def test_every_kernel_regenerates_the_same_mask_at_any_tile(pkg, device, poison, tiles):
+    """The forward ([queries, keys] tiles), dK/dV (its transpose) and dQ kernels each
+    rebuild the mask at their own tile; 16-key tiles take half of a 32-column Philox block.
+    The gradients only match the reference if all three rebuilt the mask it replays."""
+    got, ref = run(pkg, device, 1, 150, 150, 2, 2, 64, torch.float32, 0.3, causal=True,
+                   tiles=tiles)
+    assert_close_all(got, ref, torch.float32)
+
+
+@pytest.mark.parametrize("p", [1 / 512, 0.5, 0.999])
+def test_rounding_edges_scale_as_documented(pkg, device, poison, p):
+    """p = 1/512 drops 1/256 (T clamped up to 1), 0.5 exactly half, 0.999 keeps 1/256 and
+    scales the survivors by 256: forward and gradients against the reference's scale."""
+    got, ref = run(pkg, device, 1, 70, 70, 2, 2, 64, torch.float32, p, causal=False)
+    assert_close_all(got, ref, torch.float32)
+
+
 def test_gqa_window_fp16_head_dim_80(pkg, device, poison):
     got, ref = run(pkg, device, 2, 48, 48, 4, 1, 80, torch.float16, 0.1, causal=True,
                    window=(16, -1))
@@ -90,17 +118,92 @@ def test_direct_launch_with_seeds_of_both_widths(pkg):
         assert_close_all(got, ref, torch.float16)
 
 
-def test_keep_rate_matches_one_minus_p(pkg, device):
-    p = 0.1
-    keep = pkg.dropout_mask(2, 2, 128, 256, p, device=device)
+# dropout_p -> T (drop when the byte draw is below T), written out from the documented
+# rule: round(256 p), halves up, clamped to [1, 255] when p > 0
+THRESHOLDS = {0.0: 0, 1 / 1024: 1, 1 / 512: 1, 0.1: 26, 0.3: 77, 0.5: 128, 0.999: 255,
+              1 - 1 / 1024: 255}
+
+
+@pytest.mark.parametrize("p,t", sorted(THRESHOLDS.items()))
+def test_threshold_and_scale_are_the_documented_rounding(pkg, p, t):
+    drop = importlib.import_module(f"{pkg.__name__}._dropout")
+    assert drop.threshold(p) == t
+    assert pkg.dropout_scale(p) == 256 / (256 - t) == 1 / dropout_keep_rate(p)
+    seed, stream, thresh, scale = drop.launch_args(torch.tensor([5, 9]), p)
+    assert (thresh, scale) == (t, 256 / (256 - t))
+    assert (seed, stream) == ((5, 9) if p > 0 else (0, 0))
+
+
+@pytest.mark.parametrize("p", [1.0, -0.1, float("nan")])
+def test_dropout_scale_refuses_what_a_call_refuses(pkg, p):
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        pkg.dropout_scale(p)
+
+
+@pytest.mark.parametrize("p", [0.1, 1 / 512, 0.5, 0.999])
+def test_keep_rate_is_one_minus_t_over_256(pkg, device, p):
+    """Over 2**20 elements the keep rate is within 4 standard errors of 1 - T/256. At the
+    rounding edges that is far from 1 - p (p = 1/512 drops twice as much, 0.999 keeps four
+    times as much: 32 and 47 standard errors off); at 0.1, 5 (0.8984 vs 0.9)."""
+    torch.manual_seed(11)
+    keep = pkg.dropout_mask(4, 2, 256, 512, p, device=device)
     n = keep.numel()
+    want = 1 - THRESHOLDS[p] / 256
     rate = keep.float().mean().item()
-    standard_error = math.sqrt(p * (1 - p) / n)
-    assert abs(rate - (1 - p)) < 4 * standard_error, (rate, standard_error)
-    # no structure: every (batch, head) slice, and rows vs columns, keep about the same share
+    standard_error = math.sqrt(want * (1 - want) / n)
+    assert abs(rate - want) < 4 * standard_error, (rate, want, standard_error)
+    # no structure: every (batch, head) slice, every row parity and column position in a
+    # 32-column Philox block keeps about the same share
     per_slice = keep.float().mean(dim=(2, 3))
-    assert (per_slice - (1 - p)).abs().max() < 5 * math.sqrt(p * (1 - p) / (128 * 256))
+    assert (per_slice - want).abs().max() < 5 * math.sqrt(want * (1 - want) / (256 * 512)), per_slice
+    per_lane = keep.view(4, 2, 256, 16, 32).float().mean(dim=(0, 1, 2, 3))
+    assert (per_lane - want).abs().max() < 5 * math.sqrt(want * (1 - want) / (n // 32)), per_lane
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
+
+
+def _philox4x32_10(seed, c0, c1, c2, c3):
+    """Philox4x32-10 (Salmon et al., SC'11) in NumPy: the four 32-bit words of counters
+    (c0, c1, c2, c3) under the 64-bit key `seed` (low word first)."""
+    mask = np.uint64(0xFFFFFFFF)
+    k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
+    c = [np.asarray(x, dtype=np.uint64) for x in (c0, c1, c2, c3)]
+    for _ in range(10):
+        prod_a = c[0] * np.uint64(0xD2511F53)
+        prod_b = c[2] * np.uint64(0xCD9E8D57)
+        c = [((prod_b >> np.uint64(32)) ^ c[1] ^ k0) & mask, prod_b & mask,
+             ((prod_a >> np.uint64(32)) ^ c[3] ^ k1) & mask, prod_a & mask]
+        k0 = (k0 + np.uint64(0x9E3779B9)) & mask
+        k1 = (k1 + np.uint64(0xBB67AE85)) & mask
+    return c
+
+
+def _documented_mask(seed, stream, bh, n_q, n_k, t):
+    """Element (row, col), row = 16 G + 8 wh + rr, col = 32 Q + 16 b + 8 wl + 2 t + k, is
+    kept when byte wh + 2 k of word b + 2 wl of the Philox call with counters
+    (4 Q + t, 16 G + rr, bh, stream) is at least T."""
+    row, col = np.arange(n_q)[:, None], np.arange(n_k)[None, :]
+    shape = (n_q, n_k)
+    c0 = np.broadcast_to(4 * (col // 32) + (col // 2) % 4, shape)
+    c1 = np.broadcast_to(16 * (row // 16) + row % 8, shape)
+    words = _philox4x32_10(seed, c0, c1, np.full(shape, bh), np.full(shape, stream))
+    word = np.choose((col // 16) % 2 + 2 * ((col // 8) % 2), words)
+    byte = (word >> (8 * ((row // 8) % 2 + 2 * (col % 2))).astype(np.uint64)) & np.uint64(0xFF)
+    return torch.from_numpy(byte >= t)
+
+
+@pytest.mark.parametrize("block_m,block_n", [(64, 64), (16, 16), (32, 128), (128, 32)])
+def test_keep_mask_is_the_documented_byte_map_at_every_tile(pkg, device, block_m, block_n):
+    """The mask kernel, at tiles of 16 to 128 rows and columns (a 16-column tile takes half
+    of a Philox call's 32 columns), against NumPy's Philox and the documented map."""
+    drop = importlib.import_module(f"{pkg.__name__}._dropout")
+    seed, stream, t, bh, n_q, n_k = 2**40 + 12345, 2**31 + 77, 26, 3, 80, 144
+    want = torch.stack([_documented_mask(seed, stream, h, n_q, n_k, t) for h in range(bh)])
+    got = torch.full((bh, n_q, n_k), -1, dtype=torch.int8, device=device)
+    grid = (-(-n_q // block_m), -(-n_k // block_n), bh)
+    drop.keep_mask_kernel[grid](got, seed, stream, n_q, n_k, t, BLOCK_M=block_m,
+                                BLOCK_N=block_n)
+    assert (got >= 0).all(), "an element was not written"
+    assert torch.equal(got.bool().cpu(), want), f"{(got.bool().cpu() != want).sum()} differ"
 
 
 def test_consecutive_calls_differ_and_seeds_reproduce(pkg, device):

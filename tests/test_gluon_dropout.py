@@ -22,7 +22,7 @@ import torch
 
 from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
 from flashgen import families
-from flashgen.reference import attention_ref, visible_mask
+from flashgen.reference import attention_ref, dropout_keep_rate, visible_mask
 from packages import build_and_import
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -251,8 +251,10 @@ def _gluon_mask_kernel(mod):
 @needs_hopper
 @pytest.mark.parametrize("block_n", [64, 128])
 @pytest.mark.parametrize("seed,stream,p", [(0, 0, 0.1), (12345, 7, 0.5), (2**40 + 3, 2**31 + 9, 0.2),
-                                           (2**62 + 11, 0xFFFFFFFF, 0.9)],
-                         ids=["s0", "s12345", "seed64-stream32", "seed62-streammax"])
+                                           (2**62 + 11, 0xFFFFFFFF, 0.9), (5, 3, 1 / 512),
+                                           (6, 4, 0.999)],
+                         ids=["s0", "s12345", "seed64-stream32", "seed62-streammax", "p1/512",
+                              "p0.999"])
 def test_gluon_mask_is_keep_mask_bit_for_bit(pkg, block_n, seed, stream, p):
     drop = importlib.import_module(f"{pkg.__name__}._dropout")
     mod = importlib.import_module(f"{pkg.__name__}.kernels.gluon.fwd_causal_dropout_d128_bf16")
@@ -268,7 +270,7 @@ def test_gluon_mask_is_keep_mask_bit_for_bit(pkg, block_n, seed, stream, p):
     _gluon_mask_kernel(mod)[(-(-n_q // 64), -(-n_k // block_n), bh)](
         got, seed_lo, seed_hi, stream32, n_q, n_k, thresh32, BLOCK_N=block_n, num_warps=4)
     assert torch.equal(got, want), f"{(got != want).sum().item()} elements differ"
-    assert abs(want.float().mean().item() - (1 - p)) < 0.02
+    assert abs(want.float().mean().item() - dropout_keep_rate(p)) < 0.02
 
 
 def _run(pkg, b, n_q, n_k, h_q, h_kv, d, dtype, p, causal, window, seed, knobs, grads):
@@ -332,8 +334,10 @@ def _assert_close(got, want, dtype):
     (2, 1031, 257, 4, 4, 96, torch.float16, 0.1, True, (-1, -1)),
     (1, 777, 777, 4, 2, 96, torch.bfloat16, 0.25, False, (100, 0)),
     (3, 1000, 1000, 8, 2, 128, torch.bfloat16, 0.1, True, (-1, -1)),
+    (1, 300, 300, 2, 2, 128, torch.float16, 1 / 512, True, (-1, -1)),
+    (1, 300, 300, 2, 2, 96, torch.float16, 0.999, False, (-1, -1)),
 ], ids=["N1", "N59-causal-gqa4", "N127-d128", "nq<nk-causal-gqa4", "nq>nk-d96", "window-d96",
-        "causal-b3-gqa4-1k"])
+        "causal-b3-gqa4-1k", "p1/512", "p0.999-scale256"])
 @pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False,
                                         "persistent": False, "regs": "232/40"}],
                          ids=["default", "knobs"])

@@ -265,6 +265,17 @@ def dropout_mask(batch, heads, n_q, n_k, dropout_p, device="cuda"):
     return replay(batch, heads, n_q, n_k, dropout_p, device)
 
 
+def dropout_scale(dropout_p):
+    """The factor the kernels scale the kept attention weights by at this dropout_p:
+    256 / (256 - T), T = round(256 p) clamped to [1, 255] (1.0 at p = 0). The mask draws
+    one byte per element, so the drop rate actually applied is T / 256 = 1 - 1 / scale
+    (p = 0.1 drops 26/256 = 10.16%), and the output is unbiased for that rate."""
+    _runtime.check_dropout(dropout_p)
+    from ._dropout import scale  # imports triton only when asked
+
+    return scale(float(dropout_p))
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
                            return_lse=False, *, mods=None, **mod_args):

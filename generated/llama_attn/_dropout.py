@@ -4,16 +4,27 @@
 The keep mask is never stored. Every kernel that needs it -- the forward, and both backward
 kernels -- regenerates it from Triton's counter-based Philox generator, keyed by the call's
 seed, with counters (key column group, query row group, batch * heads + head, the call's
-stream). One Philox evaluation gives four 32-bit words, i.e. eight 16-bit uniform draws,
-which decide eight elements of one 16 x 16 block: rows i and i + 8, four column pairs
-(`keep_mask` says which, and why). An element is dropped when its draw is below
-round(p * 65536), so the keep rate is 1 - p to within 1/65536.
+stream). One Philox evaluation gives four 32-bit words, i.e. sixteen 8-bit uniform draws
+(one byte per element, as FlashAttention-2's CUDA kernel draws them), which decide sixteen
+elements of one 16-row x 32-column block: rows i and i + 8, eight columns (`keep_mask` says
+which, and why).
+
+Byte draws quantise p to a multiple of 1/256. An element is dropped when its byte is below
+T = round(p * 256), clamped to [1, 255] so that any p > 0 drops something and any p < 1
+keeps something (p < 1/512 drops 1/256 of the elements, p > 1 - 1/512 keeps 1/256); the
+survivors are scaled by 256 / (256 - T), so the output's expectation is exact for the drop
+rate T / 256 actually applied. p = 0.1 drops 26/256 = 10.16% and scales by 256/230;
+FlashAttention-2 quantises its keep probability to 1/255 likewise. `scale(p)` (the
+package's `dropout_scale`) is the factor the kernels use; the realised drop rate is
+1 - 1 / scale(p).
 
 Seed and stream come from PyTorch's default generator of the device (torch.manual_seed makes
 runs reproducible; every call advances the generator, so successive calls draw different
 masks, as SDPA's do). `dropout_mask` replays that draw and returns the exact mask a call made
 from the same generator state would use: a testing hook.
 """
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -25,36 +36,59 @@ _SEED_MASK = (1 << 63) - 1  # Triton passes the seed as a signed 64-bit integer
 
 
 @triton.jit
-def keep_mask(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
-              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """[BLOCK_R, BLOCK_C] bool: which elements (row_start + r, col_start + c) survive
-    dropout. row_start and col_start must be multiples of 16 (every caller's tiles are
-    aligned blocks of >= 16 rows and columns), BLOCK_R and BLOCK_C multiples of 16."""
-    # Element (row, col), with row = 16 G + 8 wh + rr and col = 16 Q + 8 wl + 2 t + k, takes
-    # 16-bit half k of word 2 wh + wl of the Philox call with counter (4 Q + t, 16 G + rr):
-    # a function of (row, col) alone, so any tiling regenerates the same mask. The mapping
-    # follows the tensor-core accumulator, where one thread holds rows rr and rr + 8 of a
-    # 16-row slab and columns 2t, 2t + 1 and those 8 further on: the eight draws of one
-    # call land on one thread's eight elements, so building the mask moves no data between
-    # threads (a row-major mapping cost the forward three layout conversions per block).
-    tl.static_assert(BLOCK_R % 16 == 0, "keep_mask tiles are whole 16 x 16 blocks")
-    tl.static_assert(BLOCK_C % 16 == 0, "keep_mask tiles are whole 16 x 16 blocks")
+def _keep_mask32(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
+                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    # Element (row, col), with row = 16 G + 8 wh + rr and col = 32 Q + 16 b + 8 wl + 2 t + k,
+    # takes byte wh + 2 k of word b + 2 wl of the Philox call with counter
+    # (4 Q + t, 16 G + rr): a function of (row, col) alone, so any tiling regenerates the
+    # same mask. The mapping follows the tensor-core accumulator, where one thread holds
+    # rows rr and rr + 8 of a 16-row slab and columns 2 t, 2 t + 1 of every 8-column group:
+    # the sixteen draws of one call land on one thread's sixteen elements of a 16 x 32
+    # block, so building the mask moves no data between threads (a row-major mapping cost
+    # the forward three layout conversions per block). The byte and word indices are
+    # chosen so that the joins below stack the draws in the accumulator's register order
+    # (col 1, row 8, col 8, col 16, then col 32 upwards).
     g = tl.arange(0, BLOCK_R // 16)
     rr = tl.arange(0, 8)
-    q = tl.arange(0, BLOCK_C // 16)
+    q = tl.arange(0, BLOCK_C // 32)
     t = tl.arange(0, 4)
-    zero = tl.zeros([BLOCK_R // 16, 8, BLOCK_C // 16, 4], dtype=tl.uint32)
+    zero = tl.zeros([BLOCK_R // 16, 8, BLOCK_C // 32, 4], dtype=tl.uint32)
     crow = (row_start + 16 * g[:, None] + rr[None, :]).to(tl.uint32)  # [R/16, 8]: 16 G + rr
-    ccol = (4 * (col_start // 16 + q[:, None]) + t[None, :]).to(tl.uint32)  # [C/16, 4]: 4 Q + t
+    ccol = (4 * (col_start // 32 + q[:, None]) + t[None, :]).to(tl.uint32)  # [C/32, 4]: 4 Q + t
     c0 = zero + ccol[None, None, :, :]
     c1 = zero + crow[:, :, None, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + RNG_OFFSET.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)  # 4 x [R/16, 8, C/16, 4] uint32
-    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [g, rr, q, t, wl, wh]
-    draws = tl.join(words & 0xFFFF, words >> 16)  # [g, rr, q, t, wl, wh, k] 16-bit
-    draws = tl.permute(draws, (0, 5, 1, 2, 4, 3, 6))  # [g, wh, rr, q, wl, t, k]
-    return tl.reshape(draws, [BLOCK_R, BLOCK_C]) >= DROP_THRESHOLD
+    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)  # 4 x [R/16, 8, C/32, 4] uint32
+    words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [g, rr, q, t, b, wl]
+    # byte j compared in place: (w & (0xFF << 8 j)) >= T << 8 j exactly when byte j >= T
+    thresh = DROP_THRESHOLD.to(tl.uint32)
+    keep = tl.join(tl.join((words & 0xFF) >= thresh, (words & 0xFF00) >= (thresh << 8)),
+                   tl.join((words & 0xFF0000) >= (thresh << 16), words >= (thresh << 24)))
+    keep = tl.permute(keep, (0, 6, 1, 2, 4, 5, 3, 7))  # [g, wh, rr, q, b, wl, t, k]
+    return tl.reshape(keep, [BLOCK_R, BLOCK_C])
+
+
+@triton.jit
+def keep_mask(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
+              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """[BLOCK_R, BLOCK_C] bool: which elements (row_start + r, col_start + c) survive
+    dropout (a byte draw of at least DROP_THRESHOLD). BLOCK_R: a multiple of 16, row_start
+    a multiple of 16; BLOCK_C: 16 or a multiple of 32, col_start a multiple of 32 (of 16
+    when BLOCK_C is 16) -- every caller's tiles are aligned power-of-two blocks."""
+    tl.static_assert(BLOCK_R % 16 == 0, "keep_mask rows come in 16-row slabs")
+    tl.static_assert(BLOCK_C == 16 or BLOCK_C % 32 == 0,
+                     "keep_mask columns come in 32-column blocks (or half of one)")
+    if BLOCK_C == 16:
+        # One Philox call spans 32 columns. A 16-key tile (a small dQ tile, whose key
+        # extent is the dK/dV tile's query extent) draws the whole block and keeps its half.
+        both = _keep_mask32(SEED, RNG_OFFSET, bh, row_start, col_start - col_start % 32,
+                            DROP_THRESHOLD, BLOCK_R, 32)
+        left, right = tl.split(tl.permute(tl.reshape(both, [BLOCK_R, 2, 16]), (0, 2, 1)))
+        return tl.where(col_start % 32 == 16, right, left)
+    else:
+        return _keep_mask32(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
+                            BLOCK_R, BLOCK_C)
 
 
 @triton.jit(do_not_specialize=["SEED", "RNG_OFFSET", "N_Q", "N_K", "DROP_THRESHOLD"])
@@ -72,7 +106,18 @@ def keep_mask_kernel(OUT, SEED, RNG_OFFSET, N_Q, N_K, DROP_THRESHOLD,
 
 
 def threshold(dropout_p: float) -> int:
-    return min(int(round(dropout_p * 65536)), 65535)
+    """T: an element is dropped when its byte draw is below T, i.e. with probability
+    T / 256. p rounded to the nearest multiple of 1/256 (halves up), clamped to [1, 255]
+    for 0 < p < 1; 0 (no dropout) for p = 0."""
+    if dropout_p == 0.0:
+        return 0
+    return min(max(math.floor(dropout_p * 256 + 0.5), 1), 255)
+
+
+def scale(dropout_p: float) -> float:
+    """The factor the kernels scale the kept elements by: 256 / (256 - T), the inverse of
+    the keep rate actually applied (1.0 at p = 0)."""
+    return 256.0 / (256 - threshold(dropout_p))
 
 
 def draw_rng(device: torch.device) -> torch.Tensor:
@@ -96,7 +141,7 @@ def launch_args(rng: torch.Tensor, dropout_p: float) -> tuple:
     if dropout_p == 0.0:
         return 0, 0, 0, 1.0
     seed, stream = rng.tolist()
-    return seed, stream, threshold(dropout_p), 1.0 / (1.0 - dropout_p)
+    return seed, stream, threshold(dropout_p), scale(dropout_p)
 
 
 def dropout_mask(batch: int, heads: int, n_q: int, n_k: int, dropout_p: float,

@@ -10,9 +10,9 @@ with the folder this package was built into (`flashgen build --out DIR`, default
 CPU, where TRITON_INTERPRET=1 runs the kernels in Triton's interpreter): copy the folder
 into your project and import it. Kernels are compiled on first use, not at import.
 """
-from ._api import (DEFAULT_WINDOW, dropout_mask, flash_attn_func, flash_attn_qkvpacked_func,
-                   flash_attn_varlen_func, flash_attn_varlen_qkvpacked_func,
-                   scaled_dot_product_attention)
+from ._api import (DEFAULT_WINDOW, dropout_mask, dropout_scale, flash_attn_func,
+                   flash_attn_qkvpacked_func, flash_attn_varlen_func,
+                   flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
 from ._hf import register_transformers
@@ -30,6 +30,7 @@ __all__ = [
     "Attention",
     "flash_attn_with_kvcache",
     "dropout_mask",
+    "dropout_scale",
     "DEFAULT_WINDOW",
     "ring_flash_attn_func",
     "ring_scaled_dot_product_attention",

@@ -258,7 +258,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
@@ -322,7 +322,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
@@ -388,7 +388,7 @@ def bwd_dropout_d64_fp32_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)

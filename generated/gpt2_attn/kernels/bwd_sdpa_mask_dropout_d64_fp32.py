@@ -270,7 +270,7 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
@@ -342,7 +342,7 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
@@ -416,7 +416,7 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)

@@ -69,8 +69,8 @@ def fwd_dropout_d64_fp32_kernel(
     QK_SCALE_LOG2,  # softmax scale * log2(e)
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
     SEED, RNG_OFFSET,  # Philox key and stream of this call (dropout only)
-    DROP_THRESHOLD,  # drop when a 16-bit uniform draw is below this (p * 65536)
-    DROP_SCALE,  # 1 / (1 - p), folded into the final normalisation
+    DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
+    DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)

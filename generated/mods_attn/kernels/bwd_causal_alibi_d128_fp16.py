@@ -266,7 +266,7 @@ def bwd_causal_alibi_d128_fp16_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
@@ -335,7 +335,7 @@ def bwd_causal_alibi_d128_fp16_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
@@ -406,7 +406,7 @@ def bwd_causal_alibi_d128_fp16_dkdv_kernel(
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0))
             if DROPOUT:
-                # the forward used Z * P with Z = keep / (1 - p); so dV sees Z * P, and
+                # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
                 keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)

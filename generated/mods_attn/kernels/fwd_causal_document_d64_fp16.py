@@ -71,8 +71,8 @@ def fwd_causal_document_d64_fp16_kernel(
     QK_SCALE_LOG2,  # softmax scale * log2(e)
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
     SEED, RNG_OFFSET,  # Philox key and stream of this call (dropout only)
-    DROP_THRESHOLD,  # drop when a 16-bit uniform draw is below this (p * 65536)
-    DROP_SCALE,  # 1 / (1 - p), folded into the final normalisation
+    DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
+    DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
     T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1,
     # the block mask at this kernel's tile: per query block, how many key blocks are

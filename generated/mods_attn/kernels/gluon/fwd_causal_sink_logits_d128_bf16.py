@@ -28,12 +28,13 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   heads whose K/V fit in L2 together. The next tile's Q is loaded as soon as the last
   S = Q K^T of the current one is done, and the output leaves through a TMA store that
   nobody waits for until its buffer is needed again.
-* Dropout (DROPOUT, dropout variants only). P is multiplied by keep / (1 - p) before
-  O += P V, while the row sum l_i counts every key, as in the `tl` kernel. The keep
-  mask is the package's `_dropout.keep_mask`, bit for bit (the backward regenerates it
-  from the same Philox counters), computed in the registers of the S accumulator: one
-  thread's eight elements of a 16 x 16 block come from one Philox call, so no value
-  moves between threads. The Philox rounds sit on the consumer's own path (next to the
+* Dropout (DROPOUT, dropout variants only). P is multiplied by keep * DROP_SCALE
+  (256 / (256 - T) for the byte threshold T, `_dropout.scale`) before O += P V, while
+  the row sum l_i counts every key, as in the `tl` kernel. The keep mask is the
+  package's `_dropout.keep_mask`, bit for bit (the backward regenerates it from the same
+  Philox counters), computed in the registers of the S accumulator: one thread's sixteen
+  elements of a 16 x 32 block come from one Philox call (a byte each), so no value moves
+  between threads. The Philox rounds sit on the consumer's own path (next to the
   softmax) and cost about half the speed: see docs/PERF_NOTES.md for what was measured
   and what would hide them.
 
@@ -337,26 +338,27 @@ def _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row_start, col_start,
                    ROWS: gl.constexpr, COLS: gl.constexpr):
     """The Philox words behind the keep mask of rows [row_start, row_start + ROWS) and
     keys [col_start, col_start + COLS) of one (batch * head) slice bh: four uint32 tensors
-    [ROWS / 16, 8, COLS / 16, 4] indexed (G, rr, Q, t), word w of the call with counter
+    [ROWS / 16, 8, COLS / 32, 4] indexed (G, rr, Q, t), word w of the call with counter
     (4 Q + t, 16 G + rr, bh, RNG_OFFSET) under the seed SEED_HI * 2**32 + SEED_LO (each
     half as the bits of an int32), as in `_dropout.keep_mask` (its comment gives the
-    element -> (call, word, half) map). row_start and col_start: multiples of 16.
+    element -> (call, word, byte) map). row_start: a multiple of 16; col_start and COLS:
+    multiples of 32.
 
     The layout puts G on the warps, rr and t on the lanes and Q in registers, which is
     where a thread's elements sit in the wgmma accumulator of S (NVMMA v3, 4 warps): warp
     G holds rows 16 G .. 16 G + 15, lane 4 rr + t holds rows rr and rr + 8 and columns
     2 t, 2 t + 1 of every 8-column group. `_keep_from_words` then only renames registers."""
-    ctr: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, COLS // 16, 1],
+    ctr: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, COLS // 32, 1],
                                          threads_per_warp=[1, 8, 1, 4],
                                          warps_per_cta=[ROWS // 16, 1, 1, 1],
                                          order=[3, 2, 1, 0])
     g = gl.arange(0, ROWS // 16, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, ctr))))
     rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, ctr))))
-    q = gl.arange(0, COLS // 16, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, ctr))))
+    q = gl.arange(0, COLS // 32, layout=gl.SliceLayout(1, gl.SliceLayout(0, gl.SliceLayout(0, ctr))))
     t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, ctr))))
     crow = (row_start + 16 * gl.expand_dims(g, 1) + gl.expand_dims(rr, 0)).to(gl.uint32)  # [G, rr]
-    ccol = (4 * (col_start // 16 + gl.expand_dims(q, 1)) + gl.expand_dims(t, 0)).to(gl.uint32)  # [Q, t]
-    zero = gl.zeros([ROWS // 16, 8, COLS // 16, 4], gl.uint32, layout=ctr)
+    ccol = (4 * (col_start // 32 + gl.expand_dims(q, 1)) + gl.expand_dims(t, 0)).to(gl.uint32)  # [Q, t]
+    zero = gl.zeros([ROWS // 16, 8, COLS // 32, 4], gl.uint32, layout=ctr)
     c0 = zero + gl.expand_dims(gl.expand_dims(ccol, 0), 0)
     c1 = zero + gl.expand_dims(gl.expand_dims(crow, 2), 3)
     c2 = zero + bh.to(gl.uint32)
@@ -368,16 +370,18 @@ def _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row_start, col_start,
 @gluon.jit
 def _keep_from_words(r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr):
     """[ROWS, COLS] bool in s_layout from `_dropout_words`' four words: element
-    (16 G + 8 wh + rr, 16 Q + 8 wl + 2 t + k) survives when 16-bit half k of word
-    2 wh + wl is at least DROP_THRESHOLD. Joins, permute and reshape only relabel a
-    thread's registers; convert_layout asserts that nothing moves."""
+    (16 G + 8 wh + rr, 32 Q + 16 b + 8 wl + 2 t + k) survives when byte wh + 2 k of word
+    b + 2 wl is at least DROP_THRESHOLD. The joins stack a thread's sixteen decisions in
+    the accumulator's register order (col 1, row 8, col 8, col 16, then Q); permute and
+    reshape only relabel them, and convert_layout asserts that nothing moves."""
     thresh = DROP_THRESHOLD.to(gl.uint32)
-    words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [G, rr, Q, t, wl, wh]
-    # the high half compared without a shift: (w >> 16) >= T exactly when w >= T << 16
-    keep = gl.join((words & 0xFFFF) >= thresh, words >= (thresh << 16))  # [G, rr, Q, t, wl, wh, k]
-    keep = gl.permute(keep, (0, 5, 1, 2, 4, 3, 6))  # [G, wh, rr, Q, wl, t, k]
+    words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [G, rr, Q, t, b, wl]
+    # byte j compared in place: (w & (0xFF << 8 j)) >= T << 8 j exactly when byte j >= T
+    keep = gl.join(gl.join((words & 0xFF) >= thresh, (words & 0xFF00) >= (thresh << 8)),
+                   gl.join((words & 0xFF0000) >= (thresh << 16), words >= (thresh << 24)))
+    keep = gl.permute(keep, (0, 6, 1, 2, 4, 5, 3, 7))  # [G, wh, rr, Q, b, wl, t, k]
     rows: gl.constexpr = keep.shape[0] * 16
-    cols: gl.constexpr = keep.shape[3] * 16
+    cols: gl.constexpr = keep.shape[3] * 32
     keep = gl.reshape(keep, [rows, cols])
     return gl.convert_layout(keep, s_layout, assert_trivial=True)
 
@@ -596,7 +600,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         seen = l_i > 0.0
         inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
         if DROPOUT:
-            inv_l = inv_l * DROP_SCALE  # the kept P entries' 1 / (1 - p)
+            inv_l = inv_l * DROP_SCALE  # the kept P entries' 256 / (256 - T)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
                        float("-inf"))
         gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
@@ -644,8 +648,8 @@ def fwd_causal_sink_logits_d128_bf16_kernel(
     # compiler hoist the round keys out of the key loop, and spill them) and stream of
     # this call, as int32 bits (dropout only)
     SEED_LO, SEED_HI, RNG_OFFSET,
-    DROP_THRESHOLD,  # drop when a 16-bit uniform draw is below this (p * 65536)
-    DROP_SCALE,  # 1 / (1 - p), folded into the final normalisation
+    DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
+    DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
     T_sinks, T_sinks_S0, T_sinks_D0,
     BLOCK_M: gl.constexpr,  # NUM_CONSUMERS * SPLIT_M
