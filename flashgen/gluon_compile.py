@@ -52,8 +52,8 @@ def _ptxas_report(log: str) -> tuple[int, int]:
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                     mod_types: dict | None = None, varlen: bool = False) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
-    the signature types of the variant's mod arguments, see mod_arg_types; varlen: a
-    forward's packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one)."""
+    the signature types of the variant's mod arguments, see mod_arg_types; varlen: the
+    packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -77,22 +77,23 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                          [1, 1, config["block_m"], d_pad // families.CONSUMERS], gl.float32),
                      VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
                                                                      gl.float32),
-                     HOST_DESC=not varlen)
+                     HOST_DESC=True, VARLEN=varlen)
+        # what the runtime launches: TMA descriptors made on the host (VARLEN: LSE and D
+        # are read by plain loads, from pointers)
         pointers = {"DK": dtype, "DV": dtype}
-        if varlen:  # the kernel makes its descriptors from pointers
-            pointers.update({"Q": dtype, "K": dtype, "V": dtype, "DO": dtype, "LSE": "fp32",
-                             "DELTA": "fp32", "DQ_ACC": "fp32"})
-        else:  # what the runtime launches: TMA descriptors made on the host
-            boxes = {"Q": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
-                     "DO": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
-                     "K": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
-                     "V": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
-                     "LSE": ([config["block_m"]], "VEC_LAYOUT", gl.float32),
-                     "DELTA": ([config["block_m"]], "VEC_LAYOUT", gl.float32),
-                     "DQ_ACC": ([1, 1, config["block_m"], d_pad // families.CONSUMERS],
-                                "DQ_LAYOUT", gl.float32)}
-            descriptors = {arg: _descriptor_type(dt, box, const[lay])
-                           for arg, (box, lay, dt) in boxes.items()}
+        boxes = {"Q": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
+                 "DO": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
+                 "K": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
+                 "V": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
+                 "DQ_ACC": ([1, 1, config["block_m"], d_pad // families.CONSUMERS],
+                            "DQ_LAYOUT", gl.float32)}
+        if varlen:
+            pointers.update(LSE="fp32", DELTA="fp32")
+        else:
+            boxes.update(LSE=([config["block_m"]], "VEC_LAYOUT", gl.float32),
+                         DELTA=([config["block_m"]], "VEC_LAYOUT", gl.float32))
+        descriptors = {arg: _descriptor_type(dt, box, const[lay])
+                       for arg, (box, lay, dt) in boxes.items()}
     else:
         q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
         kv_box = [1, 1, config["block_n"], d_pad]
@@ -104,10 +105,10 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      VARLEN=varlen)
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
         descriptors = {}
-        if varlen:
-            pointers.update(CU_Q="i32", CU_K="i32")
-        else:
-            const.update(CU_Q=None, CU_K=None)  # a dense launch passes None
+    if varlen:
+        pointers.update(CU_Q="i32", CU_K="i32")
+    else:
+        const.update(CU_Q=None, CU_K=None)  # a dense launch passes None
     sig, constexprs, attrs = {}, {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
@@ -155,7 +156,8 @@ def _descriptor_type(dtype, box, layout) -> str:
 def compile_package(package_dir: Path, configs=None, variants=None, log=None,
                     varlen: bool = False) -> list[GluonResources]:
     """Compile every Gluon kernel of a generated package (at each of `configs`, default
-    the untuned Gluon default); with varlen, the forwards' packed-batch form as well."""
+    the untuned Gluon default); with varlen, the packed-batch (VARLEN) form of each kernel
+    without mods as well (packed batches take no mods)."""
     package_dir = Path(package_dir).resolve()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -171,7 +173,7 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
         for config in configs:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
-            for packed in (False, True) if varlen and facts["kind"] == "fwd" else (False,):
+            for packed in (False, True) if varlen and not facts.get("mods") else (False,):
                 res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
                                       mod_arg_types(registry, name)[0], varlen=packed)
                 if log:
@@ -184,6 +186,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m flashgen.gluon_compile",
                                  description=__doc__.splitlines()[0])
     ap.add_argument("spec", help="a spec file; its package is built into a temp folder")
+    ap.add_argument("--no-varlen", action="store_true",
+                    help="the dense kernels only (by default each kernel without mods is "
+                         "compiled in its packed-batch form too, a `varlen` row)")
     args = ap.parse_args(argv)
     from .build import build
 
@@ -192,7 +197,7 @@ def main(argv=None) -> int:
         pkg = next(p for p in Path(tmp).iterdir() if (p / "_registry.py").exists())
         print("| variant | tile | shared bytes | regs at entry | stack bytes | wgmma | setmaxnreg |")
         print("|---|---|---|---|---|---|---|")
-        compile_package(pkg, log=print)
+        compile_package(pkg, log=print, varlen=not args.no_varlen)
     return 0
 
 

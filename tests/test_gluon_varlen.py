@@ -1,12 +1,17 @@
-"""flash_attn_varlen_func on the Gluon (Hopper) forward: the dense Gluon kernel with VARLEN=True.
+"""flash_attn_varlen_func on the Gluon (Hopper) kernels: the dense Gluon forward and backward
+with VARLEN=True.
 
-On the CPU: the packed form of the shipped Gluon forwards compiles for sm_90 (Triton's
-bundled ptxas) into the dense kernel's design and budget, and the runtime's reasons.
-On the GPU (-m gpu): forward output and LSE (and the gradients, through the `tl` varlen
-backward) against a float64 reference run one sequence at a time, with ragged lengths
-(0 and 1 included, Nq != Nk both ways, lengths off the 64/128-row tiles), GQA, the three
-bands, dropout against the replayed mask, a corrupted cu_seqlens inside NaN-filled
-buffers, and a check that the Gluon kernel (GluonJITFunction) is what ran.
+On the CPU: the packed form of the shipped Gluon forwards and backwards compiles for sm_90
+(Triton's bundled ptxas) into the dense kernel's design and budget; the runtime's reasons,
+and the backward plan it builds (family, grid, arguments) with the device checks patched.
+On the GPU (-m gpu): forward output, LSE and all three gradients against a float64
+reference run one sequence at a time, with ragged lengths (0 and 1 included, Nq != Nk both
+ways, lengths off the 64/128-row tiles), GQA, the three bands, d = 64 and 128, fp16 and
+bf16; more sequences than one 32-lane chunk of the device-side walks; neighbour isolation
+(a sequence's gradients do not move when another sequence's tokens change); dropout
+against the replayed mask (on `tl`); a corrupted cu_seqlens inside NaN-filled buffers,
+forward and backward; and a check that the Gluon kernel (GluonJITFunction) is what ran,
+each direction.
 """
 import json
 import os
@@ -44,10 +49,30 @@ _COMPILE = r"""
 import json, sys
 from pathlib import Path
 from flashgen import gluon_compile, families
-res = gluon_compile.compile_package(Path(sys.argv[1]), configs=[families.GLUON_DEFAULT],
+config = {"fwd": families.GLUON_DEFAULT,
+          "bwd": {**families.GLUON_BWD_DEFAULT, "kind": "bwd"},
+          # the d=64 default: 128 query rows a step
+          "bwd128": {**families.GLUON_BWD_DEFAULT, "kind": "bwd", "block_m": 128}}[sys.argv[3]]
+res = gluon_compile.compile_package(Path(sys.argv[1]), configs=[config],
                                     variants=sys.argv[2].split(","), varlen=True)
 print(json.dumps([r.__dict__ for r in res]))
 """
+
+
+def _compile_dense_and_packed(pkg, names, kind):
+    """{variant: (dense row, varlen row)} of an sm_90 compile of both forms."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
+                          ",".join(names), kind], capture_output=True, text=True, env=env,
+                         cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(names)
+    pairs = {}
+    for r in rows:
+        pairs.setdefault(r["variant"], [None, None])[r["config"].startswith("varlen")] = r
+    assert set(pairs) == set(names) and all(None not in p for p in pairs.values())
+    return pairs
 
 
 @needs_gluon_triton
@@ -55,20 +80,26 @@ def test_varlen_gluon_forward_compiles_for_sm90(pkg):
     """Dense and packed forms side by side: the packed one keeps the design (wgmma, the
     register split), its shared memory and a small stack frame. Measured when written
     (llama-like d=128 bf16 causal): 197064 B shared (dense 197032), 80 B stack (dense 112)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     names = ["fwd_causal_d128_bf16", "fwd_d64_fp16", "fwd_window_d128_bf16"]
-    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
-                          ",".join(names)], capture_output=True, text=True, env=env,
-                         cwd=str(ROOT))
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * len(names)
-    dense = {r["variant"]: r for r in rows if not r["config"].startswith("varlen")}
-    for r in rows:
-        if not r["config"].startswith("varlen"):
-            continue
-        d = dense[r["variant"]]
+    for d, r in _compile_dense_and_packed(pkg, names, "fwd").values():
         assert r["shared"] <= 232448 and r["shared"] <= d["shared"] + 1024, r
+        assert r["wgmma"] == d["wgmma"] > 0, r
+        assert r["setmaxnreg"] == d["setmaxnreg"], r
+        assert r["spill_bytes"] <= 128, r
+
+
+@needs_gluon_triton
+def test_varlen_gluon_backward_compiles_for_sm90(pkg):
+    """The backward's packed form keeps the dense design (the same wgmma products and
+    register split) and shared memory (LSE and D reach the same slots by plain loads), with
+    a small stack frame. Measured when written (bwd_causal_d128_bf16, 64x128, 2-deep ring):
+    198192 B shared in both forms, stack 56 B (dense 40); none 48 (32), window 80 (40)."""
+    names = ["bwd_causal_d128_bf16", "bwd_d64_fp16", "bwd_window_d128_bf16", "bwd_d128_fp16"]
+    pairs = list(_compile_dense_and_packed(pkg, names, "bwd").values())
+    pairs += _compile_dense_and_packed(pkg, ["bwd_causal_d64_bf16"], "bwd128").values()
+    for d, r in pairs:
+        assert r["config"] == "varlen " + d["config"], r
+        assert r["shared"] <= 232448 and r["shared"] <= d["shared"] + 256, r
         assert r["wgmma"] == d["wgmma"] > 0, r
         assert r["setmaxnreg"] == d["setmaxnreg"], r
         assert r["spill_bytes"] <= 128, r
@@ -96,6 +127,96 @@ def test_the_runtime_says_why_not_gluon(pkg, monkeypatch):
     assert "VARLEN: gl.constexpr" in kernel and "def _varlen_tile(" in kernel
 
 
+def test_the_runtime_says_why_not_gluon_backward(pkg, monkeypatch):
+    """gluon_varlen_backward_reason: the dense call's config decides, then the variant, the
+    device, determinism, keys, TMA and size, as for the forward."""
+    rt = pkg._runtime
+    q = torch.randn(40, 4, 128, dtype=torch.bfloat16)
+    cfg = {"family": "gluon"}
+    why = rt.gluon_varlen_backward_reason
+    # on this machine: the interpreter or no CUDA device
+    assert why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
+    assert "tl" in why("bwd_causal_d128_bf16", {}, q, q, q, q, 40, "causal")
+    # dropout: the backward has no Gluon kernel at all
+    assert "dropout" in why("bwd_dropout_d128_bf16", cfg, q, q, q, q, 40, "none")
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)  # as on an H100
+    assert "too small" in why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
+    odd = torch.randn(40 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(40, 4, 128)
+    assert "TMA" in why("bwd_causal_d128_bf16", cfg, q, q, q, odd, 40, "causal")
+    assert "no keys" in why("bwd_causal_d128_bf16", cfg, q, q[:0], q[:0], q, 0, "causal")
+    with rt.override_config(family="gluon"):  # asked for: size no longer matters
+        assert why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal") is None
+        torch.use_deterministic_algorithms(True)
+        try:
+            assert "deterministic" in why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
+        finally:
+            torch.use_deterministic_algorithms(False)
+    monkeypatch.setattr(rt, "VARLEN_GLUON_BACKWARD", False)
+    assert "VARLEN_GLUON_BACKWARD" in why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
+    with rt.override_config(family="gluon"):
+        assert why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal") is None
+
+
+def _varlen_bwd_plan(pkg, lq, lk, h_q, h_kv, d, causal, dtype=torch.bfloat16):
+    rt = pkg._runtime
+    q = torch.randn(sum(lq), h_q, d, dtype=dtype)
+    k = torch.randn(sum(lk), h_kv, d, dtype=dtype)
+    mask, lo, hi = rt.varlen_band(max(lq), max(lk), causal, (-1, -1))
+    return rt._varlen_backward_plan(q, q, k, k, q, q, k, k, cu(lq), max(lq), max(lk), mask, lo,
+                                    hi, d ** -0.5, False)
+
+
+def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
+    """With the device checks patched to an H100's, the varlen backward's plan is the Gluon
+    kernel with VARLEN=True (one launch after the preprocess, no dQ kernel) on a grid of at
+    least every real key block (the kernel finds its own) and fewer than B more a K/V head;
+    its arguments are the packed layout's, and the host's descriptors view the packed
+    tensors as (1, H, total, d). Unpatched, on this machine, it is `tl`."""
+    rt = pkg._runtime
+    lq = [127, 0, 1, 59, 257, 64, 200, 1, 300]
+    lk = [127, 3, 1, 300, 100, 64, 0, 7, 257]
+    plan = _varlen_bwd_plan(pkg, lq, lk, 8, 2, 128, True)
+    # `tl`: two launches after the preprocess (JITFunction, InterpretedFunction here)
+    assert plan[-1] != rt._GLUON and plan[4] is not None
+    assert type(plan[2].fn).__name__ != "GluonJITFunction"
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
+    with rt.override_config(family="gluon"):
+        for causal in (True, False):
+            pre, pre_args, launch, args, dq_launch, boxes, family = _varlen_bwd_plan(
+                pkg, lq, lk, 8, 2, 128, causal)
+            assert family == rt._GLUON and dq_launch is None
+            assert type(launch.fn).__name__ == "GluonJITFunction"
+            assert launch.meta["VARLEN"] is True and launch.meta["BLOCK_N"] == 128
+            blocks = sum(-(-n // 128) for n in lk)  # real key blocks of one K/V head
+            assert 2 * blocks <= launch.grid[0] < 2 * (blocks + len(lk)), launch.grid
+            # the dQ sum's (token, head, token) strides, then batch, totals, K/V heads,
+            # group, ..., NUM_N = cdiv(max_seqlen_k, 128), LSE/D row length = total_q
+            assert args[18:21] == (8 * 128, 128, 8 * 128)
+            assert args[21:26] == (len(lq), sum(lq), sum(lk), 2, 4)
+            assert args[30] == -(-max(lk) // 128) and args[-1] == sum(lq) and len(args) == 32
+        q = torch.randn(sum(lq), 8, 128, dtype=torch.bfloat16)
+        k = torch.randn(sum(lk), 4, 2, 128, dtype=torch.bfloat16)[:, 1]  # strided K, V
+        acc = torch.zeros(q.shape)
+        descs = rt._gluon_varlen_bwd_descriptors(boxes, q, k, k, q, acc)
+        assert [d.shape for d in descs] == [[1, 8, sum(lq), 128], [1, 2, sum(lk), 128],
+                                            [1, 2, sum(lk), 128], [1, 8, sum(lq), 128],
+                                            [1, 8, sum(lq), 128]]
+        assert descs[1].strides == [4 * 2 * 128, 128, 4 * 2 * 128, 1]
+        assert descs[4].strides == [8 * 128, 128, 8 * 128, 1]
+        assert descs[0].block_shape == [1, 1, 64, 128] and descs[4].block_shape == [1, 1, 64, 64]
+        # the d=64 backward is opt-in on Hopper below 2k, but asked for here; dropout never
+        plan = _varlen_bwd_plan(pkg, lq, lk, 4, 4, 64, False, torch.float16)
+        assert plan[-1] == rt._GLUON
+        mask, lo, hi = rt.varlen_band(max(lq), max(lq), True, (-1, -1))
+        plan = rt._varlen_backward_plan(q, q, q, q, q, q, q, q, cu(lq), max(lq), max(lq), mask,
+                                        lo, hi, 0.1, True)
+        assert plan[-1] != rt._GLUON and type(plan[2].fn).__name__ != "GluonJITFunction"
+    monkeypatch.setattr(rt, "GLUON_BWD_HOST_DESCRIPTORS", False)  # the kernel makes them
+    with rt.override_config(family="gluon"):
+        plan = _varlen_bwd_plan(pkg, lq, lk, 8, 2, 128, True)
+        assert plan[-1] == rt._GLUON and plan[5] is None and plan[2].meta["HOST_DESC"] is False
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: against float64
 # ---------------------------------------------------------------------------------------
@@ -108,12 +229,18 @@ def _families_ran(pkg):
             if key[0] == "varlen" and p[0] is not None}
 
 
+def _bwd_families_ran(pkg):
+    """The kernel family of the varlen backward plans made so far (the dK/dV launch:
+    GluonJITFunction for the Gluon kernel, JITFunction for `tl`)."""
+    return {type(p[2].fn).__name__ for key, p in pkg._runtime._backward_plans.items()
+            if key[0] == "varlen" and p is not None}
+
+
 def _run(pkg, lq, lk, h_q, h_kv, d, dtype, *, causal=False, window=(-1, -1), p=0.0,
-         grad=True, seed=0, expect="GluonJITFunction"):
+         grad=True, seed=0, expect="GluonJITFunction", expect_bwd=None):
     q = torch.randn(sum(lq), h_q, d, dtype=dtype, device="cuda", requires_grad=grad)
     k = torch.randn(sum(lk), h_kv, d, dtype=dtype, device="cuda", requires_grad=grad)
     v = torch.randn(sum(lk), h_kv, d, dtype=dtype, device="cuda", requires_grad=grad)
-    pkg._runtime._forward_plans.clear()
     torch.manual_seed(seed)
     with pkg._runtime.override_config(family="gluon"):  # asked for: most are tiny
         out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, "cuda"), cu(lk, "cuda"),
@@ -123,12 +250,15 @@ def _run(pkg, lq, lk, h_q, h_kv, d, dtype, *, causal=False, window=(-1, -1), p=0
         do = torch.randn_like(out)
         if grad:
             out.backward(do)
+            expect_bwd = expect_bwd or expect
+            assert _bwd_families_ran(pkg) == {expect_bwd}, f"expected {expect_bwd} backward"
     return q, k, v, out, lse, do
 
 
-# lengths: empty, one token, Nq < Nk, Nq > Nk, off the 64/128-row tiles, several tiles
-LQ = [130, 0, 1, 59, 257, 64, 200, 1]
-LK = [130, 3, 1, 300, 100, 64, 0, 7]
+# lengths: empty, one token, Nq < Nk, Nq > Nk, off the 64/128-row tiles (127: one short of
+# a key block, whose box reads the next sequence's first row), several tiles
+LQ = [130, 0, 1, 59, 257, 64, 200, 1, 127, 300]
+LK = [130, 3, 1, 300, 100, 64, 0, 7, 127, 257]
 
 
 @pytest.mark.gpu
@@ -167,6 +297,66 @@ def test_gluon_varlen_many_sequences_and_rounds(pkg, poison):
 
 
 @pytest.mark.gpu
+def test_gluon_varlen_backward_many_sequences(pkg, poison):
+    """The backward's device-side walk over more sequences than one 32-lane chunk and a
+    long sequence of 16 key-block levels (the bisection over levels): every key block's
+    dK, dV rows written once (the poisoned buffers have no NaN left) and dQ summed once."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    g = torch.Generator().manual_seed(4)
+    lq = torch.randint(0, 300, (70,), generator=g).tolist()
+    lk = torch.randint(0, 300, (70,), generator=g).tolist()
+    lq[5], lk[5], lq[9], lk[9], lk[33] = 0, 0, 1, 1, 0
+    lq[40], lk[40] = 1500, 2000
+    q, k, v, out, lse, do = _run(pkg, lq, lk, 4, 2, 128, torch.bfloat16, causal=True)
+    ref = reference(q, k, v, lq, lk, do, causal=True)
+    assert_all((out, lse, q.grad, k.grad, v.grad), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_varlen_backward_isolates_sequences(pkg, poison, causal):
+    """Scaling sequence i's q, k, v and dO by 100 leaves every other sequence's gradients as
+    they were: the boxes that run past a sequence's end read its neighbour's rows, and only
+    masking keeps them out. dK and dV come from one program each, in a fixed order: bitwise
+    equal. dQ is a sum of TMA reduce-adds in no fixed order: equal to a bf16 rounding step."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    lq, lk = [200, 59, 1, 257, 127, 70], [130, 300, 1, 257, 64, 77]
+    cq, ck = cu(lq), cu(lk)
+    h_q, h_kv, d = 4, 1, 128
+    q = torch.randn(sum(lq), h_q, d, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(sum(lk), h_kv, d, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(sum(lk), h_kv, d, dtype=torch.bfloat16, device="cuda")
+    do = torch.randn(sum(lq), h_q, d, dtype=torch.bfloat16, device="cuda")
+
+    def grads(q, k, v, do):
+        q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+        with pkg._runtime.override_config(family="gluon"):
+            out = pkg.flash_attn_varlen_func(q, k, v, cq.cuda(), ck.cuda(), max(lq), max(lk),
+                                              causal=causal)
+            out.backward(do)
+            assert _bwd_families_ran(pkg) == {"GluonJITFunction"}
+        return q.grad, k.grad, v.grad
+
+    base = grads(q, k, v, do)
+    for i in (0, 1, 3, 5):  # a sequence of each kind: first, Nq < Nk, long, last
+        q2, k2, v2, do2 = q.clone(), k.clone(), v.clone(), do.clone()
+        for t, c in ((q2, cq), (do2, cq), (k2, ck), (v2, ck)):
+            t[c[i]:c[i + 1]] *= 100
+        moved = grads(q2, k2, v2, do2)
+        for j in range(len(lq)):
+            if j == i:
+                continue
+            rq, rk = slice(cq[j], cq[j + 1]), slice(ck[j], ck[j + 1])
+            assert not torch.isnan(moved[0][rq]).any() and not torch.isnan(moved[1][rk]).any()
+            assert torch.equal(moved[1][rk], base[1][rk]), f"dK of {j} moved with {i}"
+            assert torch.equal(moved[2][rk], base[2][rk]), f"dV of {j} moved with {i}"
+            torch.testing.assert_close(moved[0][rq], base[0][rq], atol=1e-6, rtol=2 ** -7,
+                                       msg=lambda m: f"dQ of {j} moved with {i}: {m}")
+
+
+@pytest.mark.gpu
 def test_gluon_varlen_bench_shape(pkg, poison):
     """The bench's workload (16 documents of 128..4096 tokens, 16k tokens, H=16, d=128,
     causal) on the default path (no family asked): the Gluon forward, correct."""
@@ -186,6 +376,44 @@ def test_gluon_varlen_bench_shape(pkg, poison):
         ref = torch.nn.functional.scaled_dot_product_attention(
             *(t[s:e].transpose(0, 1).double() for t in (q, k, v)), is_causal=True)
         torch.testing.assert_close(out[s:e].transpose(0, 1).double(), ref, atol=1.6e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_gluon_varlen_backward_bench_shape(pkg, poison):
+    """The bench's workload on the default path (no family asked): the Gluon backward (the
+    d=128 backward is the Hopper default), every gradient of the checked documents within
+    twice the error that torch's own bf16 SDPA backward makes (the float64 result the
+    yardstick; flash-attn's test criterion: absolute errors grow with the length)."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    from flashgen.bench_varlen import ragged_lengths
+    lens = ragged_lengths(16, 16384, 128, 4096, 0)
+    q, k, v = (torch.randn(16384, 16, 128, dtype=torch.bfloat16, device="cuda",
+                           requires_grad=True) for _ in range(3))
+    do = torch.randn(16384, 16, 128, dtype=torch.bfloat16, device="cuda")
+    pkg._runtime._backward_plans.clear()
+    out = pkg.flash_attn_varlen_func(q, k, v, cu(lens, "cuda"), cu(lens, "cuda"), max(lens),
+                                     max(lens), causal=True)
+    out.backward(do)
+    if pkg._runtime._FORCED_FAMILY != "tl" and pkg._runtime.VARLEN_GLUON_BACKWARD:
+        assert _bwd_families_ran(pkg) == {"GluonJITFunction"}
+    ours = (q.grad, k.grad, v.grad)
+    assert not any(torch.isnan(g).any() for g in ours)
+    c = cu(lens)
+    for i in sorted({lens.index(max(lens)), lens.index(min(lens)), 3, 11}):
+        s, e = c[i].item(), c[i + 1].item()
+
+        def sdpa_grads(dtype):
+            ts = [t.detach()[s:e].transpose(0, 1).to(dtype).requires_grad_() for t in (q, k, v)]
+            o = torch.nn.functional.scaled_dot_product_attention(*ts, is_causal=True)
+            o.backward(do[s:e].transpose(0, 1).to(dtype))
+            return [t.grad.transpose(0, 1).double() for t in ts]
+
+        ref, low = sdpa_grads(torch.float64), sdpa_grads(torch.bfloat16)
+        for name, g, r, b in zip(("dq", "dk", "dv"), ours, ref, low):
+            err = (g[s:e].double() - r).abs().max().item()
+            base = (b - r).abs().max().item()
+            assert err <= 2 * base + 1e-3, f"document {i} ({e - s} tokens) {name}: {err} vs {base}"
 
 
 @pytest.mark.gpu
@@ -233,3 +461,39 @@ def test_gluon_varlen_corrupted_cu_seqlens_stay_in_bounds(pkg, monkeypatch):
         assert not torch.isnan(lse).any()
         assert (out_buf[:128] == 7).all() and (out_buf[128 + 3000:] == 7).all(), "wrote outside O"
         assert not torch.isnan(out_buf[128:128 + 3000]).any()
+
+
+@pytest.mark.gpu
+def test_gluon_varlen_backward_corrupted_cu_seqlens_stay_in_bounds(pkg, monkeypatch):
+    """The backward with unchecked bad cu_seqlens: every span is clamped into the packed
+    tensors (inside NaN-filled buffers, so a read outside them shows up as NaN) and no
+    gradient is written outside dq, dk, dv (inside buffers of 7s)."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    monkeypatch.setattr(pkg._decode, "CHECK_VALUES", False)
+
+    def inside(n, h, fill):
+        buf = torch.full((n + 256, h, 128), fill, dtype=torch.bfloat16, device="cuda")
+        if fill != fill:  # NaN: the buffer of an input, with data in the middle
+            buf[128:128 + n] = torch.randn(n, h, 128, dtype=torch.bfloat16, device="cuda")
+        return buf, buf[128:128 + n]
+
+    for cq, ck in (([0, 500, 300, 6000], [0, 900, 1400, 1200]),
+                   ([-70, 200, 3000, 3000], [0, -30, 9900, 1400])):
+        (_, q), (_, do), (_, o) = (inside(3000, 4, float("nan")) for _ in range(3))
+        (_, k), (_, v) = (inside(1400, 2, float("nan")) for _ in range(2))
+        lse = torch.randn(4, 3000, device="cuda") + 3.0
+        dq_buf, dq = inside(3000, 4, 7.0)
+        dk_buf, dk = inside(1400, 2, 7.0)
+        dv_buf, dv = inside(1400, 2, 7.0)
+        mask, lo, hi = pkg._runtime.varlen_band(3200, 3200, True, (-1, -1))
+        with pkg._runtime.override_config(family="gluon"):
+            pkg._runtime.backward_varlen(
+                do, q, k, v, o, lse, dq, dk, dv,
+                torch.tensor(cq, dtype=torch.int32, device="cuda"),
+                torch.tensor(ck, dtype=torch.int32, device="cuda"), 3200, 3200, mask=mask,
+                lo=lo, hi=hi, scale=128 ** -0.5)
+            assert _bwd_families_ran(pkg) == {"GluonJITFunction"}
+        for buf, n in ((dq_buf, 3000), (dk_buf, 1400), (dv_buf, 1400)):
+            assert (buf[:128] == 7).all() and (buf[128 + n:] == 7).all(), "wrote outside"
+            assert not torch.isnan(buf[128:128 + n]).any()

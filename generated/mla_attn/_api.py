@@ -296,10 +296,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Dropout's keep mask for sequence i is dropout_mask(batch, H_q, max_seqlen_q,
     max_seqlen_k, p)[i, :, :n_q_i, :n_k_i] (keyed by sequence and in-sequence positions).
-    The forward runs the Gluon (Hopper) forward where the dense call would
-    (runtime.gluon_varlen_reason, runtime.VARLEN_GLUON_FORWARD), else the `tl` kernel; the
-    backward runs the `tl` kernels (runtime.VARLEN_GLUON_REASON). Mods are not served with
-    packed batches yet (NotImplementedError)."""
+    The forward and the backward run the Gluon (Hopper) kernels where the dense call would
+    (runtime.gluon_varlen_reason / gluon_varlen_backward_reason, VARLEN_GLUON_FORWARD /
+    VARLEN_GLUON_BACKWARD), else the `tl` kernels; dropout always runs `tl`
+    (runtime.VARLEN_GLUON_REASON). Mods are not served with packed batches yet
+    (NotImplementedError)."""
     if mods is not None or mod_args:
         raise NotImplementedError(
             "flash_attn_varlen_func does not take mods yet (the block-sparse lists and the "

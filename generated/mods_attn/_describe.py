@@ -54,10 +54,10 @@ def describe() -> str:
     lines.append(f"  the Gluon family runs on {hopper} with Triton {', '.join(GLUON_TRITON)}; "
                  "anything else (other GPUs, other Triton, the interpreter, strides TMA "
                  "cannot read, FLASHGEN_FAMILY=tl) runs the `tl` kernels")
-    lines.append("  flash_attn_varlen_func: the forward runs the Gluon forward with VARLEN=True "
-                 "where the dense call runs the Gluon forward, else the `tl` kernels with "
-                 "VARLEN=True; the backward runs the `tl` kernels with VARLEN=True on every GPU "
-                 "(the Gluon backward takes dense (B, H, N, d) batches only so far); no mods")
+    lines.append("  flash_attn_varlen_func: the forward and the backward run their Gluon "
+                 "kernels with VARLEN=True where the dense call runs them, else the `tl` "
+                 "kernels with VARLEN=True (dropout always: the Gluon kernels take no dropout "
+                 "in packed batches); no mods")
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():

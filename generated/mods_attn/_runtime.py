@@ -952,8 +952,8 @@ def _vec_row(n_q: int) -> int:
 
 # The Gluon backward's TMA descriptors come from the host (made per call, encoded by
 # Triton's launcher: host time) rather than from each program of the kernel (device time:
-# a program per key block, each making seven descriptors at its start). False: the kernel
-# makes them, as the varlen form still does.
+# a program per key block, each making seven descriptors at its start; five with VARLEN,
+# whose LSE and D are plain loads). False: the kernel makes them, dense or VARLEN.
 GLUON_BWD_HOST_DESCRIPTORS = True
 
 
@@ -962,37 +962,47 @@ def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
     dK/dV/dQ kernel for one call signature (the preprocess launch is the `tl` family's).
     The boxes: what _gluon_bwd_descriptors needs, None when the kernel makes its own
     descriptors."""
-    from triton.experimental.gluon import language as gl
-
     batch, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
-    d_pad = _families.head_dim_pad(d)
-    dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-    block_m, block_n = cfg["block_m"], cfg["block_n"]
-    split = _families.KEY_ROWS_PER_CONSUMER
-    num_n = triton_cdiv(n_k, block_n)
-    consumer_regs, producer_regs = _families.regs(cfg)
-    qd_box, kv_box = [1, 1, block_m, d_pad], [1, 1, split, d_pad]
-    dq_box = [1, 1, block_m, d_pad // _families.CONSUMERS]
-    layouts = dict(QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(qd_box, dtype),
-                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, dtype),
-                   DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
-                   VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m], gl.float32))
-    host = GLUON_BWD_HOST_DESCRIPTORS
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, NUM_BUFFERS=cfg["num_stages"],
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], dtype),
-                HOST_DESC=host, num_warps=4, **layouts)
-    launch = Launcher(kernel(name, family="gluon"), (batch * h_kv * num_n,), meta)
+    num_n = triton_cdiv(n_k, cfg["block_n"])
+    launch, boxes = _gluon_backward_launcher(name, cfg, q.dtype, d, batch * h_kv * num_n,
+                                             varlen=False)
     # the dQ sum takes dQ's layout (as empty_like lays it out), so that its conversion
     # into dQ streams in order
     acc_stride = torch.empty_like(dq, dtype=torch.float32).stride()
-    args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
+    args = (None, None,  # CU_Q, CU_K: a dense batch
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *acc_stride[:3],
             batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
             _vec_row(n_q))
-    boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
     return launch, args, boxes, acc_stride
+
+
+def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
+    """(Launcher, descriptor boxes) of a Gluon backward (dense or VARLEN) at config `cfg`
+    over `programs` key blocks: its compile-time meta and its grid (a program per key
+    block). The boxes and layouts are what the host's descriptors need, None when the
+    kernel makes its own (GLUON_BWD_HOST_DESCRIPTORS)."""
+    from triton.experimental.gluon import language as gl
+
+    d_pad = _families.head_dim_pad(d)
+    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    block_m = cfg["block_m"]
+    split = _families.KEY_ROWS_PER_CONSUMER
+    consumer_regs, producer_regs = _families.regs(cfg)
+    qd_box, kv_box = [1, 1, block_m, d_pad], [1, 1, split, d_pad]
+    dq_box = [1, 1, block_m, d_pad // _families.CONSUMERS]
+    layouts = dict(QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(qd_box, gl_dtype),
+                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
+                   DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
+                   VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m], gl.float32))
+    host = GLUON_BWD_HOST_DESCRIPTORS
+    meta = dict(BLOCK_M=block_m, BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
+                DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], gl_dtype),
+                HOST_DESC=host, VARLEN=varlen, num_warps=4, **layouts)
+    boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
+    return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
 
 
 def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
@@ -1021,13 +1031,18 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
 # serve it with VARLEN=True: a program per (sequence, head, block of max_seqlen rows), its
 # sequence's span read from cu_seqlens on the device (clamped into the tensors), so no call
 # reads a device value on the host. The LSE is flash-attn 2's varlen layout (H_q, total_q).
-VARLEN_GLUON_REASON = ("a packed ragged (varlen) batch: the Gluon backward takes dense "
-                       "(B, H, N, d) batches only so far")
-# The varlen forward takes the Gluon forward (VARLEN=True) wherever the dense call of its
-# variant would (the Gluon default, a tuned entry naming it, FLASHGEN_FAMILY=gluon,
-# override_config(family="gluon")). The one-line switch: False makes it opt-in (only when
-# the family is asked for), every other varlen forward runs `tl`.
+# What packed batches still run on `tl` only, whatever the dense call would take: dropout
+# (the Gluon varlen forward with Philox spilled; the backward has no Gluon dropout kernel at
+# all). Mods are refused (NotImplementedError).
+VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spills with "
+                       "Philox and the Gluon backward has no dropout; `tl` serves it")
+# The varlen forward and backward take the Gluon kernels (VARLEN=True) wherever the dense
+# call of their variant would (the Gluon default, a tuned entry naming it,
+# FLASHGEN_FAMILY=gluon, override_config(family="gluon")). The one-line switches: False
+# makes that direction opt-in (only when the family is asked for), every other varlen call
+# of it runs `tl`.
 VARLEN_GLUON_FORWARD = True
+VARLEN_GLUON_BACKWARD = True
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
 # bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
@@ -1165,9 +1180,9 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
 def _varlen_config(name, device, max_q, max_k):
     """The launch config of a varlen call's `tl` kernel, for the bucket of its longest
     sequence. Where the dense call would take a Gluon config the varlen call cannot run
-    (gluon_varlen_reason; every backward: VARLEN_GLUON_REASON), the variant's tuned `tl` entry for that bucket serves if there is one (a backward tuned
-    among `tl` configs, which the Gluon default replaces for dense calls), else the
-    planner's tile."""
+    (gluon_varlen_reason, gluon_varlen_backward_reason), the variant's tuned `tl` entry for
+    that bucket serves if there is one (a backward tuned among `tl` configs, which the Gluon
+    default replaces for dense calls), else the planner's tile."""
     n = max(max_q, max_k)
     cfg = launch_config(name, device, n)
     if cfg.get("family") != "gluon":
@@ -1197,7 +1212,7 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) -> "str | None":
     if VARIANTS[name]["dropout"]:
         # the Philox rounds beside the walk's state: a 400-byte stack frame offline at d=128
         # (the dense dropout kernel: 136), and the dense one is opt-in already
-        return "dropout in a packed batch: the Gluon varlen form spills with Philox; `tl` serves it"
+        return VARLEN_GLUON_REASON
     total_q, h_q, d = q.shape
     if k.shape[0] == 0 or max_k == 0:
         return "no keys: every row is 0 (the `tl` kernel writes it)"
@@ -1261,8 +1276,11 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
                     mask: str, lo: int, hi: int, scale: float, dropout_p: float = 0.0,
                     rng=None):
     """Gradients of forward_varlen; writes dq, dk, dv (shaped like q, k, v) in place. `lse`
-    is the forward's (H_q, total_q) LSE. Three launches as the dense backward (D per token,
-    a dK/dV program per key block of each sequence, a dQ program per query block)."""
+    is the forward's (H_q, total_q) LSE. D per token (the `tl` preprocess), then the Gluon
+    backward with VARLEN=True where the dense call would take the Gluon backward
+    (gluon_varlen_backward_reason): one launch, dQ summed in an fp32 buffer; else the `tl`
+    kernels' two launches (a dK/dV program per key block of each sequence, a dQ program per
+    query block)."""
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
@@ -1271,7 +1289,7 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            do.stride(), o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device,
            cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
-           alignments(q, k, v, do, cu_q, cu_k))
+           alignments(q, k, v, do, cu_q, cu_k), torch.are_deterministic_algorithms_enabled())
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
@@ -1287,11 +1305,47 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma = plan
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)  # (H_q, total_q)
     pre(o, do, delta, *pre_args, q.shape[0])
+    if tma == _GLUON:
+        # dQ's fp32 sum in the packed (total_q, H_q, d) layout: TMA reduce-adds from every
+        # key block, exact zeros into the rows past each sequence
+        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        if dq_args is not None:  # the host's TMA descriptors (_gluon_varlen_bwd_descriptors)
+            q_, k_, v_, do_, acc_ = _gluon_varlen_bwd_descriptors(dq_args, q, k, v, do, dq_acc)
+        else:
+            _descriptor_allocator()
+            q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
+        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, cu_q, cu_k, *dkdv_args)
+        dq.copy_(dq_acc)
+        return delta
     if tma:
         _descriptor_allocator()
     dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop)
     dq_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k, *dq_args, *drop)
     return delta
+
+
+def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) -> "str | None":
+    """Why a varlen backward of `name` at config `cfg` (the dense call's, launch_config) does
+    not take the Gluon backward (None when it does): the dense rules (a Gluon config, the
+    variant -- dropout has none --, the device, determinism, not too small), TMA-readable
+    packed tensors, some keys, and VARLEN_GLUON_BACKWARD."""
+    if cfg.get("family") != "gluon":
+        return "the dense call of this variant takes `tl` here"
+    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if not VARLEN_GLUON_BACKWARD and not asked:
+        return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
+    reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
+    if reason is not None:
+        return reason
+    if torch.are_deterministic_algorithms_enabled():
+        return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
+    total_q, h_q, d = q.shape
+    if k.shape[0] == 0 or max_k == 0:
+        return "no keys: every gradient is 0"
+    # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped
+    if not _descriptor_ready(*((t, (t.stride(0), t.stride(1), t.stride(0))) for t in (q, k, v, do))):
+        return "TMA needs 16-byte aligned tensors and strides"
+    return _gluon_too_small(1, h_q, total_q, max_k, d, mask)
 
 
 def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, lo, hi,
@@ -1302,11 +1356,17 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     if batch * h_q * total_q * total_k * max_q * max_k == 0:
         return None
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
-    cfg = _varlen_config(name, q.device, max_q, max_k)
     # D = rowsum(dO * O) per token: the dense preprocess over one (1, H_q, total_q) batch
     pre = Launcher(kernel(name, "preprocess"), (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK)),
                    dict(BLOCK_M=PREPROCESS_BLOCK))
     pre_args = (0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0), total_q, h_q)
+    cfg = launch_config(name, q.device, max(max_q, max_k))
+    if gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) is None:
+        # (the plan's dq_args field holds the descriptors' boxes: there is no dQ launch)
+        launch, args, boxes = _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv,
+                                                          batch, max_k, lo, hi, scale)
+        return pre, pre_args, launch, args, None, boxes, _GLUON
+    cfg = _varlen_config(name, q.device, max_q, max_k)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     group = h_q // h_kv
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(
@@ -1325,3 +1385,46 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     dq_args = (*strides, 0, dq.stride(1), dq.stride(0),
                total_q, total_k, h_q, group, scale * LOG2E, scale, lo, hi)
     return pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma
+
+
+def _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv, batch, max_k, lo, hi, scale):
+    """(Launcher, run-time arguments, descriptor boxes) of the Gluon backward with
+    VARLEN=True: the dense kernel over a (1, H, total, d) view of each packed tensor, a
+    program per key block of a sequence and K/V head, which each program finds from
+    cu_seqlens on the device; the grid is sized from an upper bound of the key blocks, with
+    no sync."""
+    total_q, h_q, d = q.shape
+    total_k, h_kv, _ = k.shape
+    block_n = cfg["block_n"]
+    num_n = triton_cdiv(max_k, block_n)
+    # key blocks of one K/V head: sum of cdiv(n_i, BLOCK_N) <= (total_k + B (BLOCK_N - 1)) / BLOCK_N
+    per_head = min(batch * num_n, (total_k + batch * (block_n - 1)) // block_n)
+    launch, boxes = _gluon_backward_launcher(name, cfg, q.dtype, d, h_kv * per_head,
+                                             varlen=True)
+    # batch strides: the token stride (one batch; never stepped, only a valid descriptor);
+    # the dQ sum is a contiguous (total_q, H_q, d)
+    args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
+            v.stride(0), v.stride(1), v.stride(0), do.stride(0), do.stride(1), do.stride(0),
+            dk.stride(0), dk.stride(1), dk.stride(0), dv.stride(0), dv.stride(1), dv.stride(0),
+            h_q * d, d, h_q * d,
+            batch, total_q, total_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
+            total_q)
+    return launch, args, boxes
+
+
+def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc) -> tuple:
+    """The host-made TMA descriptors of the Gluon varlen backward: Q, K, V, dO and the dQ
+    sum as (1, H, total, d) views of the packed tensors (a box past the total reads zeros;
+    one past a sequence's end reads the next sequence, which the kernel masks). LSE and D
+    stay pointers: the kernel loads them."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    (qd_box, kv_box, dq_box, _), lay = boxes
+
+    def desc(t, box, layout):
+        return TensorDescriptor(t, [1, t.shape[1], t.shape[0], t.shape[2]],
+                                [t.stride(0), t.stride(1), t.stride(0), 1], box, layout)
+
+    return (desc(q, qd_box, lay["QD_LAYOUT"]), desc(k, kv_box, lay["KV_LAYOUT"]),
+            desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
+            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]))

@@ -36,6 +36,16 @@ query blocks that see the whole key block skip the mask arithmetic, those that s
 it are never visited. Rows past N_Q are masked (P = 0); keys past N_K read K = V = 0
 through TMA's zero fill and their dK, dV rows are never stored.
 
+Packed ragged batches (VARLEN, flash_attn_varlen_func's backward; docs/VARLEN.md) run this
+kernel too: the descriptors span the packed token axis as one batch and a program finds
+its (sequence, K/V head, key block) from cu_seqlens (_varlen_block). A box that runs past a
+sequence's end reads the *next* sequence's rows rather than zeros, so what TMA's zero fill
+gives a dense batch is explicit here: a key block that crosses its sequence's end masks
+every step (P^T = dS^T = 0 on those keys' rows, which makes them add nothing to dQ), query
+columns past the end get P^T = dS^T = 0 (so dQ's reduce-add adds exact zeros into the
+neighbour's rows), and dK, dV are stored row-masked. LSE and D come by plain loads: a
+sequence starts at any row, and a TMA box must start on a 16-byte boundary.
+
 Verified with Triton 3.6 (Gluon's API moves between versions).
 """
 from triton._C.libtriton import ir
@@ -58,6 +68,7 @@ SPLIT_N = gl.constexpr(64)  # key rows per consumer warpgroup: one wgmma M exten
 # dQ columns per consumer: each computes its share of the columns from every consumer's dS
 DQ_COLS = gl.constexpr(64 // 2)
 LOG2E = gl.constexpr(1.4426950408889634)
+SEQ_CHUNK = gl.constexpr(32)  # VARLEN: sequences read from cu_seqlens at a time (one per lane)
 
 
 @builtin
@@ -86,9 +97,133 @@ def _block_coords(NUM_N, H_KV, BLOCK_N: gl.constexpr):
     return bkv // H_KV, bkv % H_KV, (pid % NUM_N) * BLOCK_N
 
 
+# ----------------------------------------------------------------------------------------
+# VARLEN: which key block of which sequence a program owns (a dense launch compiles none of
+# this)
+# ----------------------------------------------------------------------------------------
+# The host sizes the grid from max_seqlen_k and the total without reading cu_seqlens (that
+# would sync): H_KV x min(B x NUM_N, (total_k + B (BLOCK_N - 1)) // BLOCK_N) programs, at
+# least the real key blocks. Each partition of a program finds its block from cu_seqlens
+# itself (the same few L1-resident loads, so they agree), and the programs past the real
+# blocks -- fewer than B a K/V head, all at the end of the grid -- own nothing. Giving
+# program p the p-th real block, rather than a (sequence, block) slot of a B x NUM_N grid,
+# keeps empty programs from interleaving with the real ones (the bench's 16 documents of
+# 128..4096 tokens: 2176 real blocks, 8192 slots).
+#
+# Order: head-major, as the dense grid (a head's Q, dO and dQ sum are shared by its blocks
+# running together), and within a head by *level*, from the top: a key block's level is
+# the number of key blocks after it in its sequence, so level L holds block nblk_i - 1 - L
+# of every sequence i with more than L blocks (in sequence order). Under a causal band a
+# block sees about L + 1 query blocks, so this is longest-first at block granularity: the
+# first key block of the longest sequence starts first, the last block of every sequence
+# ends the head. Without a band the top levels are the longest sequences' blocks. A
+# program finds its level by bisection (each step a pass over the sequences) and its
+# sequence by a prefix count.
+@gluon.jit
+def _seq_span(CU, b, TOTAL):
+    """(first row, length) of sequence b, clamped into [0, TOTAL] as the `tl` kernels'
+    seq_span: a bad cu_seqlens gives a wrong answer, never an access outside the tensors."""
+    start = gl.minimum(gl.maximum(gl.load(CU + b), 0), TOTAL)
+    end = gl.minimum(gl.maximum(gl.load(CU + b + 1), start), TOTAL)
+    return start, end - start
+
+
+@gluon.jit
+def _seq_blocks(CU_K, c0, BATCH, TOTAL_K, NUM_N, BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """(indices, key blocks) of sequences c0 .. c0 + SEQ_CHUNK - 1, one per lane (0 past
+    BATCH; at most NUM_N: a sequence longer than max_seqlen_k, a bad input, loses its keys
+    past it, as in the `tl` kernels)."""
+    i = c0 + gl.arange(0, SEQ_CHUNK, layout=layout)
+    ok = i < BATCH
+    start = gl.minimum(gl.maximum(gl.load(CU_K + i, mask=ok, other=0), 0), TOTAL_K)
+    end = gl.minimum(gl.maximum(gl.load(CU_K + i + 1, mask=ok, other=0), start), TOTAL_K)
+    return i, gl.minimum((end - start + BLOCK_N - 1) // BLOCK_N, NUM_N)
+
+
+@gluon.jit
+def _blocks_above(CU_K, level, BATCH, TOTAL_K, NUM_N, BLOCK_N: gl.constexpr,
+                  layout: gl.constexpr):
+    """Key blocks of one head at levels above `level` (level -1: all of them)."""
+    n = gl.program_id(0) * 0
+    for c0 in range(0, BATCH, SEQ_CHUNK):
+        _, blocks = _seq_blocks(CU_K, c0, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
+        n += gl.sum(gl.maximum(blocks - (level + 1), 0), axis=0)
+    return n
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _nth_seq_at(CU_K, level, rank, BATCH, TOTAL_K, NUM_N, BLOCK_N: gl.constexpr,
+                layout: gl.constexpr):
+    """The rank-th (from 0) sequence with a key block at `level`."""
+    b = BATCH  # not found yet
+    seen = gl.program_id(0) * 0  # such sequences before chunk c0
+    c0 = gl.program_id(0) * 0
+    while (b == BATCH) & (c0 < BATCH):
+        i, blocks = _seq_blocks(CU_K, c0, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
+        has = (blocks > level).to(gl.int32)
+        count = gl.associative_scan(has, 0, _add) + seen  # inclusive running count
+        b = gl.min(gl.where((has > 0) & (count == rank + 1), i, BATCH), axis=0)
+        seen += gl.sum(has, axis=0)
+        c0 += SEQ_CHUNK
+    return gl.minimum(b, BATCH - 1)
+
+
+@gluon.jit
+def _varlen_block(CU_K, BATCH, TOTAL_K, H_KV, NUM_N, BLOCK_N: gl.constexpr,
+                  layout: gl.constexpr):
+    """(whether it owns one, sequence, K/V head, first key row in the sequence) of this
+    program's key block in the order above."""
+    pid = gl.program_id(0)
+    per_head = _blocks_above(CU_K, -1, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
+    live = pid < H_KV * per_head
+    kv_h = gl.minimum(pid // gl.maximum(per_head, 1), H_KV - 1)
+    r = pid - kv_h * per_head  # this program's rank in its head
+    # its level: the lowest one with at most r of the head's blocks above it
+    lo = gl.program_id(0) * 0
+    hi = NUM_N - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _blocks_above(CU_K, mid, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout) <= r:
+            hi = mid
+        else:
+            lo = mid + 1
+    rank = r - _blocks_above(CU_K, lo, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
+    b = _nth_seq_at(CU_K, lo, rank, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
+    _, n_k = _seq_span(CU_K, b, TOTAL_K)
+    blocks = gl.minimum((n_k + BLOCK_N - 1) // BLOCK_N, NUM_N)
+    return live, b, kv_h, (blocks - 1 - lo) * BLOCK_N
+
+
+@gluon.jit
+def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N: gl.constexpr,
+             VARLEN: gl.constexpr, layout: gl.constexpr):
+    """What a program works on: (descriptor batch, batch, K/V head, first key row; its
+    sequence's first query and key rows, query and key counts, LO_OFF and HI_OFF). Dense:
+    batch b's whole N_Q x N_K. VARLEN (SEQS sequences): one batch of packed rows (N_Q, N_K
+    are the totals), a sequence's span and its band, aligned bottom-right per sequence, in
+    in-sequence positions; a program past the real key blocks gets no queries and no keys
+    (no steps, nothing stored)."""
+    if VARLEN:
+        live, b, kv_h, n_start = _varlen_block(CU_K, SEQS, N_K, H_KV, NUM_N, BLOCK_N, layout)
+        q0, n_q = _seq_span(CU_Q, b, N_Q)
+        k0, n_k = _seq_span(CU_K, b, N_K)
+        n_q = gl.where(live, n_q, 0)
+        n_k = gl.where(live, n_k, 0)
+        db = gl.program_id(0) * 0  # the descriptors see the packed rows as one batch
+        return db, b, kv_h, n_start, q0, k0, n_q, n_k, LO_OFF + (n_k - n_q), HI_OFF + (n_k - n_q)
+    else:
+        b, kv_h, n_start = _block_coords(NUM_N, H_KV, BLOCK_N)
+        return b, b, kv_h, n_start, 0, 0, N_Q, N_K, LO_OFF, HI_OFF
+
+
 @gluon.jit
 def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr):
+                 BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
     """(lo, full_lo, full_hi, hi) for the keys [n_start, n_start + BLOCK_N): query blocks
     starting in [lo, hi) see some of them, and a block [m0, m0 + BLOCK_M) sees every one
     when full_lo <= m0 and m0 + BLOCK_M <= full_hi (query i sees key j iff
@@ -104,6 +239,10 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
     if MASK_LEFT:
         hi = gl.minimum(gl.maximum(n_last - LO_OFF + 1, 0), N_Q)
         full_hi = gl.minimum(full_hi, (gl.maximum(n_start - LO_OFF + 1, 0) // BLOCK_M) * BLOCK_M)
+    if VARLEN:
+        # keys past the sequence's end hold the next sequence's K and V, not TMA's zeros:
+        # a block that has some masks them at every step, or they would add to dQ
+        full_hi = gl.where(n_start + BLOCK_N > N_K, 0, full_hi)
     return lo, full_lo, full_hi, hi
 
 
@@ -113,17 +252,24 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 @gluon.jit
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
               v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
-    b, kv_h, n_start = _block_coords(NUM_N, H_KV, BLOCK_N)
+              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, CU_Q, CU_K,
+              SEQS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+              VARLEN: gl.constexpr):
+    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
+    db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N, VARLEN, seq_layout)
     # this program's K and V, a [SPLIT_N, HEAD_DIM_PAD] box of each per consumer
     mbarrier.expect(kv_ready, 2 * NUM_CONSUMERS * desc_k.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
-        tma.async_copy_global_to_shared(desc_k, [b, kv_h, n_start + c * SPLIT_N, 0], kv_ready,
-                                        k_smem.index(c))
-        tma.async_copy_global_to_shared(desc_v, [b, kv_h, n_start + c * SPLIT_N, 0], kv_ready,
-                                        v_smem.index(c))
-    lo, full_lo, full_hi, hi = _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N)
+        tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n_start + c * SPLIT_N, 0],
+                                        kv_ready, k_smem.index(c))
+        tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n_start + c * SPLIT_N, 0],
+                                        kv_ready, v_smem.index(c))
+    lo, full_lo, full_hi, hi = _query_range(n_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N,
+                                            VARLEN)
+    if VARLEN:
+        vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+        vec_rows = gl.arange(0, BLOCK_M, layout=vec_layout)
     cnt = 0  # query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # GQA: the query heads that share this K/V head
@@ -131,18 +277,40 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
         for m0 in range(lo, hi, BLOCK_M):
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
-            # Q with its rows' LSE, dO with their D: the consumers read both vectors from
-            # shared memory when they need them rather than hold them in registers from the
-            # start of the step (at d=128 that spilled). A box running past N_Q reads
-            # padding or the next head's rows; the consumers mask them.
-            mbarrier.wait(q_empty.index(s), ph ^ 1)
-            mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_full.index(s), q_smem.index(s))
-            tma.async_copy_global_to_shared(desc_lse, [row0 + m0], q_full.index(s), lse_smem.index(s))
-            mbarrier.wait(do_empty.index(s), ph ^ 1)
-            mbarrier.expect(do_full.index(s), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_do, [b, h, m0, 0], do_full.index(s), do_smem.index(s))
-            tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(s), delta_smem.index(s))
+            if VARLEN:
+                # LSE and D by plain loads into the slot (a sequence starts at any row, a TMA
+                # box only on a 16-byte boundary), issued before the waits so that their
+                # latency hides behind them; rows past the sequence read 0, which the
+                # consumers mask
+                rows_ok = m0 + vec_rows < n_q
+                at = h.to(gl.int64) * VEC_ROW + q0 + m0 + vec_rows
+                lse = gl.load(desc_lse + at, mask=rows_ok, other=0.0)
+                delta = gl.load(desc_delta + at, mask=rows_ok, other=0.0)
+                mbarrier.wait(q_empty.index(s), ph ^ 1)
+                lse_smem.index(s).store(lse)
+                gl.thread_barrier()  # every lane's store before the arrival that publishes it
+                mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m0, 0], q_full.index(s),
+                                                q_smem.index(s))
+                mbarrier.wait(do_empty.index(s), ph ^ 1)
+                delta_smem.index(s).store(delta)
+                gl.thread_barrier()
+                mbarrier.expect(do_full.index(s), desc_do.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_do, [db, h, q0 + m0, 0], do_full.index(s),
+                                                do_smem.index(s))
+            else:
+                # Q with its rows' LSE, dO with their D: the consumers read both vectors from
+                # shared memory when they need them rather than hold them in registers from
+                # the start of the step (at d=128 that spilled). A box running past N_Q reads
+                # padding or the next head's rows; the consumers mask them.
+                mbarrier.wait(q_empty.index(s), ph ^ 1)
+                mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_full.index(s), q_smem.index(s))
+                tma.async_copy_global_to_shared(desc_lse, [row0 + m0], q_full.index(s), lse_smem.index(s))
+                mbarrier.wait(do_empty.index(s), ph ^ 1)
+                mbarrier.expect(do_full.index(s), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_do, [b, h, m0, 0], do_full.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(s), delta_smem.index(s))
             cnt += 1
 
 
@@ -153,8 +321,9 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
               kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-              SCALE, LO_OFF, HI_OFF, NUM_N, CID: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+              SCALE, LO_OFF, HI_OFF, NUM_N, CU_Q, CU_K, SEQS,
+              CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
     # [SPLIT_N, HEAD_DIM_PAD]; its columns of a query block's dQ are [BLOCK_M, DQ_COLS]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -169,8 +338,12 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # along its keys
     dtype: gl.constexpr = q_smem.dtype
 
-    b, kv_h, n_start = _block_coords(NUM_N, H_KV, BLOCK_N)
-    lo, full_lo, full_hi, hi = _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N)
+    # VARLEN: a sequence a lane, every warp a copy (the sums stay inside a warp)
+    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N, VARLEN, seq_layout)
+    lo, full_lo, full_hi, hi = _query_range(n_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N,
+                                            VARLEN)
     keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
     qcols = gl.arange(0, BLOCK_M, layout=col_s)  # [BLOCK_M]
     d_cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, d_layout))  # [HEAD_DIM_PAD]
@@ -205,11 +378,11 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
                 # hide what it may not see
                 kj = gl.expand_dims(keys, 1)
                 qi = gl.expand_dims(m0 + qcols, 0)
-                visible = (kj < N_K) & (qi < N_Q)
+                visible = (kj < n_k) & (qi < n_q)
                 if MASK_RIGHT:
-                    visible = visible & (kj <= qi + HI_OFF)
+                    visible = visible & (kj <= qi + hi_off)
                 if MASK_LEFT:
-                    visible = visible & (kj >= qi + LO_OFF)
+                    visible = visible & (kj >= qi + lo_off)
                 pt = gl.where(visible, pt, 0.0)
             dpt = warpgroup_mma_wait(0, deps=(dpt, ))
             delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]
@@ -255,19 +428,20 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             tma.store_wait(0)
             dq_buf.reshape([BLOCK_M, DQ_COLS]).store(dq)
             fence_async_shared()
-            _tma_reduce_add(desc_dq, [b, kv_h * KV_GROUP + g, m0, CID * DQ_COLS], dq_buf)
+            _tma_reduce_add(desc_dq, [db, kv_h * KV_GROUP + g, q0 + m0, CID * DQ_COLS], dq_buf)
             cnt += 1
 
     # ------------------------------------------------------------------------------------
     # Epilogue: this warpgroup's rows of dK and dV
     # ------------------------------------------------------------------------------------
     out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
-    out_ok = gl.expand_dims(out_rows < N_K, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
-    dk_ptrs = (DK + b.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
-               + gl.expand_dims(out_rows.to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
+    # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
+    out_ok = gl.expand_dims(out_rows < n_k, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
+    dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
+               + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
     gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
-    dv_ptrs = (DV + b.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
-               + gl.expand_dims(out_rows.to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
+    dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
+               + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
     gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
     tma.store_wait(0)
 
@@ -283,6 +457,13 @@ def bwd_d64_fp16_kernel(
     LSE, DELTA,  # [B * H_Q, VEC_ROW] fp32: the forward's log-sum-exp, rowsum(dO * O)
     DK, DV,  # like K and V (pointers)
     DQ_ACC,  # (B, H_Q, N_Q, HEAD_DIM) fp32 zeros: dQ (scaled) is added into it
+    # VARLEN: [B + 1] int32 cumulative sequence lengths (else None). Then Q, K, V, DO, DK, DV
+    # and DQ_ACC are the packed (total, H, HEAD_DIM) tensors seen as (1, H, total,
+    # HEAD_DIM) (the batch stride: any, never stepped), BATCH counts sequences, N_Q / N_K
+    # are the totals, LSE and D are pointers to [H_Q, VEC_ROW = total_q] (HOST_DESC or not),
+    # LO_OFF / HI_OFF are relative to each sequence's diagonal, and NUM_N is
+    # cdiv(max_seqlen_k, BLOCK_N)
+    CU_Q, CU_K,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -308,9 +489,15 @@ def bwd_d64_fp16_kernel(
     DS_LAYOUT: gl.constexpr,  # of dS^T, [SPLIT_N, BLOCK_M]
     DQ_LAYOUT: gl.constexpr,  # of the fp32 [1, 1, BLOCK_M, DQ_COLS] dQ tiles
     VEC_LAYOUT: gl.constexpr,  # and of the fp32 [BLOCK_M] LSE and D boxes
-    HOST_DESC: gl.constexpr,  # Q, K, V, DO, LSE, DELTA, DQ_ACC are TMA descriptors
+    HOST_DESC: gl.constexpr,  # Q, K, V, DO, LSE, DELTA, DQ_ACC are TMA descriptors (VARLEN: not LSE, DELTA)
+    VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
 ):
     H_Q = H_KV * KV_GROUP
+    desc_b = BATCH
+    seqs = 0  # the partitions' sequence count: a dense program needs none
+    if VARLEN:
+        desc_b = 1
+        seqs = BATCH
     if HOST_DESC:
         # the host made the descriptors (the runtime's _gluon_bwd_descriptors, the same boxes
         # as below): made here, once per program, they cost ~10 us of a program's start,
@@ -324,30 +511,38 @@ def bwd_d64_fp16_kernel(
         desc_delta = DELTA
     else:
         # TMA descriptors over (B, H, N, HEAD_DIM), made on the device: a box never crosses
-        # a head or a batch, and one that runs past N reads zeros
-        desc_q = tma.make_tensor_descriptor(Q, [BATCH, H_Q, N_Q, HEAD_DIM],
+        # a head or a batch, and one that runs past N reads zeros. VARLEN: one batch of the
+        # packed rows; a box that runs past a sequence's end reads the next sequence's rows,
+        # which the consumers mask
+        desc_q = tma.make_tensor_descriptor(Q, [desc_b, H_Q, N_Q, HEAD_DIM],
                                             [stride_qb, stride_qh, stride_qm, 1],
                                             [1, 1, BLOCK_M, HEAD_DIM_PAD], QD_LAYOUT)
-        desc_do = tma.make_tensor_descriptor(DO, [BATCH, H_Q, N_Q, HEAD_DIM],
+        desc_do = tma.make_tensor_descriptor(DO, [desc_b, H_Q, N_Q, HEAD_DIM],
                                              [stride_dob, stride_doh, stride_dom, 1],
                                              [1, 1, BLOCK_M, HEAD_DIM_PAD], QD_LAYOUT)
-        desc_k = tma.make_tensor_descriptor(K, [BATCH, H_KV, N_K, HEAD_DIM],
+        desc_k = tma.make_tensor_descriptor(K, [desc_b, H_KV, N_K, HEAD_DIM],
                                             [stride_kb, stride_kh, stride_kn, 1],
                                             [1, 1, SPLIT_N, HEAD_DIM_PAD], KV_LAYOUT)
-        desc_v = tma.make_tensor_descriptor(V, [BATCH, H_KV, N_K, HEAD_DIM],
+        desc_v = tma.make_tensor_descriptor(V, [desc_b, H_KV, N_K, HEAD_DIM],
                                             [stride_vb, stride_vh, stride_vn, 1],
                                             [1, 1, SPLIT_N, HEAD_DIM_PAD], KV_LAYOUT)
         # dQ's fp32 sum, laid out like dQ (so its conversion to dQ reads and writes in
         # order); TMA adds a consumer's [BLOCK_M, DQ_COLS] share into it
-        desc_dq = tma.make_tensor_descriptor(DQ_ACC, [BATCH, H_Q, N_Q, HEAD_DIM],
+        desc_dq = tma.make_tensor_descriptor(DQ_ACC, [desc_b, H_Q, N_Q, HEAD_DIM],
                                              [stride_dqb, stride_dqh, stride_dqm, 1],
                                              [1, 1, BLOCK_M, DQ_COLS], DQ_LAYOUT)
-        # LSE and D as flat vectors: a [BLOCK_M] box at a head's row offset, which TMA
-        # needs 16-byte aligned (VEC_ROW)
-        desc_lse = tma.make_tensor_descriptor(LSE, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
-                                              VEC_LAYOUT)
-        desc_delta = tma.make_tensor_descriptor(DELTA, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
-                                                VEC_LAYOUT)
+        if VARLEN:
+            # the producer loads LSE and D itself (a sequence's rows start anywhere, a TMA
+            # box only on a 16-byte boundary): the pointers stand in for their descriptors
+            desc_lse = LSE
+            desc_delta = DELTA
+        else:
+            # LSE and D as flat vectors: a [BLOCK_M] box at a head's row offset, which TMA
+            # needs 16-byte aligned (VEC_ROW)
+            desc_lse = tma.make_tensor_descriptor(LSE, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
+                                                  VEC_LAYOUT)
+            desc_delta = tma.make_tensor_descriptor(DELTA, [BATCH * H_Q * VEC_ROW], [1],
+                                                    [BLOCK_M], VEC_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], VEC_LAYOUT)
@@ -382,13 +577,16 @@ def bwd_d64_fp16_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     SCALE, LO_OFF, HI_OFF, NUM_N, CU_Q, CU_K, seqs, 0, BLOCK_M,
+                     BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     SCALE, LO_OFF, HI_OFF, NUM_N, CU_Q, CU_K, seqs, 1, BLOCK_M,
+                     BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
-                     NUM_N, VEC_ROW, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     NUM_N, VEC_ROW, CU_Q, CU_K, seqs, BLOCK_M,
+                     BLOCK_N, NUM_BUFFERS, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
