@@ -83,12 +83,16 @@ GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
                               "bwd": frozenset({"score", "sink", "mask"})}
 
 
-# The backward at d <= 64 goes Gluon from this length bucket up: bf16, H=32, B*N = 16k on the
-# H100, Gluon with 128-row steps vs the `tl` backward's tuned tiles (TFLOP/s, one backward a
-# CUDA event pair): non-causal 266.8 / 330.2 / 404.2 vs 264.1 / 307.6 / 346.5 at N = 2k / 4k /
-# 16k, causal 182.1 / 260.3 / 376.4 vs 174.2 / 234.7 / 306.4; below 2k `tl` won (N = 512:
-# 118.9 vs 134.8 non-causal, 61.3 vs 65.3 causal; docs/PERF_NOTES.md, tenth session).
-GLUON_BWD_SMALL_D_MIN_N = 2048
+# The backward at d <= 64 goes Gluon from this length bucket up (bf16, H=32, B*N = 16k on the
+# H100, TFLOP/s, Gluon with 128-row steps vs the `tl` backward's tuned tiles, one backward
+# a CUDA event pair, interleaved): with the kernel's descriptors made on the device,
+# non-causal 266.8 / 330.2 / 404.2 vs 264.1 / 307.6 / 346.5 at N = 2k / 4k / 16k, causal
+# 182.1 / 260.3 / 376.4 vs 174.2 / 234.7 / 306.4, and `tl` ahead below 2k; with host-made
+# descriptors, N = 512 non-causal 163.9 / 163.8 vs 146.3 / 163.2 and causal 91.0 / 99.5 vs
+# 80.1 / 86.3, N = 1k non-causal 225.2 / 223.0 vs 214.3 / 214.9 and causal 149.6 / 139.7
+# vs 153.6 / 132.9 (two rounds each; docs/PERF_NOTES.md, tenth session). Shorter calls
+# were not measured and keep `tl` (as do calls under GLUON_MIN_FLOPS).
+GLUON_BWD_SMALL_D_MIN_N = 512
 
 
 def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
@@ -138,8 +142,8 @@ def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
             # 128 query rows a step: the products of a 64-row step at d=64 are too short
-            # for the step's fixed costs (barriers, the dQ hand-over); 12-17% faster at N >=
-            # 4k on the H100, level at 2k (GLUON_BWD_SMALL_D_MIN_N)
+            # for the step's fixed costs (barriers, the dQ hand-over): 64-row steps with a
+            # 2- to 4-deep ring ran 3-10% slower on the H100 at N = 2k-16k
             cfg["block_m"] = 128
         return cfg
     cfg = dict(GLUON_DEFAULT)

@@ -228,7 +228,9 @@ def _gluon_mask_kernel(mod):
 
     _words, _keep = mod._dropout_words, mod._keep_from_words
 
-    @gluon.jit
+    # like the forward kernel: a threshold of 1 (p = 1/512) must stay a run-time value, not
+    # an int Triton specialises into a constant
+    @gluon.jit(do_not_specialize=["SEED_LO", "SEED_HI", "RNG_OFFSET", "DROP_THRESHOLD"])
     def mask_kernel(OUT, SEED_LO, SEED_HI, RNG_OFFSET, N_Q, N_K, DROP_THRESHOLD,
                     BLOCK_N: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
