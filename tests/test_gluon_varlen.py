@@ -204,7 +204,7 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
         assert descs[1].strides == [4 * 2 * 128, 128, 4 * 2 * 128, 1]
         assert descs[4].strides == [8 * 128, 128, 8 * 128, 1]
         assert descs[0].block_shape == [1, 1, 64, 128] and descs[4].block_shape == [1, 1, 64, 64]
-        # the d=64 backward is opt-in on Hopper below 2k, but asked for here; dropout never
+        # the d=64 backward is `tl` below GLUON_BWD_SMALL_D_MIN_N, but asked for here; dropout never
         plan = _varlen_bwd_plan(pkg, lq, lk, 4, 4, 64, False, torch.float16)
         assert plan[-1] == rt._GLUON
         mask, lo, hi = rt.varlen_band(max(lq), max(lq), True, (-1, -1))
