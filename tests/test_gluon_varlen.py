@@ -204,7 +204,7 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
         assert descs[1].strides == [4 * 2 * 128, 128, 4 * 2 * 128, 1]
         assert descs[4].strides == [8 * 128, 128, 8 * 128, 1]
         assert descs[0].block_shape == [1, 1, 64, 128] and descs[4].block_shape == [1, 1, 64, 64]
-        # the d=64 backward is opt-in on Hopper below 2k, but asked for here; dropout never
+        # the d=64 backward is `tl` below GLUON_BWD_SMALL_D_MIN_N, but asked for here; dropout never
         plan = _varlen_bwd_plan(pkg, lq, lk, 4, 4, 64, False, torch.float16)
         assert plan[-1] == rt._GLUON
         mask, lo, hi = rt.varlen_band(max(lq), max(lq), True, (-1, -1))
@@ -354,6 +354,32 @@ def test_gluon_varlen_backward_isolates_sequences(pkg, poison, causal):
             assert torch.equal(moved[2][rk], base[2][rk]), f"dV of {j} moved with {i}"
             torch.testing.assert_close(moved[0][rq], base[0][rq], atol=1e-6, rtol=2 ** -7,
                                        msg=lambda m: f"dQ of {j} moved with {i}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_gluon_varlen_backward_matches_the_dense_kernel(pkg, poison, causal):
+    """Equal lengths packed: the varlen backward must give the dense Gluon backward's
+    gradients of the same (B, N) batch, to a bf16 rounding step (dQ's additions come in no
+    fixed order in either). N = 300 ends off the 128-key and 64-query blocks, so every
+    sequence's last key block reads the next sequence's rows (the dense one reads zeros)."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    b, n, h_q, h_kv, d = 3, 300, 4, 2, 128
+    q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16, device="cuda")
+                   for h in (h_q, h_kv, h_kv, h_q))
+    with pkg._runtime.override_config(family="gluon"):
+        qd, kd, vd = (t.clone().requires_grad_() for t in (q, k, v))
+        pkg.flash_attn_func(qd, kd, vd, causal=causal).backward(do)
+        qp, kp, vp = (t.reshape(b * n, *t.shape[2:]).clone().requires_grad_() for t in (q, k, v))
+        c = cu([n] * b, "cuda")
+        pkg.flash_attn_varlen_func(qp, kp, vp, c, c, n, n, causal=causal).backward(
+            do.reshape(b * n, h_q, d))
+        assert _bwd_families_ran(pkg) == {"GluonJITFunction"}
+    for name, packed, dense in (("dq", qp, qd), ("dk", kp, kd), ("dv", vp, vd)):
+        assert not torch.isnan(packed.grad).any(), name
+        torch.testing.assert_close(packed.grad, dense.grad.reshape(packed.shape), atol=1e-6,
+                                   rtol=2 ** -7, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.mark.gpu
