@@ -266,7 +266,7 @@ def test_a_backward_study_measures_both_families(storage):
     r = tune_study(storage=storage, name="bwd-families", space=space, measure=measure,
                    n_trials=6, warm_starts=_warm_starts(spec, "bwd", space), progress=quiet,
                    confirm_top=0)
-    assert seen[1] == space.config(families.GLUON_BWD_DEFAULT)
+    assert seen[1] == space.config(families.gluon_default(64, "bwd"))  # 128-row steps at d=64
     assert {c["family"] for c in seen} == {"tl", "gluon"} and r.complete == 6
 
 
