@@ -33,7 +33,14 @@ CONSUMERS = 2  # 3 (FA3's d=64 shape) spilled at 160 registers and ran 15% slowe
 
 # What an untuned Gluon launch uses, measured on the H100 (docs/PERF_NOTES.md):
 # 128 x 128 tiles, a 2-deep K/V ring, ping-pong consumers at 240 registers, the producer
-# at 24 (FA3's split), and L2 groups of heads sized to a quarter of L2.
+# at 24 (FA3's split), and L2 groups of heads sized to a quarter of L2. Three knobs are off
+# until the H100 says otherwise (benchmarks/gluon_overlap_ab.py). At the persistent walk's
+# tile boundary, `q_buffers` 2 gives each consumer a second Q slot, so
+# a tile's Q is loaded while the tile before it still runs (32 KiB more shared memory at
+# d=128) instead of after its last S = Q K^T; `overlap` runs a tile's stores (its LSE, its
+# O through TMA) behind the next tile's first S = Q K^T. `diag_first` walks a tile's key
+# blocks from the last down, so a causal tile starts on its masked diagonal block
+# (override_config only: not a tuner knob until the H100 has measured it).
 GLUON_DEFAULT = {
     "family": "gluon",
     "block_m": CONSUMERS * QUERY_ROWS_PER_CONSUMER,
@@ -44,6 +51,9 @@ GLUON_DEFAULT = {
     "l2_share": 4,
     "persistent": True,
     "regs": "240/24",
+    "q_buffers": 1,
+    "overlap": False,
+    "diag_first": False,
 }
 CONSUMER_REGS = 240  # the default split, "consumer/producer" registers per thread
 PRODUCER_REGS = 24
@@ -190,11 +200,13 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     return None
 
 
-def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int) -> int:
-    """Shared memory of a Gluon forward tile: Q and O staging per consumer, the K/V ring,
-    and the mbarriers (a few hundred bytes; 1 KiB is reserved for them)."""
+def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int,
+                 q_buffers: int = 1) -> int:
+    """Shared memory of a Gluon forward tile: Q (q_buffers slots) and O staging per
+    consumer, the K/V ring, and the mbarriers (a few hundred bytes; 1 KiB is reserved for
+    them)."""
     d = head_dim_pad(head_dim)
-    qo = 2 * CONSUMERS * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
+    qo = (q_buffers + 1) * CONSUMERS * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
     kv = 2 * num_buffers * block_n * d * dtype_bytes
     return qo + kv + 1024
 
@@ -263,7 +275,11 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
         return "num_stages (the K/V ring depth) must be 2, 3 or 4"
     if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
         return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
-    need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"])
+    q_buffers = config.get("q_buffers", GLUON_DEFAULT["q_buffers"])
+    if q_buffers not in (1, 2):
+        return "q_buffers (Q slots per consumer) must be 1 or 2"
+    need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"],
+                        q_buffers)
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
     return None

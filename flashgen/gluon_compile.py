@@ -36,10 +36,23 @@ class GluonResources:
     spill_bytes: int    # ptxas stack frame
     wgmma: int          # wgmma.mma_async instructions in the PTX
     setmaxnreg: tuple   # the register counts the partitions ask for
+    # ptxas's notes that it serialised wgmma or waited for one early (C75xx: e.g. a register
+    # a wgmma writes read or moved while it may be in flight), which undo the overlap the
+    # kernel was written for
+    wgmma_notes: tuple = ()
+    # local-memory accesses (spills) in one iteration of the worst key loop (None: the
+    # SASS could not be read); the stack frame alone does not say where they are
+    loop_spills: int | None = None
 
     def row(self) -> str:
         return (f"| {self.variant} | {self.config} | {self.shared} | {self.registers} | "
-                f"{self.spill_bytes} | {self.wgmma} | {', '.join(map(str, self.setmaxnreg))} |")
+                f"{self.spill_bytes} | {self.loop_spills} | {self.wgmma} | "
+                f"{', '.join(map(str, self.setmaxnreg))} |"
+                + (f" {'; '.join(self.wgmma_notes)} |" if self.wgmma_notes else ""))
+
+
+HEADER = ("| variant | tile | shared bytes | regs at entry | stack bytes | key-loop LDL/STL | "
+          "wgmma | setmaxnreg |\n|---|---|---|---|---|---|---|---|")
 
 
 def _ptxas_report(log: str) -> tuple[int, int]:
@@ -47,6 +60,58 @@ def _ptxas_report(log: str) -> tuple[int, int]:
     regs, _, _ = _ptxas_numbers(log)
     stack = re.search(r"(\d+) bytes stack frame", log)
     return regs, int(stack.group(1)) if stack else 0
+
+
+def _wgmma_notes(log: str) -> tuple:
+    """ptxas's wgmma notes (code C75xx, e.g. "C7517 warpgroup.wait is injected ...")
+    from its -v log, one short line each."""
+    return tuple(sorted({f"C{m.group(1)} {m.group(2).strip()[:60]}"
+                         for m in re.finditer(r"\(C(75\d\d)\)\s*([^\n]*)", log)}))
+
+
+def _key_loop_spills(cubin: bytes) -> int | None:
+    """LDL/STL instructions in one iteration of the kernel's worst key loop, from
+    nvdisasm's listing of the cubin: the innermost loops (a backward branch before the
+    kernel's last EXIT, past which ptxas puts the barrier waits' retry stubs) that hold both
+    a wgmma with its A operand in registers (P V, or the backward's P^T dO) and one reading A
+    from shared memory (S = Q K^T). None when nvdisasm is missing or finds no such loop."""
+    import subprocess
+
+    from triton import knobs
+
+    try:
+        tool = knobs.nvidia.nvdisasm.path
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            listing = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                                     check=True).stdout
+    except (OSError, subprocess.CalledProcessError, AttributeError, RuntimeError):
+        return None
+    labels, code = {}, []
+    for line in listing.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = len(code)
+            continue
+        ins = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if ins:
+            code.append(ins.group(1))
+    last_exit = max((i for i, c in enumerate(code) if c.endswith("EXIT")), default=len(code))
+    loops = []
+    for i, c in enumerate(code[:last_exit]):
+        target = re.search(r"BRA\s+`?\(?\.(L_x_\d+)", c)
+        if target and labels.get(target.group(1), i + 1) <= i:
+            body = code[labels[target.group(1)]:i + 1]
+            products = [b for b in body if b.startswith("HGMMA")]
+            if (any(re.match(r"HGMMA\S* R\d+, R\d+,", b) for b in products)
+                    and any(re.match(r"HGMMA\S* R\d+, gdesc", b) for b in products)):
+                loops.append((labels[target.group(1)], i))
+    inner = [(s, e) for s, e in loops
+             if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
+    if not inner:
+        return None
+    return max(sum(c.startswith(("LDL", "STL")) for c in code[s:e + 1]) for s, e in inner)
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
@@ -99,6 +164,9 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         kv_box = [1, 1, config["block_n"], d_pad]
         const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                      NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
+                     Q_BUFFERS=int(config.get("q_buffers", families.GLUON_DEFAULT["q_buffers"])),
+                     OVERLAP=bool(config.get("overlap", families.GLUON_DEFAULT["overlap"])),
+                     DIAG_FIRST=bool(config.get("diag_first", families.GLUON_DEFAULT["diag_first"])),
                      **regs,
                      QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
                      KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype),
@@ -138,12 +206,17 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
     regs, stack = _ptxas_report(buf.getvalue())
     tile = ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
         "" if config.get("pingpong", True) else " no-pingpong") + (
+        f" q{config['q_buffers']}" if config.get("q_buffers", 1) != 1 else "") + (
+        " overlap" if config.get("overlap", families.GLUON_DEFAULT["overlap"]) else "") + (
+        " diag-first" if config.get("diag_first", families.GLUON_DEFAULT["diag_first"]) else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
     return GluonResources(
         variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
         spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})))
+        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
+        wgmma_notes=_wgmma_notes(buf.getvalue()),
+        loop_spills=_key_loop_spills(compiled.asm["cubin"]))
 
 
 def _descriptor_type(dtype, box, layout) -> str:
@@ -195,8 +268,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         build(args.spec, Path(tmp))
         pkg = next(p for p in Path(tmp).iterdir() if (p / "_registry.py").exists())
-        print("| variant | tile | shared bytes | regs at entry | stack bytes | wgmma | setmaxnreg |")
-        print("|---|---|---|---|---|---|---|")
+        print(HEADER)
         compile_package(pkg, log=print, varlen=not args.no_varlen)
     return 0
 

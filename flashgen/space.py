@@ -106,6 +106,19 @@ def _gluon_only(name: str, default) -> Predicate:
                          else "a Gluon knob (family=gluon only)")
 
 
+def _persistent_only(name: str, default) -> Predicate:
+    """A Gluon knob of the persistent walk's tile boundary: a program of the
+    non-persistent grid runs one tile, so there it could only repeat the default's time."""
+    gluon_only = _gluon_only(name, default)
+
+    def infeasible(config, facts: Facts) -> str | None:
+        if config[name] == default:
+            return None
+        return gluon_only(config, facts) or (
+            None if config.get("persistent", True) else "a knob of the persistent grid's tile walk")
+    return infeasible
+
+
 def _tma(config, facts: Facts) -> str | None:
     if not config["tma"]:
         return None
@@ -122,7 +135,8 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     # `family` picks the kernel (families.py): a Gluon point's tile is the warpgroups'
     # (block_m = 2 x 64, num_warps = 4, num_stages = the K/V ring depth), checked by
     # families.config_reason instead of the planner; `pingpong`, `l2_share` (heads grouped
-    # to a 1/l2_share of L2 in the longest-first order), `persistent` and `regs` are its own.
+    # to a 1/l2_share of L2 in the longest-first order), `persistent`, `regs`, `q_buffers`
+    # and `overlap` are its own.
     "fwd": (Knob("tma", (False, True), False, _tma),
             Knob("family", ("tl", "gluon"), "tl", _family),
             Knob("pingpong", (True, False), True, _gluon_only("pingpong", True)),
@@ -131,7 +145,12 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
             Knob("persistent", (True, False), True, _gluon_only("persistent", True)),
             # consumer/producer registers per thread (setmaxnreg)
             Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
-                 _gluon_only("regs", families.REG_SPLITS[0]))),
+                 _gluon_only("regs", families.REG_SPLITS[0])),
+            # the tile boundary (families.GLUON_DEFAULT): a second Q slot per consumer
+            # (shared memory: families.config_reason), a tile's stores behind the next
+            # tile's first S = Q K^T
+            Knob("q_buffers", (1, 2), 1, _persistent_only("q_buffers", 1)),
+            Knob("overlap", (False, True), False, _persistent_only("overlap", False))),
     # `family` as for the forward: a Gluon point's tile is the backward's warpgroups'
     # (block_n = 2 consumers x 64 keys, num_warps = 4, block_m = 64 or 128 query rows a
     # step, num_stages = the Q/dO ring depth), checked by families.bwd_config_reason

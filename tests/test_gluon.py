@@ -73,6 +73,12 @@ def test_shared_memory_model_rejects_what_does_not_fit():
     assert "shared memory" in families.config_reason(ok, 128, 2, 166912)
     assert "regs" in families.config_reason({**ok, "regs": "248/8"}, 128, 2, 232448)
     assert families.regs({**ok, "regs": "232/40"}) == (232, 40)
+    # a second Q slot per consumer: 32 KiB more at d=128, still within the H100's budget
+    two = {**ok, "q_buffers": 2}
+    assert families.config_reason(two, 128, 2, 232448) is None
+    assert families.shared_bytes(128, 2, 128, 2, 2) == families.shared_bytes(128, 2, 128, 2) + 32768
+    assert "shared memory" in families.config_reason(two, 128, 2, 220 * 1024)
+    assert "q_buffers" in families.config_reason({**ok, "q_buffers": 3}, 128, 2, 232448)
 
 
 def test_runtime_chooses_tl_where_gluon_cannot_run(pkg, monkeypatch):
@@ -108,8 +114,12 @@ configs = [families.GLUON_DEFAULT]
 if sys.argv[2] == "knobs":
     configs = [dict(families.GLUON_DEFAULT, block_n=64, num_stages=3, pingpong=False,
                     regs="224/56")]
+if sys.argv[2].startswith("boundary"):  # the tile-boundary knobs and the key order, all on
+    configs = [families.GLUON_DEFAULT,
+               dict(families.GLUON_DEFAULT, q_buffers=2, overlap=True, diag_first=True)]
 res = gluon_compile.compile_package(Path(sys.argv[1]), configs=configs,
-                                    variants=sys.argv[3].split(",") if len(sys.argv) > 3 else None)
+                                    variants=sys.argv[3].split(",") if len(sys.argv) > 3 else None,
+                                    varlen=sys.argv[2] == "boundary-varlen")
 print(json.dumps([r.__dict__ for r in res]))
 """
 
@@ -149,6 +159,10 @@ def test_shipped_gluon_kernels_compile_for_sm90(package):
         # ptxas keeps a few tile-level scalars on the stack (measured 0-112 bytes); the
         # key loop's tensors must not spill
         assert r["spill_bytes"] <= 128, r
+        # and ptxas kept every wgmma asynchronous (no serialisation, no early wait), and
+        # no spill inside a key loop (nvdisasm's listing)
+        assert not r["wgmma_notes"], r
+        assert r["loop_spills"] == 0, r
 
 
 @needs_gluon_triton
@@ -160,6 +174,49 @@ def test_gluon_knobs_compile(pkg):
         assert r["config"] == "128x64 s3 no-pingpong regs 224/56"
         assert r["wgmma"] > 0 and r["shared"] <= 232448
         assert 224 in r["setmaxnreg"] and 56 in r["setmaxnreg"], r
+
+
+@needs_gluon_triton
+def test_tile_boundary_knobs_compile(pkg):
+    """q_buffers, overlap and diag_first together (each alone runs a subset of that code),
+    dense and packed (VARLEN), causal and window (rows with no key: an empty tile's deferred
+    stores), d=64 and d=96 (padded): each compiles to the design with the default's wgmma
+    count, ptxas keeps the products asynchronous, the stack stays small, and the shared
+    memory is within what config_reason budgets for."""
+    names = ["fwd_causal_d128_bf16", "fwd_d64_fp16", "fwd_window_d96_bf16"]
+    rows = _compile(Path(pkg.__file__).parent, "boundary-varlen", names)
+    assert len(rows) == len(names) * 2 * 2
+    wgmma = {r["variant"]: r["wgmma"] for r in rows if r["config"] == "128x128 s2"}
+    base = {(r["variant"], r["config"].startswith("varlen")): r for r in rows
+            if r["config"] in ("128x128 s2", "varlen 128x128 s2")}
+    for r in rows:
+        assert r["wgmma"] == wgmma[r["variant"]] > 0, r
+        assert not r["wgmma_notes"], r
+        # spills in a key loop (LDL/STL a block): the knobs add at most 3 to the
+        # default's (measured: 0 with all three on; 3 with overlap alone, causal d=128, a
+        # predicate register). The stack frame: the default's 0-112 bytes; with the knobs
+        # the packed window kernel's grows to ~260 (the carried output meets the varlen
+        # walk's registers between tiles), outside its key loop
+        default = base[(r["variant"], r["config"].startswith("varlen"))]
+        assert r["loop_spills"] is not None and default["loop_spills"] is not None, r
+        assert r["loop_spills"] <= default["loop_spills"] + 3, r
+        assert r["spill_bytes"] <= (128 if r is default else 320), r
+        q2 = "q2" in r["config"]
+        d = int(r["variant"].split("_d")[1].split("_")[0])
+        assert r["shared"] <= families.shared_bytes(d, 2, 128, 2, 2 if q2 else 1) <= 232448, r
+    assert {r["config"] for r in rows} == {"128x128 s2", "varlen 128x128 s2",
+                                           "128x128 s2 q2 overlap diag-first",
+                                           "varlen 128x128 s2 q2 overlap diag-first"}
+
+
+def test_wgmma_notes_are_read_from_the_ptxas_log():
+    from flashgen.gluon_compile import _wgmma_notes
+
+    log = ("ptxas info    : (C7517) warpgroup.wait is injected in around line 6094 by compiler "
+           "to allow use of registers defined by GMMA in function 'k'\n"
+           "ptxas info    : Used 168 registers, used 3 barriers\n")
+    assert _wgmma_notes(log) == ("C7517 warpgroup.wait is injected in around line 6094 by compiler t",)
+    assert _wgmma_notes("ptxas info    : Used 168 registers\n") == ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -202,10 +259,20 @@ def _plan_families(pkg):
     (3, 59, 127, 4, 1, 64, torch.float16, False, (-1, -1)),
     (2, 777, 777, 4, 2, 96, torch.bfloat16, False, (100, 0)),
     (1, 1, 513, 8, 8, 128, torch.bfloat16, True, (-1, -1)),
-], ids=["causal-b3-gqa4", "causal-nq<nk-gqa8", "causal-nq>nk", "d64-2k", "odd-gqa4", "d96-window", "decode-row"])
-@pytest.mark.parametrize("knobs", [{}, {"persistent": False, "regs": "232/40", "block_n": 64,
-                                        "num_stages": 3, "pingpong": False, "l2_share": 8}],
-                         ids=["default", "knobs"])
+    # 4-5 tiles a program, the first six of each (b, h) seeing no key (bottom-right): tiles
+    # with keys followed by empty ones, whose deferred stores run without a product
+    (4, 1031, 257, 16, 4, 128, torch.bfloat16, True, (-1, -1)),
+], ids=["causal-b3-gqa4", "causal-nq<nk-gqa8", "causal-nq>nk", "d64-2k", "odd-gqa4", "d96-window",
+        "decode-row", "causal-nq>nk-rounds"])
+@pytest.mark.parametrize("knobs", [
+    {}, {"persistent": False, "regs": "232/40", "block_n": 64, "num_stages": 3, "pingpong": False,
+         "l2_share": 8},
+    # the tile-boundary knobs and the key order (families.GLUON_DEFAULT), alone and together,
+    # with and without ping-pong
+    {"q_buffers": 2}, {"overlap": True}, {"diag_first": True}, {"overlap": True, "q_buffers": 2},
+    {"overlap": True, "q_buffers": 2, "diag_first": True, "pingpong": False, "block_n": 64,
+     "num_stages": 4},
+], ids=["default", "knobs", "q2", "overlap", "diag-first", "overlap-q2", "all-bn64"])
 def test_gluon_forward_against_float64(pkg, poison, case, knobs):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
@@ -304,6 +371,19 @@ def test_gluon_forwards_with_mods_compile():
     # a 16-bit variant takes tanh from the special-function unit (_fastmath.py)
     assert "def _score_mod(" in text and "_tanh(" in text and "tanh_approx_gl as _tanh" in text
     assert "BLOCK_IDX" not in text and "def _mask_mod(" not in text
+
+
+@needs_gluon_triton
+def test_tile_boundary_knobs_compile_with_mods():
+    """The knobs with a block-sparse walk (diag_first reverses the list: partial blocks
+    first), a score mod and a sink (normalised at a tile's end, stored one tile later)."""
+    variants = ["fwd_causal_document_softcap_d64_fp16", "fwd_causal_sink_logits_d128_bf16"]
+    rows = _compile(ROOT / "generated" / "mods_attn", "boundary", variants)
+    assert len(rows) == 4
+    _check_mods_rows(rows)
+    for r in rows:
+        assert not r["wgmma_notes"], r
+        assert r["loop_spills"] == 0, r
 
 
 @needs_gluon_triton

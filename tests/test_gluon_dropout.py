@@ -341,8 +341,9 @@ def _assert_close(got, want, dtype):
 ], ids=["N1", "N59-causal-gqa4", "N127-d128", "nq<nk-causal-gqa4", "nq>nk-d96", "window-d96",
         "causal-b3-gqa4-1k", "p1/512", "p0.999-scale256"])
 @pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False,
-                                        "persistent": False, "regs": "232/40"}],
-                         ids=["default", "knobs"])
+                                        "persistent": False, "regs": "232/40"},
+                                   {"overlap": True, "q_buffers": 2, "diag_first": True}],
+                         ids=["default", "knobs", "overlap-diag-first"])
 def test_gluon_dropout_forward_and_tl_backward_against_float64(pkg, poison, case, knobs):
     b, n_q, n_k, h_q, h_kv, d, dtype, p, causal, window = case
     got, want = _run(pkg, b, n_q, n_k, h_q, h_kv, d, dtype, p, causal, window, seed=17,

@@ -511,12 +511,16 @@ def _plan_families(pkg):
     (("softcap", "key_padding"), True, 3, 257, 300, 8, 2, 128, torch.bfloat16),
     (("document", "softcap", "sink_logits"), True, 3, 300, 300, 4, 1, 128, torch.bfloat16),
     (("window_sinks", "head_sink"), False, 2, 777, 777, 4, 4, 128, torch.bfloat16),
+    # a sink over 3-4 tiles a program: `overlap` normalises (sink included) at a tile's
+    # end and stores in the next tile's iteration
+    (("document", "softcap", "sink_logits"), True, 4, 1024, 1024, 16, 4, 64, torch.bfloat16),
 ], ids=["document-b3-gqa4", "document-2k", "document-softcap-n59-d64", "prefix-nq<nk",
         "prefix-1031-d64", "window-sinks", "window-sinks-4k-fp16", "softcap-padding-empty-rows",
-        "document-softcap-sink", "window-sinks-head-sink"])
+        "document-softcap-sink", "window-sinks-head-sink", "document-softcap-sink-rounds"])
 @pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False,
-                                        "persistent": False, "regs": "224/56"}],
-                         ids=["default", "knobs"])
+                                        "persistent": False, "regs": "224/56"},
+                                   {"overlap": True, "q_buffers": 2, "diag_first": True}],
+                         ids=["default", "knobs", "overlap-diag-first"])
 def test_gluon_forward_with_mask_mods_against_float64(gluon_pkg, poison, case, knobs):
     """The Gluon forward of every mask mod (block-sparse: lists at its 128-row tile) and of
     a mask mod with a score mod and a sink against float64: ragged ends, Nq != Nk, GQA,

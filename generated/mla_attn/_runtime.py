@@ -650,6 +650,10 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool):
     consumer_regs, producer_regs = _families.regs(cfg)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 PINGPONG=bool(cfg.get("pingpong", True)),
+                # (a config tuned before these knobs takes today's defaults)
+                Q_BUFFERS=int(cfg.get("q_buffers", _families.GLUON_DEFAULT["q_buffers"])),
+                OVERLAP=bool(cfg.get("overlap", _families.GLUON_DEFAULT["overlap"])),
+                DIAG_FIRST=bool(cfg.get("diag_first", _families.GLUON_DEFAULT["diag_first"])),
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),

@@ -26,8 +26,11 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   (batch, head, query-block) tiles. With a band mask the longest tiles go first, dealt
   back and forth across the programs so their totals even out, in groups of HEAD_GROUP
   heads whose K/V fit in L2 together. The next tile's Q is loaded as soon as the last
-  S = Q K^T of the current one is done, and the output leaves through a TMA store that
-  nobody waits for until its buffer is needed again.
+  S = Q K^T of the current one is done (Q_BUFFERS = 2: as soon as the producer is through
+  the current tile's loads, into a second slot), and the output leaves through a TMA store
+  that nobody waits for until its buffer is needed again. With OVERLAP a tile's stores
+  (its LSE, its O staged and sent by TMA) wait until the next tile's first S = Q K^T is
+  issued and run while the tensor cores compute it.
 * Dropout (DROPOUT, dropout variants only). P is multiplied by keep * DROP_SCALE
   (256 / (256 - T) for the byte threshold T, `_dropout.scale`) before O += P V, while
   the row sum l_i counts every key, as in the `tl` kernel. The keep mask is the
@@ -37,6 +40,11 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   between threads. The Philox rounds sit on the consumer's own path (next to the
   softmax) and cost about half the speed: see docs/PERF_NOTES.md for what was measured
   and what would hide them.
+
+With DIAG_FIRST a tile walks its key blocks from the last down (a mask mod's list from its
+end), so the blocks that straddle the band's right edge (under a causal mask: the diagonal)
+come first: the first block, which no P V product overlaps, takes the mask arithmetic, and
+the running max starts from the diagonal's scores.
 
 Tensors are read through 4-D TMA descriptors over (batch, head, sequence, head dim), made on
 the device by each program, so any
@@ -415,7 +423,8 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH, NUM_TILES, HEAD_GROUP,
               FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH,
               CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
+              NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DIAG_FIRST: gl.constexpr,
+              VARLEN: gl.constexpr):
     cnt = 0  # K/V blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     tphase = 0
     if VARLEN:
@@ -437,13 +446,24 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         # (a varlen call has no mods: the block lists are a dense batch's)
         n_full, n_blocks, first = _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M,
                                               N_K, BLOCK_N)
+        # this tile's Q slots (one per consumer) and their phase: with Q_BUFFERS = 2 a tile's
+        # Q is loaded while the tile before it is still running
+        if Q_BUFFERS == 1:
+            qb = 0
+            qph = tphase
+        else:
+            qb = (k % Q_BUFFERS) * NUM_CONSUMERS
+            qph = (k // Q_BUFFERS) & 1
         for c in gl.static_range(NUM_CONSUMERS):
-            # consumer c has finished its last tile's S = Q K^T products
-            mbarrier.wait(q_empty.index(c), tphase ^ 1)
-            mbarrier.expect(q_ready.index(c), desc_q.block_type.nbytes)
+            # consumer c has finished the S = Q K^T products of the last tile in this slot
+            mbarrier.wait(q_empty.index(qb + c), qph ^ 1)
+            mbarrier.expect(q_ready.index(qb + c), desc_q.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m_start + c * SPLIT_M, 0],
-                                            q_ready.index(c), q_smem.index(c))
-        for j in range(0, n_blocks):
+                                            q_ready.index(qb + c), q_smem.index(qb + c))
+        for j_up in range(0, n_blocks):
+            j = j_up
+            if DIAG_FIRST:  # the list from its end: the partial blocks first
+                j = n_blocks - 1 - j_up
             n0 = gl.load(BLOCK_IDX + first + j) * BLOCK_N
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
@@ -500,12 +520,33 @@ def _mask_mod(rows, cols, n0, b, h, T_prefix_len, T_prefix_len_S0, T_prefix_len_
 
 
 @gluon.jit
+def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, stride_oh,
+                stride_om, row_s: gl.constexpr, VARLEN: gl.constexpr):
+    """OVERLAP: a finished tile's stores, one iteration late: a consumer's SPLIT_M rows
+    from row0 on (normalised, in the output dtype) and their log-sum-exp. The same stores
+    as at the end of _consumer's tile loop without OVERLAP, kept there inline: wrapping
+    them in this function alone changed nothing in the PTX but its debug info, and ptxas
+    then allocated the varlen window kernel's registers differently (88 -> 152 bytes of
+    stack, a spill in the key loop)."""
+    rows = row0 + gl.arange(0, SPLIT_M, layout=row_s)
+    gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
+    if VARLEN:
+        if row0 + SPLIT_M > n_q:  # this consumer's slab runs past its sequence's end
+            _store_rows(O, o_buf, o, h, q0 + row0, n_q - row0, stride_oh, stride_om)
+        else:
+            _store_tma(desc_o, o_buf, o, db, h, q0 + row0)
+    else:
+        _store_tma(desc_o, o_buf, o, db, h, row0)
+
+
+@gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
               NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
               DROP_SCALE, T_prefix_len, T_prefix_len_S0, T_prefix_len_D0, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr, VARLEN: gl.constexpr):
+              NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
+              OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -517,15 +558,28 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = desc_o.dtype
     nxt: gl.constexpr = (CID + 1) % NUM_CONSUMERS
+    o_buf = o_smem.index(CID)
 
     cnt = 0
     tphase = 0
     turn_phase = 0
+    if OVERLAP:
+        # the last tile's normalised output and what its stores need: they run behind the
+        # next tile's first S = Q K^T, so the tensor cores work while its rows go out
+        zero_i = gl.program_id(0) * 0
+        o_p = gl.zeros([SPLIT_M, HEAD_DIM_PAD], dtype, layout=o_layout)
+        lse_p = gl.full([SPLIT_M], float("-inf"), gl.float32, layout=row_s)
+        db_p = zero_i
+        h_p = zero_i
+        q0_p = zero_i
+        n_q_p = zero_i
+        row0_p = zero_i
     if VARLEN:
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
-    for k in range(0, _my_tile_count(NUM_TILES)):
+    n_tiles = _my_tile_count(NUM_TILES)
+    for k in range(0, n_tiles):
         if VARLEN:
             b, h, m_blk, group, level, base, size = _varlen_tile(
                 k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
@@ -542,7 +596,14 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                                               N_K, BLOCK_N)
         rows = m_start + CID * SPLIT_M + gl.arange(0, SPLIT_M, layout=row_s)  # [SPLIT_M]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
-        q_buf = q_smem.index(CID).reshape([SPLIT_M, HEAD_DIM_PAD])
+        # this tile's Q slot (the producer's order) and its phase
+        if Q_BUFFERS == 1:
+            qb = CID
+            qph = tphase
+        else:
+            qb = (k % Q_BUFFERS) * NUM_CONSUMERS + CID
+            qph = (k // Q_BUFFERS) & 1
+        q_buf = q_smem.index(qb).reshape([SPLIT_M, HEAD_DIM_PAD])
         bh = b * H_Q + h
         row0 = m_start + CID * SPLIT_M  # this consumer's first query row
 
@@ -550,10 +611,13 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, layout=row_s)  # running sum
         acc = gl.zeros([SPLIT_M, HEAD_DIM_PAD], gl.float32, layout=o_layout)
         zero_s = gl.zeros([SPLIT_M, BLOCK_N], gl.float32, layout=s_layout)
-        mbarrier.wait(q_ready.index(CID), tphase)
+        mbarrier.wait(q_ready.index(qb), qph)
 
         if n_blocks > 0:
-            lo = gl.load(BLOCK_IDX + first) * BLOCK_N
+            j0 = 0
+            if DIAG_FIRST:  # the list from its end: the partial blocks first
+                j0 = n_blocks - 1
+            n_first = gl.load(BLOCK_IDX + first + j0) * BLOCK_N
             # first key block: S = Q K^T and its softmax; nothing to accumulate yet
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
@@ -565,20 +629,27 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             if PINGPONG:
                 mbarrier.arrive(turn.index(nxt), count=1)
                 turn_phase ^= 1
+            if OVERLAP:
+                if k > 0:  # the last tile's stores, while this S = Q K^T is on the tensor cores
+                    _store_tile(o_p, lse_p, db_p, h_p, q0_p, n_q_p, row0_p, desc_o, o_buf, O, LSE,
+                                H_Q, N_Q, stride_oh, stride_om, row_s, VARLEN)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
-            masked = n_full == 0
-            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, lo, rows, cols, n_k, lo_off,
+            masked = j0 >= n_full
+            p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n_first, rows, cols, n_k, lo_off,
                                                hi_off, qk_scale, masked, b, h,
                                                T_prefix_len, T_prefix_len_S0, T_prefix_len_D0)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
-                w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, lo,
+                w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n_first,
                                                 SPLIT_M, BLOCK_N)
                 p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
             v_s = s
             v_ph = ph
             cnt += 1
-            for j in range(1, n_blocks):
+            for j_up in range(1, n_blocks):
+                j = j_up
+                if DIAG_FIRST:
+                    j = n_blocks - 1 - j_up
                 n0 = gl.load(BLOCK_IDX + first + j) * BLOCK_N
                 s = cnt % NUM_BUFFERS
                 ph = (cnt // NUM_BUFFERS) & 1
@@ -614,7 +685,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 v_ph = ph
                 cnt += 1
             # every S = Q K^T of this tile is done: the producer may load the next tile's Q
-            mbarrier.arrive(q_empty.index(CID), count=1)
+            mbarrier.arrive(q_empty.index(qb), count=1)
             # the last block's O += P V
             mbarrier.wait(v_full.index(v_s), v_ph)
             v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_PAD])
@@ -628,7 +699,11 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 mbarrier.wait(turn.index(CID), turn_phase)
                 mbarrier.arrive(turn.index(nxt), count=1)
                 turn_phase ^= 1
-            mbarrier.arrive(q_empty.index(CID), count=1)
+            mbarrier.arrive(q_empty.index(qb), count=1)
+            if OVERLAP:
+                if k > 0:  # (no product to hide them behind)
+                    _store_tile(o_p, lse_p, db_p, h_p, q0_p, n_q_p, row0_p, desc_o, o_buf, O, LSE,
+                                H_Q, N_Q, stride_oh, stride_om, row_s, VARLEN)
 
         # --------------------------------------------------------------------------------
         # Epilogue: deferred normalisation, the log-sum-exp, the output through TMA
@@ -640,17 +715,34 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             inv_l = inv_l * DROP_SCALE  # the kept P entries' 256 / (256 - T)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
                        float("-inf"))
-        gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
-        o = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-        if VARLEN:
-            if row0 + SPLIT_M > n_q:  # this consumer's slab runs past its sequence's end
-                _store_rows(O, o_smem.index(CID), o.to(dtype), h, q0 + row0, n_q - row0,
-                            stride_oh, stride_om)
-            else:
-                _store_tma(desc_o, o_smem.index(CID), o.to(dtype), db, h, q0 + row0)
+        if OVERLAP:
+            # the stores wait for the next tile's first S = Q K^T. O crosses the loop
+            # normalised and in the output dtype: half the registers of acc, and no longer
+            # registers a wgmma wrote (carrying acc itself, ptxas put a warpgroup.wait in
+            # front of the stores -- C7517 -- and the product ran before them, not beside)
+            o_p = (acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype)
+            lse_p = lse
+            db_p = db
+            h_p = h
+            q0_p = q0
+            n_q_p = n_q
+            row0_p = row0
         else:
-            _store_tma(desc_o, o_smem.index(CID), o.to(dtype), db, h, row0)
+            gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
+            o = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
+            if VARLEN:
+                if row0 + SPLIT_M > n_q:  # this consumer's slab runs past its sequence's end
+                    _store_rows(O, o_buf, o.to(dtype), h, q0 + row0, n_q - row0,
+                                stride_oh, stride_om)
+                else:
+                    _store_tma(desc_o, o_buf, o.to(dtype), db, h, q0 + row0)
+            else:
+                _store_tma(desc_o, o_buf, o.to(dtype), db, h, row0)
         tphase ^= 1
+    if OVERLAP:
+        if n_tiles > 0:  # the last tile's stores: no next tile to hide them behind
+            _store_tile(o_p, lse_p, db_p, h_p, q0_p, n_q_p, row0_p, desc_o, o_buf, O, LSE, H_Q,
+                        N_Q, stride_oh, stride_om, row_s, VARLEN)
     tma.store_wait(0)
 
 
@@ -697,7 +789,10 @@ def fwd_prefix_lm_d64_fp16_kernel(
     BLOCK_M: gl.constexpr,  # NUM_CONSUMERS * SPLIT_M
     BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,  # K/V ring depth
+    Q_BUFFERS: gl.constexpr,  # Q slots per consumer: 2 loads a tile's Q during the tile before
     PINGPONG: gl.constexpr,
+    OVERLAP: gl.constexpr,  # a tile's stores run behind the next tile's first S = Q K^T
+    DIAG_FIRST: gl.constexpr,  # a tile's key blocks from the last down (the partial ones first)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
@@ -725,14 +820,16 @@ def fwd_prefix_lm_d64_fp16_kernel(
                                         [stride_vb, stride_vh, stride_vn, 1],
                                         [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
-    # Q and O staging per consumer ([1, 1, SPLIT_M, HEAD_DIM_PAD] boxes), the K/V ring
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_q.block_type.shape, desc_q.layout)
+    # Q (Q_BUFFERS slots) and O staging per consumer ([1, 1, SPLIT_M, HEAD_DIM_PAD] boxes), the
+    # K/V ring
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS] + desc_q.block_type.shape,
+                                       desc_q.layout)
     o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], bar_layout)
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], bar_layout)
     turn = gl.allocate_shared_memory(gl.int64, [NUM_CONSUMERS, 1], bar_layout)
     k_full = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
@@ -742,6 +839,9 @@ def fwd_prefix_lm_d64_fp16_kernel(
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=1)
         mbarrier.init(turn.index(i), count=1)
+    for i in gl.static_range(NUM_CONSUMERS, Q_BUFFERS * NUM_CONSUMERS):  # second Q slots
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(k_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=NUM_CONSUMERS)
@@ -755,14 +855,16 @@ def fwd_prefix_lm_d64_fp16_kernel(
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, T_prefix_len, T_prefix_len_S0, T_prefix_len_D0, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
-                     stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG, VARLEN)),
+                     stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
+                     OVERLAP, DIAG_FIRST, VARLEN)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, T_prefix_len, T_prefix_len_S0, T_prefix_len_D0, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
-                     stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, PINGPONG, VARLEN)),
+                     stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
+                     OVERLAP, DIAG_FIRST, VARLEN)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                      k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                      NUM_TILES, HEAD_GROUP, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
-                     NUM_BUFFERS, VARLEN)),
+                     NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
