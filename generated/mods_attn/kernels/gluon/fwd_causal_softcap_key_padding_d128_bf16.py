@@ -653,7 +653,9 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                                 H_Q, N_Q, stride_oh, stride_om, row_s, VARLEN)
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
-            masked = j0 >= n_full
+            masked = n_full == 0
+            if DIAG_FIRST:  # (the list's last block)
+                masked = j0 >= n_full
             qk = _score_mod(qk, rows, cols, n_first, b, h, qk_scale, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap)
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n_first, rows, cols, n_k, lo_off,
                                                hi_off, qk_scale, masked, b, h,
