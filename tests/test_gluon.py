@@ -288,6 +288,31 @@ def test_gluon_forward_against_float64(pkg, poison, case, knobs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_q,n_k", [(257, 1031), (1031, 257)], ids=["nq<nk", "nq>nk"])
+@pytest.mark.parametrize("knobs", [{}, {"overlap": True, "q_buffers": 2}, {"diag_first": True},
+                                   {"overlap": True, "q_buffers": 2, "diag_first": True}],
+                         ids=["default", "overlap-q2", "diag-first", "all"])
+def test_gluon_forward_top_left_causal_against_float64(pkg, poison, n_q, n_k, knobs):
+    """SDPA's causal diagonal is aligned top-left (flash_attn_func's bottom-right, above):
+    other band offsets, so other tiles straddle it and, with Nq > Nk, the last rows see
+    every key. GQA 4:1, 288 tiles (2-3 a program), through scaled_dot_product_attention."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
+    b, h_q, h_kv, d, dt = 4, 8, 2, 128, torch.bfloat16
+    pkg._runtime._forward_plans.clear()
+    q = torch.randn(b, h_q, n_q, d, device="cuda", dtype=dt)
+    k = torch.randn(b, h_kv, n_k, d, device="cuda", dtype=dt)
+    v = torch.randn(b, h_kv, n_k, d, device="cuda", dtype=dt)
+    with pkg._runtime.override_config(family="gluon", **knobs):
+        out = pkg.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert _plan_families(pkg) == {"GluonJITFunction"}
+    ref, _ = attention_ref(q, k, v, visible_mask(n_q, n_k, causal=True, bottom_right=False))
+    atol, rtol = OUT_TOL[dt]
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double().cpu(), ref.cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
 def test_unaligned_strides_fall_back_to_tl(pkg, poison):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
