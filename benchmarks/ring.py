@@ -69,8 +69,11 @@ def make(n, args, device, seed=0):
                         dtype=torch.bfloat16) for s, h in shapes]
 
 
-def timed_step(fn, reps, warmup):
-    """(median ms of fn(), peak bytes of one call) -- fn runs forward + backward."""
+def timed_step(fn, reps, warmup, collective=True):
+    """(median ms of fn(), peak bytes of one call) -- fn runs forward + backward. With
+    `collective`, every rank calls this together and the reps start on a barrier; rank 0's
+    one-GPU run must not (a barrier the other ranks never join pairs with their ring's P2P
+    operations and hangs NCCL)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -78,7 +81,7 @@ def timed_step(fn, reps, warmup):
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if dist.is_initialized():
+        if collective and dist.is_initialized():
             dist.barrier()
         torch.cuda.synchronize()
         start.record()
@@ -101,7 +104,7 @@ def one_gpu(n, args, device, keep=False):
         return out
 
     try:
-        ms, peak = timed_step(step, args.reps, args.warmup)
+        ms, peak = timed_step(step, args.reps, args.warmup, collective=False)
         result = {"ms": round(ms, 3), "peak_gib": round(peak / 2**30, 2)}
         if keep:
             out = step()
@@ -149,8 +152,9 @@ def slowest(value):
 
 def main():
     args = parse()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # before NCCL starts
-    dist.init_process_group("nccl")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local)  # before NCCL starts
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda")
     seqlens = [int(s) for s in args.seqlens.split(",") if s]

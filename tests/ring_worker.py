@@ -37,7 +37,8 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
         device = f"cuda:{rank}"
     store = dist.FileStore(store_file, world)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+                            timeout=timedelta(seconds=300),
+                            device_id=torch.device(device) if backend == "nccl" else None)
     results = []
     with open(cases_json) as f:
         cases = json.load(f)
