@@ -297,20 +297,26 @@ def _merge(acc, lse_acc, out, lse, qs):
                           BLOCK_D=max(16, 1 << (d - 1).bit_length()))
 
 
-def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, dk_acc, dv_acc):
-    """Add one planned call's dq, dk, dv (computed against the GLOBAL out and lse) into
-    the fp32 accumulators (B, N, H, d)."""
+def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc):
+    """One planned call's backward (against the GLOBAL out and lse): its dq is added into
+    the fp32 accumulator dq_acc (B, N, H, d) -- by the Gluon kernel itself, which sums
+    dQ in fp32 anyway -- and its (dk, dv) over the call's keys are returned in the input
+    dtype, for the caller to add where the shard's sum is."""
     qs, qn, ks, kn, mask, lo, hi = call
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
-    dq = torch.empty(qp.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(kp.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
     _runtime.backward(_bhnd(do.narrow(1, qs, qn)), _bhnd(qp), _bhnd(kp), _bhnd(vp),
                       _bhnd(out.narrow(1, qs, qn)), lse.narrow(2, qs, qn).contiguous(),
-                      _bhnd(dq), _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale)
-    dq_acc.narrow(1, qs, qn).add_(dq)
-    dk_acc.narrow(1, ks, kn).add_(dk)
-    dv_acc.narrow(1, ks, kn).add_(dv)
+                      None, _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale,
+                      dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)))
+    return dk, dv
+
+
+def _add_piece(dkv, call, dk, dv):
+    ks, kn = call[2], call[3]
+    dkv[0].narrow(1, ks, kn).add_(dk)
+    dkv[1].narrow(1, ks, kn).add_(dv)
 
 
 # ----------------------------------------------------------------------------------------
@@ -327,13 +333,14 @@ class _Ring:
             self.next = dist.get_global_rank(g, (rank + 1) % world)
             self.prev = dist.get_global_rank(g, (rank - 1) % world)
 
-    def exchange(self, send: torch.Tensor) -> tuple:
-        """Start sending `send` to the next rank and receiving the same shape from the
-        previous one; returns (the receive buffer, the works to wait on)."""
+    def exchange(self, *send: torch.Tensor) -> tuple:
+        """Start sending the tensors `send` to the next rank and receiving the same shapes
+        from the previous one (one batch of P2P operations); returns (the receive buffers,
+        the works to wait on)."""
         dist = _dist()
-        recv = torch.empty_like(send)
-        ops = [dist.P2POp(dist.isend, send, self.next, self.group),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        recv = tuple(torch.empty_like(t) for t in send)
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
         return recv, dist.batch_isend_irecv(ops)
 
 
@@ -351,12 +358,12 @@ def _ring_forward(q, k, v, cfg):
     q_segs = segments(n_local, rank, world, layout)
     acc = torch.zeros((b, n_local, h, d), dtype=torch.float32, device=q.device)
     lse_acc = torch.full((b, h, n_local), float("-inf"), dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))  # one contiguous buffer travels the ring
+    kv = (k, v)  # sent as they are: no stacked copy of this rank's own shard
     for step in range(world):
         src = (rank - step) % world
         works = ()
         if step < world - 1:
-            nxt, works = ring.exchange(kv)
+            nxt, works = ring.exchange(*kv)
         for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g):
             out, lse = _piece_forward(q, kv[0], kv[1], call, scale)
             _merge(acc, lse_acc, out, lse, call[0])
@@ -367,34 +374,51 @@ def _ring_forward(q, k, v, cfg):
 
 
 def _ring_backward(do, q, k, v, out, lse, cfg):
+    """(dq, dk, dv) of this rank's shard. K/V travel the ring as in the forward; with each
+    K/V shard travels the fp32 sum of its (dK, dV) over the ranks it has visited, which is
+    back at its owner after a full turn. Memory: a shard's sum is started by its owner and
+    then only ever held as the buffer it arrived in -- the pieces of a step write (dk, dv)
+    in the input dtype, and the first piece's wait gives the arriving sum time to land."""
     ring, layout, causal, window, scale = cfg["ring"], cfg["layout"], cfg["causal"], cfg["window"], cfg["scale"]
     rank, world = ring.rank, ring.world
     b, n_local, h, d = q.shape
     _, lo_g, hi_g = _global_band(n_local * world, causal, window)
     q_segs = segments(n_local, rank, world, layout)
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    kv = torch.stack((k, v))
-    dkv_in = dkv_works = None
+    kv = (k, v)
+    dkv = arriving = None
+    dkv_works = ()
     for step in range(world):
         src = (rank - step) % world
         kv_works = ()
         if step < world - 1:
-            kv_next, kv_works = ring.exchange(kv)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+            kv_next, kv_works = ring.exchange(*kv)
+        if step == 0:  # our own shard: its sum starts here
+            dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
         for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g):
-            _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc, dkv[0], dkv[1])
-        if dkv_works is not None:  # the earlier ranks' sum for this K/V shard
+            dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc)
+            if dkv_works:  # the earlier ranks' sum for this K/V shard
+                _wait(dkv_works)
+                dkv, dkv_works = arriving, ()
+            _add_piece(dkv, call, dk, dv)
+            del dk, dv
+        if dkv_works:  # a step without pieces (a fully masked pair)
             _wait(dkv_works)
-            dkv = dkv_in.add_(dkv)
+            dkv, dkv_works = arriving, ()
         if world > 1:
-            dkv_in, dkv_works = ring.exchange(dkv)
+            (arriving,), dkv_works = ring.exchange(dkv)
+            dkv = None  # in flight: NCCL holds it until sent
         if kv_works:
             _wait(kv_works)
             kv = kv_next
-    if dkv_works is not None:  # after a full turn: every rank's sum for our own K/V
+            del kv_next
+    if dkv_works:  # after a full turn: every rank's sum for our own K/V
         _wait(dkv_works)
-        dkv = dkv_in
-    return dq_acc.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        dkv = arriving
+    del arriving
+    dq = dq_acc.to(q.dtype)
+    del dq_acc  # before the dK/dV conversions: the peak is at the end
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -455,7 +479,8 @@ def _allgather_backward(do, q, k, v, out, lse, cfg):
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for call in _allgather_calls(n_local, cfg):
-        _piece_backward(do, q, kv[0], kv[1], out, lse, call, cfg["scale"], dq_acc, dkv[0], dkv[1])
+        _add_piece(dkv, call, *_piece_backward(do, q, kv[0], kv[1], out, lse, call,
+                                               cfg["scale"], dq_acc))
     # back to rank order, then each rank gets the sum of every rank's dK/dV for its shard
     mine = torch.stack([shard(dkv, r, ring.world, dim=2, layout=layout)
                         for r in range(ring.world)])

@@ -771,9 +771,14 @@ _backward_plans = {}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
-             dropout_p: float = 0.0, rng=None, mods=None):
+             dropout_p: float = 0.0, rng=None, mods=None, dq_accum=None):
     """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
     `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream.
+
+    `dq_accum` (with dq=None): an fp32 (B, H, N_q, d) view that dQ is ADDED into instead
+    of being written to dq -- a caller summing dQ over several calls (context parallelism's
+    pieces). The Gluon kernel sums straight into it (no dQ-sized scratch, no conversion);
+    the `tl` kernels write a dQ in the input dtype that is then added.
 
     Like the forward, everything but the tensors' addresses and the dropout stream is
     computed once per call signature (a backward plan: three Launchers and their integer
@@ -786,23 +791,35 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         widths = int_widths(drop[0], drop[1])
     else:
         drop, widths = _NO_DROP, None
+    if (dq is None) == (dq_accum is None):
+        raise ValueError("backward: pass exactly one of dq and dq_accum")
+    dq_like = dq if dq is not None else dq_accum
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
-           dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
+           dq_like.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
            widths, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
            do.data_ptr() % 16 == 0,  # o, dq, dk, dv: fresh allocations, always aligned
            torch.are_deterministic_algorithms_enabled(),
-           mods.signature if mods is not None else None)
+           mods.signature if mods is not None else None, dq_accum is not None)
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
             _backward_plans.clear()
-        plan = _backward_plans[key] = _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo,
-                                                     hi, scale, widths is not None, mods)
+        plan = _backward_plans[key] = _backward_plan(do, q, k, v, o, dq_like, dk, dv, mask,
+                                                     lo, hi, scale, widths is not None, mods)
     if plan is None:  # empty: no key, query, batch or head
-        dq.zero_()
+        if dq is not None:
+            dq.zero_()
         dk.zero_()
         dv.zero_()
         return
+    if dq_accum is not None and plan[7] != _BWD_GLUON:
+        # the `tl` kernels write dQ (in the input dtype; its fused mode sums in its own
+        # (B * H, N, d) layout): a dQ of this call, then added
+        dq = torch.empty_like(dq_accum, dtype=q.dtype)
+        delta = backward(do, q, k, v, o, lse, dq, dk, dv, mask=mask, lo=lo, hi=hi,
+                         scale=scale, dropout_p=dropout_p, rng=rng, mods=mods)
+        dq_accum.add_(dq)
+        return delta
     (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, delta_shape, fused, acc_shape,
      locks_shape, tma, tiles) = plan
     if fused == _BWD_GLUON:  # one Gluon kernel; dQ summed in fp32 by TMA reduce-adds
@@ -819,8 +836,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             lse = padded
         # dQ's fp32 sum, in dQ's own layout: the conversion below then streams in order
         # (from a (B * H, N, d) sum into a (B, N, H, d) dQ it took 3x as long)
-        dq_acc = torch.empty_strided(dq.shape, acc_shape, device=q.device,
-                                     dtype=torch.float32).zero_()
+        if dq_accum is not None:  # the plan's strides are its own (dq_like)
+            dq_acc = dq_accum
+        else:
+            dq_acc = torch.empty_strided(dq.shape, acc_shape, device=q.device,
+                                         dtype=torch.float32).zero_()
         if locks_shape is not None:  # the host's TMA descriptors (_gluon_bwd_descriptors)
             tensors = _gluon_bwd_descriptors(locks_shape, q, k, v, do, lse, delta, dq_acc)
         else:
@@ -829,7 +849,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dkdv(*tensors[:6], dk, dv, tensors[6] if locks_shape is not None else dq_acc,
              *dkdv_args, *(mods.args if mods is not None else ()),
              *(mods.sparse(*tiles, lo, hi) if tiles else ()))
-        dq.copy_(dq_acc)
+        if dq_accum is None:
+            dq.copy_(dq_acc)
         return delta[..., :n_q]
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
     pre(o, do, delta, *pre_args, delta_shape[-1])
@@ -972,8 +993,9 @@ def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
     launch, boxes = _gluon_backward_launcher(name, cfg, q.dtype, d, batch * h_kv * num_n,
                                              varlen=False)
     # the dQ sum takes dQ's layout (as empty_like lays it out), so that its conversion
-    # into dQ streams in order
-    acc_stride = torch.empty_like(dq, dtype=torch.float32).stride()
+    # into dQ streams in order; a caller's fp32 sum (dq_accum, passed as dq) keeps its own
+    acc_stride = (dq.stride() if dq.dtype != q.dtype  # only a caller's fp32 sum differs
+                  else torch.empty_like(dq, dtype=torch.float32).stride())
     args = (None, None,  # CU_Q, CU_K: a dense batch
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *acc_stride[:3],
