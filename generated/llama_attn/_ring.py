@@ -378,7 +378,7 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     K/V shard travels the fp32 sum of its (dK, dV) over the ranks it has visited, which is
     back at its owner after a full turn. Memory: a shard's sum is started by its owner and
     then only ever held as the buffer it arrived in -- the pieces of a step write (dk, dv)
-    in the input dtype, and the first piece's wait gives the arriving sum time to land."""
+    in the input dtype and are added into it."""
     ring, layout, causal, window, scale = cfg["ring"], cfg["layout"], cfg["causal"], cfg["window"], cfg["scale"]
     rank, world = ring.rank, ring.world
     b, n_local, h, d = q.shape
@@ -395,16 +395,19 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
             kv_next, kv_works = ring.exchange(*kv)
         if step == 0:  # our own shard: its sum starts here
             dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
+        else:
+            # the earlier ranks' sum for this K/V shard. Waited for before this step's
+            # pieces, not after the first: until the exchange is done NCCL also holds the
+            # sum we sent, and a piece's (dk, dv) on top of both made the backward's peak
+            # (2 x H200, 256k tokens: 9.0 GiB a rank, the one-GPU call 10.6). The wait
+            # exposes one fp32 K/V-sized transfer a step (2 GiB there: a few ms over
+            # NVLink against ~450 ms of kernels; not yet measured)
+            _wait(dkv_works)
+            dkv, dkv_works, arriving = arriving, (), None
         for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g):
             dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc)
-            if dkv_works:  # the earlier ranks' sum for this K/V shard
-                _wait(dkv_works)
-                dkv, dkv_works = arriving, ()
             _add_piece(dkv, call, dk, dv)
             del dk, dv
-        if dkv_works:  # a step without pieces (a fully masked pair)
-            _wait(dkv_works)
-            dkv, dkv_works = arriving, ()
         if world > 1:
             (arriving,), dkv_works = ring.exchange(dkv)
             dkv = None  # in flight: NCCL holds it until sent
