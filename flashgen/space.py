@@ -136,7 +136,7 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     # (block_m = 2 x 64, num_warps = 4, num_stages = the K/V ring depth), checked by
     # families.config_reason instead of the planner; `pingpong`, `l2_share` (heads grouped
     # to a 1/l2_share of L2 in the longest-first order), `persistent`, `regs`, `q_buffers`
-    # and `overlap` are its own.
+    # `overlap` and `diag_first` are its own.
     "fwd": (Knob("tma", (False, True), False, _tma),
             Knob("family", ("tl", "gluon"), "tl", _family),
             Knob("pingpong", (True, False), True, _gluon_only("pingpong", True)),
@@ -150,7 +150,9 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
             # (shared memory: families.config_reason), a tile's stores behind the next
             # tile's first S = Q K^T
             Knob("q_buffers", (1, 2), 1, _persistent_only("q_buffers", 1)),
-            Knob("overlap", (False, True), False, _persistent_only("overlap", False))),
+            Knob("overlap", (False, True), False, _persistent_only("overlap", False)),
+            # a tile's key blocks from the last down (families.gluon_default)
+            Knob("diag_first", (False, True), False, _gluon_only("diag_first", False))),
     # `family` as for the forward: a Gluon point's tile is the backward's warpgroups'
     # (block_n = 2 consumers x 64 keys, num_warps = 4, block_m = 64 or 128 query rows a
     # step, num_stages = the Q/dO ring depth), checked by families.bwd_config_reason

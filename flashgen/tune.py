@@ -665,7 +665,7 @@ def _try_config(space: Space, raw: Mapping) -> dict | None:
 
 
 def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = None,
-                 tries: Sequence[Mapping] = ()) -> list:
+                 tries: Sequence[Mapping] = (), variant: Mapping | None = None) -> list:
     """What a study measures first: the planner's config, the Gluon family's untuned config
     of this kind (where the space holds the family), the spec's explicit tile, the
     config the tuning file already holds for this GPU and bucket ("tuned": a re-tune starts
@@ -675,8 +675,9 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
         # the Gluon family's untuned config of this kind (the backward's: 64 query rows a
         # step, 2 x 64 keys, a 2-deep ring): on Hopper the package's default launch where
         # families.gluon_by_default says so
-        starts.append(("gluon", space.config(families.gluon_default(space.facts.head_dim,
-                                                                    kind))))
+        v = variant or {}
+        starts.append(("gluon", space.config(families.gluon_default(
+            space.facts.head_dim, kind, v.get("mask"), tuple(v.get("mods", ()))))))
     explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
                                      "decode": "decode"}[kind], None)
     if explicit is not None:
@@ -871,7 +872,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         def starts_for(name, bucket):
             return _warm_starts(spec, registry[name]["kind"], spaces[name],
                                 incumbent=incumbents.get(name, {}).get(str(bucket)),
-                                tries=tried)
+                                tries=tried, variant=registry[name])
 
         def run_study(name, bucket, starts, **kw):
             facts, space = registry[name], spaces[name]

@@ -90,7 +90,8 @@ def test_a_knob_is_one_table_line_with_its_feasibility():
     """The forward's real knobs: `tma` feasible on sm90 only; `family` and the Gluon
     family's own knobs only where the variant can run a Gluon kernel."""
     assert [k.name for k in KNOBS["fwd"]] == ["tma", "family", "pingpong", "l2_share",
-                                              "persistent", "regs", "q_buffers", "overlap"]
+                                              "persistent", "regs", "q_buffers", "overlap",
+                                              "diag_first"]
     base = fwd_space()
     hopper = space_for("fwd", 64, 2, **H100)  # no Gluon kernel considered: tl points only
     ampere = space_for("fwd", 64, 2, **{**H100, "capability": (8, 0)})
@@ -99,11 +100,12 @@ def test_a_knob_is_one_table_line_with_its_feasibility():
     assert set(ampere.tiles) < set(hopper.tiles) and ampere.planned != hopper.planned
     assert all(p["family"] == "tl" and p["pingpong"] and p["l2_share"] == 4 and p["persistent"]
                and p["regs"] == "240/24" and p["q_buffers"] == 1 and not p["overlap"]
-               for p in hopper.points())
+               and not p["diag_first"] for p in hopper.points())
     assert len(ampere) == len(fwd_space(capability=(8, 0))) and all(p["tma"] is False for p in ampere.points())
     assert ampere.check({**ampere.default(), "tma": True}).startswith("tma=True: needs sm90")
     defaults = {"tma": False, "family": "tl", "pingpong": True, "l2_share": 4,
-                "persistent": True, "regs": "240/24", "q_buffers": 1, "overlap": False}
+                "persistent": True, "regs": "240/24", "q_buffers": 1, "overlap": False,
+                "diag_first": False}
     assert hopper.default() == {**base.default(), **defaults}
     # tuning data that predates the knobs: tma completed with its default, `family` left
     # out (the package reads its absence: families.py)
@@ -121,8 +123,8 @@ def test_the_gluon_family_is_searched_where_it_runs():
     assert {(p["block_n"], p["num_stages"]) for p in gluon} == {(128, 2), (64, 2), (64, 3), (64, 4)}
     assert all(not p["tma"] for p in gluon)
     # x pingpong x l2_share x regs x (persistent with q_buffers x overlap, or one tile a
-    # program with neither: nothing to overlap there)
-    assert len(gluon) == 4 * 2 * 3 * 3 * (2 * 2 + 1)
+    # program with neither: nothing to overlap there) x diag_first
+    assert len(gluon) == 4 * 2 * 3 * 3 * (2 * 2 + 1) * 2
     one_tile = {**families.gluon_default(128), "tma": False, "persistent": False}
     assert space.check(one_tile) is None
     assert "persistent" in space.check({**one_tile, "overlap": True})
@@ -651,7 +653,7 @@ def test_the_best_config_reaches_the_built_package(tuned_pkg):
     for cfg in tuned[FAKE_KEY]["fwd_causal_d64_fp16"].values():
         assert list(cfg) == ["block_m", "block_n", "num_warps", "num_stages", "tma", "family",
                              "pingpong", "l2_share", "persistent", "regs", "q_buffers",
-                             "overlap"]  # configs only
+                             "overlap", "diag_first"]  # configs only
         assert all(type(cfg[k]) is int for k in ("block_m", "block_n", "num_warps", "num_stages"))
         assert type(cfg["tma"]) is bool
     text = pkg.describe()

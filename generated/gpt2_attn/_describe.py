@@ -32,7 +32,8 @@ def describe() -> str:
     for name in VARIANTS:
         c = PLANNED[name]
         why = GLUON.get(name)
-        g = gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
+        g = gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"],
+                          VARIANTS[name]["mask"], tuple(VARIANTS[name].get("mods", ())))
         v = VARIANTS[name]
         kinds = mod_kinds(name)
         if gluon_by_default(v["kind"], v["dropout"], v["head_dim"], kinds):

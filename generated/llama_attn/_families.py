@@ -40,8 +40,13 @@ CONSUMERS = 2  # 3 (FA3's d=64 shape) spilled at 160 registers and ran 15% slowe
 # a tile's Q is loaded while the tile before it still runs (32 KiB more shared memory at
 # d=128) instead of after its last S = Q K^T; `overlap` runs a tile's stores (its LSE, its
 # O through TMA) behind the next tile's first S = Q K^T. `diag_first` walks a tile's key
-# blocks from the last down, so a causal tile starts on its masked diagonal block
-# (override_config only: not a tuner knob until the H100 has measured it).
+# blocks from the last down, so a causal tile starts on its masked diagonal block. Measured
+# side by side against the H100 package's tuned configs (B*N = 16k, H*d = 2048, N = 2k,
+# 4k, 16k; benchmarks/results/nvidia-h100-80gb-hbm3/gluon_overlap_ab_package.log):
+# q_buffers=2 +0..2% at d=128 non-causal, -4% at d=64 causal; overlap -5..+2%;
+# diag_first +6.4..6.6% at d=64 non-causal on all three shapes, -1..-10% elsewhere. So the
+# d=64 non-causal forward defaults to diag_first (gluon_default) and all three are tuner
+# knobs (space.py).
 GLUON_DEFAULT = {
     "family": "gluon",
     "block_m": CONSUMERS * QUERY_ROWS_PER_CONSUMER,
@@ -144,11 +149,14 @@ GLUON_BWD_BLOCK_MS = (64, 128)
 GLUON_BWD_STAGES = (2, 3, 4)
 
 
-def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
-    """The untuned Gluon config of a kernel kind for a head dim. At d <= 64 the forward's
-    consumers run without ping-pong: a block's products take half as long as at d=128
-    while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k:
-    466 vs 439 TFLOP/s)."""
+def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
+                  mods: tuple = ()) -> dict:
+    """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
+    its mask and mods). At d <= 64 the forward's consumers run without ping-pong: a
+    block's products take half as long as at d=128 while its softmax does not, so taking
+    turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
+    without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
+    the H100, see GLUON_DEFAULT)."""
     if kind == "bwd":
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
@@ -160,6 +168,8 @@ def gluon_default(head_dim: int, kind: str = "fwd") -> dict:
     cfg = dict(GLUON_DEFAULT)
     if head_dim <= 64:
         cfg["pingpong"] = False
+        if mask == "none" and not mods:
+            cfg["diag_first"] = True
     return cfg
 
 

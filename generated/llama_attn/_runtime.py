@@ -402,11 +402,11 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     the Gluon family); FLASHGEN_FAMILY=tl keeps every call on `tl`."""
     if (_FORCED_FAMILY == "gluon" and GLUON.get(name, "not a variant") is None
             and gluon_ready(device) is None):
-        return _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
+        return _gluon_default(name)
     if _override:
         if _override.get("family") == "gluon":
             return {**PLANNED[name],
-                    **_families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"]),
+                    **_gluon_default(name),
                     **_override}
         return {**PLANNED[name], **_override}
     if device.type != "cuda":
@@ -438,9 +438,12 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
             if gluon and "family" not in config:
-                config = _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
+                config = _gluon_default(name)
+            elif config.get("family") == "gluon" and "diag_first" not in config:
+                # tuned before the knob existed: the family's default for this variant
+                config = {**config, "diag_first": _gluon_default(name)["diag_first"]}
         elif gluon:
-            config = _families.gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"])
+            config = _gluon_default(name)
         else:
             facts = VARIANTS[name]
             plan = _planner.plan(facts["kind"], max(facts["head_dim"], facts.get("v_head_dim", 0)),
@@ -450,6 +453,12 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             config = plan.chosen.as_dict()
         config = _configs[cache_key] = dict(config)
     return config
+
+
+def _gluon_default(name: str) -> dict:
+    """The Gluon family's untuned config for a variant (_families.gluon_default)."""
+    v = VARIANTS[name]
+    return _families.gluon_default(v["head_dim"], v["kind"], v["mask"], tuple(v.get("mods", ())))
 
 
 def mod_kinds(name: str) -> tuple:
