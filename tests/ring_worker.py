@@ -12,6 +12,7 @@ to OUT_JSON; the test asserts on them (a crash is reported through the exit stat
 import json
 import os
 import sys
+import time
 from contextlib import nullcontext
 from datetime import timedelta
 
@@ -47,9 +48,13 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
     # runs the package's own configs
     forced = pkg._runtime.override_config(**tiles) if device == "cpu" else nullcontext()
     with forced:
-        for case in cases:
+        for i, case in enumerate(cases):
+            start = time.perf_counter()
             results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask,
                                     device))
+            # progress in the log run_world shows when a world fails or runs out of time
+            print(f"rank {rank}: case {i + 1}/{len(cases)} in "
+                  f"{time.perf_counter() - start:.1f} s: {case}", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     with open(out_json, "w") as f:

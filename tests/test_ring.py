@@ -245,6 +245,12 @@ def run_world(world, pkg_dir, tmp_path, cases, *, package=PACKAGE, backend="gloo
     try:
         for p in procs:
             logs.append(p.communicate(timeout=timeout)[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [f"rank {r}:\n{(p.communicate()[0] or '')[-3000:]}" for r, p in enumerate(procs)]
+        raise AssertionError(f"the world of {world} ran past {timeout} s; each rank's log "
+                             "(one line per finished case):\n" + "\n".join(tails))
     finally:
         for p in procs:
             if p.poll() is None:
