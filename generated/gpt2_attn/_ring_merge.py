@@ -32,13 +32,18 @@ def merge_kernel(ACC, LSE_ACC, O, LSE,
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # the block's first row goes into 64-bit base pointers: its element offset,
+    # row * H * D, passes 2^31 in tensors of more than 2^31 elements; in-block offsets
+    # (BLOCK_M rows) stay 32-bit
+    m0 = (pid_m * BLOCK_M).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = pid_m * BLOCK_M + offs_r
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < N
     ok = row_ok[:, None] & (offs_d[None, :] < D)
-    la_ptrs = LSE_ACC + b.to(tl.int64) * stride_lb + h * stride_lh + offs_m
+    la_ptrs = LSE_ACC + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh + m0 + offs_r
     la = tl.load(la_ptrs, mask=row_ok, other=float("-inf"))
-    lo = tl.load(LSE + bh.to(tl.int64) * N + offs_m, mask=row_ok, other=float("-inf"))
+    lo = tl.load(LSE + bh.to(tl.int64) * N + m0 + offs_r, mask=row_ok, other=float("-inf"))
     top = tl.maximum(la, lo)
     ref = tl.where(top == float("-inf"), 0.0, top)  # exp(-inf - 0) = 0, never -inf - -inf
     wa = tl.exp(la - ref)
@@ -47,8 +52,10 @@ def merge_kernel(ACC, LSE_ACC, O, LSE,
     seen = total > 0.0
     inv = tl.where(seen, 1.0 / tl.where(seen, total, 1.0), 0.0)
     new_lse = tl.where(seen, ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
-    a_ptrs = ACC + b.to(tl.int64) * stride_ab + offs_m[:, None] * stride_am + h * stride_ah + offs_d[None, :]
-    o_ptrs = O + b.to(tl.int64) * stride_ob + offs_m[:, None] * stride_om + h * stride_oh + offs_d[None, :]
+    a_base = ACC + b.to(tl.int64) * stride_ab + m0 * stride_am + h.to(tl.int64) * stride_ah
+    o_base = O + b.to(tl.int64) * stride_ob + m0 * stride_om + h.to(tl.int64) * stride_oh
+    a_ptrs = a_base + offs_r[:, None] * stride_am + offs_d[None, :]
+    o_ptrs = o_base + offs_r[:, None] * stride_om + offs_d[None, :]
     a = tl.load(a_ptrs, mask=ok, other=0.0)
     o = tl.load(o_ptrs, mask=ok, other=0.0).to(tl.float32)
     a = tl.where((wa > 0.0)[:, None], a * (wa * inv)[:, None], 0.0)

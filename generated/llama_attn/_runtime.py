@@ -68,6 +68,27 @@ def check_head_dim_built(d: int, dv: "int | None" = None) -> None:
             "rebuild")
 
 
+# Inside one (batch, head) slice the kernels address rows with 32-bit offsets (row *
+# row stride: a 64-bit offset carried across the key loop costs registers); batch and
+# head offsets are 64-bit. A slice whose last element lies 2**31 or more elements past
+# its first would wrap, so such calls are refused here, once per call signature.
+_ROW_OFFSET_LIMIT = 2 ** 31
+
+
+def check_row_offsets(row_dim: int, rows: int, **tensors) -> None:
+    """ValueError when `rows` rows along `row_dim` of any of `tensors` span 2**31 or more
+    elements (see _ROW_OFFSET_LIMIT)."""
+    for what, t in tensors.items():
+        span = (rows - 1) * t.stride(row_dim) + (t.shape[-1] - 1) * t.stride(-1)
+        if rows > 0 and span >= _ROW_OFFSET_LIMIT:
+            raise ValueError(
+                f"{what} {tuple(t.shape)}: {rows} rows {t.stride(row_dim)} elements apart span "
+                f"{span + 1} elements of one (batch, head) slice, past the 2**31 that the "
+                f"kernels' 32-bit row offsets reach. Pass the tensors with each head's rows "
+                f"contiguous (B, H, N, d memory layout: rows d elements apart), or split the "
+                f"call over heads")
+
+
 def check_heads(h_q: int, h_kv: int) -> None:
     if h_kv == 0 or h_q % h_kv != 0:
         raise ValueError(
@@ -555,6 +576,9 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
                if batch * h_q * n_q <= _SCRATCH_MAX else None)
     if batch * h_q * n_q == 0:
         return None, (), False, lse_shape, scratch, None
+    row_dim = 1 if bnhd else 2
+    check_row_offsets(row_dim, n_q, q=q, out=o)
+    check_row_offsets(row_dim, n_k, k=k, v=v)
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
                         mods.names if mods is not None else (), v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
@@ -890,6 +914,8 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     h_kv, n_k = k.shape[1], k.shape[2]
     if batch * h_q * n_q * n_k == 0:
         return None
+    check_row_offsets(2, n_q, q=q, out=o, dout=do, dq=dq)
+    check_row_offsets(2, n_k, k=k, v=v, dk=dk, dv=dv)
     names = mods.names if mods is not None else ()
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
@@ -1263,6 +1289,8 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * max_q == 0:
         return None, (), False
+    check_row_offsets(0, max_q, q=q, out=o)  # (a sequence's first row is 64-bit)
+    check_row_offsets(0, max_k, k=k, v=v)
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) is None:
@@ -1390,6 +1418,8 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * total_k * max_q * max_k == 0:
         return None
+    check_row_offsets(0, max_q, q=q, out=o, dout=do, dq=dq)  # (a sequence's first row is 64-bit)
+    check_row_offsets(0, max_k, k=k, v=v, dk=dk, dv=dv)
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
     # D = rowsum(dO * O) per token: the dense preprocess over one (1, H_q, total_q) batch
     pre = Launcher(kernel(name, "preprocess"), (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK)),

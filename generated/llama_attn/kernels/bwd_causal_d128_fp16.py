@@ -70,16 +70,19 @@ def bwd_causal_d128_fp16_preprocess(
     bh = tl.program_id(0)
     b = bh // H_Q
     h = bh % H_Q
-    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    row_ok = offs_m < N_Q
-    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh
+    m0 = tl.program_id(1) * BLOCK_M
+    offs_r = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    row_ok = m0 + offs_r < N_Q
+    # the block's first row in the 64-bit base: a packed (varlen) batch runs this over
+    # all its tokens as one slice, whose row offsets can pass 2**31 elements
+    o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh + m0.to(tl.int64) * stride_om
+    do_base = DO + b.to(tl.int64) * stride_dob + h.to(tl.int64) * stride_doh + m0.to(tl.int64) * stride_dom
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)
-    ov0 = tl.load(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
-    dov0 = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
+    ov0 = tl.load(o_base + offs_r[:, None] * stride_om + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
+    dov0 = tl.load(do_base + offs_r[:, None] * stride_dom + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
     delta += tl.sum(ov0.to(tl.float32) * dov0.to(tl.float32), 1)
-    tl.store(DELTA + bh.to(tl.int64) * DELTA_ROW + offs_m, delta, mask=row_ok)
+    tl.store(DELTA + bh.to(tl.int64) * DELTA_ROW + m0 + offs_r, delta, mask=row_ok)
 
 
 
