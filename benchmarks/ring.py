@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 benchmarks/ring.py [--seqlens 32768,131072,262144]
         [--strategies ring,allgather] [--heads 32 --kv-heads 8 --head-dim 128]
         [--mask causal|none|window:4096] [--reps 5] [--oom-seqlen N] [--out ring.json]
+        [--api flash|sdpa]
 
 For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
 forward + backward step:
@@ -18,7 +19,13 @@ dq, dk, dv against rank 0's one-GPU result (max abs error, and the one-GPU bf16 
 own error against fp32 for scale when --check-fp32 is given).
 
 --oom-seqlen N: one more length, expected not to fit one GPU and to run on all of them
-(the "OOM on one, runs on two" bar). Rank 0 prints a table and writes --out (JSON).
+(the "OOM on one, runs on two" bar); no exactness check there (gathering the shards
+would not fit either). Rank 0 prints a table and writes --out (JSON).
+
+--api sdpa: (B, H, N, d) tensors through scaled_dot_product_attention and
+ring_scaled_dot_product_attention (shards cut along dim 2) instead of flash-attn's
+(B, N, H, d). Each head's rows are then adjacent, which is what very wide calls (many
+heads: a shard whose rows span >= 2**31 elements) need.
 """
 from __future__ import annotations
 
@@ -48,6 +55,7 @@ def parse():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--oom-seqlen", type=int, default=0)
     p.add_argument("--check-fp32", action="store_true")
+    p.add_argument("--api", default="flash", choices=("flash", "sdpa"))
     p.add_argument("--out", default="")
     return p.parse_args()
 
@@ -62,11 +70,32 @@ def mask_args(mask: str) -> dict:
     raise SystemExit(f"--mask {mask!r}: causal, none or window:LEFT")
 
 
+SEQ_DIM = {"flash": 1, "sdpa": 2}
+
+
 def make(n, args, device, seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     shapes = ((n, args.heads), (n, args.kv_heads), (n, args.kv_heads), (n, args.heads))
+    if args.api == "sdpa":
+        return [torch.randn(1, h, s, args.head_dim, generator=g, device=device,
+                            dtype=torch.bfloat16) for s, h in shapes]
     return [torch.randn(1, s, h, args.head_dim, generator=g, device=device,
                         dtype=torch.bfloat16) for s, h in shapes]
+
+
+def attend(q, k, v, args, ring=False, strategy=None):
+    """One call of the chosen API (forward only)."""
+    kw = mask_args(args.mask)
+    if args.api == "flash":
+        if ring:
+            return pkg.ring_flash_attn_func(q, k, v, strategy=strategy, **kw)
+        return pkg.flash_attn_func(q, k, v, **kw)
+    sdpa_kw = dict(is_causal=kw["causal"], enable_gqa=args.heads != args.kv_heads)
+    if "window_size" in kw:
+        sdpa_kw["window_size"] = kw["window_size"]
+    if ring:
+        return pkg.ring_scaled_dot_product_attention(q, k, v, strategy=strategy, **sdpa_kw)
+    return pkg.scaled_dot_product_attention(q, k, v, **sdpa_kw)
 
 
 def timed_step(fn, reps, warmup, collective=True):
@@ -93,17 +122,17 @@ def timed_step(fn, reps, warmup, collective=True):
 
 
 def one_gpu(n, args, device, keep=False):
-    q, k, v, do = make(n, args, device)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    kw = mask_args(args.mask)
-
-    def step():
-        q.grad = k.grad = v.grad = None
-        out = pkg.flash_attn_func(q, k, v, **kw)
-        out.backward(do)
-        return out
-
+    q = k = v = do = None
     try:
+        q, k, v, do = make(n, args, device)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+
+        def step():
+            q.grad = k.grad = v.grad = None
+            out = attend(q, k, v, args)
+            out.backward(do)
+            return out
+
         ms, peak = timed_step(step, args.reps, args.warmup, collective=False)
         result = {"ms": round(ms, 3), "peak_gib": round(peak / 2**30, 2)}
         if keep:
@@ -111,7 +140,7 @@ def one_gpu(n, args, device, keep=False):
             result["tensors"] = [out.detach(), q.grad, k.grad, v.grad]
             if args.check_fp32:
                 q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-                o32 = pkg.flash_attn_func(q32, k32, v32, **kw)
+                o32 = attend(q32, k32, v32, args)
                 o32.backward(do.float())
                 result["bf16_vs_fp32"] = [(a.float() - b).abs().max().item() for a, b in
                                           zip(result["tensors"], (o32, q32.grad, k32.grad, v32.grad))]
@@ -123,23 +152,25 @@ def one_gpu(n, args, device, keep=False):
         torch.cuda.empty_cache()
 
 
-def context_parallel(n, strategy, args, device, rank, world):
-    q, k, v, do = (pkg.shard(t, rank, world) for t in make(n, args, device))
+def context_parallel(n, strategy, args, device, rank, world, keep=False):
+    dim = SEQ_DIM[args.api]
+    q, k, v, do = (pkg.shard(t, rank, world, dim=dim) for t in make(n, args, device))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    kw = mask_args(args.mask)
 
     def step():
         q.grad = k.grad = v.grad = None
-        out = pkg.ring_flash_attn_func(q, k, v, strategy=strategy, **kw)
+        out = attend(q, k, v, args, ring=True, strategy=strategy)
         out.backward(do)
         return out
 
     try:
         torch.cuda.empty_cache()
         ms, peak = timed_step(step, args.reps, args.warmup)
-        out = step()
-        return {"ms": ms, "peak_gib": peak / 2**30,
-                "tensors": [out.detach(), q.grad, k.grad, v.grad]}
+        result = {"ms": ms, "peak_gib": peak / 2**30}
+        if keep:
+            out = step()
+            result["tensors"] = [out.detach(), q.grad, k.grad, v.grad]
+        return result
     except torch.OutOfMemoryError:
         return {"ms": None, "peak_gib": None, "oom": True}
 
@@ -171,13 +202,16 @@ def main():
         if rank == 0:
             row["one_gpu"] = {k: v for k, v in single.items() if k != "tensors"}
         for strategy in args.strategies.split(","):
-            res = context_parallel(n, strategy, args, device, rank, world)
+            res = context_parallel(n, strategy, args, device, rank, world,
+                                   keep=(i == 0 and n != args.oom_seqlen))
             ms = slowest(res["ms"])
             peak = slowest(res["peak_gib"])
             entry = {"ms": None if ms == float("inf") else round(ms, 3),
                      "peak_gib_max_rank": None if peak == float("inf") else round(peak, 2)}
-            if i == 0 and "tensors" in res:  # exactness against rank 0's one-GPU result
-                full = [pkg.unshard_sequence(t.contiguous()) for t in res["tensors"]]
+            if "tensors" in res:
+                # exactness against rank 0's one-GPU result
+                full = [pkg.unshard_sequence(t.contiguous(), dim=SEQ_DIM[args.api])
+                        for t in res["tensors"]]
                 if rank == 0 and "tensors" in single:
                     entry["max_abs_err_vs_one_gpu"] = [
                         (a.float() - b.float()).abs().max().item()

@@ -83,6 +83,7 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     dtype = DTYPES[case["dtype"]]
     causal, window = case["causal"], tuple(case["window"])
     layout, strategy, sdpa = case["layout"], case["strategy"], case.get("sdpa", False)
+    extra = {"grad_sum_dtype": case["grad_sum"]} if "grad_sum" in case else {}
     g = torch.Generator().manual_seed(case.get("seed", 0))
     q, k, v, do = (torch.randn(b, n, heads, d, generator=g).to(device=device, dtype=dtype)
                    for heads in (h, hk, hk, h))
@@ -106,18 +107,25 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         sq, sk, sv = (mine(t.transpose(1, 2), dim=2).requires_grad_() for t in (q, k, v))
         out, lse = pkg.ring_scaled_dot_product_attention(
             sq, sk, sv, is_causal=causal, enable_gqa=h != hk, window_size=window,
-            return_lse=True, strategy=strategy, layout=layout)
+            return_lse=True, strategy=strategy, layout=layout, **extra)
+        # the buffers follow the shards' (B, H, N, d) memory order: rows of a head adjacent
+        layout_ok = out.is_contiguous()
         out.backward(mine(do.transpose(1, 2), dim=2))
         out = out.transpose(1, 2)
         grads = [t.grad.transpose(1, 2) for t in (sq, sk, sv)]
     else:
         sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
         out, lse = pkg.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
-                                            return_lse=True, strategy=strategy, layout=layout)
+                                            return_lse=True, strategy=strategy, layout=layout,
+                                            **extra)
+        layout_ok = out.is_contiguous()
         out.backward(mine(do))
         grads = [t.grad for t in (sq, sk, sv)]
     nan = any(torch.isnan(t).any().item() for t in [out, *grads])
-    res = {"case": case, "nan": nan,
+    res = {"case": case, "nan": nan, "layout_ok": layout_ok,
+           # magnitudes of the single-process results, for fp32's relative tolerance
+           "scale": [t.double().abs().max().item() if t.numel() else 0.0
+                     for t in (f_out, f_lse.masked_fill(~torch.isfinite(f_lse), 0), *f_grads)],
            "vs_flash": [max_err(out, mine(f_out)), max_err(lse, mine(f_lse, dim=2))]
            + [max_err(a, mine(ref)) for a, ref in zip(grads, f_grads)],
            "vs_ref": [max_err(out, mine(r_out)), max_err(lse, mine(r_lse, dim=2))]
@@ -126,7 +134,7 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     if case.get("repeat"):
         sq2, sk2, sv2 = (t.detach().clone().requires_grad_() for t in (sq, sk, sv))
         out2 = pkg.ring_flash_attn_func(sq2, sk2, sv2, causal=causal, window_size=window,
-                                        strategy=strategy, layout=layout)
+                                        strategy=strategy, layout=layout, **extra)
         out2.backward(mine(do))
         res["repeat_equal"] = bool(torch.equal(out2, out) and all(
             torch.equal(a.grad, b_) for a, b_ in zip((sq2, sk2, sv2), grads)))
@@ -147,8 +155,10 @@ def run_long_case(pkg, case, rank, world, q, k, v, do):
     exact = single(pkg, *(t.float() for t in (q, k, v, do)), causal, window)
     one = single(pkg, q, k, v, do, causal, window)
     sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
+    extra = {"grad_sum_dtype": case["grad_sum"]} if "grad_sum" in case else {}
     out, lse = pkg.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
-                                        return_lse=True, strategy=strategy, layout=layout)
+                                        return_lse=True, strategy=strategy, layout=layout,
+                                        **extra)
     out.backward(mine(do))
     ring = (out, lse, sq.grad, sk.grad, sv.grad)
     dims = (1, 2, 1, 1, 1)

@@ -21,8 +21,8 @@ Strategies (`strategy=`, or FLASHGEN_CP_STRATEGY; default "ring"):
     run on the current one (on CUDA the NCCL P2P work runs on NCCL's own stream,
     overlapped with the attention kernels on the current stream). Each rank merges its
     partial outputs in fp32 through their log-sum-exp (`_ring_merge`). The backward
-    sends K/V around again together with fp32 dK/dV accumulators, which arrive back at
-    their owner after a full turn.
+    sends K/V around again together with the running sums of their dK/dV, which arrive
+    back at their owner after a full turn.
   * "allgather" (Llama 3's context parallelism): K/V are all-gathered once, each rank
     attends its queries to the keys they can see, and the backward reduce-scatters
     dK/dV. More memory (the whole K/V on every rank) and one exposed collective, but no
@@ -37,8 +37,16 @@ top-left and bottom-right alignments coincide.
 
 Backward: every piece's backward is the package's own backward kernels, called with the
 GLOBAL (merged) output and LSE: D = rowsum(dO * O) and P = exp(S - LSE) are then those of
-the whole sequence, so each piece's dS is exact and dQ, dK, dV are sums of exact pieces
-(in fp32, in a fixed order: results are deterministic for a fixed world size and layout).
+the whole sequence, so each piece's dS is exact and dQ, dK, dV are sums of exact pieces,
+in a fixed order: results are deterministic for a fixed world size and layout. dQ is
+summed in fp32. A shard's dK/dV sum travels in `grad_sum_dtype` (FLASHGEN_CP_GRAD_SUM):
+"input" (default) sends it in the inputs' dtype, a bf16/fp16 rounding per hop (each
+hop's add is done in fp32), which halves the backward's largest buffers; "float32"
+keeps fp32 sums (exactly the single-process kernel's arithmetic, more memory).
+
+Memory layout: the buffers a rank allocates (outputs, partial outputs, sums) follow the
+memory order of its q, so SDPA-layout shards (B, H, N / world, d) keep each head's rows
+contiguous -- the layout to use when a shard's rows span more than 2**31 elements.
 
 Not supported: dropout_p > 0 raises NotImplementedError -- the kernels draw the dropout
 keep mask from a Philox counter keyed by the call's LOCAL (row, column, batch*head) and
@@ -60,6 +68,8 @@ from ._registry import BUILT_FOR, PACKAGE
 STRATEGIES = ("ring", "allgather")
 LAYOUTS = ("zigzag", "contiguous")
 STRATEGY_ENV = "FLASHGEN_CP_STRATEGY"
+GRAD_SUMS = ("input", "float32")
+GRAD_SUM_ENV = "FLASHGEN_CP_GRAD_SUM"
 
 
 def _dist():
@@ -270,11 +280,25 @@ def _bhnd(t):
     return t.transpose(1, 2)
 
 
+def _empty_as(like, shape, dtype=None, lead=()):
+    """An uninitialised tensor of `lead + shape` whose last len(shape) dims are laid out in
+    memory in the order of `like`'s strides (largest first), lead dims outermost: buffers
+    of SDPA-layout shards keep each head's rows contiguous, as the caller's tensors do."""
+    order = sorted(range(like.dim()), key=lambda i: (-like.stride(i), i))
+    base = torch.empty(tuple(lead) + tuple(shape[i] for i in order),
+                       dtype=like.dtype if dtype is None else dtype, device=like.device)
+    n = len(lead)
+    inverse = [0] * len(order)
+    for pos, i in enumerate(order):
+        inverse[i] = pos
+    return base.permute(tuple(range(n)) + tuple(n + p for p in inverse))
+
+
 def _piece_forward(q, k, v, call, scale):
     """(out (B, qn, H, d) in q's dtype, lse (B, H, qn) fp32) of one planned call."""
     qs, qn, ks, kn, mask, lo, hi = call
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
-    out = torch.empty(qp.shape, dtype=q.dtype, device=q.device)
+    out = _empty_as(q, qp.shape)
     lse = _runtime.forward(qp, kp, vp, out, mask=mask, lo=lo, hi=hi, scale=scale, bnhd=True)
     return out, lse
 
@@ -304,8 +328,8 @@ def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc):
     dtype, for the caller to add where the shard's sum is."""
     qs, qn, ks, kn, mask, lo, hi = call
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
-    dk = torch.empty(kp.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(vp.shape, dtype=v.dtype, device=v.device)
+    dk = _empty_as(k, kp.shape)
+    dv = _empty_as(v, vp.shape)
     _runtime.backward(_bhnd(do.narrow(1, qs, qn)), _bhnd(qp), _bhnd(kp), _bhnd(vp),
                       _bhnd(out.narrow(1, qs, qn)), lse.narrow(2, qs, qn).contiguous(),
                       None, _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale,
@@ -314,9 +338,20 @@ def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc):
 
 
 def _add_piece(dkv, call, dk, dv):
+    """dkv[:, rows of the call's keys] += (dk, dv). A 16-bit sum is added to in fp32 and
+    rounded once (torch's add_ of two bf16 tensors computes in fp32 too)."""
     ks, kn = call[2], call[3]
     dkv[0].narrow(1, ks, kn).add_(dk)
     dkv[1].narrow(1, ks, kn).add_(dv)
+
+
+def _grad_sum_dtype(choice, dtype):
+    if choice is None:
+        choice = os.environ.get(GRAD_SUM_ENV, "") or "input"
+    if choice not in GRAD_SUMS:
+        raise ValueError(f"grad_sum_dtype={choice!r} (or {GRAD_SUM_ENV}): expected one of "
+                         f"{GRAD_SUMS}")
+    return dtype if choice == "input" else torch.float32
 
 
 # ----------------------------------------------------------------------------------------
@@ -356,7 +391,7 @@ def _ring_forward(q, k, v, cfg):
     b, n_local, h, d = q.shape
     _, lo_g, hi_g = _global_band(n_local * world, causal, window)
     q_segs = segments(n_local, rank, world, layout)
-    acc = torch.zeros((b, n_local, h, d), dtype=torch.float32, device=q.device)
+    acc = _empty_as(q, q.shape, torch.float32).zero_()
     lse_acc = torch.full((b, h, n_local), float("-inf"), dtype=torch.float32, device=q.device)
     kv = (k, v)  # sent as they are: no stacked copy of this rank's own shard
     for step in range(world):
@@ -375,16 +410,17 @@ def _ring_forward(q, k, v, cfg):
 
 def _ring_backward(do, q, k, v, out, lse, cfg):
     """(dq, dk, dv) of this rank's shard. K/V travel the ring as in the forward; with each
-    K/V shard travels the fp32 sum of its (dK, dV) over the ranks it has visited, which is
-    back at its owner after a full turn. Memory: a shard's sum is started by its owner and
-    then only ever held as the buffer it arrived in -- the pieces of a step write (dk, dv)
-    in the input dtype and are added into it."""
+    K/V shard travels the sum of its (dK, dV) over the ranks it has visited (in
+    cfg["grad_sum"]: the input dtype or fp32), which is back at its owner after a full
+    turn. Memory: a shard's sum is started by its owner and then only ever held as the
+    buffer it arrived in -- the pieces of a step write (dk, dv) in the input dtype and are
+    added into it."""
     ring, layout, causal, window, scale = cfg["ring"], cfg["layout"], cfg["causal"], cfg["window"], cfg["scale"]
     rank, world = ring.rank, ring.world
     b, n_local, h, d = q.shape
     _, lo_g, hi_g = _global_band(n_local * world, causal, window)
     q_segs = segments(n_local, rank, world, layout)
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = _empty_as(q, q.shape, torch.float32).zero_()
     kv = (k, v)
     dkv = arriving = None
     dkv_works = ()
@@ -394,14 +430,14 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
         if step < world - 1:
             kv_next, kv_works = ring.exchange(*kv)
         if step == 0:  # our own shard: its sum starts here
-            dkv = torch.zeros((2,) + tuple(k.shape), dtype=torch.float32, device=q.device)
+            dkv = _empty_as(k, k.shape, cfg["grad_sum"], lead=(2,)).zero_()
         else:
             # the earlier ranks' sum for this K/V shard. Waited for before this step's
             # pieces, not after the first: until the exchange is done NCCL also holds the
             # sum we sent, and a piece's (dk, dv) on top of both made the backward's peak
             # (2 x H200, 256k tokens: 9.0 GiB a rank, the one-GPU call 10.6). The wait
-            # exposes one fp32 K/V-sized transfer a step (2 GiB there: a few ms over
-            # NVLink against ~450 ms of kernels; not yet measured)
+            # exposes one K/V-sized transfer a step (1 GiB in bf16 there: a few ms over
+            # NVLink against ~450 ms of kernels)
             _wait(dkv_works)
             dkv, dkv_works, arriving = arriving, (), None
         for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g):
@@ -421,7 +457,7 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     del arriving
     dq = dq_acc.to(q.dtype)
     del dq_acc  # before the dK/dV conversions: the peak is at the end
-    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)  # (no copy when the sum is 16-bit)
 
 
 # ----------------------------------------------------------------------------------------
@@ -455,7 +491,7 @@ def _allgather_calls(n_local, cfg):
 def _allgather_forward(q, k, v, cfg):
     kv = _gather_kv(k, v, cfg)
     b, n_local, h, d = q.shape
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = _empty_as(q, q.shape)
     lse = torch.empty((b, h, n_local), dtype=torch.float32, device=q.device)
     calls = _allgather_calls(n_local, cfg)
     segs = segments(n_local, cfg["ring"].rank, cfg["ring"].world, cfg["layout"])
@@ -467,7 +503,7 @@ def _allgather_forward(q, k, v, cfg):
             out.narrow(1, call[0], call[1]).copy_(o)
             lse.narrow(2, call[0], call[1]).copy_(l)
         return out, lse
-    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = _empty_as(q, q.shape, torch.float32).zero_()
     lse.fill_(float("-inf"))
     for call in calls:
         o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"])
@@ -479,7 +515,8 @@ def _allgather_backward(do, q, k, v, out, lse, cfg):
     ring, layout = cfg["ring"], cfg["layout"]
     kv = _gather_kv(k, v, cfg)
     n_local = q.shape[1]
-    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dq_acc = _empty_as(q, q.shape, torch.float32).zero_()
+    # (fp32 whatever grad_sum_dtype says: the reduce-scatter then sums in fp32)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for call in _allgather_calls(n_local, cfg):
         _add_piece(dkv, call, *_piece_backward(do, q, kv[0], kv[1], out, lse, call,
@@ -532,7 +569,7 @@ def _strategy(strategy) -> str:
 
 
 def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, window_size,
-                      return_lse, strategy, layout):
+                      return_lse, strategy, layout, grad_sum_dtype):
     """q, k, v: (B, N_local, H, d) tensors (possibly transposed views)."""
     _runtime.check_tensors(q, k, v, bnhd=True)
     if isinstance(dropout_p, (int, float)) and dropout_p > 0.0:
@@ -544,6 +581,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     _runtime.check_dropout(dropout_p)
     _check_layout(layout)
     strategy = _strategy(strategy)
+    grad_sum = _grad_sum_dtype(grad_sum_dtype, k.dtype)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"context-parallel attention is self-attention over one sharded sequence: q has "
@@ -562,7 +600,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     mask, _, _ = _global_band(n_local * world, bool(causal), window)
     _runtime.find_variant("fwd", mask, False, q.shape[-1], _runtime._DTYPE_NAMES[q.dtype])
     cfg = dict(ring=_Ring(group, rank, world), layout=layout, causal=bool(causal),
-               window=window, scale=scale, strategy=strategy)
+               window=window, scale=scale, strategy=strategy, grad_sum=grad_sum)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _ContextParallel.apply(q, k, v, cfg)
     else:
@@ -573,13 +611,16 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
 @torch.compiler.disable
 def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softmax_scale=None,
                          window_size=(-1, -1), return_lse=False, *, strategy=None,
-                         layout="zigzag"):
+                         layout="zigzag", grad_sum_dtype=None):
     """flash_attn_func over a sequence sharded across the ranks of `group` (default: the
     default process group; without torch.distributed initialised, one rank). q, k, v are
     this rank's shards (B, N / world, H, d) cut with `layout` (see shard_sequence); returns
     this rank's output rows (B, N / world, H_q, d) and, with return_lse, their log-sum-exp
     (B, H_q, N / world) fp32. Masks apply to global positions (self-attention, N_q = N_k).
     strategy: "ring" or "allgather" (default FLASHGEN_CP_STRATEGY, else "ring").
+    grad_sum_dtype: the dtype a K/V shard's dK/dV sum travels the ring in, "input" (the
+    inputs' dtype: one rounding per hop, half the memory) or "float32" (default
+    FLASHGEN_CP_GRAD_SUM, else "input"); the all-gather strategy always sums in fp32.
     Every rank of the group must call it with the same arguments and shapes."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -587,18 +628,19 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
             raise ValueError(f"{name} must be a 4-D (B, N, H, d) torch.Tensor, got {got}")
     return _context_parallel(q, k, v, group=group, causal=causal, dropout_p=dropout_p,
                              softmax_scale=softmax_scale, window_size=window_size,
-                             return_lse=return_lse, strategy=strategy, layout=layout)
+                             return_lse=return_lse, strategy=strategy, layout=layout,
+                             grad_sum_dtype=grad_sum_dtype)
 
 
 @torch.compiler.disable
 def ring_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                       is_causal=False, scale=None, enable_gqa=False, *,
                                       group=None, window_size=(-1, -1), return_lse=False,
-                                      strategy=None, layout="zigzag"):
+                                      strategy=None, layout="zigzag", grad_sum_dtype=None):
     """ring_flash_attn_func in PyTorch's SDPA layout and argument order (the context-
     parallel arguments by keyword): this rank's shards (B, H, N / world, d), cut along
-    dim 2 (shard_sequence(x, dim=2)); returns (B, H_q, N / world, d), a view of a
-    (B, N / world, H_q, d) buffer."""
+    dim 2 (shard_sequence(x, dim=2)); returns (B, H_q, N / world, d) laid out like
+    `query` (and the gradients like their inputs)."""
     if attn_mask is not None:
         raise NotImplementedError(
             "attn_mask is not supported under context parallelism (a data-dependent mask "
@@ -614,7 +656,8 @@ def ring_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout
     result = _context_parallel(_bhnd(query), _bhnd(key), _bhnd(value), group=group,
                                causal=is_causal, dropout_p=dropout_p, softmax_scale=scale,
                                window_size=window_size, return_lse=return_lse,
-                               strategy=strategy, layout=layout)
+                               strategy=strategy, layout=layout,
+                               grad_sum_dtype=grad_sum_dtype)
     if return_lse:
         return _bhnd(result[0]), result[1]
     return _bhnd(result)
