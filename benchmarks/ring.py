@@ -98,8 +98,10 @@ def attend(q, k, v, args, ring=False, strategy=None):
     return pkg.scaled_dot_product_attention(q, k, v, **sdpa_kw)
 
 
-def timed_step(fn, reps, warmup, collective=True):
-    """(median ms of fn(), peak bytes of one call) -- fn runs forward + backward. With
+def timed_step(fn, reps, warmup, collective=True, baseline=0):
+    """(median ms of fn(), peak bytes of one call above `baseline`, the bytes that were
+    allocated before the call's inputs were made: results kept from an earlier length or
+    strategy must not count) -- fn runs forward + backward. With
     `collective`, every rank calls this together and the reps start on a barrier; rank 0's
     one-GPU run must not (a barrier the other ranks never join pairs with their ring's P2P
     operations and hangs NCCL)."""
@@ -118,11 +120,12 @@ def timed_step(fn, reps, warmup, collective=True):
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times), torch.cuda.max_memory_allocated()
+    return statistics.median(times), torch.cuda.max_memory_allocated() - baseline
 
 
 def one_gpu(n, args, device, keep=False):
     q = k = v = do = None
+    baseline = torch.cuda.memory_allocated()
     try:
         q, k, v, do = make(n, args, device)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
@@ -133,7 +136,8 @@ def one_gpu(n, args, device, keep=False):
             out.backward(do)
             return out
 
-        ms, peak = timed_step(step, args.reps, args.warmup, collective=False)
+        ms, peak = timed_step(step, args.reps, args.warmup, collective=False,
+                              baseline=baseline)
         result = {"ms": round(ms, 3), "peak_gib": round(peak / 2**30, 2)}
         if keep:
             out = step()
@@ -154,6 +158,7 @@ def one_gpu(n, args, device, keep=False):
 
 def context_parallel(n, strategy, args, device, rank, world, keep=False):
     dim = SEQ_DIM[args.api]
+    baseline = torch.cuda.memory_allocated()
     q, k, v, do = (pkg.shard(t, rank, world, dim=dim) for t in make(n, args, device))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
@@ -165,7 +170,7 @@ def context_parallel(n, strategy, args, device, rank, world, keep=False):
 
     try:
         torch.cuda.empty_cache()
-        ms, peak = timed_step(step, args.reps, args.warmup)
+        ms, peak = timed_step(step, args.reps, args.warmup, baseline=baseline)
         result = {"ms": ms, "peak_gib": peak / 2**30}
         if keep:
             out = step()
