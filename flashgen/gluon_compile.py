@@ -173,6 +173,13 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      VARLEN=varlen)
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
         descriptors = {}
+        # what the runtime launches: a dense band's tiles dealt by the host's table (not a
+        # mask mod's, whose block mask orders them; not a packed batch's)
+        if not varlen and module.LONGEST_FIRST.value and "FULL_CNT" not in fn.arg_names:
+            const["TILE_TABLE"] = True
+            pointers["TILE_ORDER"] = "i32"
+        else:
+            const.update(TILE_TABLE=False, TILE_ORDER=None)
     if varlen:
         pointers.update(CU_Q="i32", CU_K="i32")
     else:

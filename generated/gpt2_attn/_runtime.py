@@ -586,7 +586,11 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
         why = (_gluon_too_small(batch, h_q, n_q, n_k, d, mask)
                or gluon_call_reason(name, q, k, v, o, bnhd))
         if why is None:
-            launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale)
+            # a band's tiles differ in length: the host deals them (not a mask mod's,
+            # whose lengths come from a block mask on the device)
+            band = mask != "none" and not (mods is not None and mods.block_sparse)
+            launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale,
+                                               mask if band else None)
             # a mask mod's block list at the Gluon tile (BLOCK_M = the consumers' rows),
             # merged into the walk order (_mods._block_lists)
             sparse = ((name, cfg["block_m"], cfg["block_n"], False)
@@ -639,9 +643,10 @@ def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
 _GLUON = 2
 
 
-def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
+def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None):
     """(Launcher, run-time arguments) of a Gluon forward for one call signature; the call
-    appends the dropout arguments (_gluon_dropout_args)."""
+    appends the dropout arguments (_gluon_dropout_args). `band`: the call's mask when its
+    tiles' lengths follow from the band ("causal", "sliding_window"), else None."""
     from triton.experimental.gluon import language as gl
 
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
@@ -653,13 +658,33 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale):
     # longest-first order restarts every few tiles and the programs' totals drift apart
     # (one head a group at N=16k ran causal d128 at 458 TFLOP/s, three at 547)
     head_group = _gluon_kv_heads(cfg, q, n_k, d, triton_cdiv(2 * sms, num_m)) * (h_q // h_kv)
-    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=False)
+    table = None
+    if band is not None and cfg.get("persistent", True) and tiles > sms:
+        table = _band_tile_table(cfg, q, batch * h_q, num_m, n_q, n_k, lo, hi, band, head_group,
+                                 h_q // h_kv, sms)
+    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=False,
+                                     table=table is not None)
     args = (None, None,  # CU_Q, CU_K: a dense batch
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
-            head_group)
+            head_group, table)
     return launch, args
+
+
+def _band_tile_table(cfg, q, batch_heads, num_m, n_q, n_k, lo, hi, mask, head_group,
+                     kv_group, programs) -> "torch.Tensor | None":
+    """The persistent Gluon forward's tiles dealt on the host (families.band_tile_order),
+    as the int32 table the kernel walks (TILE_TABLE), or None: the kernel then deals them
+    itself. Made once per call signature; not while a CUDA graph is being captured (the
+    table's copy to the GPU would be captured from pageable memory)."""
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    costs = [_families.band_tile_blocks(m, cfg["block_m"], cfg["block_n"], n_q, n_k, lo, hi,
+                                        mask == "sliding_window", True)
+             for m in range(num_m)]
+    order = _families.band_tile_order(batch_heads, num_m, costs, head_group, kv_group, programs)
+    return torch.tensor(order, dtype=torch.int32).to(q.device)
 
 
 def _gluon_kv_heads(cfg, q, n_k, d, at_least) -> int:
@@ -671,9 +696,10 @@ def _gluon_kv_heads(cfg, q, n_k, d, at_least) -> int:
     return max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1), at_least)
 
 
-def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool):
+def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table: bool = False):
     """The Launcher of a Gluon forward (dense or VARLEN) at config `cfg` over `tiles` query
-    tiles: its compile-time meta and its grid."""
+    tiles: its compile-time meta and its grid (table: the tiles are dealt by a TILE_ORDER
+    table, _band_tile_table)."""
     from triton.experimental.gluon import language as gl
 
     d_pad = _families.head_dim_pad(d)
@@ -690,7 +716,7 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool):
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
-                VARLEN=varlen, num_warps=4)
+                VARLEN=varlen, TILE_TABLE=table, num_warps=4)
     # persistent: one program per SM walks its share of the tiles; else one per tile
     grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
     return Launcher(kernel(name, family="gluon"), grid, meta)
@@ -1331,7 +1357,7 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
     args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
             v.stride(0), v.stride(1), v.stride(0), o.stride(0), o.stride(1), o.stride(0),
             batch, total_q, total_k, h_q, group, scale * LOG2E, lo, hi, num_m, batch * h_q,
-            0, head_group)
+            0, head_group, None)  # (TILE_ORDER: the packed walk deals its own tiles)
     return launch, args, _GLUON
 
 

@@ -23,9 +23,10 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   products keep the tensor cores busy. Gluon 3.6 has no named barriers; mbarrier tokens do
   the same job.
 * Persistence. The grid is one program per SM; each walks its share of the
-  (batch, head, query-block) tiles. With a band mask the longest tiles go first, dealt
-  back and forth across the programs so their totals even out, in groups of HEAD_GROUP
-  heads whose K/V fit in L2 together. The next tile's Q is loaded as soon as the last
+  (batch, head, query-block) tiles. With a band mask the longest tiles go first, in
+  groups of HEAD_GROUP heads whose K/V fit in L2 together, dealt so that the programs'
+  totals even out: by the host into TILE_ORDER (TILE_TABLE; families.band_tile_order),
+  else back and forth across the programs. The next tile's Q is loaded as soon as the last
   S = Q K^T of the current one is done (Q_BUFFERS = 2: as soon as the producer is through
   the current tile's loads, into a second slot), and the output leaves through a TMA store
   that nobody waits for until its buffer is needed again. With OVERLAP a tile's stores
@@ -92,24 +93,34 @@ SEQ_CHUNK = gl.constexpr(32)  # VARLEN: sequences read from cu_seqlens at a time
 # The persistent schedule
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _my_tile_count(NUM_TILES):
+def _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE: gl.constexpr):
     """How many tiles this program of the persistent grid owns."""
     pid = gl.program_id(0)
     P = gl.num_programs(0)
-    rounds = gl.cdiv(NUM_TILES, P)
-    last = (rounds - 1) * P + pid
-    if LONGEST_FIRST:
-        if (rounds - 1) % 2 == 1:
-            last = (rounds - 1) * P + (P - 1 - pid)
-    return gl.where(last < NUM_TILES, rounds, rounds - 1)
+    if TILE_TABLE:  # dealt on the host: [P + 1] offsets, then the tiles
+        count = gl.load(TILE_ORDER + pid + 1) - gl.load(TILE_ORDER + pid)
+    else:
+        rounds = gl.cdiv(NUM_TILES, P)
+        last = (rounds - 1) * P + pid
+        if LONGEST_FIRST:
+            if (rounds - 1) % 2 == 1:
+                last = (rounds - 1) * P + (P - 1 - pid)
+        count = gl.where(last < NUM_TILES, rounds, rounds - 1)
+    return count
 
 
 @gluon.jit
-def _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP):
+def _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE: gl.constexpr):
     """(batch, head, query block) of this program's k-th tile."""
     pid = gl.program_id(0)
     P = gl.num_programs(0)
-    if LONGEST_FIRST:
+    if TILE_TABLE:
+        # the host's deal (families.band_tile_order): equal head groups, each round of P
+        # tiles longest first to the least-loaded programs; a tile is bh * NUM_M + m_blk
+        t = gl.load(TILE_ORDER + (P + 1) + gl.load(TILE_ORDER + pid) + k)
+        bh = t // NUM_M
+        m_blk = t % NUM_M
+    elif LONGEST_FIRST:
         # Longest tiles first, dealt back and forth (program p, then P - 1 - p in the next
         # round): a plain round-robin over decreasing lengths leaves the first programs
         # with the most work. Heads go in groups of HEAD_GROUP whose K/V fit in L2
@@ -401,23 +412,24 @@ def _keep_from_words(r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr):
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               q_ready, q_empty, k_full, k_empty, v_full, v_empty,
               N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH, NUM_TILES, HEAD_GROUP,
+              TILE_ORDER,
               CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DIAG_FIRST: gl.constexpr,
-              VARLEN: gl.constexpr):
+              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr):
     cnt = 0  # K/V blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     tphase = 0
     if VARLEN:
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
-    for k in range(0, _my_tile_count(NUM_TILES)):
+    for k in range(0, _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)):
         if VARLEN:
             b, h, m_blk, group, level, base, size = _varlen_tile(
                 k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
                 NUM_M, BLOCK_M, seq_layout)
             db = 0  # the descriptors see the packed rows as one batch
         else:
-            b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP)
+            b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE)
             db = b
         q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
         kv_h = h // KV_GROUP  # GQA / MQA by index: K and V are never repeated
@@ -505,11 +517,12 @@ def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, s
 @gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
-              NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+              NUM_TILES, HEAD_GROUP, TILE_ORDER, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
               DROP_SCALE, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
-              OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr):
+              OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr,
+              TILE_TABLE: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -541,7 +554,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
-    n_tiles = _my_tile_count(NUM_TILES)
+    n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
     for k in range(0, n_tiles):
         if VARLEN:
             b, h, m_blk, group, level, base, size = _varlen_tile(
@@ -549,7 +562,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 NUM_M, BLOCK_M, seq_layout)
             db = 0  # the descriptors (and the LSE, (H_Q, total_q)) see one batch
         else:
-            b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP)
+            b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE)
             db = b
         # in-sequence lengths and band (VARLEN; else N_Q, N_K, LO_OFF, HI_OFF and 0 offsets)
         q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
@@ -732,6 +745,9 @@ def fwd_d64_bf16_kernel(
     BH,  # batch * H_Q
     NUM_TILES,  # BH * NUM_M
     HEAD_GROUP,  # heads whose K/V share L2 in the longest-first order
+    # with TILE_TABLE: int32 [P + 1] offsets into the [NUM_TILES] tiles that follow them,
+    # program p's in the order it runs them (the host's deal; else None)
+    TILE_ORDER,
     # Philox key (the 64-bit seed as two int32 halves: a 64-bit seed argument made the
     # compiler hoist the round keys out of the key loop, and spill them) and stream of
     # this call, as int32 bits (dropout only)
@@ -750,6 +766,7 @@ def fwd_d64_bf16_kernel(
     QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
     KV_LAYOUT: gl.constexpr,
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
+    TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band masks, persistent grid)
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
     # persistent grid) rather than encoded by the host on every call, which cost ~30 us of
@@ -805,18 +822,18 @@ def fwd_d64_bf16_kernel(
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, VARLEN)),
+                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, VARLEN)),
+                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                      k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
-                     NUM_TILES, HEAD_GROUP, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
-                     NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN)),
+                     NUM_TILES, HEAD_GROUP, TILE_ORDER, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
+                     NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
