@@ -43,7 +43,8 @@ def main(argv=None) -> int:
         fn = getattr(module, f"{name}_{args.function}")
         for tile in args.tiles:
             bm, bn, w, s = planner_core.parse_tile(tile)
-            constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False)
+            constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, **offline._DENSE,
+                              ROW64=False)
             if args.function == "kernel":
                 constexprs["WARP_SPECIALIZE"] = False
             if args.function == "dkdv_kernel":

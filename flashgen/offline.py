@@ -109,19 +109,21 @@ def _signature(fn, dtype: str, extra: dict | None = None):
     return sig, attrs
 
 
-def _launches(kind: str, config: dict, function_names):
-    """(function, constexprs, num_warps, num_stages) the runtime launches for a config."""
+def _launches(kind: str, config: dict, function_names, row64: bool = False):
+    """(function, constexprs, num_warps, num_stages) the runtime launches for a config;
+    row64: the form a call whose (batch, head) slices span 2**31 elements gets (ROW64)."""
     from . import planner_core
     bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
+    dense = dict(_DENSE, ROW64=row64)
     if kind == "fwd":
         return [("kernel", dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, WARP_SPECIALIZE=False,
-                                **_DENSE), w, s)]
+                                **dense), w, s)]
     if kind == "bwd":
         dq_m, dq_n, dq_w, dq_s = planner_core.dq_tile(config)
-        return [("preprocess", dict(BLOCK_M=64), 4, 1),
-                ("dkdv_kernel", dict(BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=0, USE_TMA=False, **_DENSE),
+        return [("preprocess", dict(BLOCK_M=64, ROW64=row64), 4, 1),
+                ("dkdv_kernel", dict(BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=0, USE_TMA=False, **dense),
                  w, s),
-                ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False, **_DENSE), dq_w,
+                ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False, **dense), dq_w,
                  dq_s)]
     raise ValueError(f"offline compilation covers fwd and bwd kernels, not {kind}")
 
@@ -154,10 +156,12 @@ def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
     return (compiled.metadata.shared, *_ptxas_numbers(buf.getvalue()))
 
 
-def compile_spec(spec_path, capability: int | None = None, variants=None, log=None):
+def compile_spec(spec_path, capability: int | None = None, variants=None, log=None,
+                 row64: bool = False):
     """KernelResources for every fwd/bwd kernel of the spec's package, with the tiles the
     planner chose for the spec's GPU, compiled for sm_<capability> (default: the spec's
-    gpu.arch, else sm_90). `variants`: names to restrict to."""
+    gpu.arch, else sm_90). `variants`: names to restrict to; row64: compile the kernels'
+    64-bit row offset form (ROW64) instead of the usual one."""
     from . import planner_core
     from .build import build_spec
     from .plan import plan_spec
@@ -178,7 +182,7 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
         module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
         config = plan.chosen.as_dict()
         types, flags = mod_arg_types(registry, variant.name)
-        for function, constexprs, warps, stages in _launches(variant.kind, config, ()):
+        for function, constexprs, warps, stages in _launches(variant.kind, config, (), row64):
             fn = getattr(module, f"{variant.name}_{function}")
             if function == "dkdv_kernel":  # a tensor's gradient stored: the costlier build
                 constexprs = {**constexprs, **flags}
@@ -207,6 +211,8 @@ def main(argv=None) -> int:
                     "the spec's gpu.arch, whose tiles the planner chose; else 90)")
     ap.add_argument("--variants", nargs="+")
     ap.add_argument("--json", help="also write the results as JSON to this file")
+    ap.add_argument("--row64", action="store_true", help="the kernels' ROW64 form: what a "
+                    "call whose (batch, head) slices span 2**31 elements or more runs")
     args = ap.parse_args(argv)
     from .spec import load_spec
 
@@ -214,9 +220,10 @@ def main(argv=None) -> int:
     if args.arch is None:
         args.arch = planned
     note = "" if args.arch == planned else f" (tiles planned for sm_{planned})"
+    note += ", ROW64 (64-bit row offsets)" if args.row64 else ""
     print(f"{args.spec} for sm_{args.arch}{note}\n\n{HEADER}", flush=True)
     results = compile_spec(args.spec, args.arch, args.variants,
-                           log=lambda s: print(s, flush=True))
+                           log=lambda s: print(s, flush=True), row64=args.row64)
     if args.json:
         import json
         from dataclasses import asdict

@@ -68,25 +68,23 @@ def check_head_dim_built(d: int, dv: "int | None" = None) -> None:
             "rebuild")
 
 
-# Inside one (batch, head) slice the kernels address rows with 32-bit offsets (row *
-# row stride: a 64-bit offset carried across the key loop costs registers); batch and
-# head offsets are 64-bit. A slice whose last element lies 2**31 or more elements past
-# its first would wrap, so such calls are refused here, once per call signature.
+# Inside one (batch, head) slice the `tl` kernels address rows with 32-bit offsets (row *
+# row stride: a 64-bit offset carried across the key loop costs registers); batch and head
+# offsets, and a packed sequence's first row, are 64-bit. A call whose slices span 2**31
+# elements or more (a long flash-attn-layout shard: rows H * d elements apart) is launched
+# with the kernels' ROW64 switch, which makes the row offsets 64-bit; the usual call keeps
+# the 32-bit binary. The Gluon kernels address rows by TMA coordinates over descriptors
+# with 64-bit strides, and their plain loads and stores take 64-bit row bases.
 _ROW_OFFSET_LIMIT = 2 ** 31
 
 
-def check_row_offsets(row_dim: int, rows: int, **tensors) -> None:
-    """ValueError when `rows` rows along `row_dim` of any of `tensors` span 2**31 or more
-    elements (see _ROW_OFFSET_LIMIT)."""
-    for what, t in tensors.items():
-        span = (rows - 1) * t.stride(row_dim) + (t.shape[-1] - 1) * t.stride(-1)
-        if rows > 0 and span >= _ROW_OFFSET_LIMIT:
-            raise ValueError(
-                f"{what} {tuple(t.shape)}: {rows} rows {t.stride(row_dim)} elements apart span "
-                f"{span + 1} elements of one (batch, head) slice, past the 2**31 that the "
-                f"kernels' 32-bit row offsets reach. Pass the tensors with each head's rows "
-                f"contiguous (B, H, N, d memory layout: rows d elements apart), or split the "
-                f"call over heads")
+def row_span_past_int32(row_dim: int, rows: int, *tensors) -> bool:
+    """Whether `rows` rows along `row_dim` of any of `tensors` span 2**31 or more elements
+    (the last row's last element lies that far past the first row's first): then the row
+    offsets of a launch over them must be 64-bit (ROW64)."""
+    return rows > 0 and any(
+        (rows - 1) * t.stride(row_dim) + (t.shape[-1] - 1) * t.stride(-1) >= _ROW_OFFSET_LIMIT
+        for t in tensors)
 
 
 def check_heads(h_q: int, h_kv: int) -> None:
@@ -576,9 +574,6 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
                if batch * h_q * n_q <= _SCRATCH_MAX else None)
     if batch * h_q * n_q == 0:
         return None, (), False, lse_shape, scratch, None
-    row_dim = 1 if bnhd else 2
-    check_row_offsets(row_dim, n_q, q=q, out=o)
-    check_row_offsets(row_dim, n_k, k=k, v=v)
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
                         mods.names if mods is not None else (), v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
@@ -604,9 +599,12 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
             n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(
         (k, bhnd(k.stride(), bnhd)), (v, bhnd(v.stride(), bnhd)))
+    row_dim = 1 if bnhd else 2
+    row64 = (row_span_past_int32(row_dim, n_q, q, o)
+             or row_span_past_int32(row_dim, n_k, k, v))
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=False,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     sparse = ((name, cfg["block_m"], cfg["block_n"], False)
               if mods is not None and mods.block_sparse else None)
     return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch, sparse
@@ -940,13 +938,13 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     h_kv, n_k = k.shape[1], k.shape[2]
     if batch * h_q * n_q * n_k == 0:
         return None
-    check_row_offsets(2, n_q, q=q, out=o, dout=do, dq=dq)
-    check_row_offsets(2, n_k, k=k, v=v, dk=dk, dv=dv)
     names = mods.names if mods is not None else ()
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
+    # the preprocess takes its block's first row in a 64-bit base: only a block's rows count
     pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
-                   dict(BLOCK_M=PREPROCESS_BLOCK))
+                   dict(BLOCK_M=PREPROCESS_BLOCK,
+                        ROW64=row_span_past_int32(2, min(n_q, PREPROCESS_BLOCK), o, do)))
     pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
                 n_q, h_q)
     if cfg.get("family") == "gluon":
@@ -972,12 +970,17 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
         fused = 1
     if mods is not None:  # the turn order of fused dQ assumes the band's block ranges
         fused = 0
+    row64 = (row_span_past_int32(2, n_q, q, o, do, dq)
+             or row_span_past_int32(2, n_k, k, v, dk, dv))
+    if row64:  # fused dQ's (B * H, N, d) fp32 sum is addressed in 32 bits: the dQ kernel
+        fused = 0
     group = h_q // h_kv
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(*((t, t.stride()) for t in (q, do, k, v)))
     # dK, dV: a program per K/V block of block_n rows, stepping over block_m query rows
     dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(n_k, block_n)),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=fused, USE_TMA=tma,
-                         VARLEN=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                         VARLEN=False, ROW64=row64, num_warps=cfg["num_warps"],
+                         num_stages=cfg["num_stages"],
                          **(mods.grad_flags if mods is not None else {})))
     dkdv_args = (None, None,  # CU_Q, CU_K: a dense batch
                  q.stride(0), q.stride(1), q.stride(2),
@@ -992,7 +995,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)
     dq_launch = Launcher(kernel(name, "dq_kernel"), (batch * h_q, triton_cdiv(n_q, dq_m)),
                          dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, VARLEN=False,
-                              num_warps=dq_w, num_stages=dq_s))
+                              ROW64=row64, num_warps=dq_w, num_stages=dq_s))
     dq_args = (None, None,  # CU_Q, CU_K: a dense batch
                q.stride(0), q.stride(1), q.stride(2),
                k.stride(0), k.stride(1), k.stride(2),
@@ -1306,6 +1309,9 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) -> "str | None":
     # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped
     if not _descriptor_ready(*((t, (t.stride(0), t.stride(1), t.stride(0))) for t in (q, k, v, o))):
         return "TMA needs 16-byte aligned tensors and strides"
+    if row_span_past_int32(0, _families.QUERY_ROWS_PER_CONSUMER, o):
+        # (the stores of a slab that runs past its sequence's end offset rows in 32 bits)
+        return "output rows 2**31 / 63 elements apart or more: the `tl` kernel stores them"
     return _gluon_too_small(1, h_q, total_q, max_k, d, mask)
 
 
@@ -1315,8 +1321,6 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * max_q == 0:
         return None, (), False
-    check_row_offsets(0, max_q, q=q, out=o)  # (a sequence's first row is 64-bit)
-    check_row_offsets(0, max_k, k=k, v=v)
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) is None:
@@ -1329,9 +1333,11 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
             total_q, total_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
     tma = (bool(cfg.get("tma", False)) and total_k > 0
            and _descriptor_ready((k, (0, *k.stride()[1::-1])), (v, (0, *v.stride()[1::-1]))))
+    # (a sequence's first row is 64-bit: the rows of the longest sequence count)
+    row64 = row_span_past_int32(0, max_q, q, o) or row_span_past_int32(0, max_k, k, v)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return Launcher(kernel(name), grid, meta), args, tma
 
 
@@ -1444,12 +1450,11 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * total_k * max_q * max_k == 0:
         return None
-    check_row_offsets(0, max_q, q=q, out=o, dout=do, dq=dq)  # (a sequence's first row is 64-bit)
-    check_row_offsets(0, max_k, k=k, v=v, dk=dk, dv=dv)
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
     # D = rowsum(dO * O) per token: the dense preprocess over one (1, H_q, total_q) batch
     pre = Launcher(kernel(name, "preprocess"), (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK)),
-                   dict(BLOCK_M=PREPROCESS_BLOCK))
+                   dict(BLOCK_M=PREPROCESS_BLOCK,
+                        ROW64=row_span_past_int32(0, min(total_q, PREPROCESS_BLOCK), o, do)))
     pre_args = (0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0), total_q, h_q)
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) is None:
@@ -1462,9 +1467,13 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     group = h_q // h_kv
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(
         *((t, (0, *t.stride()[1::-1])) for t in (q, do, k, v)))
+    # (a sequence's first row is 64-bit: the rows of the longest sequence count)
+    row64 = (row_span_past_int32(0, max_q, q, o, do, dq)
+             or row_span_past_int32(0, max_k, k, v, dk, dv))
     dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(max_k, block_n)),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=0, USE_TMA=tma,
-                         VARLEN=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+                         VARLEN=True, ROW64=row64, num_warps=cfg["num_warps"],
+                         num_stages=cfg["num_stages"]))
     strides = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0),
                0, v.stride(1), v.stride(0), 0, do.stride(1), do.stride(0))
     dkdv_args = (*strides, 0, dk.stride(1), dk.stride(0), 0, dv.stride(1), dv.stride(0),
@@ -1472,7 +1481,7 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     dq_m, dq_n, dq_w, dq_s = _planner.dq_tile(cfg)
     dq_launch = Launcher(kernel(name, "dq_kernel"), (batch * h_q, triton_cdiv(max_q, dq_m)),
                          dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=tma, VARLEN=True,
-                              num_warps=dq_w, num_stages=dq_s))
+                              ROW64=row64, num_warps=dq_w, num_stages=dq_s))
     dq_args = (*strides, 0, dq.stride(1), dq.stride(0),
                total_q, total_k, h_q, group, scale * LOG2E, scale, lo, hi)
     return pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma

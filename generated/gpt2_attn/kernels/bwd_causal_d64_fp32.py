@@ -34,6 +34,10 @@ the band skip the mask arithmetic, blocks wholly outside are never visited.
 With VARLEN (flash_attn_varlen_func) the dK/dV and dQ programs are per (sequence, head) and
 block of the sequence, as in the forward; LSE and D are [H_Q, total_q] and the preprocess
 runs on the packed rows as one dense batch.
+
+ROW64 (the runtime's choice, per call, as in the forward) makes the row offsets inside a
+(batch, head) slice 64-bit; the preprocess, whose block's first row is 64-bit anyway,
+needs it only when BLOCK_M rows of a tensor span 2**31 elements.
 """
 import triton
 import triton.language as tl
@@ -66,7 +70,11 @@ def bwd_causal_d64_fp32_preprocess(
     N_Q, H_Q,
     DELTA_ROW,  # N_Q for this family's kernels; the Gluon backward pads rows to 16 bytes
     BLOCK_M: tl.constexpr,
+    ROW64: tl.constexpr,  # BLOCK_M rows span >= 2**31 elements: 64-bit in-block row offsets
 ):
+    if ROW64:
+        stride_om = tl.cast(stride_om, tl.int64)  # (tl.cast: a stride of 1 is a constexpr)
+        stride_dom = tl.cast(stride_dom, tl.int64)
     bh = tl.program_id(0)
     b = bh // H_Q
     h = bh % H_Q
@@ -151,7 +159,19 @@ def bwd_causal_d64_fp32_dkdv_kernel(
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
     USE_TMA: tl.constexpr,  # unmasked Q/dO blocks through tensor descriptors (Hopper TMA)
     VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
+    ROW64: tl.constexpr,  # rows of one (batch, head) span >= 2**31 elements: 64-bit row offsets
 ):
+    tl.static_assert(not (ROW64 and FUSED_DQ), "64-bit row offsets take the dQ kernel")
+    if ROW64:
+        # row * row stride passes 2**31 elements in this call: 64-bit strides make every
+        # row offset below 64-bit (a switch: the usual call keeps 32-bit offsets and their
+        # registers; tl.cast: a stride of 1 arrives as a constexpr)
+        stride_qm = tl.cast(stride_qm, tl.int64)
+        stride_kn = tl.cast(stride_kn, tl.int64)
+        stride_vn = tl.cast(stride_vn, tl.int64)
+        stride_dom = tl.cast(stride_dom, tl.int64)
+        stride_dkn = tl.cast(stride_dkn, tl.int64)
+        stride_dvn = tl.cast(stride_dvn, tl.int64)
     bkv = tl.program_id(0)
     b = bkv // H_KV
     kv_h = bkv % H_KV
@@ -465,7 +485,14 @@ def bwd_causal_d64_fp32_dq_kernel(
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
     VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
+    ROW64: tl.constexpr,  # rows of one (batch, head) span >= 2**31 elements: 64-bit row offsets
 ):
+    if ROW64:  # (see the dK/dV kernel)
+        stride_qm = tl.cast(stride_qm, tl.int64)
+        stride_kn = tl.cast(stride_kn, tl.int64)
+        stride_vn = tl.cast(stride_vn, tl.int64)
+        stride_dom = tl.cast(stride_dom, tl.int64)
+        stride_dqm = tl.cast(stride_dqm, tl.int64)
     bh = tl.program_id(0)
     b = bh // H_Q
     h = bh % H_Q

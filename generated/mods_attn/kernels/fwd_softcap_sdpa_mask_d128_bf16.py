@@ -22,6 +22,10 @@ With VARLEN (flash_attn_varlen_func) the batch is packed along the rows: program
 a dense program of that sequence's lengths (band aligned bottom-right per sequence, LSE in
 flash-attn's [H_Q, total_q] layout). A dense launch passes VARLEN=False and None for the
 two pointers, which compiles none of it.
+
+Row offsets inside one (batch, head) slice (row * row stride) are 32-bit; the runtime
+launches a call whose slices span 2**31 elements or more with ROW64, which makes them
+64-bit (batch, head and a packed sequence's first row are 64-bit in every launch).
 """
 import triton
 import triton.language as tl
@@ -82,6 +86,7 @@ def fwd_softcap_sdpa_mask_d128_bf16_kernel(
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
     WARP_SPECIALIZE: tl.constexpr,  # split the unmasked loop into producer/consumer warps
     VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
+    ROW64: tl.constexpr,  # rows of one (batch, head) span >= 2**31 elements: 64-bit row offsets
 ):
     # ------------------------------------------------------------------------------------
     # Which queries this program owns
@@ -119,6 +124,15 @@ def fwd_softcap_sdpa_mask_d128_bf16_kernel(
     offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = offs_m < N_Q
 
+    if ROW64:
+        # row * row stride passes 2**31 elements inside this call's (batch, head) slices:
+        # 64-bit strides make every row offset below 64-bit. A switch, so that the usual
+        # call keeps its 32-bit offsets and their registers (tl.cast: a stride of 1
+        # arrives as a constexpr)
+        stride_qm = tl.cast(stride_qm, tl.int64)
+        stride_kn = tl.cast(stride_kn, tl.int64)
+        stride_vn = tl.cast(stride_vn, tl.int64)
+        stride_om = tl.cast(stride_om, tl.int64)
     # 64-bit base offsets: batch * stride can exceed 2**31 elements on long sequences
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
