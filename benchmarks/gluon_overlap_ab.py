@@ -2,6 +2,7 @@
 
     python benchmarks/gluon_overlap_ab.py [--out results.json] [--rounds 8] [--reps 4]
                                           [--base package|gluon] [--jobs 8]
+                                          [--causal both|yes|no] [--knobs LABEL=JSON ...]
 
 For d in (64, 128), causal and not, (B, N) in (8, 2048), (4, 4096), (1, 16384) with
 H = 2048 // d (the training anchors: B*N = 16k, H*d = 2048, bf16), it times the forward
@@ -21,6 +22,9 @@ drift hits every config alike. Each knob's output and LSE are compared with the 
 config's (max abs difference: q_buffers and overlap move no arithmetic, so expect 0;
 diag_first adds the key blocks in another order, so expect bf16 rounding, ~1e-2 at most).
 Prints a TFLOP/s table (4 B H N^2 d FLOPs, halved when causal) and writes JSON to --out.
+`--knobs` replaces the four knob sets by others, e.g. the persistent grid's deal under a
+causal mask: `--causal yes --knobs 'device_deal={"host_deal": false}'
+'persistent={"persistent": true}' 'one_per_tile={"persistent": false}'`.
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ KNOBS = {"q_buffers=2": {"q_buffers": 2}, "overlap": {"overlap": True},
          "overlap+q_buffers=2": {"overlap": True, "q_buffers": 2},
          "diag_first": {"diag_first": True}}
 # the config keys a Gluon forward binary depends on (the rest are run-time arguments or grid)
-BINARY = ("block_n", "num_stages", "pingpong", "regs", "q_buffers", "overlap", "diag_first")
+BINARY = ("block_n", "num_stages", "pingpong", "regs", "q_buffers", "overlap", "diag_first",
+          "persistent", "host_deal")
 PACKAGES = {64: "gpt2_attn", 128: "llama_attn"}
 
 
@@ -50,6 +55,11 @@ def _package(d):
     import importlib
 
     return importlib.import_module(f"generated.{PACKAGES[d]}")
+
+
+def _cases(args):
+    want = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    return [c for c in CASES if c[1] in want]
 
 
 def _inputs(d, b, n, seed=0):
@@ -83,6 +93,15 @@ def _configs(pkg, d, causal, n, which):
     return {"base": base, **{label: {**base, **change} for label, change in KNOBS.items()}}
 
 
+def _knob_sets(specs) -> dict:
+    """--knobs LABEL=JSON arguments as {label: config changes}."""
+    out = {}
+    for spec in specs:
+        label, _, text = spec.partition("=")
+        out[label] = json.loads(text)
+    return out
+
+
 def _compile_one(job):
     """Worker: one call of one (shape, config), so its binary lands in Triton's cache."""
     import torch
@@ -100,7 +119,7 @@ def _precompile(args):
     import multiprocessing as mp
 
     jobs, seen = [], set()
-    for d, causal, b, n in CASES:
+    for d, causal, b, n in _cases(args):
         pkg = _package(d)
         for cfg in _configs(pkg, d, causal, n, args.base).values():
             key = (d, causal) + tuple(cfg.get(k) for k in BINARY)
@@ -158,7 +177,13 @@ def main(argv=None) -> int:
                          "launch config, or the untuned Gluon default")
     ap.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1),
                     help="parallel compile workers")
+    ap.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--knobs", nargs="+", default=None, metavar="LABEL=JSON",
+                    help="knob sets to time against the base instead of the four defaults")
     args = ap.parse_args(argv)
+    if args.knobs:
+        KNOBS.clear()
+        KNOBS.update(_knob_sets(args.knobs))
 
     import torch
     import triton
@@ -172,7 +197,7 @@ def main(argv=None) -> int:
           + " | max diff (q_buffers, overlap) | max diff (diag_first) |")
     print("|---|---|---|---|---|" + "---|" * len(labels) + "---|---|")
     rows = []
-    for d, causal, b, n in CASES:
+    for d, causal, b, n in _cases(args):
         pkg = _package(d)
         configs = _configs(pkg, d, causal, n, args.base)
         row = _time_case(pkg, d, causal, b, n, configs, args.rounds, args.reps)
@@ -186,7 +211,7 @@ def main(argv=None) -> int:
         diff = {l: max(r["max_abs_diff_out"], r["max_abs_diff_lse"]) for l, r in res.items()}
         same = max(v for l, v in diff.items() if l != "diag_first")
         print(f"| {d} | {causal} | {b} | {n} | {shown} | " + " | ".join(cells)
-              + f" | {same:.3g} | {diff['diag_first']:.3g} |", flush=True)
+              + f" | {same:.3g} | {diff.get('diag_first', float('nan')):.3g} |", flush=True)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({

@@ -657,7 +657,9 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None):
     # (one head a group at N=16k ran causal d128 at 458 TFLOP/s, three at 547)
     head_group = _gluon_kv_heads(cfg, q, n_k, d, triton_cdiv(2 * sms, num_m)) * (h_q // h_kv)
     table = None
-    if band is not None and cfg.get("persistent", True) and tiles > sms:
+    # (config key host_deal=False: the kernel's own back-and-forth deal, for A/B runs)
+    if band is not None and cfg.get("persistent", True) and tiles > sms and cfg.get(
+            "host_deal", True):
         table = _band_tile_table(cfg, q, batch * h_q, num_m, n_q, n_k, lo, hi, band, head_group,
                                  h_q // h_kv, sms)
     launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=False,
