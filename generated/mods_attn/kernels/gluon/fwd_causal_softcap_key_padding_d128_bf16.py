@@ -119,6 +119,12 @@ def _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE: gl.constexpr):
 
 
 @gluon.jit
+def _my_tile_list(TILE_ORDER):
+    """Where this program's tiles start in the host's table (TILE_TABLE)."""
+    return TILE_ORDER + (gl.num_programs(0) + 1) + gl.load(TILE_ORDER + gl.program_id(0))
+
+
+@gluon.jit
 def _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE: gl.constexpr):
     """(batch, head, query block) of this program's k-th tile."""
     pid = gl.program_id(0)
@@ -126,7 +132,7 @@ def _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE: gl.const
     if TILE_TABLE:
         # the host's deal (families.band_tile_order): equal head groups, each round of P
         # tiles longest first to the least-loaded programs; a tile is bh * NUM_M + m_blk
-        t = gl.load(TILE_ORDER + (P + 1) + gl.load(TILE_ORDER + pid) + k)
+        t = gl.load(TILE_ORDER + k)  # (this program's list: _my_tile_list)
         bh = t // NUM_M
         m_blk = t % NUM_M
     elif LONGEST_FIRST:
@@ -445,7 +451,10 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
-    for k in range(0, _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)):
+    n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
+    if TILE_TABLE:
+        TILE_ORDER = _my_tile_list(TILE_ORDER)
+    for k in range(0, n_tiles):
         if VARLEN:
             b, h, m_blk, group, level, base, size = _varlen_tile(
                 k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
@@ -610,6 +619,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
     n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
+    if TILE_TABLE:
+        TILE_ORDER = _my_tile_list(TILE_ORDER)
     for k in range(0, n_tiles):
         if VARLEN:
             b, h, m_blk, group, level, base, size = _varlen_tile(
