@@ -38,24 +38,27 @@ def pkg_dir(tmp_path_factory):
     return root / "out"
 
 
-def small_cases():
+def small_cases(d):
     out = []
-    for d in (64, 128):
-        for strategy in ("ring", "allgather"):
-            for c in (case(1024, strategy=strategy, heads=(4, 2)),
-                      case(1024, causal=True, strategy=strategy, heads=(4, 1), repeat=True),
-                      case(1000, causal=True, window=(100, 0), strategy=strategy),
-                      case(512, window=(60, 40), strategy=strategy, layout="contiguous"),
-                      case(768, causal=True, strategy=strategy, dtype="fp32")):
-                c["shape"][-1] = d
-                out.append(c)
+    for strategy in ("ring", "allgather"):
+        out += [case(1024, strategy=strategy, heads=(4, 2)),
+                case(1024, causal=True, strategy=strategy, heads=(4, 1), repeat=True),
+                case(1000, causal=True, window=(100, 0), strategy=strategy),
+                case(512, window=(60, 40), strategy=strategy, layout="contiguous"),
+                case(768, causal=True, strategy=strategy, dtype="fp32")]
+    # the SDPA-layout twin (the case's default head dim, 16, is not in this package: the
+    # first GPU runs failed on it)
     out.append(case(512, causal=True, sdpa=True, heads=(4, 2)))
+    for c in out:
+        c["shape"][-1] = d
     return out
 
 
-def test_two_gpus_match_reference(pkg_dir, tmp_path):
-    # (each rank compiles every variant of the test package: minutes on a cold cache)
-    assert_results(run_world(2, pkg_dir, tmp_path, small_cases(), package=PACKAGE,
+@pytest.mark.parametrize("d", [64, 128])
+def test_two_gpus_match_reference(pkg_dir, tmp_path, d):
+    # (each rank compiles the variants its cases use, one after another: minutes on a cold
+    # cache, hence a world per head dim; both strategies share the binaries)
+    assert_results(run_world(2, pkg_dir, tmp_path, small_cases(d), package=PACKAGE,
                              backend="nccl", timeout=400))
 
 
@@ -73,8 +76,11 @@ def test_32k_exactness(pkg_dir, tmp_path):
                            grad_sum="float32"), vs_fp32=True))
     for c in cases:
         c["shape"][-1] = 128
+    # (a world that runs past its limit fails with each rank's per-case log: twice on
+    # 2 x H200 this test ran past a 420 s device limit before the world's own limit could
+    # say which case was slow or stuck, so the limit stays under that)
     per_rank = run_world(2, pkg_dir, tmp_path, cases, package=PACKAGE, backend="nccl",
-                         timeout=500)
+                         timeout=330)
     names = ["out", "lse", "dq", "dk", "dv"]
     failures, table = [], []
     for rank, results in enumerate(per_rank):
