@@ -160,6 +160,31 @@ def test_band_tile_blocks_follow_the_window():
                                      True) == 0
 
 
+def test_tile_tables_outlive_the_launch_plans_and_stop_at_their_cap(pkg, monkeypatch):
+    """A CUDA graph keeps reading the table its launch was captured with, so tables are
+    not freed with the plans; past the cap a new deal falls back to the kernel's own."""
+    rt = pkg._runtime
+    monkeypatch.setattr(rt, "_tile_tables", {})
+    monkeypatch.setattr(rt, "_MAX_TILE_TABLES", 2)
+    q = torch.empty(0)
+    cfg = {"block_m": 128, "block_n": 128}
+
+    def table(n):  # a causal deal of 4 (batch, head) rows of n queries on 8 programs
+        return rt._band_tile_table(cfg, q, 4, -(-n // 128), n, n, -(1 << 30), 0, "causal",
+                                   2, 1, 8)
+
+    first = table(1024)
+    assert first.dtype == torch.int32 and first.device == q.device
+    offsets, tiles = first[:9].tolist(), first[9:].tolist()
+    assert offsets[-1] == 32 and sorted(tiles) == list(range(32))
+    with rt.override_config(block_n=64):  # clears the launch plans, not the tables
+        pass
+    assert table(1024) is first
+    assert table(2048) is not None
+    assert table(4096) is None  # the cap: the kernel deals this one itself
+    assert len(rt._tile_tables) == 2
+
+
 def test_triton_versions():
     assert families.triton_ok("3.6.0") and families.triton_ok("3.6")
     assert not families.triton_ok("3.9.0") and not families.triton_ok("3.60.1")

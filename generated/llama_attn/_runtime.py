@@ -672,19 +672,34 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None):
     return launch, args
 
 
+# The tile tables (_band_tile_table), kept apart from the launch plans and never freed: a
+# CUDA graph captured with a plan's launch keeps reading its table after the plan cache is
+# cleared (override_config, _MAX_PLANS). A table is small (one int32 a tile); past
+# _MAX_TILE_TABLES new call signatures take the kernel's own deal instead.
+_tile_tables = {}
+_MAX_TILE_TABLES = 1024
+
+
 def _band_tile_table(cfg, q, batch_heads, num_m, n_q, n_k, lo, hi, mask, head_group,
                      kv_group, programs) -> "torch.Tensor | None":
     """The persistent Gluon forward's tiles dealt on the host (families.band_tile_order),
     as the int32 table the kernel walks (TILE_TABLE), or None: the kernel then deals them
-    itself. Made once per call signature; not while a CUDA graph is being captured (the
-    table's copy to the GPU would be captured from pageable memory)."""
-    if torch.cuda.is_current_stream_capturing():
+    itself. Made once per deal; not while a CUDA graph is being captured (the table's copy
+    to the GPU would be captured from pageable memory)."""
+    key = (q.device, batch_heads, num_m, n_q, n_k, lo, hi, mask, cfg["block_m"],
+           cfg["block_n"], head_group, kv_group, programs)
+    table = _tile_tables.get(key)
+    if table is not None:
+        return table
+    if len(_tile_tables) >= _MAX_TILE_TABLES or (
+            q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     costs = [_families.band_tile_blocks(m, cfg["block_m"], cfg["block_n"], n_q, n_k, lo, hi,
                                         mask == "sliding_window", True)
              for m in range(num_m)]
     order = _families.band_tile_order(batch_heads, num_m, costs, head_group, kv_group, programs)
-    return torch.tensor(order, dtype=torch.int32).to(q.device)
+    table = _tile_tables[key] = torch.tensor(order, dtype=torch.int32).to(q.device)
+    return table
 
 
 def _gluon_kv_heads(cfg, q, n_k, d, at_least) -> int:
