@@ -127,27 +127,16 @@ def test_band_tile_order_deals_every_tile_once_and_evenly(shape):
     load = [sum(costs[t % num_m] + families.TILE_FIXED_COST for t in tiles[offsets[p]:offsets[p + 1]])
             for p in range(programs)]
     assert max(load) <= 1.02 * sum(load) / programs
-    # each program runs its tiles group by group (the K/V of a group share L2), and a group
-    # holds whole K/V heads: the query heads of one K/V head are never split across groups
+    # the groups: whole K/V heads, sizes within one K/V head of each other, every row once
+    groups = families.band_head_groups(bh, head_group, kv_group)
+    assert [r for g in groups for r in g] == list(range(bh))
+    assert all(len(g) % kv_group == 0 and len(g) <= max(head_group, kv_group) for g in groups)
+    assert max(map(len, groups)) - min(map(len, groups)) <= kv_group
+    # each program runs its tiles group by group (the K/V of a group share L2)
+    group_of = {r: i for i, g in enumerate(groups) for r in g}
     for p in range(programs):
-        mine = tiles[offsets[p]:offsets[p + 1]]
-        heads = [t // num_m for t in mine]
-        assert heads == sorted(heads, key=lambda x: _group_of(x, bh, head_group, kv_group))
-
-
-def _group_of(bh, batch_heads, head_group, kv_group):
-    """Which equal-size head group band_tile_order puts query head row bh in."""
-    units = batch_heads // kv_group
-    per = max(1, head_group // kv_group)
-    n_groups = -(-units // per)
-    base, extra = divmod(units, n_groups)
-    unit, first = bh // kv_group, 0
-    for g in range(n_groups):
-        size = base + (g < extra)
-        if unit < first + size:
-            return g
-        first += size
-    raise AssertionError(bh)
+        seen = [group_of[t // num_m] for t in tiles[offsets[p]:offsets[p + 1]]]
+        assert seen == sorted(seen)
 
 
 def test_band_tile_blocks_follow_the_window():

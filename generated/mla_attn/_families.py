@@ -332,26 +332,31 @@ def band_tile_blocks(m_blk: int, block_m: int, block_n: int, n_q: int, n_k: int,
     return -(-(end - first) // block_n)
 
 
+def band_head_groups(batch_heads: int, head_group: int, kv_group: int) -> list[range]:
+    """The (batch, query head) rows of each L2 head group, in walk order: as few groups as
+    head_group allows, cut to sizes that differ by at most one K/V head (kv_group query
+    heads, never split), so that no small group is left over at the end."""
+    units = batch_heads // kv_group  # (batch, K/V head) pairs; bh = unit * kv_group + i
+    n_groups = -(-units // max(1, head_group // kv_group))
+    base, extra = divmod(units, n_groups)
+    groups, first = [], 0
+    for g in range(n_groups):
+        size = (base + (g < extra)) * kv_group
+        groups.append(range(first, first + size))
+        first += size
+    return groups
+
+
 def band_tile_order(batch_heads: int, num_m: int, costs, head_group: int, kv_group: int,
                     programs: int) -> list[int]:
     """The table a persistent Gluon forward walks under a band mask: `programs` + 1
     offsets, then every tile (bh * num_m + m_blk) once, program p's tiles in
     [offsets[p], offsets[p + 1]) in the order it runs them. `costs[m_blk]` is a query
     block's cost (every head's is the same); head_group query heads (a multiple of
-    kv_group, the query heads that share a K/V head) share L2, and the groups are cut to
-    equal sizes in whole K/V heads so that none is left over at the end."""
-    units = batch_heads // kv_group  # (batch, K/V head) pairs; bh = unit * kv_group + i
-    per_group = max(1, head_group // kv_group)
-    n_groups = -(-units // per_group)
-    base, extra = divmod(units, n_groups)
+    kv_group, the query heads that share a K/V head) share L2 (band_head_groups)."""
     levels = sorted(range(num_m), key=lambda m: (-costs[m], -m))
-    tiles = []
-    first_unit = 0
-    for g in range(n_groups):
-        size = (base + (g < extra)) * kv_group
-        bh0 = first_unit * kv_group
-        tiles.extend((m, bh) for m in levels for bh in range(bh0, bh0 + size))
-        first_unit += base + (g < extra)
+    tiles = [(m, bh) for group in band_head_groups(batch_heads, head_group, kv_group)
+             for m in levels for bh in group]
     load = [0.0] * programs
     mine: list[list[int]] = [[] for _ in range(programs)]
     for start in range(0, len(tiles), programs):
