@@ -47,7 +47,7 @@ KNOBS = {"q_buffers=2": {"q_buffers": 2}, "overlap": {"overlap": True},
          "diag_first": {"diag_first": True}}
 # the config keys a Gluon forward binary depends on (the rest are run-time arguments or grid)
 BINARY = ("block_n", "num_stages", "pingpong", "regs", "q_buffers", "overlap", "diag_first",
-          "persistent", "host_deal")
+          "persistent", "host_deal", "stream_k")
 PACKAGES = {64: "gpt2_attn", 128: "llama_attn"}
 
 

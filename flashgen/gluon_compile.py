@@ -180,6 +180,16 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
             pointers["TILE_ORDER"] = "i32"
         else:
             const.update(TILE_TABLE=False, TILE_ORDER=None)
+        # an even forward (no band, no block mask, dense) deals its last rounds by key
+        # block (families.stream_k_start): compile that form where the runtime launches it
+        if (not varlen and not const["TILE_TABLE"] and "FULL_CNT" not in fn.arg_names
+                and not module.MASK_LEFT.value and not module.MASK_RIGHT.value
+                and config.get("stream_k", families.GLUON_DEFAULT["stream_k"])
+                and config.get("persistent", True) and not const["OVERLAP"]):
+            const["STREAM_K"] = True
+            pointers.update(SK_WS="fp32", SK_FLAGS="i32")
+        else:
+            const.update(STREAM_K=False, SK_WS=None, SK_FLAGS=None)
     if varlen:
         pointers.update(CU_Q="i32", CU_K="i32")
     else:
@@ -216,6 +226,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         f" q{config['q_buffers']}" if config.get("q_buffers", 1) != 1 else "") + (
         " overlap" if config.get("overlap", families.GLUON_DEFAULT["overlap"]) else "") + (
         " diag-first" if config.get("diag_first", families.GLUON_DEFAULT["diag_first"]) else "") + (
+        " stream-k" if const.get("STREAM_K") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
     return GluonResources(

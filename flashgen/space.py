@@ -40,6 +40,7 @@ class Facts:
     capability: tuple[int, int] | None = None   # (major, minor); None when unknown
     # why this variant cannot run a Gluon kernel here (None: it can); see families.py
     gluon: str | None = "no Gluon kernel considered"
+    mask: str | None = None         # the variant's mask (None: not said)
 
 
 Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
@@ -119,6 +120,16 @@ def _persistent_only(name: str, default) -> Predicate:
     return infeasible
 
 
+def _stream_k(config, facts: Facts) -> str | None:
+    """stream_k=False is a point of its own only where stream-K can run: a persistent
+    Gluon forward without a band (families.stream_k_start)."""
+    if config["stream_k"]:
+        return None
+    return (_persistent_only("stream_k", True)(config, facts)
+            or (None if facts.mask == "none" else "a knob of the unmasked forward")
+            or ("stream-K is off with overlap anyway" if config.get("overlap") else None))
+
+
 def _tma(config, facts: Facts) -> str | None:
     if not config["tma"]:
         return None
@@ -136,7 +147,7 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     # (block_m = 2 x 64, num_warps = 4, num_stages = the K/V ring depth), checked by
     # families.config_reason instead of the planner; `pingpong`, `l2_share` (heads grouped
     # to a 1/l2_share of L2 in the longest-first order), `persistent`, `regs`, `q_buffers`
-    # `overlap` and `diag_first` are its own.
+    # `overlap`, `diag_first` and `stream_k` are its own.
     "fwd": (Knob("tma", (False, True), False, _tma),
             Knob("family", ("tl", "gluon"), "tl", _family),
             Knob("pingpong", (True, False), True, _gluon_only("pingpong", True)),
@@ -152,7 +163,9 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
             Knob("q_buffers", (1, 2), 1, _persistent_only("q_buffers", 1)),
             Knob("overlap", (False, True), False, _persistent_only("overlap", False)),
             # a tile's key blocks from the last down (families.gluon_default)
-            Knob("diag_first", (False, True), False, _gluon_only("diag_first", False))),
+            Knob("diag_first", (False, True), False, _gluon_only("diag_first", False)),
+            # an unmasked forward's last rounds dealt by key block (families.stream_k_start)
+            Knob("stream_k", (True, False), True, _stream_k)),
     # `family` as for the forward: a Gluon point's tile is the backward's warpgroups'
     # (block_n = 2 consumers x 64 keys, num_warps = 4, block_m = 64 or 128 query rows a
     # step, num_stages = the Q/dO ring depth), checked by families.bwd_config_reason
@@ -291,7 +304,8 @@ def _plain(value):
 def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
               sm_count: int | None = None, capability: tuple[int, int] | None = None,
               knobs: Mapping[str, tuple[Knob, ...]] | None = None,
-              gluon: str | None = "no Gluon kernel considered") -> Space:
+              gluon: str | None = "no Gluon kernel considered",
+              mask: str | None = None) -> Space:
     """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
     memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
     Triton (None when it can: the space then holds the Gluon family's points too). Raises
@@ -299,7 +313,7 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
     plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                              arch=_arch(capability))
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
-                  tuple(capability) if capability is not None else None, gluon)
+                  tuple(capability) if capability is not None else None, gluon, mask)
     return Space(
         facts=facts,
         knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),

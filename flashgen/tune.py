@@ -608,7 +608,8 @@ def _space(kind, facts, gpu: GpuInfo) -> Space:
     from .variants import DTYPE_BYTES
 
     return space_for(kind, facts["head_dim"], DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
-                     gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu))
+                     gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu),
+                     mask=facts.get("mask"))
 
 
 def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:

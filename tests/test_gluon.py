@@ -262,9 +262,11 @@ def test_tile_boundary_knobs_compile(pkg):
     names = ["fwd_causal_d128_bf16", "fwd_d64_fp16", "fwd_window_d96_bf16"]
     rows = _compile(Path(pkg.__file__).parent, "boundary-varlen", names)
     assert len(rows) == len(names) * 2 * 2
-    wgmma = {r["variant"]: r["wgmma"] for r in rows if r["config"] == "128x128 s2"}
+    # (the default config of the unmasked dense kernel compiles its stream-K form)
+    default = ("128x128 s2", "128x128 s2 stream-k", "varlen 128x128 s2")
+    wgmma = {r["variant"]: r["wgmma"] for r in rows if r["config"] in default[:2]}
     base = {(r["variant"], r["config"].startswith("varlen")): r for r in rows
-            if r["config"] in ("128x128 s2", "varlen 128x128 s2")}
+            if r["config"] in default}
     for r in rows:
         assert r["wgmma"] == wgmma[r["variant"]] > 0, r
         assert not r["wgmma_notes"], r
@@ -281,6 +283,7 @@ def test_tile_boundary_knobs_compile(pkg):
         d = int(r["variant"].split("_d")[1].split("_")[0])
         assert r["shared"] <= families.shared_bytes(d, 2, 128, 2, 2 if q2 else 1) <= 232448, r
     assert {r["config"] for r in rows} == {"128x128 s2", "varlen 128x128 s2",
+                                           "128x128 s2 stream-k",
                                            "128x128 s2 q2 overlap diag-first",
                                            "varlen 128x128 s2 q2 overlap diag-first"}
 
@@ -386,6 +389,134 @@ def test_gluon_forward_top_left_causal_against_float64(pkg, poison, n_q, n_k, kn
     atol, rtol = OUT_TOL[dt]
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.double().cpu(), ref.cpu(), atol=atol, rtol=rtol)
+
+
+# ---------------------------------------------------------------------------------------
+# stream-K: the persistent forward's last rounds dealt by key block
+# ---------------------------------------------------------------------------------------
+def _stream_k_items(tiles, programs, start, units):
+    """The kernel's walk (_sk_share, _sk_item) written out: program -> its items
+    [(tile, first key block, end key block)]."""
+    tail = (tiles - start) * units
+    walk = {}
+    for p in range(programs):
+        lo, hi = start * units + p * tail // programs, start * units + (p + 1) * tail // programs
+        items = [(k * programs + p, 0, units) for k in range(start // programs)]
+        for t in range(lo // units, (hi - 1) // units + 1):
+            items.append((t, max(lo - t * units, 0), min(hi - t * units, units)))
+        walk[p] = items
+    return walk
+
+
+@pytest.mark.parametrize("tiles,programs,units", [
+    (2048, 132, 16), (4096, 132, 32), (256, 132, 16), (133, 132, 1), (12, 5, 3), (192, 7, 8),
+    (48, 5, 9), (1000, 132, 128)])
+def test_stream_k_walk_covers_every_key_block_once_and_cuts_tiles_in_two(tiles, programs,
+                                                                         units):
+    start = families.stream_k_start(tiles, programs, {})
+    assert start is not None and start % programs == 0 and programs <= tiles - start < 2 * programs
+    walk = _stream_k_items(tiles, programs, start, units)
+    seen = {}
+    for p, items in walk.items():
+        for t, lo, hi in items:
+            assert 0 <= lo < hi <= units
+            seen.setdefault(t, []).append((lo, hi, p))
+    assert sorted(seen) == list(range(tiles))
+    for t, parts in seen.items():
+        parts.sort()
+        assert parts[0][0] == 0 and parts[-1][1] == units, (t, parts)
+        assert all(a[1] == b[0] for a, b in zip(parts, parts[1:])), (t, parts)
+        assert len(parts) <= 2, (t, parts)
+        if len(parts) == 2:  # program p owns the start (its last item), p + 1 the end (first of its tail)
+            (_, _, p), (_, _, p1) = parts
+            assert p1 == p + 1 and walk[p][-1][0] == t and walk[p1][start // programs][0] == t
+    # equal shares: no program more than one key block above the mean
+    work = [sum(hi - lo for _, lo, hi in items) for items in walk.values()]
+    assert max(work) - tiles * units / programs < 1
+
+
+def test_stream_k_only_where_the_last_round_idles():
+    assert families.stream_k_start(2048, 132, {}, key_blocks=16) is None  # short tiles
+    assert families.stream_k_start(2048, 132, {}, key_blocks=32) == 14 * 132
+    assert families.stream_k_start(264, 132, {}) is None  # whole rounds
+    assert families.stream_k_start(100, 132, {}) is None  # under one round
+    assert families.stream_k_start(132 * 150 + 1, 132, {}) is None  # 0.7% idle
+    assert families.stream_k_start(2048, 132, {}) == 14 * 132
+    assert families.stream_k_start(2048, 132, {"stream_k": False}) is None
+    assert families.stream_k_start(2048, 132, {"persistent": False}) is None
+    assert families.stream_k_start(2048, 132, {"overlap": True}) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # (B, Nq, Nk, Hq, Hkv, d, dtype, programs): tiles not a multiple of the programs (a
+    # persistent grid cut down to `programs` puts many cut tiles in a small call); ragged
+    # Nk, Nq != Nk both ways, GQA 4:1 and 8:1, d=96 padded, a tail of every tile (12 on 5)
+    (3, 1000, 1000, 8, 2, 128, torch.bfloat16, 7),
+    (2, 257, 1031, 8, 1, 128, torch.float16, 5),
+    (2, 1031, 257, 4, 4, 128, torch.bfloat16, 7),
+    (2, 777, 777, 4, 2, 96, torch.bfloat16, 6),
+    (3, 59, 300, 4, 1, 64, torch.float16, 5),
+    (1, 2048, 2048, 16, 16, 64, torch.bfloat16, None),  # the GPU's own SM count
+], ids=["b3-gqa4", "nq<nk-gqa8", "nq>nk", "d96", "odd-tail-only", "d64-2k-all-sms"])
+@pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False},
+                                   {"diag_first": True, "q_buffers": 2}],
+                         ids=["default", "bn64", "diag-first-q2"])
+def test_gluon_stream_k_against_float64(pkg, poison, monkeypatch, case, knobs):
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
+    # short key ranges, so many tiles are cut in a small call
+    monkeypatch.setattr(pkg._runtime._families, "STREAM_K_MIN_KEY_BLOCKS", 1)
+    b, nq, nk, hq, hkv, d, dt, programs = case
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dt)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
+    v = torch.randn(b, nk, hkv, d, device="cuda", dtype=dt)
+    extra = {"programs": programs} if programs else {}
+    with pkg._runtime.override_config(family="gluon", **knobs, **extra):
+        for _ in range(3):  # the slots' counters are left at 0 for the next launch
+            _check(pkg, q, k, v)
+        plans = [p[0] for p in pkg._runtime._forward_plans.values() if p[0] is not None]
+        assert plans and all(p.meta["STREAM_K"] for p in plans)
+
+
+@pytest.mark.gpu
+def test_gluon_stream_k_in_a_cuda_graph_and_with_dropout(pkg, monkeypatch):
+    """Replays of a captured stream-K forward (its workspace made during the capture) on
+    fresh inputs, against float64; and dropout, whose keep mask depends on (row, key) only,
+    gives the same output cut into parts as whole (stream_k=False) up to rounding."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    monkeypatch.setattr(pkg._runtime._families, "STREAM_K_MIN_KEY_BLOCKS", 1)
+    dt = torch.bfloat16
+    shape_q, shape_kv = (2, 1000, 8, 128), (2, 1000, 2, 128)
+    q, k, v = (torch.randn(s, device="cuda", dtype=dt) for s in (shape_q, shape_kv, shape_kv))
+    with pkg._runtime.override_config(family="gluon", programs=7):
+        pkg.flash_attn_func(q, k, v)  # compile outside the capture
+        pkg._runtime._sk_workspaces.clear()  # so the capture makes its own
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            out = pkg.flash_attn_func(q, k, v)
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            graph.replay()
+            ref, _ = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   visible_mask(1000, 1000, causal=False, bottom_right=True))
+            atol, rtol = OUT_TOL[dt]
+            torch.testing.assert_close(out.transpose(1, 2).double().cpu(), ref.cpu(), atol=atol,
+                                       rtol=rtol)
+    outs = []
+    for sk in (True, False):
+        with pkg._runtime.override_config(family="gluon", programs=7, stream_k=sk):
+            torch.manual_seed(7)
+            outs.append(pkg.flash_attn_func(q, k, v, dropout_p=0.1))
+            plans = [p[0] for p in pkg._runtime._forward_plans.values() if p[0] is not None]
+            assert [p.meta["STREAM_K"] for p in plans] == [sk]
+    assert not torch.isnan(outs[0]).any()
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -91,7 +91,7 @@ def test_a_knob_is_one_table_line_with_its_feasibility():
     family's own knobs only where the variant can run a Gluon kernel."""
     assert [k.name for k in KNOBS["fwd"]] == ["tma", "family", "pingpong", "l2_share",
                                               "persistent", "regs", "q_buffers", "overlap",
-                                              "diag_first"]
+                                              "diag_first", "stream_k"]
     base = fwd_space()
     hopper = space_for("fwd", 64, 2, **H100)  # no Gluon kernel considered: tl points only
     ampere = space_for("fwd", 64, 2, **{**H100, "capability": (8, 0)})
@@ -105,7 +105,7 @@ def test_a_knob_is_one_table_line_with_its_feasibility():
     assert ampere.check({**ampere.default(), "tma": True}).startswith("tma=True: needs sm90")
     defaults = {"tma": False, "family": "tl", "pingpong": True, "l2_share": 4,
                 "persistent": True, "regs": "240/24", "q_buffers": 1, "overlap": False,
-                "diag_first": False}
+                "diag_first": False, "stream_k": True}
     assert hopper.default() == {**base.default(), **defaults}
     # tuning data that predates the knobs: tma completed with its default, `family` left
     # out (the package reads its absence: families.py)
@@ -125,6 +125,13 @@ def test_the_gluon_family_is_searched_where_it_runs():
     # x pingpong x l2_share x regs x (persistent with q_buffers x overlap, or one tile a
     # program with neither: nothing to overlap there) x diag_first
     assert len(gluon) == 4 * 2 * 3 * 3 * (2 * 2 + 1) * 2
+    # stream_k=False is a point of its own only for the unmasked forward, and not with
+    # overlap (which turns stream-K off) or one tile a program
+    unmasked = space_for("fwd", 128, 2, **H100, gluon=None, mask="none")
+    off = [p for p in unmasked.points() if p["family"] == "gluon" and not p["stream_k"]]
+    assert off and all(p["persistent"] and not p["overlap"] for p in off)
+    assert len([p for p in unmasked.points() if p["family"] == "gluon"]) == (
+        4 * 2 * 3 * 3 * (2 * 2 + 2 + 1) * 2)
     one_tile = {**families.gluon_default(128), "tma": False, "persistent": False}
     assert space.check(one_tile) is None
     assert "persistent" in space.check({**one_tile, "overlap": True})
@@ -653,7 +660,7 @@ def test_the_best_config_reaches_the_built_package(tuned_pkg):
     for cfg in tuned[FAKE_KEY]["fwd_causal_d64_fp16"].values():
         assert list(cfg) == ["block_m", "block_n", "num_warps", "num_stages", "tma", "family",
                              "pingpong", "l2_share", "persistent", "regs", "q_buffers",
-                             "overlap", "diag_first"]  # configs only
+                             "overlap", "diag_first", "stream_k"]  # configs only
         assert all(type(cfg[k]) is int for k in ("block_m", "block_n", "num_warps", "num_stages"))
         assert type(cfg["tma"]) is bool
     text = pkg.describe()

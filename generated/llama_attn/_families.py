@@ -60,6 +60,8 @@ GLUON_DEFAULT = {
     "q_buffers": 1,
     "overlap": False,
     "diag_first": False,
+    # deal the last rounds of an even (unmasked) forward by key block: see stream_k_start
+    "stream_k": True,
 }
 CONSUMER_REGS = 240  # the default split, "consumer/producer" registers per thread
 PRODUCER_REGS = 24
@@ -171,6 +173,38 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         if mask == "none" and not mods:
             cfg["diag_first"] = True
     return cfg
+
+
+# The persistent forward's last round, dealt by key block when whole tiles would leave
+# more than this share of it idle (stream_k_start) ...
+STREAM_K_MIN_IDLE = 0.01
+# ... and its tiles have at least this many key blocks: with 16 (N = 2048 at BLOCK_N = 128)
+# the tail's extra item a program (its own Q load, a first block with no P V product to
+# hide behind, an epilogue, the merge) cost what the even deal saved: -1.1% at d=128 and
+# -3.0% at d=64, against +1.6..+4.2% at 32 and 128 (H100, docs/PERF_NOTES.md)
+STREAM_K_MIN_KEY_BLOCKS = 32
+
+
+def stream_k_start(tiles: int, programs: int, config: dict,
+                   key_blocks: int = STREAM_K_MIN_KEY_BLOCKS) -> "int | None":
+    """How many tiles of an even forward (every tile the same `key_blocks` key blocks) the
+    persistent grid deals whole, round-robin, before it deals the rest by key block
+    (STREAM_K), or None to deal every tile whole. 2048 equal tiles on 132 programs are
+    15.52 rounds: whole tiles make that 16, 3% of the time idle (the non-causal d=128
+    forward at B N = 16k, H d = 2048 on the H100). The tail keeps between P and 2P tiles,
+    so every program's share of it is at least a tile long and a tile is cut between two
+    programs at most. Off with the config key stream_k=False (a tuner knob), on a
+    non-persistent grid, with OVERLAP (whose deferred stores a handed-over part has none
+    of), for tiles of fewer than STREAM_K_MIN_KEY_BLOCKS key blocks, or when the rounds
+    come out (nearly) whole."""
+    if (not config.get("stream_k", GLUON_DEFAULT["stream_k"])
+            or not config.get("persistent", True) or config.get("overlap", False)
+            or tiles <= programs or key_blocks < STREAM_K_MIN_KEY_BLOCKS):
+        return None
+    rounds = tiles / programs
+    if rounds / -(-tiles // programs) > 1.0 - STREAM_K_MIN_IDLE:
+        return None
+    return (tiles // programs - 1) * programs
 
 
 # A call with less tensor-core work than this (4 B H Nq Nk d FLOPs, halved when causal) runs

@@ -583,9 +583,11 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
         if why is None:
             # a band's tiles differ in length: the host deals them (not a mask mod's,
             # whose lengths come from a block mask on the device)
-            band = mask != "none" and not (mods is not None and mods.block_sparse)
+            block_mask = mods is not None and mods.block_sparse
+            band = mask != "none" and not block_mask
             launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale,
-                                               mask if band else None)
+                                               mask if band else None,
+                                               even=mask == "none" and not block_mask)
             # a mask mod's block list at the Gluon tile (BLOCK_M = the consumers' rows),
             # merged into the walk order (_mods._block_lists)
             sparse = ((name, cfg["block_m"], cfg["block_n"], False)
@@ -641,10 +643,12 @@ def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
 _GLUON = 2
 
 
-def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None):
+def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, even=False):
     """(Launcher, run-time arguments) of a Gluon forward for one call signature; the call
     appends the dropout arguments (_gluon_dropout_args). `band`: the call's mask when its
-    tiles' lengths follow from the band ("causal", "sliding_window"), else None."""
+    tiles' lengths follow from the band ("causal", "sliding_window"), else None. `even`:
+    every tile sees every key block (no band, no block mask), so the last rounds can be
+    dealt by key block (stream_k_start)."""
     from triton.experimental.gluon import language as gl
 
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
@@ -662,14 +666,44 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None):
             "host_deal", True):
         table = _band_tile_table(cfg, q, batch * h_q, num_m, n_q, n_k, lo, hi, band, head_group,
                                  h_q // h_kv, sms)
-    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=False,
-                                     table=table is not None)
+    programs = min(tiles, int(cfg.get("programs", sms)))  # ("programs": tests and A/B runs only)
+    sk_start = (_families.stream_k_start(tiles, programs, cfg,
+                                         triton_cdiv(n_k, cfg["block_n"]))
+                if even and table is None else None)
+    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, programs, varlen=False,
+                                     table=table is not None, stream_k=sk_start is not None)
     args = (None, None,  # CU_Q, CU_K: a dense batch
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
-            head_group, table)
+            head_group, table,
+            # SK_START, SK_WS, SK_FLAGS: the workspace is the calling stream's (_sk_workspace)
+            sk_start or 0, None, None)
     return launch, args
+
+
+# STREAM_K workspaces by (device, stream, floats): a part-tile slot per (program, consumer)
+# and its counter. The counters must be 0 between launches, and the kernel leaves them so;
+# a stream has its own, so launches on two streams never share one. Never freed: a CUDA
+# graph captured with a launch keeps using its workspace.
+_sk_workspaces = {}
+_SK_FLAG_STRIDE = 32  # int32s between two slots' counters (the kernel's SK_FLAG_STRIDE)
+
+
+def _sk_workspace(launch, device, d) -> tuple:
+    """(SK_WS, SK_FLAGS) for a STREAM_K launch on the current stream."""
+    slots = launch.grid[0] * (launch.meta["BLOCK_M"] // _families.QUERY_ROWS_PER_CONSUMER)
+    floats = slots * _families.QUERY_ROWS_PER_CONSUMER * (_families.head_dim_pad(d) + 2)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index), floats)
+    buffers = _sk_workspaces.get(key)
+    if buffers is None:
+        buffers = (torch.empty(floats, device=device, dtype=torch.float32),
+                   torch.zeros(slots * _SK_FLAG_STRIDE, device=device, dtype=torch.int32))
+        # made during a capture, they live in the graph's memory pool: only that graph's
+        # replays may use them (the zeroing is captured too)
+        if not torch.cuda.is_current_stream_capturing():
+            _sk_workspaces[key] = buffers
+    return buffers
 
 
 # The tile tables (_band_tile_table), kept apart from the launch plans and never freed: a
@@ -711,10 +745,11 @@ def _gluon_kv_heads(cfg, q, n_k, d, at_least) -> int:
     return max(1, (l2 // int(cfg.get("l2_share", 4))) // max(kv_head_bytes, 1), at_least)
 
 
-def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table: bool = False):
+def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table: bool = False,
+                            stream_k: bool = False):
     """The Launcher of a Gluon forward (dense or VARLEN) at config `cfg` over `tiles` query
     tiles: its compile-time meta and its grid (table: the tiles are dealt by a TILE_ORDER
-    table, _band_tile_table)."""
+    table, _band_tile_table; stream_k: the last rounds by key block, STREAM_K)."""
     from triton.experimental.gluon import language as gl
 
     d_pad = _families.head_dim_pad(d)
@@ -731,7 +766,7 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
-                VARLEN=varlen, TILE_TABLE=table, num_warps=4)
+                VARLEN=varlen, TILE_TABLE=table, STREAM_K=stream_k, num_warps=4)
     # persistent: one program per SM walks its share of the tiles; else one per tile
     grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
     return Launcher(kernel(name, family="gluon"), grid, meta)
@@ -801,6 +836,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     if tma:  # Triton's allocator is a ContextVar: check it in the calling thread each time
         _descriptor_allocator()
     if tma == _GLUON:
+        if launch.meta["STREAM_K"]:
+            args = (*args[:-2], *_sk_workspace(launch, q.device, q.shape[-1]))
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
                *(mods.args if mods is not None else ()),
                *(mods.sparse(*sparse, lo, hi, merged=True) if sparse else ()))
@@ -1380,7 +1417,8 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
     args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
             v.stride(0), v.stride(1), v.stride(0), o.stride(0), o.stride(1), o.stride(0),
             batch, total_q, total_k, h_q, group, scale * LOG2E, lo, hi, num_m, batch * h_q,
-            0, head_group, None)  # (TILE_ORDER: the packed walk deals its own tiles)
+            0, head_group, None,  # (TILE_ORDER: the packed walk deals its own tiles)
+            0, None, None)  # SK_START, SK_WS, SK_FLAGS: no stream-K for a packed batch
     return launch, args, _GLUON
 
 

@@ -42,6 +42,19 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   softmax) and cost about half the speed: see docs/PERF_NOTES.md for what was measured
   and what would hide them.
 
+With STREAM_K (a dense call without a band: every tile has the same key blocks) the
+last rounds are dealt by key block, not by tile (stream-K, Osama et al. 2023): 2048 equal
+tiles on 132 programs are 15.5 rounds, and dealing whole tiles leaves the 16th round half
+idle. The first SK_START tiles go round-robin as above; the rest, as one run of
+(tile, key block) units, are cut into one contiguous share per program. A tile cut
+between programs p and p + 1 is p's last item and p + 1's first: p + 1 leaves its part
+(unnormalised O, row max, row sum, fp32) in the SK_WS slot of its own, and every thread of
+the warpgroup bumps the slot's SK_FLAGS counter with release semantics; p waits
+(acquire) for the full count when it reaches the tile, long after p + 1 wrote it, merges
+the two parts as the split-KV decode does, and runs the usual epilogue. Its threads bump
+the counter again as they leave the slot and the last one resets it to 0, so the next
+launch (or a CUDA graph's replay) finds it clean.
+
 With DIAG_FIRST a tile walks its key blocks from the last down (a mask mod's list from its
 end), so the blocks that straddle the band's right edge (under a causal mask: the diagonal)
 come first: the first block, which no P V product overlaps, takes the mask arithmetic, and
@@ -94,6 +107,26 @@ DROPOUT = gl.constexpr(False)
 SPLIT_M = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M extent
 LN2 = gl.constexpr(0.6931471805599453)
 SEQ_CHUNK = gl.constexpr(32)  # VARLEN: sequences read from cu_seqlens at a time (one per lane)
+SK_THREADS = gl.constexpr(128)  # STREAM_K: threads of a consumer warpgroup, each bumps the slot's counter once
+# STREAM_K: a slot's counter, one per 128-byte line (so the waits of different slots do
+# not poll one line), in int32 elements
+SK_FLAG_STRIDE = gl.constexpr(32)
+# STREAM_K: a thread waits for a slot's counter to reach 128 (every thread of the writing
+# warpgroup has released its part), backing off 256 ns between polls so that waiting
+# warps do not crowd the L2 slice the other programs read K/V through; the label is local
+# to the braces, so the asm may be inlined many times
+SK_WAIT_ASM = gl.constexpr("""{
+.reg .pred sk_p;
+ld.acquire.gpu.global.b32 $0, [$1];
+setp.lt.s32 sk_p, $0, 128;
+@!sk_p bra SK_DONE;
+SK_WAIT:
+nanosleep.u32 256;
+ld.acquire.gpu.global.b32 $0, [$1];
+setp.lt.s32 sk_p, $0, 128;
+@sk_p bra SK_WAIT;
+SK_DONE:
+}""")
 
 
 # ----------------------------------------------------------------------------------------
@@ -120,6 +153,53 @@ def _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE: gl.constexpr):
 def _my_tile_list(TILE_ORDER):
     """Where this program's tiles start in the host's table (TILE_TABLE)."""
     return TILE_ORDER + (gl.num_programs(0) + 1) + gl.load(TILE_ORDER + gl.program_id(0))
+
+
+@gluon.jit
+def _sk_share(SK_START, NUM_TILES, N_K, BLOCK_N: gl.constexpr):
+    """STREAM_K: (key blocks a tile, where this program's share of the tail's
+    (tile, key block) units starts and ends, how many items it runs: SK_START / P whole
+    tiles round-robin, then every tile its share touches). A share is at least a tile
+    long (the host leaves at least P tiles to the tail), so a tile is cut between two
+    programs at most."""
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    n_units = gl.cdiv(N_K, BLOCK_N)
+    tail = (NUM_TILES - SK_START).to(gl.int64) * n_units
+    first = SK_START.to(gl.int64) * n_units
+    sk_lo = first + (pid * tail) // P
+    sk_hi = first + ((pid + 1) * tail) // P
+    items = SK_START // P + ((sk_hi - 1) // n_units - sk_lo // n_units + 1).to(gl.int32)
+    return n_units, sk_lo, sk_hi, items
+
+
+@gluon.jit
+def _sk_item(k, SK_START, sk_lo, sk_hi, n_units, NUM_M, H_Q):
+    """STREAM_K: (batch, head, query block, first and end key block) of this program's
+    k-th item: a whole tile of the round-robin rounds, or its share of a tail tile."""
+    pid = gl.program_id(0)
+    P = gl.num_programs(0)
+    rounds = SK_START // P
+    if k < rounds:
+        t = k * P + pid
+        u_lo = 0
+        u_hi = n_units
+    else:
+        t64 = sk_lo // n_units + (k - rounds)
+        u_lo = gl.maximum(sk_lo - t64 * n_units, 0).to(gl.int32)
+        u_hi = gl.minimum(sk_hi - t64 * n_units, n_units).to(gl.int32)
+        t = t64.to(gl.int32)
+    bh = t // NUM_M
+    return bh // H_Q, bh % H_Q, t % NUM_M, u_lo, u_hi
+
+
+@gluon.jit
+def _sk_keys(u_lo, u_hi, full_hi, N_K, BLOCK_N: gl.constexpr):
+    """STREAM_K: _key_range's (lo, full_lo, full_hi, hi) cut to the item's key blocks
+    [u_lo, u_hi) (no band: only a ragged last block is masked)."""
+    lo = u_lo * BLOCK_N
+    hi = gl.minimum(u_hi * BLOCK_N, N_K)
+    return lo, lo, gl.maximum(gl.minimum(full_hi, hi), lo), hi
 
 
 @gluon.jit
@@ -438,18 +518,21 @@ def _keep_from_words(r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr):
 def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               q_ready, q_empty, k_full, k_empty, v_full, v_empty,
               N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH, NUM_TILES, HEAD_GROUP,
-              TILE_ORDER,
+              TILE_ORDER, SK_START,
               FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH,
               CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DIAG_FIRST: gl.constexpr,
-              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr):
+              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
     cnt = 0  # K/V blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     tphase = 0
     if VARLEN:
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
-    n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
+    if STREAM_K:
+        n_units, sk_lo, sk_hi, n_tiles = _sk_share(SK_START, NUM_TILES, N_K, BLOCK_N)
+    else:
+        n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
     if TILE_TABLE:
         TILE_ORDER = _my_tile_list(TILE_ORDER)
     for k in range(0, n_tiles):
@@ -458,6 +541,9 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                 k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
                 NUM_M, BLOCK_M, seq_layout)
             db = 0  # the descriptors see the packed rows as one batch
+        elif STREAM_K:
+            b, h, m_blk, u_lo, u_hi = _sk_item(k, SK_START, sk_lo, sk_hi, n_units, NUM_M, H_Q)
+            db = b
         else:
             b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE)
             db = b
@@ -541,6 +627,67 @@ def _mask_mod(rows, cols, n0, b, h, P_sinks, P_window):
 
 
 @gluon.jit
+def _sk_slot(SK_WS, SK_FLAGS, slot, row_s: gl.constexpr, o_layout: gl.constexpr):
+    """STREAM_K: the pointers of a part's slot in the workspace: its [SPLIT_M, HEAD_DIM_PAD]
+    unnormalised O in the accumulator's layout, its row max (raw units) and row sum (l = m
+    + SPLIT_M), and its counter (SK_FLAGS + slot * SK_FLAG_STRIDE) once per thread of the
+    warpgroup."""
+    base = SK_WS + slot.to(gl.int64) * (SPLIT_M * (HEAD_DIM_PAD + 2))
+    r = gl.arange(0, SPLIT_M, layout=gl.SliceLayout(1, o_layout))
+    c = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = base + gl.expand_dims(r * HEAD_DIM_PAD, 1) + gl.expand_dims(c, 0)
+    m_ptrs = base + SPLIT_M * HEAD_DIM_PAD + gl.arange(0, SPLIT_M, layout=row_s)
+    one_each: gl.constexpr = gl.BlockedLayout([1], [32], [SK_THREADS // 32], [0])
+    ones = gl.full([SK_THREADS], 1, gl.int32, layout=one_each)
+    return o_ptrs, m_ptrs, SK_FLAGS + slot * SK_FLAG_STRIDE + ones * 0, ones
+
+
+@gluon.jit
+def _sk_hand_over(SK_WS, SK_FLAGS, acc, m_i, l_i, zero, CID: gl.constexpr,
+                  row_s: gl.constexpr, o_layout: gl.constexpr):
+    """STREAM_K: this program ran the end of a tile that the program before it finishes:
+    leave the part in this program's slot, then release it (each thread's counter bump
+    orders its own stores before it; the reader waits for all of them). `zero`: 0, as a
+    value the compiler cannot see is 0 or constant across the tile loop; in the slot's
+    address it keeps the 64 element addresses from being hoisted out of the loop and
+    spilled (536 bytes of stack without it)."""
+    slot = gl.program_id(0) * NUM_CONSUMERS + CID + zero
+    o_ptrs, m_ptrs, flags, ones = _sk_slot(SK_WS, SK_FLAGS, slot, row_s, o_layout)
+    gl.store(o_ptrs, acc)
+    gl.store(m_ptrs, m_i)
+    gl.store(m_ptrs + SPLIT_M, l_i)
+    gl.atomic_add(flags, ones, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _sk_take_over(SK_WS, SK_FLAGS, acc, m_i, l_i, qk_scale, zero, CID: gl.constexpr,
+                  row_s: gl.constexpr, o_layout: gl.constexpr):
+    """STREAM_K: this program ran the start of a tile whose end the next program left in
+    its slot: wait for it, merge it into (acc, m, l) as the split-KV decode merges its
+    splits, and hand the slot back clean (`zero`: as in _sk_hand_over)."""
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    slot = (gl.program_id(0) + 1) * NUM_CONSUMERS + CID + zero
+    o_ptrs, m_ptrs, flags, ones = _sk_slot(SK_WS, SK_FLAGS, slot, row_s, o_layout)
+    gl.inline_asm_elementwise(SK_WAIT_ASM, "=r,l", [flags], dtype=gl.int32, is_pure=False,
+                              pack=1)
+    # volatile: read from L2 after the wait, never from a line cached before it
+    acc_b = gl.load(o_ptrs, volatile=True)
+    m_b = gl.load(m_ptrs, volatile=True)
+    l_b = gl.load(m_ptrs + SPLIT_M, volatile=True)
+    m_new = gl.maximum(m_i, m_b)
+    m_ref = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
+    alpha = gl.exp2(m_i * qk_scale - m_ref)
+    beta = gl.exp2(m_b * qk_scale - m_ref)
+    l_i = l_i * alpha + l_b * beta
+    acc = (acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+           + acc_b * gl.expand_dims(gl.convert_layout(beta, row_o), 1))
+    # every thread of this warpgroup bumps the counter once more; the last resets it
+    old = gl.atomic_add(flags, ones, sem="relaxed", scope="gpu")
+    gl.store(flags, old * 0, mask=old == 2 * SK_THREADS - 1)
+    return acc, m_new, l_i
+
+
+@gluon.jit
 def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, stride_oh,
                 stride_om, row_s: gl.constexpr, VARLEN: gl.constexpr):
     """OVERLAP: a finished tile's stores, one iteration late: a consumer's SPLIT_M rows
@@ -563,12 +710,12 @@ def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, s
 @gluon.jit
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
-              NUM_TILES, HEAD_GROUP, TILE_ORDER, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-              DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O, stride_oh,
+              NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO, SEED_HI,
+              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr,
-              TILE_TABLE: gl.constexpr):
+              TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -600,7 +747,10 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         NUM_TILES, per_head, group, level, base, size = _varlen_start(
             CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
-    n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
+    if STREAM_K:
+        n_units, sk_lo, sk_hi, n_tiles = _sk_share(SK_START, NUM_TILES, N_K, BLOCK_N)
+    else:
+        n_tiles = _my_tile_count(NUM_TILES, TILE_ORDER, TILE_TABLE)
     if TILE_TABLE:
         TILE_ORDER = _my_tile_list(TILE_ORDER)
     for k in range(0, n_tiles):
@@ -609,6 +759,9 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
                 NUM_M, BLOCK_M, seq_layout)
             db = 0  # the descriptors (and the LSE, (H_Q, total_q)) see one batch
+        elif STREAM_K:
+            b, h, m_blk, u_lo, u_hi = _sk_item(k, SK_START, sk_lo, sk_hi, n_units, NUM_M, H_Q)
+            db = b
         else:
             b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE)
             db = b
@@ -734,36 +887,48 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         # --------------------------------------------------------------------------------
         # Epilogue: deferred normalisation, the log-sum-exp, the output through TMA
         # --------------------------------------------------------------------------------
-        # a row that saw no key at all has l_i = 0: its output is 0 and its LSE is -inf
-        seen = l_i > 0.0
-        inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
-        if DROPOUT:
-            inv_l = inv_l * DROP_SCALE  # the kept P entries' 256 / (256 - T)
-        lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
-                       float("-inf"))
-        if OVERLAP:
-            # the stores wait for the next tile's first S = Q K^T. O crosses the loop
-            # normalised and in the output dtype: half the registers of acc, and no longer
-            # registers a wgmma wrote (carrying acc itself, ptxas put a warpgroup.wait in
-            # front of the stores -- C7517 -- and the product ran before them, not beside)
-            o_p = (acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype)
-            lse_p = lse
-            db_p = db
-            h_p = h
-            q0_p = q0
-            n_q_p = n_q
-            row0_p = row0
-        else:
-            gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
-            o = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
-            if VARLEN:
-                if row0 + SPLIT_M > n_q:  # this consumer's slab runs past its sequence's end
-                    _store_rows(O, o_buf, o.to(dtype), h, q0 + row0, n_q - row0,
-                                stride_oh, stride_om)
-                else:
-                    _store_tma(desc_o, o_buf, o.to(dtype), db, h, q0 + row0)
+        handover = False
+        if STREAM_K:
+            # a tile cut between this program and the next: its end (this program's first
+            # item) is handed over; its start (this program's last) takes the end over
+            handover = u_lo > 0
+            if handover:
+                _sk_hand_over(SK_WS, SK_FLAGS, acc, m_i, l_i, gl.minimum(u_hi, 0), CID, row_s,
+                              o_layout)
+            elif u_hi < n_units:
+                acc, m_i, l_i = _sk_take_over(SK_WS, SK_FLAGS, acc, m_i, l_i, qk_scale,
+                                              gl.minimum(u_lo, 0), CID, row_s, o_layout)
+        if not handover:
+            # a row that saw no key at all has l_i = 0: its output is 0 and its LSE is -inf
+            seen = l_i > 0.0
+            inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+            if DROPOUT:
+                inv_l = inv_l * DROP_SCALE  # the kept P entries' 256 / (256 - T)
+            lse = gl.where(seen, (m_i * qk_scale + gl.log2(gl.where(seen, l_i, 1.0))) * LN2,
+                           float("-inf"))
+            if OVERLAP:
+                # the stores wait for the next tile's first S = Q K^T. O crosses the loop
+                # normalised and in the output dtype: half the registers of acc, and no longer
+                # registers a wgmma wrote (carrying acc itself, ptxas put a warpgroup.wait in
+                # front of the stores -- C7517 -- and the product ran before them, not beside)
+                o_p = (acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)).to(dtype)
+                lse_p = lse
+                db_p = db
+                h_p = h
+                q0_p = q0
+                n_q_p = n_q
+                row0_p = row0
             else:
-                _store_tma(desc_o, o_buf, o.to(dtype), db, h, row0)
+                gl.store(LSE + (db * H_Q + h).to(gl.int64) * N_Q + q0 + rows, lse, mask=rows < n_q)
+                o = acc * gl.expand_dims(gl.convert_layout(inv_l, row_o), 1)
+                if VARLEN:
+                    if row0 + SPLIT_M > n_q:  # this consumer's slab runs past its sequence's end
+                        _store_rows(O, o_buf, o.to(dtype), h, q0 + row0, n_q - row0,
+                                    stride_oh, stride_om)
+                    else:
+                        _store_tma(desc_o, o_buf, o.to(dtype), db, h, q0 + row0)
+                else:
+                    _store_tma(desc_o, o_buf, o.to(dtype), db, h, row0)
         tphase ^= 1
     if OVERLAP:
         if n_tiles > 0:  # the last tile's stores: no next tile to hide them behind
@@ -776,7 +941,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SEED_LO", "SEED_HI",
+                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SK_START", "SEED_LO", "SEED_HI",
                               "RNG_OFFSET", "DROP_THRESHOLD", "P_sinks", "P_window", "BM_SB", "BM_SH"])
 def fwd_window_sinks_d128_fp16_kernel(
     Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
@@ -802,6 +967,10 @@ def fwd_window_sinks_d128_fp16_kernel(
     # with TILE_TABLE: int32 [P + 1] offsets into the [NUM_TILES] tiles that follow them,
     # program p's in the order it runs them (the host's deal; else None)
     TILE_ORDER,
+    # STREAM_K: tiles dealt whole, round-robin, before the tail is dealt by key block;
+    # fp32 workspace of a part-tile slot per (program, consumer) and int32 counters, one per
+    # slot every SK_FLAG_STRIDE, 0 between launches (else 0 / None / None)
+    SK_START, SK_WS, SK_FLAGS,
     # Philox key (the 64-bit seed as two int32 halves: a 64-bit seed argument made the
     # compiler hoist the round keys out of the key loop, and spill them) and stream of
     # this call, as int32 bits (dropout only)
@@ -828,6 +997,7 @@ def fwd_window_sinks_d128_fp16_kernel(
     KV_LAYOUT: gl.constexpr,
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
     TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band masks, persistent grid)
+    STREAM_K: gl.constexpr,  # deal the last rounds by key block (no band, persistent grid)
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
     # persistent grid) rather than encoded by the host on every call, which cost ~30 us of
@@ -883,18 +1053,20 @@ def fwd_window_sinks_d128_fp16_kernel(
     gl.warp_specialize([
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
+                     SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE)),
+                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SEED_LO, SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
+                     SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE)),
+                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                      k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
-                     NUM_TILES, HEAD_GROUP, TILE_ORDER, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
-                     NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE)),
+                     NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
+                     NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
