@@ -653,10 +653,11 @@ def _sk_take_over(SK_WS, SK_FLAGS, acc, m_i, l_i, qk_scale, zero, CID: gl.conste
     o_ptrs, m_ptrs, flags, ones = _sk_slot(SK_WS, SK_FLAGS, slot, row_s, o_layout)
     gl.inline_asm_elementwise(SK_WAIT_ASM, "=r,l", [flags], dtype=gl.int32, is_pure=False,
                               pack=1)
-    # volatile: read from L2 after the wait, never from a line cached before it
-    acc_b = gl.load(o_ptrs, volatile=True)
-    m_b = gl.load(m_ptrs, volatile=True)
-    l_b = gl.load(m_ptrs + SPLIT_M, volatile=True)
+    # plain loads, ordered after the acquire; .cg reads L2 (volatile loads compiled to
+    # system-scope strong loads, LDG.E.64.STRONG.SYS)
+    acc_b = gl.load(o_ptrs, cache_modifier=".cg")
+    m_b = gl.load(m_ptrs, cache_modifier=".cg")
+    l_b = gl.load(m_ptrs + SPLIT_M, cache_modifier=".cg")
     m_new = gl.maximum(m_i, m_b)
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
     alpha = gl.exp2(m_i * qk_scale - m_ref)
