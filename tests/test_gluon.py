@@ -480,6 +480,22 @@ def test_gluon_stream_k_against_float64(pkg, poison, monkeypatch, case, knobs):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (100, 0))],
+                         ids=["causal", "window"])
+def test_a_cut_down_persistent_grid_deals_band_tiles_too(pkg, poison, causal, window):
+    """The `programs` key (tests only) cuts the grid for every deal: the host's table of a
+    band mask is dealt to that many programs, so every tile still runs."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    q = torch.randn(3, 1000, 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(3, 1000, 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    with pkg._runtime.override_config(family="gluon", programs=7):
+        _check(pkg, q, k, v, causal=causal, window=window)
+        plans = [p[0] for p in pkg._runtime._forward_plans.values() if p[0] is not None]
+        assert [p.grid[0] for p in plans] == [7]
+
+
+@pytest.mark.gpu
 def test_gluon_stream_k_in_a_cuda_graph_and_with_dropout(pkg, monkeypatch):
     """Replays of a captured stream-K forward (its workspace made during the capture) on
     fresh inputs, against float64; and dropout, whose keep mask depends on (row, key) only,

@@ -654,6 +654,9 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, e
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
     _, h_kv, n_k, _ = bhnd(k.shape, bnhd)
     _, _, sms = gpu_key(q.device)
+    # the persistent grid's programs: one per SM (config key "programs": fewer, for tests
+    # that need many programs' worth of tiles in a small call)
+    sms = int(cfg.get("programs", sms))
     num_m = triton_cdiv(n_q, cfg["block_m"])
     tiles = batch * h_q * num_m
     # at least enough heads a group for two rounds of the persistent grid: with fewer the
@@ -666,7 +669,7 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, e
             "host_deal", True):
         table = _band_tile_table(cfg, q, batch * h_q, num_m, n_q, n_k, lo, hi, band, head_group,
                                  h_q // h_kv, sms)
-    programs = min(tiles, int(cfg.get("programs", sms)))  # ("programs": tests and A/B runs only)
+    programs = min(tiles, sms)
     sk_start = (_families.stream_k_start(tiles, programs, cfg,
                                          triton_cdiv(n_k, cfg["block_n"]))
                 if even and table is None else None)
