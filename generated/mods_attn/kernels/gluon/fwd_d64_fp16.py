@@ -104,22 +104,22 @@ SK_THREADS = gl.constexpr(128)  # STREAM_K: threads of a consumer warpgroup, eac
 # STREAM_K: a slot's counter, one per 128-byte line (so the waits of different slots do
 # not poll one line), in int32 elements
 SK_FLAG_STRIDE = gl.constexpr(32)
-# STREAM_K: a thread waits for a slot's counter to reach 128 (every thread of the writing
-# warpgroup has released its part), backing off 256 ns between polls so that waiting
-# warps do not crowd the L2 slice the other programs read K/V through; the label is local
-# to the braces, so the asm may be inlined many times
+# STREAM_K: a thread waits for a slot's counter to reach SK_THREADS (every thread of the
+# writing warpgroup has released its part), backing off 256 ns between polls so that
+# waiting warps do not crowd the L2 slice the other programs read K/V through; the label is
+# local to the braces, so the asm may be inlined many times
 SK_WAIT_ASM = gl.constexpr("""{
 .reg .pred sk_p;
 ld.acquire.gpu.global.b32 $0, [$1];
-setp.lt.s32 sk_p, $0, 128;
+setp.lt.s32 sk_p, $0, %d;
 @!sk_p bra SK_DONE;
 SK_WAIT:
 nanosleep.u32 256;
 ld.acquire.gpu.global.b32 $0, [$1];
-setp.lt.s32 sk_p, $0, 128;
+setp.lt.s32 sk_p, $0, %d;
 @sk_p bra SK_WAIT;
 SK_DONE:
-}""")
+}""" % (SK_THREADS.value, SK_THREADS.value))
 
 
 # ----------------------------------------------------------------------------------------
