@@ -86,6 +86,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64], choices=sorted(SPECS))
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--cases", nargs="+", default=["fwd-gluon", "fwd-tl", "bwd-tl"],
+                    choices=["fwd-gluon", "fwd-tl", "bwd-tl"], help="which rows to run")
     ap.add_argument("--out", help="write the rows as JSON here")
     args = ap.parse_args()
     started = time.perf_counter()
@@ -95,7 +97,8 @@ def main():
     for d in args.d:
         pkg, sha = load_package(SPECS[d])
         gluon_fwd = pkg._registry.GLUON.get(f"fwd_causal_dropout_d{d}_bf16", "absent") is None
-        cases = ([("fwd", "gluon")] if gluon_fwd else []) + [("fwd", "tl"), ("bwd", "tl")]
+        cases = [tuple(c.split("-")) for c in args.cases
+                 if c != "fwd-gluon" or gluon_fwd]
         for n in args.n:
             b = TOKENS // n
             for mode, family in cases:

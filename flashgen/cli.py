@@ -124,7 +124,7 @@ def _cmd_tune(args) -> int:
              budget=args.budget if args.budget > 0 else None, storage=args.storage,
              workers=args.workers, variants=args.variants, buckets=args.buckets,
              sampler=args.sampler, seed=args.seed, worker_index=args.worker_index,
-             tries=args.tries)
+             tries=args.tries, compile_workers=args.compile_workers)
     except KeyboardInterrupt:
         print("flashgen tune: interrupted; finished trials are saved: run the same command "
               "again to resume", file=sys.stderr)
@@ -219,6 +219,10 @@ def parser() -> argparse.ArgumentParser:
                    help="configs every study measures first (after the planner's and the "
                    "tuning file's), e.g. 64x128w8s3 or 64x128w8s3:dq_tile=128x64w8s3; one "
                    "whose tile or knobs a variant cannot take is left out for it")
+    t.add_argument("--compile-workers", type=int, metavar="N",
+                   help="processes compiling each batch of N trials ahead of their measurement "
+                   "(default: half the cores, at most 8; 1 compiles each trial as it is "
+                   "measured)")
     t.add_argument("--worker-index", type=int, help=argparse.SUPPRESS)
     t.set_defaults(func=_cmd_tune)
 

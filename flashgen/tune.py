@@ -328,7 +328,9 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
                n_startup_trials: int | None = None, confirm_top: int = CONFIRM_TOP,
                confirm_rounds: int = CONFIRM_ROUNDS,
                retime: Callable[[dict], float] | None = None,
-               min_trials: int = 0) -> StudyResult:
+               min_trials: int = 0,
+               prepare: Callable[[list[dict]], Any] | None = None,
+               batch: int = 1) -> StudyResult:
     """Create or resume the study `name` and run it until it has `n_trials` completed trials
     (counting those of earlier runs), `timeout` seconds pass, `max_failures` trials have
     failed (default n_trials), `max_measured` trials have been measured, or every feasible
@@ -346,7 +348,13 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
     measure has one, else `measure`); the winner and the default's time are the medians of
     those re-timings. GPU times drift by several percent over minutes (clocks, heat), more
     than the differences between the best configs, so trials timed far apart are not
-    compared directly. The round is stored on the study and redone only after new trials."""
+    compared directly. The round is stored on the study and redone only after new trials.
+
+    With `prepare` (flashgen/ahead.py's compile-ahead pool), trials are asked `batch` at a
+    time and `prepare(configs)` compiles the batch's kernels in parallel before they are
+    measured one by one; each trial's measure_s includes its share of that wait. Trials of
+    a batch left unmeasured when the study stops are marked interrupted (a resume retries
+    their points)."""
     optuna = _optuna()
     from optuna.trial import TrialState
 
@@ -372,6 +380,8 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
     started = time.monotonic()
     counted_here = 0
     stopped = ""
+    batch = max(1, batch) if prepare is not None else 1
+    pending: list = []    # (trial, config, seconds of compile-ahead) asked, not yet measured
     while True:
         f = _finished(study, space)
         done, failed = len(f["complete"]), len(f["failed"])
@@ -391,25 +401,53 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
         if failed >= max_failures:
             stopped = f"{failed} failures"
             break
-        if not f["waiting"] and not unmeasured(study, space):
+        if not pending and not f["waiting"] and not unmeasured(study, space):
             stopped = "space exhausted"
             break
 
-        trial = study.ask(dists)
-        cfg = space.config(trial.params)
-        reason = space.check(cfg)
-        if reason is not None:
-            trial.set_user_attr(ATTR_INFEASIBLE, reason)
-            study.tell(trial, state=TrialState.PRUNED)
-            say(f"{label}: trial {trial.number} {_fmt_config(cfg)} pruned, infeasible: {reason}")
-            continue
-        t0 = time.monotonic()
+        if not pending:
+            # as many trials as the batch, the trial count and the unmeasured points allow
+            want = min(batch, n_trials - done,
+                       batch if max_measured is None else max_measured - done - failed)
+            if want > 1 and timeout is not None:
+                # no more than the time left holds (the trials before min_trials always)
+                per = _trial_seconds(f)
+                left = timeout - (time.monotonic() - started)
+                fit = int(left / per) if per > 0 else (want if left > 0 else 0)
+                want = min(want, max(fit, min_trials - done - failed, 1))
+            if want > 1:
+                want = min(want, max(1, len(unmeasured(study, space))))
+            asked = []
+            while len(asked) < max(want, 1):
+                trial = study.ask(dists)
+                cfg = space.config(trial.params)
+                reason = space.check(cfg)
+                if reason is not None:
+                    trial.set_user_attr(ATTR_INFEASIBLE, reason)
+                    study.tell(trial, state=TrialState.PRUNED)
+                    say(f"{label}: trial {trial.number} {_fmt_config(cfg)} pruned, "
+                        f"infeasible: {reason}")
+                    if want <= 1:
+                        break
+                    continue
+                asked.append((trial, cfg))
+            if not asked:
+                continue
+            share = 0.0
+            if prepare is not None and len(asked) > 1:
+                t0 = time.monotonic()
+                prepare([dict(c) for _, c in asked])
+                share = (time.monotonic() - t0) / len(asked)
+            pending = [(t, c, share) for t, c in asked]
+        trial, cfg, share = pending.pop(0)
+        t0 = time.monotonic() - share
         value: Any = None
         try:
             value = measure(dict(cfg))
         except (KeyboardInterrupt, TuneAborted):
-            trial.set_user_attr(ATTR_FAIL, INTERRUPTED)
-            study.tell(trial, state=TrialState.FAIL)
+            for t in [trial] + [t for t, _, _ in pending]:
+                t.set_user_attr(ATTR_FAIL, INTERRUPTED)
+                study.tell(t, state=TrialState.FAIL)
             raise
         except Exception as e:  # compile errors, out of resources, launch failures...
             value = WrongAnswer(_reason(e))
@@ -444,6 +482,9 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
         eta = _fmt_eta(per * max(n_trials - done, 0))
         say(f"{label}: trial {done}/{n_trials} [{_fmt_config(cfg)}] {note}; {best_text}; "
             f"ETA {eta}")
+    for t, _, _ in pending:  # asked and compiled, but the study stopped first
+        t.set_user_attr(ATTR_FAIL, INTERRUPTED)
+        study.tell(t, state=TrialState.FAIL)
     if confirm_top > 0:
         confirm(study, space, retime or getattr(measure, "time", measure), top=confirm_top,
                 rounds=confirm_rounds, say=lambda line: say(f"{label}: {line}"))
@@ -795,8 +836,11 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
          storage: str | None = None, workers: int = 1, variants: Sequence[str] | None = None,
          buckets: Sequence[int] | None = None, sampler: str = "tpe", seed: int = 0,
          worker_index: int | None = None, say: Callable[[str], None] | None = None,
-         write: bool = True, tries: Sequence[str] = ()) -> list[StudyResult]:
-    """`flashgen tune`: returns one StudyResult per (variant, bucket) tuned."""
+         write: bool = True, tries: Sequence[str] = (),
+         compile_workers: int | None = None) -> list[StudyResult]:
+    """`flashgen tune`: returns one StudyResult per (variant, bucket) tuned.
+    `compile_workers`: processes that compile each batch of trials ahead of their
+    measurement (flashgen/ahead.py; default ahead.default_workers(), 1 = none)."""
     from .spec import load_spec
 
     say = say or (lambda line: print(line, flush=True))
@@ -804,6 +848,11 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         raise FlashgenError(f"--trials must be at least 1, got {trials}")
     if workers < 1:
         raise FlashgenError(f"--workers must be at least 1, got {workers}")
+    if compile_workers is None:
+        from .ahead import default_workers
+        compile_workers = default_workers()
+    if compile_workers < 1:
+        raise FlashgenError(f"--compile-workers must be at least 1, got {compile_workers}")
     if sampler not in SAMPLERS:
         raise FlashgenError(f"--sampler {sampler}: expected one of {', '.join(SAMPLERS)}")
     tried = [parse_try(t) for t in tries]
@@ -846,7 +895,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                 args += ["--timeout", str(timeout)]
             if tries:
                 args += ["--try", *tries]
-            args += ["--budget", str(budget or 0)]
+            args += ["--budget", str(budget or 0), "--compile-workers", str(compile_workers)]
             say(f"tuning {len(names)} variants x {len(bucket_list)} buckets on {workers} "
                 f"{gpu.name} GPUs ({gpu.key}), storage {url}")
             failed_workers = _spawn_workers(args, workers, say)
@@ -875,9 +924,20 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                                 incumbent=incumbents.get(name, {}).get(str(bucket)),
                                 tries=tried, variant=registry[name])
 
+        ahead = None
+        if compile_workers > 1 and not spawned:
+            from .ahead import CompileAhead
+            window = (spec.window.left, spec.window.right) if spec.window else (-1, -1)
+            ahead = CompileAhead(Path(tmp), spec.package, names[0], bucket_list[0],
+                                 workers=compile_workers, window=window, gqa=bool(spec.gqa))
+            log(f"compiling ahead in {compile_workers} processes, {compile_workers} trials "
+                "a batch")
+
         def run_study(name, bucket, starts, **kw):
             facts, space = registry[name], spaces[name]
             measure = gpu_measure(pkg, name, bucket, device, spec=spec, default=space.default())
+            if ahead is not None:
+                kw.update(prepare=ahead.for_study(name, bucket).prepare, batch=ahead.workers)
             try:
                 return tune_study(
                     storage=store, name=study_name(name, bucket, gpu.key), space=space,
@@ -946,6 +1006,9 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             if skipped:
                 say(f"{skipped} studies got no trials past their default: the --budget ran "
                     "out; run the same command again to tune them further")
+        if ahead is not None:
+            log(f"compile-ahead: {ahead.seconds:.0f} s waiting for the workers")
+            ahead.close()
         if failed_workers:
             raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
                                 "rerun the same command to resume")

@@ -416,6 +416,52 @@ def test_resume_after_an_interrupt_loses_nothing(storage):
     assert again.complete == 10 and len(trials_of(storage, "resume")) == len(after)
 
 
+def test_batches_are_compiled_ahead_then_measured_one_by_one(storage):
+    """With a compile-ahead pool (flashgen/ahead.py), trials are asked a batch at a time and
+    `prepare` sees each batch's configs before any of them is measured; every measured
+    config was prepared first, no point twice, the trial count and the warm start hold, and
+    a timeout leaves the batch's unmeasured trials interrupted (a resume retries them)."""
+    space = fwd_space()
+    cost = cost_of(space)
+    batches, measured = [], []
+
+    def prepare(cfgs):
+        assert all(space.check(c) is None for c in cfgs)
+        batches.append([space.key(c) for c in cfgs])
+
+    def measure(cfg):
+        assert any(space.key(cfg) in b for b in batches), "measured before it was compiled"
+        measured.append(space.key(cfg))
+        return cost(cfg)
+
+    result = tune_study(storage=storage, name="ahead", space=space, measure=measure,
+                        n_trials=10, warm_starts=[("planner", space.default())],
+                        progress=quiet, confirm_top=0, prepare=prepare, batch=4)
+    assert result.complete == 10 and len(measured) == 10
+    assert [len(b) for b in batches] == [4, 4, 2]   # the last batch stops at --trials
+    assert len(set(measured)) == 10 and measured[0] == space.key(space.default())
+    assert sorted(measured) == sorted(k for b in batches for k in b)
+
+    # the time runs out after the next batch's first trial (a clock that ticks a second a
+    # reading): the batch's other three were asked and compiled but not measured, and are
+    # marked interrupted, not failed
+    clock = iter(range(10_000))
+    import flashgen.tune as tune_mod
+    real = tune_mod.time.monotonic
+    tune_mod.time.monotonic = lambda: float(next(clock))
+    try:
+        again = tune_study(storage=storage, name="ahead", space=space, measure=measure,
+                           n_trials=20, timeout=3.5, progress=quiet, confirm_top=0,
+                           prepare=prepare, batch=4)
+    finally:
+        tune_mod.time.monotonic = real
+    trials = trials_of(storage, "ahead")
+    interrupted = [t for t in trials if t.user_attrs.get(ATTR_FAIL) == "interrupted"]
+    assert again.failed == 0 and again.complete == len(measured) == 11
+    assert len(interrupted) == 3 and all(t.state == TrialState.FAIL for t in interrupted)
+    assert len(trials) == again.complete + len(interrupted)
+
+
 def test_the_winner_is_chosen_by_back_to_back_retiming(storage):
     """GPU times drift (clocks, heat): the first trial of a run, on a cool GPU, reads fast.
     The winner and the default's time come from re-timing the best few side by side."""

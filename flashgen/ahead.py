@@ -1,0 +1,111 @@
+"""Stage 5b, compile ahead: build the kernels of a batch of tuning trials in parallel.
+
+A trial's time on the H100 is mostly Triton compiling its kernels, not the GPU timing
+them: a Gluon forward takes ~8 s of one CPU core per shape (ptxas included) and a trial
+compiles two (the check's small shape and the timed one), against well under a second of
+GPU work. `flashgen tune` therefore asks the sampler for a batch of trials, has a pool of
+worker processes run each trial's two calls once (which compiles them into Triton's
+on-disk cache), and only then checks and times them one by one in the tuning process,
+where every launch finds its binary in the cache. The workers' runs are not timed and
+their results are not used: a config that fails in a worker fails again, with the real
+message, when the tuner measures it. Nothing is timed while the workers compile, so their
+load does not touch a measurement.
+
+The workers are spawned processes (CUDA cannot be forked), one CUDA context each; each
+imports the package the tuner built (from the same folder, so the kernels' sources and
+hence Triton's cache keys are the tuner's) and keeps one measure at a time.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import multiprocessing
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+# what one worker keeps between tasks: the package and the measure of the last
+# (variant, bucket) it compiled for
+_STATE: dict = {}
+
+
+def default_workers() -> int:
+    """Half the machine's cores, at most 8: ptxas is single-threaded, and the tuning
+    process and the GPU's driver threads need cores of their own."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def _init(folder: str, package: str, device_index: int) -> None:
+    import importlib
+
+    import torch
+
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, folder)
+    _STATE["pkg"] = importlib.import_module(package)
+    _STATE["device"] = torch.device("cuda", device_index)
+    _STATE["torch"] = torch
+
+
+def _compile(variant: str, bucket: int, window, gqa: bool, config: dict) -> str | None:
+    """Run `config`'s two calls once (the check's shape, then the timed one); None, or
+    why it failed (the tuner will see the same failure and record it)."""
+    from .measure import gpu_measure
+
+    key = (variant, bucket, tuple(window), gqa)
+    if _STATE.get("key") != key:
+        old = _STATE.pop("measure", None)
+        if old is not None:
+            old.close()
+        pkg = _STATE["pkg"]
+        measure = gpu_measure(pkg, variant, bucket, _STATE["device"])
+        measure.window = tuple(window) if measure.mask == "sliding_window" else (-1, -1)
+        measure.gqa = gqa
+        _STATE.update(key=key, measure=measure)
+    measure = _STATE["measure"]
+    try:
+        measure.check(config)
+        fn, _ = measure._timing_setup()
+        with measure.pkg._runtime.override_config(**config):
+            fn()
+        _STATE["torch"].cuda.synchronize()
+    except Exception as e:  # reported again, properly, when the tuner measures it
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+class CompileAhead:
+    """A pool of `workers` processes that compile trials' kernels ahead of their
+    measurement (see the module docstring). `prepare(configs)` returns when every config
+    has been compiled (or failed, or `timeout` seconds passed)."""
+
+    def __init__(self, folder: Path, package: str, variant: str, bucket: int, *,
+                 workers: int, window=(-1, -1), gqa: bool = False, device_index: int = 0,
+                 timeout: float = 600.0):
+        self.variant, self.bucket = variant, int(bucket)
+        self.window, self.gqa = tuple(window), bool(gqa)
+        self.timeout = timeout
+        self.workers = workers
+        self.seconds = 0.0   # spent waiting for the workers, all batches
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init, initargs=(str(folder), package, device_index))
+
+    def for_study(self, variant: str, bucket: int) -> "CompileAhead":
+        """The same pool, compiling for another (variant, bucket)."""
+        self.variant, self.bucket = variant, int(bucket)
+        return self
+
+    def prepare(self, configs: Sequence[Mapping]) -> list[str | None]:
+        t0 = time.monotonic()
+        futures = [self._pool.submit(_compile, self.variant, self.bucket, self.window,
+                                     self.gqa, dict(c)) for c in configs]
+        done, _ = concurrent.futures.wait(futures, timeout=self.timeout)
+        self.seconds += time.monotonic() - t0
+        return [f.result() if f in done and f.exception() is None
+                else f"not compiled ahead: {f.exception() if f in done else 'timeout'}"
+                for f in futures]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
