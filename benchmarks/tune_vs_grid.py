@@ -68,23 +68,26 @@ def synthetic_cost(space: Space, salt: str = "") -> "callable":
 
 
 def compare(space: Space, measure, *, storage, name: str, seeds=(0,), fraction=FRACTION,
-            warm_start: bool = True, confirm=None, progress=None) -> dict:
+            warm_start: bool = True, confirm=None, progress=None, trials: int | None = None,
+            ahead=None) -> dict:
     """Grid (every feasible point) against TPE studies with floor(fraction * grid trials)
-    trials each, on one space. `confirm(cfg_a, cfg_b)` -> (ms_a, ms_b) re-times the two
-    winners side by side (the GPU); without it the studies' own numbers are compared."""
+    trials each (or `trials`), on one space. `confirm(cfg_a, cfg_b)` -> (ms_a, ms_b)
+    re-times the two winners side by side (the GPU); without it the studies' own numbers
+    are compared. `ahead`: a flashgen.ahead.CompileAhead pool (both compile in batches)."""
     quiet = progress or (lambda line: None)
+    batch = dict(prepare=ahead.prepare, batch=ahead.workers) if ahead is not None else {}
     grid = tune_study(storage=storage, name=f"grid/{name}", space=space, measure=measure,
                       n_trials=len(space), sampler="grid", max_failures=len(space),
-                      progress=quiet, label=f"grid {name}")
+                      progress=quiet, label=f"grid {name}", **batch)
     grid_trials = grid.complete + grid.failed
-    budget = max(1, int(fraction * grid_trials))
+    budget = trials or max(1, int(fraction * grid_trials))
     runs = []
     for seed in seeds:
         starts = [("planner", space.default())] if warm_start else []
         tpe = tune_study(storage=storage, name=f"tpe-s{seed}-n{budget}/{name}", space=space,
                          measure=measure, n_trials=budget, max_measured=budget,
                          max_failures=budget, sampler="tpe", seed=seed, warm_starts=starts,
-                         progress=quiet, label=f"tpe {name}")
+                         progress=quiet, label=f"tpe {name}", **batch)
         grid_ms, tpe_ms = grid.best_ms, tpe.best_ms
         if tpe.best_config is not None and tpe.best_config == grid.best_config:
             tpe_ms = grid_ms   # the same kernel: any gap would be measurement noise
@@ -97,6 +100,18 @@ def compare(space: Space, measure, *, storage, name: str, seeds=(0,), fraction=F
     return {"name": name, "space": len(space), "grid_trials": grid_trials,
             "grid_failed": grid.failed, "grid_best_ms": grid.best_ms,
             "grid_config": grid.best_config, "budget": budget, "runs": runs}
+
+
+def one_family(space: Space, family: str) -> Space:
+    """`space` with its `family` knob pinned to one value (so the grid and the studies
+    search that family's points only)."""
+    import dataclasses
+
+    from flashgen.space import Knob
+
+    knobs = tuple(Knob(k.name, (family,), family, k.infeasible) if k.name == "family" else k
+                  for k in space.knobs)
+    return dataclasses.replace(space, knobs=knobs)
 
 
 def format_rows(rows) -> str:
@@ -138,6 +153,14 @@ def main(argv=None):
                     "in memory with --synthetic)")
     ap.add_argument("--synthetic", action="store_true",
                     help="no GPU: the synthetic cost model on the spec's target GPU")
+    ap.add_argument("--trials", type=int,
+                    help="TPE trials a study (default: --fraction of the grid's); 30 is what "
+                    "`flashgen tune` runs by default")
+    ap.add_argument("--family", choices=["tl", "gluon"],
+                    help="search one kernel family only (grid and studies alike), e.g. where "
+                    "the other is known to be far slower at the shape")
+    ap.add_argument("--compile-workers", type=int, default=1, metavar="N",
+                    help="compile each batch of N trials ahead in N processes (GPU only)")
     ap.add_argument("--out", help="write the rows as JSON")
     args = ap.parse_args(argv)
 
@@ -179,16 +202,28 @@ def main(argv=None):
             gpu = gpu_info(pkg, device)
             registry = pkg._registry.VARIANTS
             print(f"# {gpu.key}, storage {url}")
+            ahead = None
+            if args.compile_workers > 1:
+                from flashgen.ahead import CompileAhead
+                window = (spec.window.left, spec.window.right) if spec.window else (-1, -1)
+                ahead = CompileAhead(Path(tmp), spec.package, "", 0,
+                                     workers=args.compile_workers, window=window,
+                                     gqa=bool(spec.gqa))
             for name in select_variants(registry, args.variants, print):
                 space = _space(registry[name]["kind"], registry[name], gpu)
+                if args.family:
+                    space = one_family(space, args.family)
                 for bucket in buckets:
                     workload = gpu_measure(pkg, name, bucket, device, spec=spec,
                                            default=space.default())
                     try:
                         row = compare(space, workload, storage=storage,
-                                      name=study_name(name, bucket, gpu.key), seeds=args.seeds,
-                                      fraction=args.fraction, confirm=_gpu_confirm(workload),
-                                      progress=print)
+                                      name=study_name(name, bucket, gpu.key)
+                                      + (f"/{args.family}" if args.family else ""),
+                                      seeds=args.seeds, fraction=args.fraction,
+                                      confirm=_gpu_confirm(workload), progress=print,
+                                      trials=args.trials,
+                                      ahead=ahead.for_study(name, bucket) if ahead else None)
                     finally:
                         workload.close()
                     rows.append(row)
