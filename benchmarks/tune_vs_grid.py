@@ -228,6 +228,8 @@ def main(argv=None):
                         workload.close()
                     rows.append(row)
                     print(json.dumps(row), flush=True)
+            if ahead is not None:
+                ahead.close()
     print()
     print(format_rows(rows))
     runs = [run for r in rows for run in r["runs"]]

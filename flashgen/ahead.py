@@ -108,4 +108,4 @@ class CompileAhead:
                 for f in futures]
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True, cancel_futures=True)
