@@ -707,27 +707,47 @@ def _try_config(space: Space, raw: Mapping) -> dict | None:
 
 
 def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = None,
-                 tries: Sequence[Mapping] = (), variant: Mapping | None = None) -> list:
-    """What a study measures first: the planner's config, the Gluon family's untuned config
-    of this kind (where the space holds the family), the spec's explicit tile, the
-    config the tuning file already holds for this GPU and bucket ("tuned": a re-tune starts
-    from the last winner and cannot end slower) and the run's `--try` configs."""
-    starts = [("planner", space.default())]
-    if space.facts.gluon is None and any(k.name == "family" for k in space.knobs):
+                 tries: Sequence[Mapping] = (), variant: Mapping | None = None,
+                 bucket: int | None = None) -> list:
+    """What a study measures first: the config the package runs today at this bucket
+    ("tuned": the tuning file's entry as the runtime reads it, so a re-tune starts from the
+    last winner and cannot end slower -- and a budgeted run, whose first phase measures
+    only each study's first warm start, never writes a config it did not compare with what
+    it replaces), then the planner's config, the Gluon family's untuned config of this kind
+    (where the space holds the family), the spec's explicit tile, the stored entry itself
+    where the runtime reads it otherwise ("stored"), and the run's `--try` configs.
+
+    An entry tuned before the `family` knob is run by the package as the Gluon default on a
+    GPU and Triton the Gluon kernels run on, where families.gluon_by_default says so
+    (runtime.launch_config); its "tuned" start is that config."""
+    v = variant or {}
+    has_family = any(k.name == "family" for k in space.knobs)
+    gluon_cfg = None
+    if space.facts.gluon is None and has_family:
         # the Gluon family's untuned config of this kind (the backward's: 64 query rows a
         # step, 2 x 64 keys, a 2-deep ring): on Hopper the package's default launch where
         # families.gluon_by_default says so
-        v = variant or {}
-        starts.append(("gluon", space.config(families.gluon_default(
-            space.facts.head_dim, kind, v.get("mask"), tuple(v.get("mods", ()))))))
+        gluon_cfg = space.config(families.gluon_default(
+            space.facts.head_dim, kind, v.get("mask"), tuple(v.get("mods", ()))))
+    current = stored = None
+    if incumbent is not None:
+        current = stored = space.config(incumbent)
+        if ("family" not in incumbent and gluon_cfg is not None and not v.get("mods")
+                and families.gluon_by_default(kind, bool(v.get("dropout")),
+                                              space.facts.head_dim, (), bucket)):
+            current = gluon_cfg
+    starts = [("tuned", current)] if current is not None else []
+    starts.append(("planner", space.default()))
+    if gluon_cfg is not None:
+        starts.append(("gluon", gluon_cfg))
     explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
                                      "decode": "decode"}[kind], None)
     if explicit is not None:
         starts.append(("spec", {"block_m": explicit.block_m, "block_n": explicit.block_n,
                                 "num_warps": explicit.num_warps,
                                 "num_stages": explicit.num_stages}))
-    if incumbent is not None:
-        starts.append(("tuned", space.config(incumbent)))
+    if stored is not None and stored != current:
+        starts.append(("stored", stored))
     for raw in tries:
         cfg = _try_config(space, raw)
         if cfg is not None:
@@ -922,7 +942,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         def starts_for(name, bucket):
             return _warm_starts(spec, registry[name]["kind"], spaces[name],
                                 incumbent=incumbents.get(name, {}).get(str(bucket)),
-                                tries=tried, variant=registry[name])
+                                tries=tried, variant=registry[name], bucket=bucket)
 
         ahead = None
         if compile_workers > 1 and not spawned:

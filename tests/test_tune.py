@@ -233,10 +233,19 @@ def test_the_backward_warm_starts_include_the_gluon_backward_default():
     old = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3, "dq_tile": "mirror"}
     tries = [parse_try("64x128w4s3:family=gluon,regs=232/40"),
              parse_try("128x128w4s2:family=gluon")]   # 128 rows a step: not at d=128
-    starts = _warm_starts(spec, "bwd", bwd, incumbent=old, tries=tries)
-    assert starts[2] == ("tuned", {**old, "family": "tl", "regs": "240/24"})
-    assert starts[3][1]["family"] == "gluon" and starts[3][1]["regs"] == "232/40"
-    assert bwd.check(starts[3][1]) is None and "shared memory" in bwd.check(starts[4][1])
+    starts = _warm_starts(spec, "bwd", bwd, incumbent=old, tries=tries, bucket=4096)
+    # tuned before the family knob: the package runs the Gluon default for it on Hopper
+    # (runtime.launch_config), so that is what the study measures first; the stored `tl`
+    # tile comes after the defaults
+    assert [tag for tag, _ in starts] == ["tuned", "planner", "gluon", "stored", "try", "try"]
+    assert starts[0] == ("tuned", starts[2][1]) and starts[0][1]["family"] == "gluon"
+    assert starts[3] == ("stored", {**old, "family": "tl", "regs": "240/24"})
+    assert starts[4][1]["family"] == "gluon" and starts[4][1]["regs"] == "232/40"
+    assert bwd.check(starts[4][1]) is None and "shared memory" in bwd.check(starts[5][1])
+    # an entry that names its family is run as stored
+    named = {**old, "family": "tl"}
+    assert _warm_starts(spec, "bwd", bwd, incumbent=named, bucket=4096)[0] == (
+        "tuned", {**named, "regs": "240/24"})
 
 
 def test_a_deterministic_process_tunes_the_tl_backward_only():
@@ -539,7 +548,7 @@ def test_warm_starts_are_enqueued_once_and_first(storage):
 def test_try_configs_and_the_tuning_files_winner_are_warm_starts():
     """`--try` strings become points of each variant's space (knob values read through the
     space's choices); one a variant cannot take is left out for it, and the tuning file's
-    current winner ("tuned") comes before the tries."""
+    current winner ("tuned") comes first, before the defaults and the tries."""
     spec = load_spec(ROOT / "specs" / "llama.yaml")
     bwd = space_for("bwd", 128, 2, **H100)
     fwd = space_for("fwd", 128, 2, **H100)
@@ -550,8 +559,8 @@ def test_try_configs_and_the_tuning_files_winner_are_warm_starts():
     incumbent = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3,
                  "dq_tile": "mirror", "ms": 1.0, "default_ms": 1.2}
     starts = _warm_starts(spec, "bwd", bwd, incumbent=incumbent, tries=tries)
-    assert [tag for tag, _ in starts] == ["planner", "tuned", "try", "try"]
-    assert starts[1][1] == bwd.config(incumbent) and "ms" not in starts[1][1]
+    assert [tag for tag, _ in starts] == ["tuned", "planner", "try", "try"]
+    assert starts[0][1] == bwd.config(incumbent) and "ms" not in starts[0][1]
     assert starts[3][1]["dq_tile"] == "128x64w8s3" and starts[3][1]["num_stages"] == 2
     assert all(bwd.check(cfg) is None for _, cfg in starts)
     # the forward has no dq_tile knob: only the plain tile applies to it
