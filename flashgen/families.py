@@ -184,6 +184,14 @@ STREAM_K_MIN_IDLE = 0.01
 STREAM_K_MIN_KEY_BLOCKS = 32
 
 
+def stream_k_config(config: dict) -> bool:
+    """Whether a Gluon forward config deals an even call's last rounds by key block: the
+    knob on, a persistent grid, and no OVERLAP (whose deferred stores a handed-over part has
+    none of). What stream_k_start asks of the config, and the form gluon_compile compiles."""
+    return bool(config.get("stream_k", GLUON_DEFAULT["stream_k"])
+                and config.get("persistent", True) and not config.get("overlap", False))
+
+
 def stream_k_start(tiles: int, programs: int, config: dict,
                    key_blocks: int = STREAM_K_MIN_KEY_BLOCKS) -> "int | None":
     """How many tiles of an even forward (every tile the same `key_blocks` key blocks) the
@@ -196,9 +204,8 @@ def stream_k_start(tiles: int, programs: int, config: dict,
     non-persistent grid, with OVERLAP (whose deferred stores a handed-over part has none
     of), for tiles of fewer than STREAM_K_MIN_KEY_BLOCKS key blocks, or when the rounds
     come out (nearly) whole."""
-    if (not config.get("stream_k", GLUON_DEFAULT["stream_k"])
-            or not config.get("persistent", True) or config.get("overlap", False)
-            or tiles <= programs or key_blocks < STREAM_K_MIN_KEY_BLOCKS):
+    if (not stream_k_config(config) or tiles <= programs
+            or key_blocks < STREAM_K_MIN_KEY_BLOCKS):
         return None
     rounds = tiles / programs
     if rounds / -(-tiles // programs) > 1.0 - STREAM_K_MIN_IDLE:

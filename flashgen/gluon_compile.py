@@ -184,8 +184,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         # block (families.stream_k_start): compile that form where the runtime launches it
         if (not varlen and not const["TILE_TABLE"] and "FULL_CNT" not in fn.arg_names
                 and not module.MASK_LEFT.value and not module.MASK_RIGHT.value
-                and config.get("stream_k", families.GLUON_DEFAULT["stream_k"])
-                and config.get("persistent", True) and not const["OVERLAP"]):
+                and families.stream_k_config(config)):
             const["STREAM_K"] = True
             pointers.update(SK_WS="fp32", SK_FLAGS="i32")
         else:
