@@ -41,6 +41,7 @@ class Facts:
     # why this variant cannot run a Gluon kernel here (None: it can); see families.py
     gluon: str | None = "no Gluon kernel considered"
     mask: str | None = None         # the variant's mask (None: not said)
+    block_sparse: bool = False      # a mask mod's block lists deal the forward's tiles
 
 
 Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
@@ -127,6 +128,8 @@ def _stream_k(config, facts: Facts) -> str | None:
         return None
     return (_persistent_only("stream_k", True)(config, facts)
             or (None if facts.mask == "none" else "a knob of the unmasked forward")
+            or ("a mask mod's block lists deal the tiles, not stream-K"
+                if facts.block_sparse else None)
             or ("stream-K is off with overlap anyway" if config.get("overlap") else None))
 
 
@@ -315,7 +318,7 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
               sm_count: int | None = None, capability: tuple[int, int] | None = None,
               knobs: Mapping[str, tuple[Knob, ...]] | None = None,
               gluon: str | None = "no Gluon kernel considered",
-              mask: str | None = None) -> Space:
+              mask: str | None = None, block_sparse: bool = False) -> Space:
     """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
     memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
     Triton (None when it can: the space then holds the Gluon family's points too). Raises
@@ -323,7 +326,8 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
     plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                              arch=_arch(capability))
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
-                  tuple(capability) if capability is not None else None, gluon, mask)
+                  tuple(capability) if capability is not None else None, gluon, mask,
+                  block_sparse)
     return Space(
         facts=facts,
         knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),

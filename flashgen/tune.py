@@ -645,12 +645,20 @@ def _import_built(spec, folder: Path):
         sys.path.remove(str(folder))
 
 
-def _space(kind, facts, gpu: GpuInfo) -> Space:
+def _space(kind, facts, gpu: GpuInfo, mod_kinds=()) -> Space:
+    """The variant's search space on this GPU; mod_kinds: the kinds of its mods (a mask mod
+    makes the Gluon forward block-sparse: no stream-K point)."""
     from .variants import DTYPE_BYTES
 
     return space_for(kind, facts["head_dim"], DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
                      gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu),
-                     mask=facts.get("mask"))
+                     mask=facts.get("mask"), block_sparse="mask" in mod_kinds)
+
+
+def _mod_kinds(pkg, name: str) -> tuple:
+    """The kinds (score / mask / sink) of a built package's variant's mods."""
+    mods = getattr(pkg._registry, "MODS", {})
+    return tuple(sorted({mods[m]["kind"] for m in pkg._registry.VARIANTS[name].get("mods", ())}))
 
 
 def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
@@ -930,7 +938,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         spaces = {}
         for name in names:
             try:
-                spaces[name] = _space(registry[name]["kind"], registry[name], gpu)
+                spaces[name] = _space(registry[name]["kind"], registry[name], gpu,
+                                      _mod_kinds(pkg, name))
             except ValueError as e:
                 log(f"{name}: skipped, no feasible config on this GPU: {e}")
         studies = [(name, bucket) for name in names if name in spaces for bucket in bucket_list]

@@ -132,6 +132,10 @@ def test_the_gluon_family_is_searched_where_it_runs():
     assert off and all(p["persistent"] and not p["overlap"] for p in off)
     assert len([p for p in unmasked.points() if p["family"] == "gluon"]) == (
         4 * 2 * 3 * 3 * (2 * 2 + 2 + 1) * 2)
+    # a mask mod's block lists deal an unmasked variant's tiles: no stream-K to turn off
+    sparse = space_for("fwd", 128, 2, **H100, gluon=None, mask="none", block_sparse=True)
+    assert all(p["stream_k"] for p in sparse.points())
+    assert "mask mod" in sparse.check({**off[0]})
     one_tile = {**families.gluon_default(128), "tma": False, "persistent": False}
     assert space.check(one_tile) is None
     assert "persistent" in space.check({**one_tile, "overlap": True})
