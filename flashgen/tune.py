@@ -962,86 +962,89 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
             log(f"compiling ahead in {compile_workers} processes, {compile_workers} trials "
                 "a batch")
 
-        def run_study(name, bucket, starts, **kw):
-            facts, space = registry[name], spaces[name]
-            measure = gpu_measure(pkg, name, bucket, device, spec=spec, default=space.default())
-            if ahead is not None:
-                kw.update(prepare=ahead.for_study(name, bucket).prepare, batch=ahead.workers)
-            try:
-                return tune_study(
-                    storage=store, name=study_name(name, bucket, gpu.key), space=space,
-                    measure=measure, n_trials=trials, warm_starts=starts, sampler=sampler,
-                    seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
-                    user_attrs={"variant": name, "bucket": bucket, "kind": facts["kind"],
-                                "space_size": len(space), **attrs}, **kw)
-            finally:
-                measure.close()
+        try:
+            def run_study(name, bucket, starts, **kw):
+                facts, space = registry[name], spaces[name]
+                measure = gpu_measure(pkg, name, bucket, device, spec=spec, default=space.default())
+                if ahead is not None:
+                    kw.update(prepare=ahead.for_study(name, bucket).prepare, batch=ahead.workers)
+                try:
+                    return tune_study(
+                        storage=store, name=study_name(name, bucket, gpu.key), space=space,
+                        measure=measure, n_trials=trials, warm_starts=starts, sampler=sampler,
+                        seed=seed + (worker_index or 0), progress=log, label=f"{name}@{bucket}",
+                        user_attrs={"variant": name, "bucket": bucket, "kind": facts["kind"],
+                                    "space_size": len(space), **attrs}, **kw)
+                finally:
+                    measure.close()
 
-        if budget is not None and not spawned and worker_index is None:
-            # Phase 1: every study measures its default config first, so each variant and
-            # bucket gets a default-vs-tuned row and the planner's choice is checked on
-            # this GPU; at the long buckets a slow variant's single call can take longer
-            # than an even share of the budget would give it. Phase 2 shares what is left.
-            t0 = time.monotonic()
+            if budget is not None and not spawned and worker_index is None:
+                # Phase 1: every study measures its default config first, so each variant and
+                # bucket gets a default-vs-tuned row and the planner's choice is checked on
+                # this GPU; at the long buckets a slow variant's single call can take longer
+                # than an even share of the budget would give it. Phase 2 shares what is left.
+                t0 = time.monotonic()
+                for name, bucket in studies:
+                    run_study(name, bucket, starts_for(name, bucket),
+                              timeout=0, min_trials=1, confirm_top=0)
+                log(f"defaults measured for {len(studies)} studies in "
+                    f"{time.monotonic() - t0:.0f} s")
+                budget = max(budget - (time.monotonic() - t0), 0.0)
+            clock = Budget(budget, len(studies))
+            # a bar with an ETA over the studies (stderr; one line per study when not a terminal)
+            bar = Progress(len(studies), "flashgen tune") if worker_index is None else None
+            winners: dict = {}   # (kind, bucket) -> best configs so far, newest first
+            previous: dict = {}  # variant -> (bucket, best config) of its last study
             for name, bucket in studies:
-                run_study(name, bucket, starts_for(name, bucket),
-                          timeout=0, min_trials=1, confirm_top=0)
-            log(f"defaults measured for {len(studies)} studies in {time.monotonic() - t0:.0f} s")
-            budget = max(budget - (time.monotonic() - t0), 0.0)
-        clock = Budget(budget, len(studies))
-        # a bar with an ETA over the studies (stderr; one line per study when not a terminal)
-        bar = Progress(len(studies), "flashgen tune") if worker_index is None else None
-        winners: dict = {}   # (kind, bucket) -> best configs so far, newest first
-        previous: dict = {}  # variant -> (bucket, best config) of its last study
-        for name, bucket in studies:
-            kind = registry[name]["kind"]
-            if clock.spent():
-                # the run's time is up: a later study keeps what it has (its default, from
-                # phase 1; a rerun resumes it) and still gets its row and tuning entry
-                log(f"{name}@{bucket}: no more trials, the --budget is spent")
-                skipped += 1
-                starts, kw = [], dict(timeout=0, min_trials=0, confirm_top=0)
-            else:
-                # what won nearby is the best first guess: the neighbouring bucket of this
-                # variant, then the same kind's other variants at this bucket
-                starts = starts_for(name, bucket)
-                if name in previous:
-                    starts.append((f"best@{previous[name][0]}", previous[name][1]))
-                starts += [("best of " + v, c) for v, c in winners.get((kind, bucket), [])[:2]]
-                kw = dict(timeout=0 if spawned else _min_none(timeout, clock.share()),
-                          # a budgeted run re-times fewer configs: the round is not free
-                          confirm_top=(0 if worker_index is not None else
-                                       CONFIRM_TOP if budget is None else 2),
-                          confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
-                          min_trials=1)
-            try:
-                result = run_study(name, bucket, starts, **kw)
-            finally:
-                clock.done()
-                if bar is not None:
-                    bar.advance(f"{name}@{bucket}")
-            result.variant, result.bucket = name, bucket
-            results.append(result)
-            if result.best_config is not None:
-                previous[name] = (bucket, result.best_config)
-                winners.setdefault((kind, bucket), []).insert(0, (name, result.best_config))
-            if write and worker_index is None:
-                _write_results(spec, gpu, [result], say)
-        if bar is not None:
-            bar.close()
-        if worker_index is None:
-            say("")
-            say(format_summary(results))
-            if skipped:
-                say(f"{skipped} studies got no trials past their default: the --budget ran "
-                    "out; run the same command again to tune them further")
-        if ahead is not None:
-            log(f"compile-ahead: {ahead.seconds:.0f} s waiting for the workers")
-            ahead.close()
-        if failed_workers:
-            raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
-                                "rerun the same command to resume")
-        return results
+                kind = registry[name]["kind"]
+                if clock.spent():
+                    # the run's time is up: a later study keeps what it has (its default, from
+                    # phase 1; a rerun resumes it) and still gets its row and tuning entry
+                    log(f"{name}@{bucket}: no more trials, the --budget is spent")
+                    skipped += 1
+                    starts, kw = [], dict(timeout=0, min_trials=0, confirm_top=0)
+                else:
+                    # what won nearby is the best first guess: the neighbouring bucket of this
+                    # variant, then the same kind's other variants at this bucket
+                    starts = starts_for(name, bucket)
+                    if name in previous:
+                        starts.append((f"best@{previous[name][0]}", previous[name][1]))
+                    starts += [("best of " + v, c) for v, c in winners.get((kind, bucket), [])[:2]]
+                    kw = dict(timeout=0 if spawned else _min_none(timeout, clock.share()),
+                              # a budgeted run re-times fewer configs: the round is not free
+                              confirm_top=(0 if worker_index is not None else
+                                           CONFIRM_TOP if budget is None else 2),
+                              confirm_rounds=CONFIRM_ROUNDS if budget is None else 2,
+                              min_trials=1)
+                try:
+                    result = run_study(name, bucket, starts, **kw)
+                finally:
+                    clock.done()
+                    if bar is not None:
+                        bar.advance(f"{name}@{bucket}")
+                result.variant, result.bucket = name, bucket
+                results.append(result)
+                if result.best_config is not None:
+                    previous[name] = (bucket, result.best_config)
+                    winners.setdefault((kind, bucket), []).insert(0, (name, result.best_config))
+                if write and worker_index is None:
+                    _write_results(spec, gpu, [result], say)
+            if bar is not None:
+                bar.close()
+            if worker_index is None:
+                say("")
+                say(format_summary(results))
+                if skipped:
+                    say(f"{skipped} studies got no trials past their default: the --budget ran "
+                        "out; run the same command again to tune them further")
+            if failed_workers:
+                raise FlashgenError(f"{failed_workers} of {workers} workers failed (see above); "
+                                    "rerun the same command to resume")
+            return results
+        finally:
+            if ahead is not None:  # (an interrupted or failed run too)
+                log(f"compile-ahead: {ahead.seconds:.0f} s waiting for the workers")
+                ahead.close()
 
 
 def _write_results(spec, gpu: GpuInfo, results: Sequence[StudyResult], say) -> None:
