@@ -721,7 +721,8 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
     ("tuned": the tuning file's entry as the runtime reads it, so a re-tune starts from the
     last winner and cannot end slower -- and a budgeted run, whose first phase measures
     only each study's first warm start, never writes a config it did not compare with what
-    it replaces), then the planner's config, the Gluon family's untuned config of this kind
+    it replaces; with no entry, the Gluon default where the package runs it untuned), then
+    the planner's config, the Gluon family's untuned config of this kind
     (where the space holds the family), the spec's explicit tile, the stored entry itself
     where the runtime reads it otherwise ("stored"), and the run's `--try` configs.
 
@@ -737,16 +738,20 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
         # families.gluon_by_default says so
         gluon_cfg = space.config(families.gluon_default(
             space.facts.head_dim, kind, v.get("mask"), tuple(v.get("mods", ()))))
+    gluon_runs = (gluon_cfg is not None and not v.get("mods")
+                  and families.gluon_by_default(kind, bool(v.get("dropout")),
+                                                space.facts.head_dim, (), bucket))
     current = stored = None
     if incumbent is not None:
         current = stored = space.config(incumbent)
-        if ("family" not in incumbent and gluon_cfg is not None and not v.get("mods")
-                and families.gluon_by_default(kind, bool(v.get("dropout")),
-                                              space.facts.head_dim, (), bucket)):
+        if "family" not in incumbent and gluon_runs:
             current = gluon_cfg
     starts = [("tuned", current)] if current is not None else []
+    if gluon_runs and incumbent is None:
+        # untuned, the package runs the Gluon default here: that is the first to measure
+        starts.append(("gluon", gluon_cfg))
     starts.append(("planner", space.default()))
-    if gluon_cfg is not None:
+    if gluon_cfg is not None and not (gluon_runs and incumbent is None):
         starts.append(("gluon", gluon_cfg))
     explicit = getattr(spec.blocks, {"fwd": "forward", "bwd": "backward",
                                      "decode": "decode"}[kind], None)
