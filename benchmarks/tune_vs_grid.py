@@ -69,13 +69,15 @@ def synthetic_cost(space: Space, salt: str = "") -> "callable":
 
 def compare(space: Space, measure, *, storage, name: str, seeds=(0,), fraction=FRACTION,
             warm_start: bool = True, confirm=None, progress=None, trials: int | None = None,
-            ahead=None) -> dict:
+            ahead=None, variant: str = "", bucket: int = 0) -> dict:
     """Grid (every feasible point) against TPE studies with floor(fraction * grid trials)
     trials each (or `trials`), on one space. `confirm(cfg_a, cfg_b)` -> (ms_a, ms_b)
     re-times the two winners side by side (the GPU); without it the studies' own numbers
-    are compared. `ahead`: a flashgen.ahead.CompileAhead pool (both compile in batches)."""
+    are compared. `ahead`: a flashgen.ahead.CompileAhead pool (both compile in batches;
+    `variant` and `bucket` name what it compiles)."""
     quiet = progress or (lambda line: None)
-    batch = dict(prepare=ahead.prepare, batch=ahead.workers) if ahead is not None else {}
+    batch = (dict(prepare=ahead.preparer(variant, bucket), batch=ahead.workers)
+             if ahead is not None else {})
     grid = tune_study(storage=storage, name=f"grid/{name}", space=space, measure=measure,
                       n_trials=len(space), sampler="grid", max_failures=len(space),
                       progress=quiet, label=f"grid {name}", **batch)
@@ -205,10 +207,8 @@ def main(argv=None):
             ahead = None
             if args.compile_workers > 1:
                 from flashgen.ahead import CompileAhead
-                window = (spec.window.left, spec.window.right) if spec.window else (-1, -1)
-                ahead = CompileAhead(Path(tmp), spec.package, "", 0,
-                                     workers=args.compile_workers, window=window,
-                                     gqa=bool(spec.gqa))
+                ahead = CompileAhead(Path(tmp), spec.package, spec.path,
+                                     workers=args.compile_workers)
             for name in select_variants(registry, args.variants, print):
                 space = _space(registry[name]["kind"], registry[name], gpu)
                 if args.family:
@@ -223,7 +223,7 @@ def main(argv=None):
                                       seeds=args.seeds, fraction=args.fraction,
                                       confirm=_gpu_confirm(workload), progress=print,
                                       trials=args.trials,
-                                      ahead=ahead.for_study(name, bucket) if ahead else None)
+                                      ahead=ahead, bucket=bucket, variant=name)
                     finally:
                         workload.close()
                     rows.append(row)

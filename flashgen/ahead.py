@@ -36,76 +36,64 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
-def _init(folder: str, package: str, device_index: int) -> None:
+def _init(folder: str, package: str, spec_path: str, device_index: int) -> None:
     import importlib
 
     import torch
 
+    from .spec import load_spec
+
     os.environ.pop("TRITON_INTERPRET", None)
     sys.path.insert(0, folder)
-    _STATE["pkg"] = importlib.import_module(package)
-    _STATE["device"] = torch.device("cuda", device_index)
-    _STATE["torch"] = torch
+    _STATE.update(pkg=importlib.import_module(package), spec=load_spec(spec_path),
+                  device=torch.device("cuda", device_index))
 
 
-def _compile(variant: str, bucket: int, window, gqa: bool, config: dict) -> str | None:
-    """Run `config`'s two calls once (the check's shape, then the timed one); None, or
-    why it failed (the tuner will see the same failure and record it)."""
+def _compile(variant: str, bucket: int, config: dict) -> str | None:
+    """Run `config`'s calls once (Workload.compile_once); None, or why it failed (the
+    tuner will see the same failure when it measures the config, and record it)."""
     from .measure import gpu_measure
 
-    key = (variant, bucket, tuple(window), gqa)
-    if _STATE.get("key") != key:
+    if _STATE.get("key") != (variant, bucket):
         old = _STATE.pop("measure", None)
         if old is not None:
             old.close()
-        pkg = _STATE["pkg"]
-        measure = gpu_measure(pkg, variant, bucket, _STATE["device"])
-        measure.window = tuple(window) if measure.mask == "sliding_window" else (-1, -1)
-        measure.gqa = gqa
-        _STATE.update(key=key, measure=measure)
-    measure = _STATE["measure"]
+        _STATE.update(key=(variant, bucket), measure=gpu_measure(
+            _STATE["pkg"], variant, bucket, _STATE["device"], spec=_STATE["spec"]))
     try:
-        measure.check(config)
-        fn, _ = measure._timing_setup()
-        with measure.pkg._runtime.override_config(**config):
-            fn()
-        _STATE["torch"].cuda.synchronize()
-    except Exception as e:  # reported again, properly, when the tuner measures it
+        _STATE["measure"].compile_once(config)
+    except Exception as e:
         return f"{type(e).__name__}: {str(e)[:200]}"
     return None
 
 
 class CompileAhead:
     """A pool of `workers` processes that compile trials' kernels ahead of their
-    measurement (see the module docstring). `prepare(configs)` returns when every config
-    has been compiled (or failed, or `timeout` seconds passed)."""
+    measurement (see the module docstring), for the package built in `folder` from the
+    spec at `spec_path`. `preparer(variant, bucket)` gives a study's `prepare(configs)`,
+    which returns when every config has been compiled (or failed, or `timeout` seconds
+    passed)."""
 
-    def __init__(self, folder: Path, package: str, variant: str, bucket: int, *,
-                 workers: int, window=(-1, -1), gqa: bool = False, device_index: int = 0,
-                 timeout: float = 600.0):
-        self.variant, self.bucket = variant, int(bucket)
-        self.window, self.gqa = tuple(window), bool(gqa)
+    def __init__(self, folder: Path, package: str, spec_path, *, workers: int,
+                 device_index: int = 0, timeout: float = 600.0):
         self.timeout = timeout
         self.workers = workers
         self.seconds = 0.0   # spent waiting for the workers, all batches
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
-            initializer=_init, initargs=(str(folder), package, device_index))
+            initializer=_init, initargs=(str(folder), package, str(spec_path), device_index))
 
-    def for_study(self, variant: str, bucket: int) -> "CompileAhead":
-        """The same pool, compiling for another (variant, bucket)."""
-        self.variant, self.bucket = variant, int(bucket)
-        return self
-
-    def prepare(self, configs: Sequence[Mapping]) -> list[str | None]:
-        t0 = time.monotonic()
-        futures = [self._pool.submit(_compile, self.variant, self.bucket, self.window,
-                                     self.gqa, dict(c)) for c in configs]
-        done, _ = concurrent.futures.wait(futures, timeout=self.timeout)
-        self.seconds += time.monotonic() - t0
-        return [f.result() if f in done and f.exception() is None
-                else f"not compiled ahead: {f.exception() if f in done else 'timeout'}"
-                for f in futures]
+    def preparer(self, variant: str, bucket: int):
+        def prepare(configs: Sequence[Mapping]) -> list[str | None]:
+            t0 = time.monotonic()
+            futures = [self._pool.submit(_compile, variant, int(bucket), dict(c))
+                       for c in configs]
+            done, _ = concurrent.futures.wait(futures, timeout=self.timeout)
+            self.seconds += time.monotonic() - t0
+            return [f.result() if f in done and f.exception() is None
+                    else f"not compiled ahead: {f.exception() if f in done else 'timeout'}"
+                    for f in futures]
+        return prepare
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

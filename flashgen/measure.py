@@ -283,6 +283,15 @@ class Workload:
         with self.pkg._runtime.override_config(**config):
             return bench_ms(fn, grads)
 
+    def compile_once(self, config: Mapping) -> None:
+        """Run `config`'s calls once, untimed and unchecked: the check's shape, then the
+        timed one (what flashgen/ahead.py's workers do to compile a trial's kernels)."""
+        self.check(config)
+        fn, _ = self._timing_setup()
+        with self.pkg._runtime.override_config(**config):
+            fn()
+        self.torch.cuda.synchronize()
+
     def close(self):
         self._timed = None
         self.torch.cuda.empty_cache()

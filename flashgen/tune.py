@@ -655,11 +655,6 @@ def _space(kind, facts, gpu: GpuInfo, mod_kinds=()) -> Space:
                      mask=facts.get("mask"), block_sparse="mask" in mod_kinds)
 
 
-def _mod_kinds(pkg, name: str) -> tuple:
-    """The kinds (score / mask / sink) of a built package's variant's mods."""
-    mods = getattr(pkg._registry, "MODS", {})
-    return tuple(sorted({mods[m]["kind"] for m in pkg._registry.VARIANTS[name].get("mods", ())}))
-
 
 def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
     """Why this variant cannot run a Gluon kernel on this GPU with this Triton (None when
@@ -944,7 +939,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         for name in names:
             try:
                 spaces[name] = _space(registry[name]["kind"], registry[name], gpu,
-                                      _mod_kinds(pkg, name))
+                                      pkg._runtime.mod_kinds(name))
             except ValueError as e:
                 log(f"{name}: skipped, no feasible config on this GPU: {e}")
         studies = [(name, bucket) for name in names if name in spaces for bucket in bucket_list]
@@ -961,9 +956,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         ahead = None
         if compile_workers > 1 and not spawned:
             from .ahead import CompileAhead
-            window = (spec.window.left, spec.window.right) if spec.window else (-1, -1)
-            ahead = CompileAhead(Path(tmp), spec.package, names[0], bucket_list[0],
-                                 workers=compile_workers, window=window, gqa=bool(spec.gqa))
+            ahead = CompileAhead(Path(tmp), spec.package, spec.path, workers=compile_workers)
             log(f"compiling ahead in {compile_workers} processes, {compile_workers} trials "
                 "a batch")
 
@@ -972,7 +965,7 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
                 facts, space = registry[name], spaces[name]
                 measure = gpu_measure(pkg, name, bucket, device, spec=spec, default=space.default())
                 if ahead is not None:
-                    kw.update(prepare=ahead.for_study(name, bucket).prepare, batch=ahead.workers)
+                    kw.update(prepare=ahead.preparer(name, bucket), batch=ahead.workers)
                 try:
                     return tune_study(
                         storage=store, name=study_name(name, bucket, gpu.key), space=space,
