@@ -1000,3 +1000,35 @@ def test_a_zero_timeout_still_measures_min_trials(storage):
                         timeout=0.0, warm_starts=[("planner", space.default())],
                         progress=quiet, min_trials=1, confirm_top=0)
     assert result.stopped == "timeout" and calls == [space.default()]
+
+
+def test_compile_ahead_worker_keeps_one_measure_and_reports_failures(monkeypatch):
+    """flashgen/ahead.py's worker side, in-process with a stand-in measure: one measure per
+    (variant, bucket), replaced (and closed) when the study changes; a config that raises
+    comes back as its reason instead of killing the worker."""
+    from flashgen import ahead, measure
+
+    made, closed = [], []
+
+    class Fake:
+        def __init__(self, variant, bucket):
+            self.key, self.ran = (variant, bucket), []
+            made.append(self)
+
+        def compile_once(self, config):
+            if config.get("bad"):
+                raise RuntimeError("out of resource: shared memory")
+            self.ran.append(config)
+
+        def close(self):
+            closed.append(self.key)
+
+    monkeypatch.setattr(measure, "gpu_measure",
+                        lambda pkg, variant, bucket, device, spec=None: Fake(variant, bucket))
+    monkeypatch.setattr(ahead, "_STATE", {"pkg": None, "spec": None, "device": None})
+    assert ahead._compile("fwd_d64_bf16", 4096, {"block_n": 64}) is None
+    assert ahead._compile("fwd_d64_bf16", 4096, {"block_n": 128}) is None
+    assert "shared memory" in ahead._compile("fwd_d64_bf16", 4096, {"bad": True})
+    assert ahead._compile("fwd_d64_bf16", 2048, {"block_n": 64}) is None
+    assert [m.key for m in made] == [("fwd_d64_bf16", 4096), ("fwd_d64_bf16", 2048)]
+    assert made[0].ran == [{"block_n": 64}, {"block_n": 128}] and closed == [("fwd_d64_bf16", 4096)]
