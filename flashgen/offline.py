@@ -56,7 +56,8 @@ class KernelResources:
 
 _MOD_POINTERS = {"fp32": "*fp32", "fp16": "*fp16", "bf16": "*bf16", "int32": "*i32",
                  "int64": "*i64", "bool": "*i8"}
-_BLOCK_LISTS = ("FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BLOCK_IDX")  # BLOCK_IDX: Gluon
+# BLOCK_IDX: the Gluon forward's; PROG_ORDER: the Gluon backward's program order
+_BLOCK_LISTS = ("FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BLOCK_IDX", "PROG_ORDER")
 
 
 def mod_arg_types(registry, name: str) -> tuple[dict, dict]:

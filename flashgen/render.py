@@ -195,6 +195,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     sparse_args = ["FULL_CNT", "FULL_IDX", "PART_CNT", "PART_IDX", "BM_SB", "BM_SH"] if block_sparse else []
     # the Gluon forward's: one list per query block in walk order (_mods._block_lists, merged)
     gl_sparse_args = ["FULL_CNT", "PART_CNT", "BLOCK_IDX", "BM_SB", "BM_SH"] if block_sparse else []
+    # the Gluon backward's: the transposed lists, then the order its programs take the key
+    # blocks in (_mods._program_order: the longest lists first, head-major among equals)
+    gl_bwd_sparse_args = sparse_args + ["PROG_ORDER"] if block_sparse else []
     # integers that change per call: not specialised on (a new length reuses the binary)
     ints = sizes + [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
         grad_strides + (["BM_SB", "BM_SH"] if block_sparse else [])
@@ -230,6 +233,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "grad_flags": [g["flag"] for g in grad_lines],
         "sparse_args": sparse_args,
         "gl_sparse_args": gl_sparse_args,
+        "gl_bwd_sparse_args": gl_bwd_sparse_args,
+        # what the Gluon backward's partitions pass _block_coords as its program order
+        "gl_bwd_order": "PROG_ORDER" if block_sparse else "None",
         "mod_nospec": ints,
     }
 
@@ -280,6 +286,7 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         **{k: v for k, v in context.items()
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
                     "gl_score_grad", "block_sparse", "gl_sparse_args", "sparse_args",
+                    "gl_bwd_sparse_args", "gl_bwd_order",
                     "fast_tanh")},
     }
 

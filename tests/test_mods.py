@@ -436,6 +436,51 @@ def test_merged_block_list_for_the_gluon_forward(pkg):
             assert idx[g, m, :f + p].tolist() == want
 
 
+def test_gluon_backward_program_order(pkg, monkeypatch):
+    """The Gluon backward's program order (_mods._program_order): a permutation of the
+    (batch, K/V head, key block) programs whose cost classes (the lists' lengths, a
+    program's query heads summed under GQA) never grow along the grid, head-major within
+    a class; head-major throughout at BWD_ORDER_QUANTUM = 0; cached with the lists."""
+    mods = pkg._mods
+    n, batch, h_q, h_kv, bm, bn = 200, 3, 4, 2, 16, 32
+    lo, hi = -201, 0  # causal
+    name = "fwd_causal_document_d32_fp32"
+    doc = documents(batch, n, "cpu", seed=7)
+    call = mods.prepare(("document",), {"doc": doc}, batch, h_q, n, n, torch.device("cpu"))
+    nkb = -(-n // bn)
+    out = call.sparse(name, bm, bn, True, lo, hi, order_heads=h_kv)
+    lists, order = out[:-1], out[-1]
+    assert lists == call.sparse(name, bm, bn, True, lo, hi)  # the lists themselves unchanged
+    assert call.sparse(name, bm, bn, True, lo, hi, order_heads=h_kv)[-1] is order  # cached
+    assert order.dtype == torch.int32
+    assert sorted(order.tolist()) == list(range(batch * h_kv * nkb))
+    # each program's cost, by brute force over the mask (not through the lists)
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    cost = torch.zeros(batch, h_kv, nkb)
+    for b in range(batch):
+        vis = (doc[b][:, None] == doc[b][None, :]) & (j <= i)
+        for kb in range(nkb):
+            full = part = 0
+            for m in range(-(-n // bm)):
+                tile = vis[m * bm:(m + 1) * bm, kb * bn:(kb + 1) * bn]
+                if tile.shape == (bm, bn) and bool(tile.all()):
+                    full += 1
+                elif tile.any():
+                    part += 1
+            # every query head of the K/V head walks the same lists (the mask ignores h)
+            cost[b, :, kb] = (h_q // h_kv) * (full + mods.BWD_PARTIAL_WEIGHT * part
+                                              + mods.BWD_PROGRAM_STEPS)
+    cost = cost.view(-1)
+    cls = torch.floor(cost / (cost.mean() * mods.BWD_ORDER_QUANTUM))[order.long()]
+    assert (cls[1:] <= cls[:-1]).all()  # longest classes first
+    assert cls[0] > cls[-1]  # (the case has more than one class)
+    same = cls[1:] == cls[:-1]
+    assert (order[1:][same] > order[:-1][same]).all()  # head-major within a class
+    monkeypatch.setattr(mods, "BWD_ORDER_QUANTUM", 0.0)
+    head_major = call.sparse(name, bm, bn, True, lo, hi, order_heads=h_kv)[-1]
+    assert head_major.tolist() == list(range(batch * h_kv * nkb))
+
+
 # ----------------------------------------------------------------------------------------
 # The Gluon forward with mods on Hopper (-m gpu): mask mods walk the block mask
 # ----------------------------------------------------------------------------------------

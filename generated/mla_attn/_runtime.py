@@ -962,7 +962,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             tensors = (q, k, v, do, lse, delta)
         dkdv(*tensors[:6], dk, dv, tensors[6] if locks_shape is not None else dq_acc,
              *dkdv_args, *(mods.args if mods is not None else ()),
-             *(mods.sparse(*tiles, lo, hi) if tiles else ()))
+             *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1]) if tiles else ()))
         if dq_accum is None:
             dq.copy_(dq_acc)
         return delta[..., :n_q]

@@ -61,8 +61,15 @@ class Call:
                 out += (buf, *buf.stride())
         return out
 
-    def sparse(self, variant, block_m, block_n, transpose, lo, hi, merged=False) -> tuple:
-        return _block_lists(self, variant, block_m, block_n, transpose, lo, hi, merged)
+    def sparse(self, variant, block_m, block_n, transpose, lo, hi, merged=False,
+               order_heads=None) -> tuple:
+        """The block lists of one kernel's tile (_block_lists); order_heads (the Gluon
+        backward's K/V head count) appends the order its programs run in (_program_order)."""
+        lists = _block_lists(self, variant, block_m, block_n, transpose, lo, hi, merged)
+        if order_heads is None:
+            return lists
+        return lists + (_program_order(self, lists, variant, block_m, block_n, lo, hi,
+                                       order_heads),)
 
 
 def _expected(dims, batch, h_q, n_q, n_k) -> list:
@@ -223,6 +230,57 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged=Fals
         _states.popitem(last=False)
     _states[key] = (lists, call.mask_refs)
     return lists
+
+
+# The Gluon backward runs a program per (batch, K/V head, key block) and the GPU starts
+# them in grid order, so a program much longer than the rest left near the end of the grid
+# runs on while the other SMs idle: a window's sink block (every query block sees it, 3-4x
+# the mean list), a prefix or a long document's first blocks. _program_order sorts the
+# programs by the cost of their lists, in classes BWD_ORDER_QUANTUM x the mean cost wide,
+# head-major within a class (a stable sort), so that programs of about the same length
+# still run a head's key blocks together and share its Q, dO and dQ sum through L2. A
+# model of the dispatch (132 SMs taking programs in order; the bench's masks at N=4096)
+# put the busiest SM at 1.06-1.18x the mean in head-major order and 1.02-1.04x with
+# classes one mean wide, at 9-13 heads in flight instead of 5 (0.5 wide: 1.01-1.02x, 17
+# heads). 0 (or None) keeps head-major order, the A/B baseline.
+BWD_ORDER_QUANTUM = 1.0
+# a program's fixed cost (launch, K and V in, dK and dV out) and a partial step's cost
+# (the mask arithmetic), in full query-block steps: guesses for the cost model above
+BWD_PROGRAM_STEPS = 4.0
+BWD_PARTIAL_WEIGHT = 1.3
+
+
+def _program_order(call, lists, variant, block_m, block_n, lo, hi, h_kv) -> torch.Tensor:
+    """int32 [B * H_KV * NUM_N]: the (b * H_KV + kv_h) * NUM_N + key block that program i
+    of the Gluon backward runs (lists: the transposed _block_lists, one row per (mask
+    group, key block)). Made on the device, no sync; cached with the lists."""
+    quantum = BWD_ORDER_QUANTUM or 0.0
+    batch, h_q, n_q, n_k = call.shape
+    key = ("order", variant, block_m, block_n, lo, hi, n_q, n_k, batch, h_q, h_kv, quantum,
+           call.mask_key, call.device)
+    hit = _states.get(key) if call.mask_key is not None else None
+    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
+        _states.move_to_end(key)
+        return hit[0]
+    full_cnt, _, part_cnt, _, sb, sh = lists
+    nkb = _runtime.triton_cdiv(n_k, block_n)
+    count = batch * h_kv * nkb
+    if quantum <= 0.0:
+        order = torch.arange(count, device=call.device, dtype=torch.int32)
+    else:
+        rows = (torch.arange(batch, device=call.device)[:, None] * sb
+                + torch.arange(h_q, device=call.device)[None, :] * sh)  # [B, H_q]
+        cost = (full_cnt.view(-1, nkb)[rows].float() + BWD_PARTIAL_WEIGHT
+                * part_cnt.view(-1, nkb)[rows].float() + BWD_PROGRAM_STEPS)  # [B, H_q, NUM_N]
+        # a program walks every query head of its K/V head (GQA)
+        cost = cost.view(batch, h_kv, h_q // h_kv, nkb).sum(2).view(-1)
+        cls = torch.floor(cost / (cost.mean() * quantum))
+        order = torch.sort(-cls, stable=True).indices.to(torch.int32)
+    if call.mask_key is not None:
+        if len(_states) >= _MAX_STATES:
+            _states.popitem(last=False)
+        _states[key] = (order, call.mask_refs)
+    return order
 
 
 # ----------------------------------------------------------------------------------------

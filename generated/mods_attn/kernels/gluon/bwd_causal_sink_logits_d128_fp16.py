@@ -93,12 +93,17 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 # Which key block a program owns, and which query blocks see it
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _block_coords(NUM_N, H_KV, BLOCK_N: gl.constexpr):
+def _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
     """(batch, K/V head, first key row) of this program. Programs of one head are
     consecutive, so the ones running together read the same Q and dO through L2; within a
     head the first key blocks, which the most query rows see under a causal mask, go
-    first."""
+    first. With a block mask (PROG_ORDER, made on the device by _mods._program_order) the
+    key blocks with the longest lists go first, head-major among blocks of about the same
+    length: programs start in grid order, so a long one left to the end of the grid (a
+    window's sink block: 3-4x the mean) runs alone while the other SMs idle."""
     pid = gl.program_id(0)
+    if PROG_ORDER is not None:
+        pid = gl.load(PROG_ORDER + pid)
     bkv = pid // NUM_N
     return bkv // H_KV, bkv % H_KV, (pid % NUM_N) * BLOCK_N
 
@@ -206,8 +211,8 @@ def _varlen_block(CU_K, BATCH, TOTAL_K, H_KV, NUM_N, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N: gl.constexpr,
-             VARLEN: gl.constexpr, layout: gl.constexpr):
+def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, PROG_ORDER,
+             BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, layout: gl.constexpr):
     """What a program works on: (descriptor batch, batch, K/V head, first key row; its
     sequence's first query and key rows, query and key counts, LO_OFF and HI_OFF). Dense:
     batch b's whole N_Q x N_K. VARLEN (SEQS sequences): one batch of packed rows (N_Q, N_K
@@ -223,7 +228,7 @@ def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N: g
         db = gl.program_id(0) * 0  # the descriptors see the packed rows as one batch
         return db, b, kv_h, n_start, q0, k0, n_q, n_k, LO_OFF + (n_k - n_q), HI_OFF + (n_k - n_q)
     else:
-        b, kv_h, n_start = _block_coords(NUM_N, H_KV, BLOCK_N)
+        b, kv_h, n_start = _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N)
         return b, b, kv_h, n_start, 0, 0, N_Q, N_K, LO_OFF, HI_OFF
 
 
@@ -263,7 +268,8 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
               VARLEN: gl.constexpr):
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
     db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
-        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N, VARLEN, seq_layout)
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, None, BLOCK_N,
+        VARLEN, seq_layout)
     # this program's K and V, a [SPLIT_N, HEAD_DIM_PAD] box of each per consumer
     mbarrier.expect(kv_ready, 2 * NUM_CONSUMERS * desc_k.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
@@ -347,7 +353,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     # VARLEN: a sequence a lane, every warp a copy (the sums stay inside a warp)
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
-        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, BLOCK_N, VARLEN, seq_layout)
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, None, BLOCK_N,
+        VARLEN, seq_layout)
     lo, full_lo, full_hi, hi = _query_range(n_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N,
                                             VARLEN)
     keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
