@@ -16,17 +16,25 @@ Providers, all on the same tokens:
 * `flashgen_dense`: that package's flash_attn_func on a dense (total / dense_n, dense_n,
   H, d) batch -- the same number of tokens in equal sequences: the kernel varlen is held
   to (>= 0.95x its TFLOP/s);
+* `flashgen_dense_matched`: the same dense kernel at each document's own length -- for
+  every distinct length n, a dense (total // n, n, H, d) batch (about the same tokens)
+  is timed, and the documents' FLOPs are charged at that length's TFLOP/s
+  (matched_time_ms). Its time is what the dense kernel would take for these documents
+  if raggedness cost nothing; varlen against it is the packing's own overhead (walk,
+  masking, scheduling), while `flashgen_dense` against it is what short sequences cost
+  any kernel (more diagonal blocks and per-tile costs per FLOP). Reported beside the
+  bar, not instead of it;
 * `flex_document`: torch.compile(flex_attention) on (1, H, total, d) with a causal
   document BlockMask (create_block_mask over the document ids);
 * `torch_varlen`: torch.nn.attention.varlen.varlen_attn (window (-1, 0) = causal), where
   this torch has it.
 
 FLOPs count each document on its own (4 * H * n^2 * d per forward, halved for causal,
-backward 2.5x), so the TFLOP/s of the three varlen-shaped providers are comparable; the
-dense row counts its own equal sequences. Times: triton.testing.do_bench medians; the
-backward times one saved forward's backward. Every provider's output is checked against
-flashgen's (bf16 tolerance 3e-2) before it is timed. Results: a table on stdout and, with
---out, JSON rows.
+backward 2.5x), so the TFLOP/s of the varlen-shaped providers (the matched row included)
+are comparable; the dense row counts its own equal sequences. Times:
+triton.testing.do_bench medians; the backward times one saved forward's backward. Every
+varlen-shaped provider's output is checked against flashgen's (bf16 tolerance 3e-2)
+before it is timed. Results: a table on stdout and, with --out, JSON rows.
 
 The pure parts (lengths, cu_seqlens, FLOPs, the plan and the dry run) run anywhere and are
 tested on the CPU (tests/test_bench_varlen.py)."""
@@ -38,7 +46,8 @@ import math
 import random
 import sys
 
-PROVIDERS = ("flashgen_varlen", "flashgen_dense", "flex_document", "torch_varlen")
+PROVIDERS = ("flashgen_varlen", "flashgen_dense", "flashgen_dense_matched", "flex_document",
+             "torch_varlen")
 DEFAULTS = dict(docs=16, total=16384, min_len=128, max_len=4096, d=128, h=16, seed=0,
                 dense_n=4096)
 TOL = 3e-2
@@ -89,6 +98,20 @@ def document_flops(lengths, h: int, d: int, causal: bool, mode: str) -> float:
     return 2.5 * f if mode == "bwd" else f
 
 
+def matched_batches(lengths, total: int) -> dict:
+    """The dense batch timed for each distinct document length of the length-matched
+    baseline: n -> B with B * n as close to `total` tokens as whole sequences allow (at
+    least one), so every length is timed on a call about as large as the varlen one."""
+    return {n: max(1, round(total / n)) for n in sorted(set(lengths)) if n > 0}
+
+
+def matched_time_ms(lengths, rates: dict, h: int, d: int, mode: str) -> float:
+    """The length-matched dense time of the documents: each one's FLOPs (document_flops)
+    at the TFLOP/s the dense kernel reached at its length (`rates`: n -> TFLOP/s)."""
+    return sum(document_flops([n], h, d, True, mode) / (rates[n] * 1e12) * 1e3
+               for n in lengths if n > 0)
+
+
 def plan(providers=None, modes=("fwd", "bwd"), **kw) -> list:
     """The cases of a run: one per (mode, provider), with the workload's facts."""
     cfg = {**DEFAULTS, **{k: v for k, v in kw.items() if v is not None}}
@@ -125,7 +148,7 @@ def dry_run_text(cases) -> str:
              f"{c0['lengths']}), H={c0['h']}, d={c0['d']}, bf16, causal",
              f"dense baseline: B={c0['total'] // c0['dense_n']} x N={c0['dense_n']}"]
     for c in cases:
-        lines.append(f"  {c['mode']} {c['provider']:16s} {c['flops'] / 1e12:.3f} TFLOP")
+        lines.append(f"  {c['mode']} {c['provider']:22s} {c['flops'] / 1e12:.3f} TFLOP")
     return "\n".join(lines) + "\n"
 
 
@@ -211,6 +234,13 @@ def measure(cases, log=print) -> list:
         row["status"] = "ok"
         fn = provs.get(case["provider"])
         try:
+            if case["provider"] == "flashgen_dense_matched":
+                ms = _matched_ms(case, log)
+                row["ms"] = round(ms, 4)
+                row["tflops"] = round(case["flops"] / (ms * 1e-3) / 1e12, 1)
+                log(f"{row['mode']} {row['provider']:22s} {row['ms']} ms {row['tflops']} TFLOP/s")
+                rows.append(row)
+                continue
             if fn is None:
                 raise RuntimeError("not available in this torch")
             if case["provider"] != "flashgen_dense":
@@ -232,10 +262,39 @@ def measure(cases, log=print) -> list:
             row["tflops"] = round(case["flops"] / (ms * 1e-3) / 1e12, 1)
         except Exception as e:  # a provider that fails is reported, not fatal
             row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
-        log(f"{row['mode']} {row['provider']:16s} {row.get('ms', '-')} ms "
+        log(f"{row['mode']} {row['provider']:22s} {row.get('ms', '-')} ms "
             f"{row.get('tflops', '-')} TFLOP/s {row['status'] if row['status'] != 'ok' else ''}")
         rows.append(row)
     return rows
+
+
+def _time(call, grads=None) -> float:
+    import triton
+    return triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads,
+                                   return_mode="median")
+
+
+def _matched_ms(case, log) -> float:
+    """flashgen_dense_matched: the dense kernel timed at every distinct document length
+    (matched_batches), the documents charged at their length's rate (matched_time_ms)."""
+    import torch
+
+    h, d, mode = case["h"], case["d"], case["mode"]
+    pkg = _package(d)
+    rates = {}
+    for n, b in matched_batches(case["lengths"], case["total"]).items():
+        q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        if mode == "fwd":
+            ms = _time(lambda: pkg.flash_attn_func(q, k, v, causal=True))
+        else:
+            qg, kg, vg = (t.requires_grad_() for t in (q, k, v))
+            o = pkg.flash_attn_func(qg, kg, vg, causal=True)
+            do = torch.randn_like(o)
+            ms = _time(lambda: o.backward(do, retain_graph=True), [qg, kg, vg])
+        rates[n] = document_flops([n] * b, h, d, True, mode) / (ms * 1e-3) / 1e12
+        log(f"  {mode} dense ({b}, {n}): {ms:.4f} ms {rates[n]:.1f} TFLOP/s")
+    return matched_time_ms(case["lengths"], rates, h, d, mode)
 
 
 def bar_text(rows) -> str:
@@ -248,6 +307,12 @@ def bar_text(rows) -> str:
                      and r.get("tflops")), None)
         if mine is None:
             continue
+        matched = next((r for r in rows if r["mode"] == mode and r.get("tflops")
+                        and r["provider"] == "flashgen_dense_matched"), None)
+        if matched is not None:
+            lines.append(f"{mode}: varlen / flashgen_dense_matched = "
+                         f"{mine['tflops'] / matched['tflops']:.3f} (the packing's own overhead; "
+                         f"no bar)")
         for r in rows:
             if r["mode"] == mode and r["provider"] in need and r.get("tflops"):
                 ratio = mine["tflops"] / r["tflops"]

@@ -195,7 +195,9 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
             # group, ..., NUM_N = cdiv(max_seqlen_k, 128), LSE/D row length = total_q
             assert args[18:21] == (8 * 128, 128, 8 * 128)
             assert args[21:26] == (len(lq), sum(lq), sum(lk), 2, 4)
-            assert args[30] == -(-max(lk) // 128) and args[-1] == sum(lq) and len(args) == 32
+            assert args[30] == -(-max(lk) // 128) and args[31] == sum(lq) and len(args) == 33
+            # HEAD_GROUP: K/V heads a group of the program order (_gluon_varlen_bwd_heads)
+            assert args[32] == rt._gluon_varlen_bwd_heads(2, sum(lk), max(lk)) == 2
         q = torch.randn(sum(lq), 8, 128, dtype=torch.bfloat16)
         k = torch.randn(sum(lk), 4, 2, 128, dtype=torch.bfloat16)[:, 1]  # strided K, V
         acc = torch.zeros(q.shape)
@@ -217,6 +219,26 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
     with rt.override_config(family="gluon"):
         plan = _varlen_bwd_plan(pkg, lq, lk, 8, 2, 128, True)
         assert plan[-1] == rt._GLUON and plan[5] is None and plan[2].meta["HOST_DESC"] is False
+
+
+def test_varlen_backward_head_groups(pkg, monkeypatch):
+    """The Gluon varlen backward's K/V heads a group: at most total / max_seqlen (the rows
+    in flight at a group's top stay within one head of the batch) and the cap, cut to a
+    divisor of the K/V heads; VARLEN_GLUON_BWD_HEADS = 1 is head-major order, None no cap."""
+    rt = pkg._runtime
+    heads = rt._gluon_varlen_bwd_heads
+    monkeypatch.setattr(rt, "VARLEN_GLUON_BWD_HEADS", 4)
+    assert heads(16, 16384, 4096) == 4  # the bench: 4 heads of its 4096-token document
+    assert heads(16, 16384, 16384) == 1  # one sequence: head-major, as before
+    assert heads(16, 16384, 8192) == 2
+    assert heads(16, 16384, 5000) == 2  # 3 is not a divisor of 16
+    assert heads(6, 16384, 1000) == 3  # 4 is not a divisor of 6
+    assert heads(1, 16384, 128) == 1
+    assert heads(8, 100, 0) == 4  # an empty batch: any group owns nothing
+    monkeypatch.setattr(rt, "VARLEN_GLUON_BWD_HEADS", None)
+    assert heads(16, 16384, 1024) == 16
+    monkeypatch.setattr(rt, "VARLEN_GLUON_BWD_HEADS", 1)
+    assert heads(16, 16384, 128) == 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -321,6 +343,26 @@ def test_gluon_varlen_backward_many_sequences(pkg, poison):
     q, k, v, out, lse, do = _run(pkg, lq, lk, 4, 2, 128, torch.bfloat16, causal=True)
     ref = reference(q, k, v, lq, lk, do, causal=True)
     assert_all((out, lse, q.grad, k.grad, v.grad), ref, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
+def test_gluon_varlen_backward_head_groups(pkg, poison, monkeypatch, group):
+    """The backward's program order in groups of K/V heads (HEAD_GROUP): head-major (1),
+    groups that divide the 4 K/V heads (2, 4) and one that leaves a smaller last group (3,
+    which the host's rule never picks but the kernel must still get right), with GQA and
+    more sequences than one 32-lane chunk: every key block of every head owned once."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    monkeypatch.setattr(pkg._runtime, "_gluon_varlen_bwd_heads", lambda h_kv, tk, mk: group)
+    pkg._runtime._backward_plans.clear()
+    g = torch.Generator().manual_seed(5)
+    lq = torch.randint(0, 400, (40,), generator=g).tolist()
+    lq[3], lq[7], lq[20] = 0, 1, 1100
+    q, k, v, out, lse, do = _run(pkg, lq, lq, 8, 4, 128, torch.bfloat16, causal=True)
+    ref = reference(q, k, v, lq, lq, do, causal=True)
+    assert_all((out, lse, q.grad, k.grad, v.grad), ref, torch.bfloat16)
+    pkg._runtime._backward_plans.clear()  # the next test plans with the real rule
 
 
 @pytest.mark.gpu

@@ -1121,7 +1121,7 @@ def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3],
             *dk.stride()[:3], *dv.stride()[:3], *acc_stride[:3],
             batch, n_q, n_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
-            _vec_row(n_q))
+            _vec_row(n_q), 1)  # HEAD_GROUP: a packed batch's program order only
     return launch, args, boxes, acc_stride
 
 
@@ -1195,6 +1195,17 @@ VARLEN_GLUON_BACKWARD = True
 # bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
 # one group, 1.37x with the L2 rule's 2 heads). More heads per group share L2 less.
 VARLEN_GLUON_ROUNDS = 8
+# The most K/V heads a group of the Gluon varlen backward's program order
+# (_gluon_varlen_bwd_heads; 1: head-major, the order before groups). A model of the
+# 16-document bench (benchmarks/varlen_schedule_model.py: per-step and per-program costs
+# fitted to the dense backward's runs, programs dispatched in grid order) puts the last SM
+# done at 1.094x the mean with 1 head a group, 1.044x with 2, 1.015x with 4, 1.016x with 8
+# and 1.012x with 16 (+7.5% predicted at 4); 4 of the bench's 16 heads keep the rows in flight at the top (4 heads
+# of its 4096-token document) at what head-major order has in flight (one head of all
+# 16384 tokens). None: no cap but the rule's. Measured on the H100 (16-document bench,
+# interleaved, docs/PERF_NOTES.md fifteenth session): 316.9 / 327.5 / 333.8 / 333.1 TFLOP/s
+# with 1 / 2 / 4 / 16 heads a group.
+VARLEN_GLUON_BWD_HEADS = 4
 
 
 def check_values_setting():
@@ -1566,8 +1577,20 @@ def _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv, batch, max_k, lo
             dk.stride(0), dk.stride(1), dk.stride(0), dv.stride(0), dv.stride(1), dv.stride(0),
             h_q * d, d, h_q * d,
             batch, total_q, total_k, h_kv, h_q // h_kv, scale * LOG2E, scale, lo, hi, num_n,
-            total_q)
+            total_q, _gluon_varlen_bwd_heads(h_kv, total_k, max_k))
     return launch, args, boxes
+
+
+def _gluon_varlen_bwd_heads(h_kv: int, total_k: int, max_k: int) -> int:
+    """K/V heads a group of the Gluon varlen backward's program order (HEAD_GROUP, the
+    kernel's _varlen_block: longest key blocks first within a group). The most that keeps
+    the rows in flight at a group's top levels (the longest sequence's, once a head of the
+    group) within one head of the whole batch -- what head-major order (1) has in flight --
+    and at most VARLEN_GLUON_BWD_HEADS, cut to a divisor of h_kv so that no small group is
+    left to run alone at the end (it would restart from the longest blocks on few heads)."""
+    cap = VARLEN_GLUON_BWD_HEADS if VARLEN_GLUON_BWD_HEADS is not None else h_kv
+    most = max(1, min(h_kv, cap, total_k // max(max_k, 1)))
+    return max(g for g in range(1, most + 1) if h_kv % g == 0)
 
 
 def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc) -> tuple:

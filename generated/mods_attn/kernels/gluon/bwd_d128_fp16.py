@@ -115,15 +115,23 @@ def _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
 # keeps empty programs from interleaving with the real ones (the bench's 16 documents of
 # 128..4096 tokens: 2176 real blocks, 8192 slots).
 #
-# Order: head-major, as the dense grid (a head's Q, dO and dQ sum are shared by its blocks
-# running together), and within a head by *level*, from the top: a key block's level is
-# the number of key blocks after it in its sequence, so level L holds block nblk_i - 1 - L
-# of every sequence i with more than L blocks (in sequence order). Under a causal band a
-# block sees about L + 1 query blocks, so this is longest-first at block granularity: the
-# first key block of the longest sequence starts first, the last block of every sequence
-# ends the head. Without a band the top levels are the longest sequences' blocks. A
-# program finds its level by bisection (each step a pass over the sequences) and its
-# sequence by a prefix count.
+# Order: in groups of HEAD_GROUP K/V heads, and within a group by *level*, from the top: a
+# key block's level is the number of key blocks after it in its sequence, so level L holds
+# block nblk_i - 1 - L of every sequence i with more than L blocks (in sequence order, each
+# sequence's block for every head of the group in turn). Under a causal band a block sees
+# about L + 1 query blocks, so this is longest-first at block granularity: the first key
+# blocks of the longest sequence start first, the last block of every sequence ends the
+# group. Without a band the top levels are the longest sequences' blocks. A program finds
+# its level by bisection (each step a pass over the sequences) and its sequence by a
+# prefix count. HEAD_GROUP = 1 is head-major, as the dense grid: a head's Q, dO and dQ sum
+# are shared by its blocks running together; but every head then ends on its sequences'
+# last (cheapest) blocks and the next one restarts from the longest, and the programs in
+# flight at a head's start are unevenly long (the 16-document bench, modelled: the last
+# SM done 1.09x the mean). With a group of heads the longest blocks of the whole group go
+# first (1.015x with 4 heads of 16), while the rows in flight at the top levels -- the
+# longest sequence's, of every head of the group -- stay near what one head-major head
+# touches when the group is at most total / max_seqlen heads (the runtime's rule,
+# _gluon_varlen_bwd_heads).
 @gluon.jit
 def _seq_span(CU, b, TOTAL):
     """(first row, length) of sequence b, clamped into [0, TOTAL] as the `tl` kernels'
@@ -179,33 +187,39 @@ def _nth_seq_at(CU_K, level, rank, BATCH, TOTAL_K, NUM_N, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _varlen_block(CU_K, BATCH, TOTAL_K, H_KV, NUM_N, BLOCK_N: gl.constexpr,
+def _varlen_block(CU_K, BATCH, TOTAL_K, H_KV, HEAD_GROUP, NUM_N, BLOCK_N: gl.constexpr,
                   layout: gl.constexpr):
     """(whether it owns one, sequence, K/V head, first key row in the sequence) of this
     program's key block in the order above."""
     pid = gl.program_id(0)
     per_head = _blocks_above(CU_K, -1, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
     live = pid < H_KV * per_head
-    kv_h = gl.minimum(pid // gl.maximum(per_head, 1), H_KV - 1)
-    r = pid - kv_h * per_head  # this program's rank in its head
-    # its level: the lowest one with at most r of the head's blocks above it
+    group = gl.minimum(gl.maximum(HEAD_GROUP, 1), H_KV)
+    g0 = (pid // gl.maximum(group * per_head, 1)) * group  # the group's first head
+    # (a program past the real blocks gets a group past the heads: at least one head keeps
+    # its arithmetic finite; it owns nothing either way)
+    g_size = gl.maximum(gl.minimum(group, H_KV - g0), 1)
+    r = pid - g0 * per_head  # this program's rank in its group
+    slot = r // g_size  # its (level, sequence) slot: g_size heads a slot
+    # its level: the lowest one with at most `slot` of a head's blocks above it
     lo = gl.program_id(0) * 0
     hi = NUM_N - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if _blocks_above(CU_K, mid, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout) <= r:
+        if _blocks_above(CU_K, mid, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout) <= slot:
             hi = mid
         else:
             lo = mid + 1
-    rank = r - _blocks_above(CU_K, lo, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
+    rank = slot - _blocks_above(CU_K, lo, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
     b = _nth_seq_at(CU_K, lo, rank, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
     _, n_k = _seq_span(CU_K, b, TOTAL_K)
     blocks = gl.minimum((n_k + BLOCK_N - 1) // BLOCK_N, NUM_N)
+    kv_h = gl.minimum(g0 + r % g_size, H_KV - 1)
     return live, b, kv_h, (blocks - 1 - lo) * BLOCK_N
 
 
 @gluon.jit
-def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, PROG_ORDER,
+def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, PROG_ORDER,
              BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, layout: gl.constexpr):
     """What a program works on: (descriptor batch, batch, K/V head, first key row; its
     sequence's first query and key rows, query and key counts, LO_OFF and HI_OFF). Dense:
@@ -214,7 +228,8 @@ def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, PROG_ORDER
     in-sequence positions; a program past the real key blocks gets no queries and no keys
     (no steps, nothing stored)."""
     if VARLEN:
-        live, b, kv_h, n_start = _varlen_block(CU_K, SEQS, N_K, H_KV, NUM_N, BLOCK_N, layout)
+        live, b, kv_h, n_start = _varlen_block(CU_K, SEQS, N_K, H_KV, HEAD_GROUP, NUM_N, BLOCK_N,
+                                               layout)
         q0, n_q = _seq_span(CU_Q, b, N_Q)
         k0, n_k = _seq_span(CU_K, b, N_K)
         n_q = gl.where(live, n_q, 0)
@@ -257,12 +272,12 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 @gluon.jit
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
               v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, CU_Q, CU_K,
+              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K,
               SEQS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               VARLEN: gl.constexpr):
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
     db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
-        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, None, BLOCK_N,
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, None, BLOCK_N,
         VARLEN, seq_layout)
     # this program's K and V, a [SPLIT_N, HEAD_DIM_PAD] box of each per consumer
     mbarrier.expect(kv_ready, 2 * NUM_CONSUMERS * desc_k.block_type.nbytes)
@@ -327,7 +342,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
               kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-              SCALE, LO_OFF, HI_OFF, NUM_N, CU_Q, CU_K, SEQS,
+              SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
@@ -347,7 +362,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     # VARLEN: a sequence a lane, every warp a copy (the sums stay inside a warp)
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
-        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, SEQS, None, BLOCK_N,
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, None, BLOCK_N,
         VARLEN, seq_layout)
     lo, full_lo, full_hi, hi = _query_range(n_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N,
                                             VARLEN)
@@ -457,7 +472,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_N", "VEC_ROW"])
+                              "NUM_N", "VEC_ROW", "HEAD_GROUP"])
 def bwd_d128_fp16_kernel(
     # pointers, or with HOST_DESC the host's TMA descriptors over them
     Q, K, V, DO,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
@@ -486,6 +501,7 @@ def bwd_d128_fp16_kernel(
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
     NUM_N,  # key blocks per (batch, K/V head); the grid is BATCH * H_KV * NUM_N programs
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
+    HEAD_GROUP,  # VARLEN: K/V heads whose key blocks are ordered together (_varlen_block); dense: unused
     BLOCK_M: gl.constexpr,  # query rows per step
     BLOCK_N: gl.constexpr,  # NUM_CONSUMERS * SPLIT_N key rows per program
     NUM_BUFFERS: gl.constexpr,  # Q/dO ring depth
@@ -584,16 +600,16 @@ def bwd_d128_fp16_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, CU_Q, CU_K, seqs, 0, BLOCK_M,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, CU_Q, CU_K, seqs, 0, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, CU_Q, CU_K, seqs, 1, BLOCK_M,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, CU_Q, CU_K, seqs, 1, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
-                     NUM_N, VEC_ROW, CU_Q, CU_K, seqs, BLOCK_M,
+                     NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K, seqs, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
