@@ -313,7 +313,9 @@ def _tile_table(call, lists, variant, block_m, block_n, lo, hi, programs, head_g
     with TILE_TABLE (the layout of families.band_tile_order: program p runs the tiles
     bh * NUM_M + m_blk in [offsets[p], offsets[p + 1]) in order). Made on the device from
     the block lists, no sync; cached with them."""
-    quantum = FWD_ORDER_QUANTUM or 0.0
+    # an uncached call (inference-tensor masks) would run the deal's per-round loop, ~6
+    # small launches a round, on every call: it takes the kernel's own deal (a few launches)
+    quantum = (FWD_ORDER_QUANTUM or 0.0) if call.mask_key is not None else 0.0
     batch, h_q, n_q, n_k = call.shape
     key = ("tiles", variant, block_m, block_n, lo, hi, n_q, n_k, batch, h_q, programs,
            head_group, quantum, call.mask_key, call.device)
