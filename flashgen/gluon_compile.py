@@ -173,9 +173,10 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      VARLEN=varlen)
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
         descriptors = {}
-        # what the runtime launches: a dense band's tiles dealt by the host's table (not a
-        # mask mod's, whose block mask orders them; not a packed batch's)
-        if not varlen and module.LONGEST_FIRST.value and "FULL_CNT" not in fn.arg_names:
+        # what the runtime launches: a dense band's tiles dealt by the host's table, a
+        # block mask's by the table _mods.Call.tile_table makes from it (not a packed
+        # batch's)
+        if not varlen and module.LONGEST_FIRST.value:
             const["TILE_TABLE"] = True
             pointers["TILE_ORDER"] = "i32"
         else:

@@ -481,6 +481,65 @@ def test_gluon_backward_program_order(pkg, monkeypatch):
     assert head_major.tolist() == list(range(batch * h_kv * nkb))
 
 
+def test_gluon_forward_tile_table(pkg, monkeypatch):
+    """The persistent Gluon forward's tile deal for a block mask (_mods._tile_table): the
+    table's offsets and tiles give every (batch, head, query block) tile to exactly one
+    program; along each program's list the cost classes (its block lists' lengths, by
+    brute force over the mask here) never grow; cached with the lists. At
+    FWD_ORDER_QUANTUM = 0 it is the kernel's own LONGEST_FIRST deal (_tile_coords),
+    written out here tile by tile."""
+    mods = pkg._mods
+    n, batch, h_q, bm, bn, programs, head_group = 200, 3, 4, 16, 32, 7, 3
+    lo, hi = -201, 0  # causal
+    name = "fwd_causal_document_d32_fp32"
+    doc = documents(batch, n, "cpu", seed=7)
+    call = mods.prepare(("document",), {"doc": doc}, batch, h_q, n, n, torch.device("cpu"))
+    num_m = -(-n // bm)
+    tiles = batch * h_q * num_m
+    lists = call.sparse(name, bm, bn, False, lo, hi, merged=True)
+    table = call.tile_table(lists, name, bm, bn, lo, hi, programs, head_group)
+    assert call.tile_table(lists, name, bm, bn, lo, hi, programs, head_group) is table  # cached
+    assert table.dtype == torch.int32 and table.shape == (programs + 1 + tiles,)
+    off, dealt = table[:programs + 1].tolist(), table[programs + 1:]
+    assert off[0] == 0 and off[-1] == tiles and all(a <= b for a, b in zip(off, off[1:]))
+    assert sorted(dealt.tolist()) == list(range(tiles))
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    cost = torch.zeros(batch, h_q, num_m)
+    for b in range(batch):
+        vis = (doc[b][:, None] == doc[b][None, :]) & (j <= i)
+        for m in range(num_m):
+            full = part = 0
+            for kb in range(-(-n // bn)):
+                tile = vis[m * bm:(m + 1) * bm, kb * bn:(kb + 1) * bn]
+                if tile.shape == (bm, bn) and bool(tile.all()):
+                    full += 1
+                elif tile.any():
+                    part += 1
+            cost[b, :, m] = full + mods.FWD_PARTIAL_WEIGHT * part + pkg._families.TILE_FIXED_COST
+    cost = cost.view(-1)
+    cls = torch.floor(cost / (cost.mean() * mods.FWD_ORDER_QUANTUM))
+    assert cls.max() > cls.min()  # (the case has more than one class)
+    for p in range(programs):
+        mine = cls[dealt[off[p]:off[p + 1]].long()]
+        assert (mine[1:] <= mine[:-1]).all()  # longest classes first
+    monkeypatch.setattr(mods, "FWD_ORDER_QUANTUM", 0.0)
+    kernel_deal = call.tile_table(lists, name, bm, bn, lo, hi, programs, head_group)
+    bh_n, want = batch * h_q, [[] for _ in range(programs)]
+    for k in range(-(-tiles // programs)):
+        for p in range(programs):
+            t = k * programs + (programs - 1 - p if k % 2 else p)
+            if t >= tiles:
+                continue
+            g0 = t // (head_group * num_m) * head_group
+            g_size = min(head_group, bh_n - g0)
+            r = t - g0 * num_m
+            want[p].append((g0 + r % g_size) * num_m + num_m - 1 - r // g_size)
+    offsets = [0]
+    for lst in want:
+        offsets.append(offsets[-1] + len(lst))
+    assert kernel_deal.tolist() == offsets + [t for lst in want for t in lst]
+
+
 # ----------------------------------------------------------------------------------------
 # The Gluon forward with mods on Hopper (-m gpu): mask mods walk the block mask
 # ----------------------------------------------------------------------------------------
@@ -564,8 +623,11 @@ def _plan_families(pkg):
         "document-softcap-sink", "window-sinks-head-sink", "document-softcap-sink-rounds"])
 @pytest.mark.parametrize("knobs", [{}, {"block_n": 64, "num_stages": 3, "pingpong": False,
                                         "persistent": False, "regs": "224/56"},
-                                   {"overlap": True, "q_buffers": 2, "diag_first": True}],
-                         ids=["default", "knobs", "overlap-diag-first"])
+                                   {"overlap": True, "q_buffers": 2, "diag_first": True},
+                                   # many tiles a program: the block mask's deal (TILE_TABLE)
+                                   # on every case, not only the large ones
+                                   {"programs": 5}],
+                         ids=["default", "knobs", "overlap-diag-first", "five-programs"])
 def test_gluon_forward_with_mask_mods_against_float64(gluon_pkg, poison, case, knobs):
     """The Gluon forward of every mask mod (block-sparse: lists at its 128-row tile) and of
     a mask mod with a score mod and a sink against float64: ragged ends, Nq != Nk, GQA,
@@ -596,6 +658,32 @@ def test_gluon_forward_with_mask_mods_against_float64(gluon_pkg, poison, case, k
     assert (out.cpu()[empty] == 0).all()
     if "key_padding" in mods:
         assert empty.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [None, 7])
+def test_gluon_forward_block_mask_deals_agree(gluon_pkg, monkeypatch, programs):
+    """The persistent Gluon forward with a block mask walks the table _mods._tile_table
+    deals (TILE_TABLE), and every deal (FWD_ORDER_QUANTUM 0: the kernel's own order; 1.0,
+    0.5: longest lists first) gives the same bits: a tile's work does not depend on which
+    program runs it or when."""
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        pytest.skip("the Gluon kernels run on Hopper only")
+    pkg = gluon_pkg
+    doc = documents(2, 2048, "cuda", seed=5)
+    q, k, v = (t.detach() for t in inputs(2, 2048, 2048, 8, 4, 128, torch.bfloat16, "cuda"))
+    knobs = {} if programs is None else {"programs": programs}
+    outs = []
+    for quantum in (0.0, 1.0, 0.5):
+        monkeypatch.setattr(pkg._mods, "FWD_ORDER_QUANTUM", quantum)
+        pkg._runtime._forward_plans.clear()
+        with torch.no_grad(), pkg._runtime.override_config(family="gluon", **knobs):
+            outs.append(pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc,
+                                            return_lse=True))
+        (plan,) = [p for p in pkg._runtime._forward_plans.values() if p[0] is not None]
+        assert plan[0].meta["TILE_TABLE"]
+    for out, lse in outs[1:]:
+        assert torch.equal(out, outs[0][0]) and torch.equal(lse, outs[0][1])
 
 
 @pytest.mark.gpu

@@ -71,6 +71,12 @@ class Call:
         return lists + (_program_order(self, lists, variant, block_m, block_n, lo, hi,
                                        order_heads),)
 
+    def tile_table(self, lists, variant, block_m, block_n, lo, hi, programs,
+                   head_group) -> torch.Tensor:
+        """The persistent Gluon forward's TILE_ORDER for this call's block mask (lists: the
+        merged _block_lists at its tile): _tile_table."""
+        return _tile_table(self, lists, variant, block_m, block_n, lo, hi, programs, head_group)
+
 
 def _expected(dims, batch, h_q, n_q, n_k) -> list:
     """Each declared extent's allowed sizes, as (low, high) (high None = any above low)."""
@@ -281,6 +287,92 @@ def _program_order(call, lists, variant, block_m, block_n, lo, hi, h_kv) -> torc
             _states.popitem(last=False)
         _states[key] = (order, call.mask_refs)
     return order
+
+
+# The persistent Gluon forward (one program per SM, each walking its share of the query
+# tiles) costs its busiest program's total. With a block mask a tile's cost is its list's
+# length, which the kernel's own deal (LONGEST_FIRST: the last query block first, back and
+# forth over the programs) only guesses from the tile's position: right for a prefix or a
+# window (heavier towards the last query blocks), wrong for documents, whose long tiles sit
+# at each document's end wherever that falls. _tile_table sorts the tiles by their lists'
+# cost in classes FWD_ORDER_QUANTUM x the mean cost wide (longest first, head-major within
+# a class, a stable sort: tiles of one head run together and share its K/V through L2, as
+# the backward's _program_order does), then deals them as the band's host table does
+# (families.band_tile_order): each round of P tiles, longest first, to the least-loaded
+# programs. benchmarks/fwd_order_model.py models both deals at the mods bench's masks.
+# 0 (or None) deals the tiles the kernel's own way (the order before this table), through
+# the same table, so both arms run one binary: the A/B baseline.
+FWD_ORDER_QUANTUM = 1.0
+# a partial block's cost (the mask mod and band arithmetic) in full key blocks: a guess,
+# as the backward's BWD_PARTIAL_WEIGHT
+FWD_PARTIAL_WEIGHT = 1.3
+
+
+def _tile_table(call, lists, variant, block_m, block_n, lo, hi, programs, head_group):
+    """int32 [programs + 1 + tiles]: the TILE_ORDER table of a persistent Gluon forward
+    with TILE_TABLE (the layout of families.band_tile_order: program p runs the tiles
+    bh * NUM_M + m_blk in [offsets[p], offsets[p + 1]) in order). Made on the device from
+    the block lists, no sync; cached with them."""
+    # an uncached call (inference-tensor masks) would run the deal's per-round loop, ~6
+    # small launches a round, on every call: it takes the kernel's own deal (a few launches)
+    quantum = (FWD_ORDER_QUANTUM or 0.0) if call.mask_key is not None else 0.0
+    batch, h_q, n_q, n_k = call.shape
+    key = ("tiles", variant, block_m, block_n, lo, hi, n_q, n_k, batch, h_q, programs,
+           head_group, quantum, call.mask_key, call.device)
+    hit = _states.get(key) if call.mask_key is not None else None
+    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
+        _states.move_to_end(key)
+        return hit[0]
+    full_cnt, part_cnt, _, sb, sh = lists
+    nqb = _runtime.triton_cdiv(n_q, block_m)
+    rows = (torch.arange(batch, device=call.device)[:, None] * sb
+            + torch.arange(h_q, device=call.device)[None, :] * sh).view(-1)  # [B * H_q]
+    cost = (full_cnt.view(-1, nqb)[rows].float() + FWD_PARTIAL_WEIGHT
+            * part_cnt.view(-1, nqb)[rows].float() + _runtime._families.TILE_FIXED_COST)
+    table = deal_tiles(cost, programs, quantum, head_group)
+    if call.mask_key is not None:
+        if len(_states) >= _MAX_STATES:
+            _states.popitem(last=False)
+        _states[key] = (table, call.mask_refs)
+    return table
+
+
+def deal_tiles(cost, programs, quantum, head_group) -> torch.Tensor:
+    """The TILE_ORDER table (_tile_table) for tile costs cost [B * H_q, NUM_M] (a tile is
+    bh * NUM_M + m_blk), on cost's device with no sync: quantum > 0 sorts them in cost
+    classes and deals each round to the least-loaded programs; 0 reproduces the kernel's
+    LONGEST_FIRST deal (_tile_coords) for head_group heads a group."""
+    dev = cost.device
+    bh_n, num_m = cost.shape
+    tiles = bh_n * num_m
+    rounds = _runtime.triton_cdiv(tiles, programs)
+    if quantum <= 0.0:
+        k = torch.arange(rounds, device=dev)[:, None]
+        p = torch.arange(programs, device=dev)[None, :]
+        t = k * programs + torch.where(k % 2 == 1, programs - 1 - p, p)
+        g0 = (t // (head_group * num_m)) * head_group
+        g_size = torch.clamp(bh_n - g0, 1, head_group)  # (>= 1: past the last tile too)
+        r = t - g0 * num_m
+        tile = torch.where(t < tiles, (g0 + r % g_size) * num_m + num_m - 1 - r // g_size, -1)
+    else:
+        flat = cost.reshape(-1)
+        cls = torch.floor(flat / (flat.mean() * quantum))
+        seq = torch.sort(-cls, stable=True).indices  # head-major within a class
+        tile = torch.full((rounds, programs), -1, device=dev, dtype=torch.int64)
+        load = torch.zeros(programs, device=dev)
+        for r in range(rounds):  # a round's deal depends on the loads before it
+            chunk = seq[r * programs:(r + 1) * programs]
+            c, i = torch.sort(flat[chunk], descending=True, stable=True)
+            idle = torch.sort(load, stable=True).indices[:chunk.numel()]
+            tile[r, idle] = chunk[i]
+            load[idle] += c
+    mine = tile.t()  # [programs, rounds]: program p's tiles in the order it runs them
+    valid = mine >= 0
+    offsets = torch.cat([torch.zeros(1, device=dev, dtype=torch.int64),
+                         torch.cumsum(valid.sum(1), 0)])
+    # a stable sort of "empty" packs every program's tiles in program order
+    keep = torch.sort((~valid).reshape(-1).to(torch.int8), stable=True).indices[:tiles]
+    return torch.cat([offsets, mine.reshape(-1)[keep]]).to(torch.int32)
 
 
 # ----------------------------------------------------------------------------------------

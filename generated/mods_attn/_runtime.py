@@ -587,7 +587,8 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
             band = mask != "none" and not block_mask
             launch, args = _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale,
                                                mask if band else None,
-                                               even=mask == "none" and not block_mask)
+                                               even=mask == "none" and not block_mask,
+                                               device_deal=block_mask)
             # a mask mod's block list at the Gluon tile (BLOCK_M = the consumers' rows),
             # merged into the walk order (_mods._block_lists)
             sparse = ((name, cfg["block_m"], cfg["block_n"], False)
@@ -643,12 +644,15 @@ def gluon_call_reason(name, q, k, v, o, bnhd) -> "str | None":
 _GLUON = 2
 
 
-def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, even=False):
+def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, even=False,
+                        device_deal=False):
     """(Launcher, run-time arguments) of a Gluon forward for one call signature; the call
     appends the dropout arguments (_gluon_dropout_args). `band`: the call's mask when its
     tiles' lengths follow from the band ("causal", "sliding_window"), else None. `even`:
     every tile sees every key block (no band, no block mask), so the last rounds can be
-    dealt by key block (stream_k_start)."""
+    dealt by key block (stream_k_start). `device_deal` (a block mask): the tiles are dealt
+    by a table each call passes in the TILE_ORDER slot (_mods.Call.tile_table, made on the
+    device from the block lists; forward())."""
     from triton.experimental.gluon import language as gl
 
     batch, h_q, n_q, d = bhnd(q.shape, bnhd)
@@ -670,19 +674,28 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, e
         table = _band_tile_table(cfg, q, batch * h_q, num_m, n_q, n_k, lo, hi, band, head_group,
                                  h_q // h_kv, sms)
     programs = min(tiles, sms)
+    # (one tile a program: nothing to deal)
+    device_table = (device_deal and cfg.get("persistent", True) and tiles > sms
+                    and cfg.get("host_deal", True))
     sk_start = (_families.stream_k_start(tiles, programs, cfg,
                                          triton_cdiv(n_k, cfg["block_n"]))
                 if even and table is None else None)
     launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, programs, varlen=False,
-                                     table=table is not None, stream_k=sk_start is not None)
+                                     table=table is not None or device_table,
+                                     stream_k=sk_start is not None)
     args = (None, None,  # CU_Q, CU_K: a dense batch
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
-            head_group, table,
+            head_group, table,  # (_TILE_ORDER_ARG)
             # SK_START, SK_WS, SK_FLAGS: the workspace is the calling stream's (_sk_workspace)
             sk_start or 0, None, None)
     return launch, args
+
+
+# where a Gluon forward plan's run-time arguments hold HEAD_GROUP and TILE_ORDER, counted
+# from the end (_gluon_forward_plan: ..., HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS)
+_HEAD_GROUP_ARG, _TILE_ORDER_ARG = -5, -4
 
 
 # STREAM_K workspaces by (device, stream, floats): a part-tile slot per (program, consumer)
@@ -841,9 +854,13 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     if tma == _GLUON:
         if launch.meta["STREAM_K"]:
             args = (*args[:-2], *_sk_workspace(launch, q.device, q.shape[-1]))
+        lists = mods.sparse(*sparse, lo, hi, merged=True) if sparse else ()
+        if sparse and launch.meta["TILE_TABLE"]:  # a block mask's deal, from its lists
+            table = mods.tile_table(lists, *sparse[:3], lo, hi, launch.grid[0],
+                                    args[_HEAD_GROUP_ARG])
+            args = (*args[:_TILE_ORDER_ARG], table, *args[_TILE_ORDER_ARG + 1:])
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
-               *(mods.args if mods is not None else ()),
-               *(mods.sparse(*sparse, lo, hi, merged=True) if sparse else ()))
+               *(mods.args if mods is not None else ()), *lists)
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
                *(mods.sparse(*sparse, lo, hi) if sparse else ()))

@@ -927,7 +927,8 @@ def fwd_causal_d128_bf16_kernel(
     NUM_TILES,  # BH * NUM_M
     HEAD_GROUP,  # heads whose K/V share L2 in the longest-first order
     # with TILE_TABLE: int32 [P + 1] offsets into the [NUM_TILES] tiles that follow them,
-    # program p's in the order it runs them (the host's deal; else None)
+    # program p's in the order it runs them (a band's: the host's deal; a block mask's:
+    # made on the device from its lists, _mods._tile_table; else None)
     TILE_ORDER,
     # STREAM_K: tiles dealt whole, round-robin, before the tail is dealt by key block;
     # fp32 workspace of a part-tile slot per (program, consumer) and int32 counters, one per
@@ -951,7 +952,7 @@ def fwd_causal_d128_bf16_kernel(
     QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
     KV_LAYOUT: gl.constexpr,
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
-    TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band masks, persistent grid)
+    TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band or block masks, persistent grid)
     STREAM_K: gl.constexpr,  # deal the last rounds by key block (no band, persistent grid)
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the

@@ -74,7 +74,10 @@ instead of the band's range: the key blocks that every row of its BLOCK_M rows s
 full, then the partial ones, which alone run the band and the mask mod (the package's
 `_mods` computes the block mask at this kernel's tile with the `tl` module's
 `block_state` kernel, and caches it). The producer and both consumers read the same row,
-so they agree on every tile's block count and order.
+so they agree on every tile's block count and order. On the persistent grid the tiles are
+dealt by TILE_ORDER (TILE_TABLE) as a band's are, but from the lists' lengths, on the
+device (`_mods._tile_table`): a document's long tiles sit wherever its end falls, which
+the position-based deal cannot know.
 
 Packed ragged batches (VARLEN, flash_attn_varlen_func; docs/VARLEN.md) run this kernel
 too: the descriptors span the packed token axis as one batch, a tile's boxes start at its
@@ -986,7 +989,8 @@ def fwd_causal_softcap_key_padding_d64_bf16_kernel(
     NUM_TILES,  # BH * NUM_M
     HEAD_GROUP,  # heads whose K/V share L2 in the longest-first order
     # with TILE_TABLE: int32 [P + 1] offsets into the [NUM_TILES] tiles that follow them,
-    # program p's in the order it runs them (the host's deal; else None)
+    # program p's in the order it runs them (a band's: the host's deal; a block mask's:
+    # made on the device from its lists, _mods._tile_table; else None)
     TILE_ORDER,
     # STREAM_K: tiles dealt whole, round-robin, before the tail is dealt by key block;
     # fp32 workspace of a part-tile slot per (program, consumer) and int32 counters, one per
@@ -1017,7 +1021,7 @@ def fwd_causal_softcap_key_padding_d64_bf16_kernel(
     QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
     KV_LAYOUT: gl.constexpr,
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
-    TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band masks, persistent grid)
+    TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band or block masks, persistent grid)
     STREAM_K: gl.constexpr,  # deal the last rounds by key block (no band, persistent grid)
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
