@@ -205,10 +205,13 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged=Fals
     groups = (batch if "b" in uses else 1) * h_m
     key = (variant, block_m, block_n, transpose, lo, hi, n_q, n_k, groups, call.mask_key,
            call.device, merged)
-    hit = _states.get(key) if call.mask_key is not None else None
-    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
-        _states.move_to_end(key)
-        return hit[0]
+    return _memo(call, key, lambda: _make_block_lists(call, variant, block_m, block_n,
+                                                      transpose, lo, hi, merged, groups, h_m))
+
+
+def _make_block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged, groups, h_m):
+    _, _, n_q, n_k = call.shape
+    uses = call.info["mask_uses"]
     nqb, nkb = _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n)
     state = torch.empty((groups, nqb, nkb), device=call.device, dtype=torch.int8)
     _runtime.kernel(variant, "block_state")[(groups, nqb, nkb)](
@@ -230,12 +233,24 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged=Fals
                  part.sum(-1, dtype=torch.int32).contiguous(),
                  torch.sort((~part).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32).contiguous(),
                  *strides)
+    return lists
+
+
+def _memo(call, key, make):
+    """make() once per key while the mask's tensors are the ones it was made from (the
+    block lists and the orders made from them); a call whose mask has no key (inference
+    tensors, no version counter) makes it every time."""
     if call.mask_key is None:
-        return lists
+        return make()
+    hit = _states.get(key)
+    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
+        _states.move_to_end(key)
+        return hit[0]
+    value = make()
     if len(_states) >= _MAX_STATES:
         _states.popitem(last=False)
-    _states[key] = (lists, call.mask_refs)
-    return lists
+    _states[key] = (value, call.mask_refs)
+    return value
 
 
 # The Gluon backward runs a program per (batch, K/V head, key block) and the GPU starts
@@ -264,10 +279,11 @@ def _program_order(call, lists, variant, block_m, block_n, lo, hi, h_kv) -> torc
     batch, h_q, n_q, n_k = call.shape
     key = ("order", variant, block_m, block_n, lo, hi, n_q, n_k, batch, h_q, h_kv, quantum,
            call.mask_key, call.device)
-    hit = _states.get(key) if call.mask_key is not None else None
-    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
-        _states.move_to_end(key)
-        return hit[0]
+    return _memo(call, key, lambda: _make_program_order(call, lists, block_n, h_kv, quantum))
+
+
+def _make_program_order(call, lists, block_n, h_kv, quantum) -> torch.Tensor:
+    batch, h_q, n_q, n_k = call.shape
     full_cnt, _, part_cnt, _, sb, sh = lists
     nkb = _runtime.triton_cdiv(n_k, block_n)
     count = batch * h_kv * nkb
@@ -282,10 +298,6 @@ def _program_order(call, lists, variant, block_m, block_n, lo, hi, h_kv) -> torc
         cost = cost.view(batch, h_kv, h_q // h_kv, nkb).sum(2).view(-1)
         cls = torch.floor(cost / (cost.mean() * quantum))
         order = torch.sort(-cls, stable=True).indices.to(torch.int32)
-    if call.mask_key is not None:
-        if len(_states) >= _MAX_STATES:
-            _states.popitem(last=False)
-        _states[key] = (order, call.mask_refs)
     return order
 
 
@@ -319,22 +331,19 @@ def _tile_table(call, lists, variant, block_m, block_n, lo, hi, programs, head_g
     batch, h_q, n_q, n_k = call.shape
     key = ("tiles", variant, block_m, block_n, lo, hi, n_q, n_k, batch, h_q, programs,
            head_group, quantum, call.mask_key, call.device)
-    hit = _states.get(key) if call.mask_key is not None else None
-    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[1], call.mask_refs)):
-        _states.move_to_end(key)
-        return hit[0]
+    return _memo(call, key, lambda: _make_tile_table(call, lists, block_m, programs, head_group,
+                                                     quantum))
+
+
+def _make_tile_table(call, lists, block_m, programs, head_group, quantum) -> torch.Tensor:
+    batch, h_q, n_q, n_k = call.shape
     full_cnt, part_cnt, _, sb, sh = lists
     nqb = _runtime.triton_cdiv(n_q, block_m)
     rows = (torch.arange(batch, device=call.device)[:, None] * sb
             + torch.arange(h_q, device=call.device)[None, :] * sh).view(-1)  # [B * H_q]
     cost = (full_cnt.view(-1, nqb)[rows].float() + FWD_PARTIAL_WEIGHT
             * part_cnt.view(-1, nqb)[rows].float() + _runtime._families.TILE_FIXED_COST)
-    table = deal_tiles(cost, programs, quantum, head_group)
-    if call.mask_key is not None:
-        if len(_states) >= _MAX_STATES:
-            _states.popitem(last=False)
-        _states[key] = (table, call.mask_refs)
-    return table
+    return deal_tiles(cost, programs, quantum, head_group)
 
 
 def deal_tiles(cost, programs, quantum, head_group) -> torch.Tensor:
