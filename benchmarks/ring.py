@@ -1,7 +1,7 @@
 """Context parallelism (ring / all-gather) against one GPU: time, peak memory, exactness.
 
     torchrun --nproc_per_node 2 benchmarks/ring.py [--seqlens 32768,131072,262144]
-        [--strategies ring,allgather] [--heads 32 --kv-heads 8 --head-dim 128]
+        [--strategies ring,allgather,ring:g1] [--heads 32 --kv-heads 8 --head-dim 128]
         [--mask causal|none|window:4096] [--reps 5] [--oom-seqlen N] [--out ring.json]
         [--api flash|sdpa]
 
@@ -157,6 +157,10 @@ def one_gpu(n, args, device, keep=False):
 
 
 def context_parallel(n, strategy, args, device, rank, world, keep=False):
+    """strategy: "ring", "allgather", or "ring:gN" (the ring with its backward in N head
+    groups, FLASHGEN_CP_HEAD_GROUPS=N; plain "ring" takes the package's choice, auto)."""
+    strategy, _, groups = strategy.partition(":g")
+    os.environ["FLASHGEN_CP_HEAD_GROUPS"] = groups or "auto"
     dim = SEQ_DIM[args.api]
     baseline = torch.cuda.memory_allocated()
     q, k, v, do = (pkg.shard(t, rank, world, dim=dim) for t in make(n, args, device))

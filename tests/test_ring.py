@@ -219,6 +219,38 @@ def test_world_size_one_matches_flash_attn_func(pkg, strategy):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_head_groups_choice(pkg, monkeypatch):
+    """auto: the most groups (a divisor of H_kv, at most HEAD_GROUPS_MAX) that leave each
+    group's K/V shard at least HEAD_GROUP_MIN_BYTES; a forced count must divide H_kv."""
+    r = pkg._ring
+    monkeypatch.setattr(r, "HEAD_GROUP_MIN_BYTES", 2 * 64 * 16 * 4)  # 2 heads' K+V, fp32
+    k = torch.empty(1, 64, 12, 16)  # 12 K/V heads: 6 groups of 2 (8 and 12 do not fit)
+    assert r._head_groups(k, "auto") == 6
+    assert r._head_groups(torch.empty(1, 64, 1, 16), "auto") == 1
+    assert r._head_groups(torch.empty(1, 64, 32, 16), "auto") == r.HEAD_GROUPS_MAX
+    assert r._head_groups(k, "3") == 3
+    for bad in ("5", "0", "x"):
+        with pytest.raises(ValueError, match="FLASHGEN_CP_HEAD_GROUPS"):
+            r._head_groups(k, bad)
+
+
+def test_head_groups_match_one_group(pkg, monkeypatch):
+    """World size 1, GQA 4:2: the backward in two head groups gives the same gradients as
+    in one (each head's arithmetic is unchanged)."""
+    torch.manual_seed(1)
+    q = torch.randn(1, 16, 4, 16, requires_grad=True)
+    k, v = (torch.randn(1, 16, 2, 16, requires_grad=True) for _ in range(2))
+    do = torch.randn(1, 16, 4, 16)
+    grads = []
+    for groups in ("1", "2"):
+        monkeypatch.setenv("FLASHGEN_CP_HEAD_GROUPS", groups)
+        with pkg._runtime.override_config(**TILES):
+            out = pkg.ring_flash_attn_func(q, k, v, causal=True)
+            grads.append(torch.autograd.grad(out, (q, k, v), do))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 # ----------------------------------------------------------------------------------------
 # Across processes: gloo, world sizes 2 and 3
 # ----------------------------------------------------------------------------------------
@@ -236,8 +268,11 @@ CASES = {
         case(20, causal=True, layout="contiguous", sdpa=True),
         case(24, dtype="bf16", heads=(2, 2)),
         # the dK/dV sums travel in bf16 by default; fp32 on request (and repeatable)
-        case(24, causal=True, dtype="bf16", heads=(2, 2), grad_sum="float32", repeat=True)],
+        case(24, causal=True, dtype="bf16", heads=(2, 2), grad_sum="float32", repeat=True),
+        # the backward in two groups of heads (GQA: each group's query heads with it)
+        case(24, causal=True, heads=(4, 2), head_groups=2, repeat=True)],
     3: [case(36, causal=True, repeat=True), case(36, causal=True, window=(7, 0)),
+        case(36, window=(5, 3), heads=(2, 2), head_groups=2, sdpa=True),
         case(30, layout="contiguous", strategy="allgather")],
 }
 

@@ -10,6 +10,8 @@ FileStore), with the package's own launch configs:
     single-GPU bf16 call is (within a margin).
 Timing and memory at 128k / 256k are benchmarks/ring.py's (torchrun), not tests.
 """
+import os
+
 import pytest
 import torch
 
@@ -46,6 +48,9 @@ def small_cases(d):
                 case(1000, causal=True, window=(100, 0), strategy=strategy),
                 case(512, window=(60, 40), strategy=strategy, layout="contiguous"),
                 case(768, causal=True, strategy=strategy, dtype="fp32")]
+    # the ring backward in head groups (GQA 8:4 in 2 groups, 8:2 in 2)
+    out += [case(1024, causal=True, heads=(8, 4), head_groups=2, repeat=True),
+            case(768, window=(50, 30), heads=(8, 2), head_groups=2)]
     # the SDPA-layout twin (the case's default head dim, 16, is not in this package: the
     # first GPU runs failed on it)
     out.append(case(512, causal=True, sdpa=True, heads=(4, 2)))
@@ -68,26 +73,32 @@ def test_32k_exactness(pkg_dir, tmp_path):
     single-GPU bf16 call is, within a margin -- both strategies, causal, a window and no
     mask, and the ring with fp32 dK/dV sums as well as the default bf16 ones."""
     cases = []
-    for strategy in ("ring", "allgather"):
-        for causal, window in ((True, (-1, -1)), (True, (4096, 0)), (False, (-1, -1))):
+    # (ordered so that cases sharing a mask follow each other: the worker computes the
+    # single-GPU results once per mask)
+    for causal, window in ((True, (-1, -1)), (True, (4096, 0)), (False, (-1, -1))):
+        for strategy in ("ring", "allgather"):
             cases.append(dict(case(32768, causal=causal, window=window, strategy=strategy,
                                    dtype="bf16", heads=(8, 2)), vs_fp32=True))
-    cases.append(dict(case(32768, causal=True, dtype="bf16", heads=(8, 2),
-                           grad_sum="float32"), vs_fp32=True))
+        if causal and window == (-1, -1):
+            # fp32 dK/dV sums, and the backward in two head groups
+            cases.append(dict(case(32768, causal=True, dtype="bf16", heads=(8, 2),
+                                   grad_sum="float32"), vs_fp32=True))
+            cases.append(dict(case(32768, causal=True, dtype="bf16", heads=(8, 2),
+                                   head_groups=2), vs_fp32=True))
     for c in cases:
         c["shape"][-1] = 128
     # (a world that runs past its limit fails with each rank's per-case log: twice on
     # 2 x H200 this test ran past a 420 s device limit before the world's own limit could
     # say which case was slow or stuck, so the limit stays under that)
     per_rank = run_world(2, pkg_dir, tmp_path, cases, package=PACKAGE, backend="nccl",
-                         timeout=330)
+                         timeout=int(os.environ.get("RING_GPU_TIMEOUT", 330)))
     names = ["out", "lse", "dq", "dk", "dv"]
     failures, table = [], []
     for rank, results in enumerate(per_rank):
         for res in results:
             c = res["case"]
             what = (rank, c["strategy"], c["causal"], tuple(c["window"]),
-                    c.get("grad_sum", "input"))
+                    c.get("grad_sum", "input"), c.get("head_groups", "auto"))
             table.append(f"{what}: ring {['%.2e' % e for e in res['ring_vs_fp32']]} "
                          f"single {['%.2e' % e for e in res['single_vs_fp32']]}")
             if res["nan"]:

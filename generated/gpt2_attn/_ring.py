@@ -70,6 +70,12 @@ LAYOUTS = ("zigzag", "contiguous")
 STRATEGY_ENV = "FLASHGEN_CP_STRATEGY"
 GRAD_SUMS = ("input", "float32")
 GRAD_SUM_ENV = "FLASHGEN_CP_GRAD_SUM"
+HEAD_GROUPS_ENV = "FLASHGEN_CP_HEAD_GROUPS"
+# the ring backward's head groups (see _head_groups): no group's K/V shard under this many
+# bytes (smaller calls fill the GPU less and pay the launches and the exposed first hop of
+# a ring per group), at most this many groups
+HEAD_GROUP_MIN_BYTES = 64 << 20
+HEAD_GROUPS_MAX = 8
 
 
 def _dist():
@@ -373,10 +379,20 @@ class _Ring:
         from the previous one (one batch of P2P operations); returns (the receive buffers,
         the works to wait on)."""
         dist = _dist()
-        recv = tuple(torch.empty_like(t) for t in send)
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in send]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recv]
+        recv = tuple(torch.empty_like(t) for t in send)  # (same strides as the sent tensor)
+        ops = [dist.P2POp(dist.isend, _in_memory_order(t), self.next, self.group)
+               for t in send]
+        ops += [dist.P2POp(dist.irecv, _in_memory_order(t), self.prev, self.group)
+                for t in recv]
         return recv, dist.batch_isend_irecv(ops)
+
+
+def _in_memory_order(t):
+    """t's dims permuted into memory order: a contiguous view of a dense tensor (an SDPA-
+    layout shard seen as (B, N, H, d)), which gloo's P2P operations require (NCCL's take
+    any dense tensor); sender and receiver permute alike, so the bytes line up."""
+    order = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
+    return t.permute(order)
 
 
 def _wait(works):
@@ -408,8 +424,62 @@ def _ring_forward(q, k, v, cfg):
     return acc.to(q.dtype), lse_acc
 
 
+def _head_groups(k, choice=None) -> int:
+    """How many groups of K/V heads the ring backward runs one after another. Every buffer
+    a ring holds (the fp32 dQ sum, the K/V shard in flight, the dK/dV sum in hand and the
+    one arriving: 8 shard-sized tensors, X = one (B, N / world, H, d) tensor) then exists
+    for one group's heads at a time, so the backward's peak falls from 13 X to about
+    8 X + 13 X / groups against one GPU's 20 X -- 'about half the memory' needs several
+    groups. "auto" (default): the most groups (a divisor of H_kv, at most HEAD_GROUPS_MAX)
+    that leave every group's K/V shard at least HEAD_GROUP_MIN_BYTES; short sequences
+    keep one group. An int forces that many (it must divide H_kv)."""
+    if choice is None:
+        choice = os.environ.get(HEAD_GROUPS_ENV, "") or "auto"
+    h_kv = k.shape[2]
+    if choice != "auto":
+        try:
+            groups = int(choice)
+        except (TypeError, ValueError):
+            groups = 0
+        if groups < 1 or h_kv % groups:
+            raise ValueError(f"{HEAD_GROUPS_ENV}={choice!r}: expected 'auto' or a divisor "
+                             f"of the {h_kv} K/V heads")
+        return groups
+    kv_bytes = 2 * k.numel() * k.element_size()
+    best = 1
+    for groups in range(1, min(h_kv, HEAD_GROUPS_MAX) + 1):
+        if h_kv % groups == 0 and kv_bytes // groups >= HEAD_GROUP_MIN_BYTES:
+            best = groups
+    return best
+
+
 def _ring_backward(do, q, k, v, out, lse, cfg):
-    """(dq, dk, dv) of this rank's shard. K/V travel the ring as in the forward; with each
+    """(dq, dk, dv) of this rank's shard: the ring backward (_ring_backward_heads) once
+    per group of K/V heads (with their query heads), the groups one after another."""
+    groups = _head_groups(k)
+    if groups == 1:
+        return _ring_backward_heads(do, q, k, v, out, lse, cfg)
+    h_q, h_kv = q.shape[2], k.shape[2]
+    per_kv, per_q = h_kv // groups, h_q // groups  # (GQA: a group's query heads follow)
+    dq, dk, dv = _empty_as(q, q.shape), _empty_as(k, k.shape), _empty_as(v, v.shape)
+    for g in range(groups):
+        hq, hk = slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)
+        # k, v of the group travel the ring: P2P operations take dense tensors (copies in
+        # the shard's memory order)
+        kg = _empty_as(k, k[:, :, hk].shape).copy_(k[:, :, hk])
+        vg = _empty_as(v, v[:, :, hk].shape).copy_(v[:, :, hk])
+        dqg, dkg, dvg = _ring_backward_heads(do[:, :, hq], q[:, :, hq], kg, vg,
+                                             out[:, :, hq], lse[:, hq], cfg)
+        del kg, vg
+        dq[:, :, hq].copy_(dqg)
+        dk[:, :, hk].copy_(dkg)
+        dv[:, :, hk].copy_(dvg)
+        del dqg, dkg, dvg
+    return dq, dk, dv
+
+
+def _ring_backward_heads(do, q, k, v, out, lse, cfg):
+    """(dq, dk, dv) of this rank's shard (or of one group of its heads). K/V travel the ring as in the forward; with each
     K/V shard travels the sum of its (dK, dV) over the ranks it has visited (in
     cfg["grad_sum"]: the input dtype or fp32), which is back at its owner after a full
     turn. Memory: a shard's sum is started by its owner and then only ever held as the
