@@ -22,8 +22,22 @@ import torch.distributed as dist
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def stage(what):
+    """A timestamped line in the rank's log (a world that runs out of time shows where)."""
+    print(f"  [{time.strftime('%H:%M:%S')}] {what}", flush=True)
+
+
 def main(rank, world, store_file, package_dir, package, cases_json, out_json):
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("RING_BACKEND", "gloo") == "gloo":
+        # CPU tensors: Triton's interpreter. (Setting it for NCCL too ran every GPU case
+        # in the interpreter: 28 s for a 1k-token case, 32k never finished -- the 2-GPU
+        # timeouts of earlier sessions)
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("RING_WORKER_DUMP"):  # every N s: each thread's stack, to the log
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["RING_WORKER_DUMP"]), repeat=True,
+                                          file=sys.stdout)
     torch.set_num_threads(1)
     sys.path.insert(0, package_dir)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,6 +54,7 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
     dist.init_process_group(backend, store=store, rank=rank, world_size=world,
                             timeout=timedelta(seconds=300),
                             device_id=torch.device(device) if backend == "nccl" else None)
+    stage(f"rank {rank} of {world} joined ({backend})")
     results = []
     with open(cases_json) as f:
         cases = json.load(f)
@@ -164,15 +179,20 @@ def run_long_case(pkg, case, rank, world, q, k, v, do):
     key = (tuple(case["shape"]), case["dtype"], case.get("seed", 0), causal, window)
     if key not in _SINGLE:
         _SINGLE.clear()  # (32k fp32 results: keep one set on the GPU at a time)
-        _SINGLE[key] = (single(pkg, *(t.float() for t in (q, k, v, do)), causal, window),
-                        single(pkg, q, k, v, do, causal, window))
+        stage("single-GPU fp32")
+        exact = single(pkg, *(t.float() for t in (q, k, v, do)), causal, window)
+        stage("single-GPU in the input dtype")
+        _SINGLE[key] = (exact, single(pkg, q, k, v, do, causal, window))
     exact, one = _SINGLE[key]
     sq, sk, sv = (mine(t).requires_grad_() for t in (q, k, v))
     extra = {"grad_sum_dtype": case["grad_sum"]} if "grad_sum" in case else {}
+    stage("context-parallel forward")
     out, lse = pkg.ring_flash_attn_func(sq, sk, sv, causal=causal, window_size=window,
                                         return_lse=True, strategy=strategy, layout=layout,
                                         **extra)
+    stage("context-parallel backward")
     out.backward(mine(do))
+    stage("errors")
     ring = (out, lse, sq.grad, sk.grad, sv.grad)
     dims = (1, 2, 1, 1, 1)
     return {"case": case, "nan": any(torch.isnan(t).any().item() for t in ring),

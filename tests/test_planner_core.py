@@ -108,6 +108,12 @@ def test_smem_model():
     assert pc.smem_estimate("decode", 128, 64, 64, 2, 3) == pc.smem_estimate("fwd", 128, 64, 64, 2, 3)
     # bwd: (K,V 2*128*64 + 2 stages * Q,dO 2*64*64 + P,dS 2*64*128) * 2 B + 2 stages * LSE,D 2*64 * 4 B
     assert pc.smem_estimate("bwd", 64, 128, 64, 2, 2) == (16384 + 16384 + 16384) * 2 + 1024
+    # fp32 (tf32x3 dots): a second K/V copy instead of the P/dS staging. Triton 3.6 for
+    # sm_90 allocated 262912 B for the d=128 dK/dV kernel at 32x64, 4 stages (the old model
+    # said 214016, the planner picked it, and it failed to launch on an H200) and 197376 B
+    # at d=64, 32x128, 4 stages
+    assert 0 <= pc.smem_estimate("bwd", 32, 64, 128, 4, 4) - 262912 <= 256
+    assert 0 <= pc.smem_estimate("bwd", 32, 128, 64, 4, 4) - 197376 <= 256
     # fp32 doubles the tile bytes (halves what fits)
     assert pc.smem_estimate("fwd", 64, 64, 128, 4, 3) == 2 * pc.smem_estimate("fwd", 64, 64, 128, 2, 3)
 
@@ -232,8 +238,10 @@ def test_chosen_always_feasible_across_grid():
         for kind in pc.KINDS:
             for d in (32, 80, 128):
                 for b in (2, 4):
-                    if b == 4 and sram <= 65536 and d >= 128:
-                        continue  # fp32 with a wide head on a tiny SRAM: may have nothing feasible
+                    if b == 4 and sram <= 65536 and (d >= 128 or (kind == "bwd" and d >= 80)):
+                        # fp32 with a wide head on a tiny SRAM: may have nothing feasible (the
+                        # fp32 backward holds K and V twice: its smallest d=80 tile needs 60 KiB)
+                        continue
                     p = pc.plan(kind, d, b, sram)
                     c = _cand(p, p.chosen)
                     assert c.rejected is None

@@ -27,6 +27,10 @@ All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, tim
 * bwd:           K and V tiles            2 * block_n * d
                  + Q and dO per stage     num_stages * 2 * block_m * d
                  + P and dS staging       2 * block_m * block_n
+                   (fp32 inputs instead: a second copy of K and V, 2 * block_n * d -- the
+                   tf32x3 dots' operand split; Triton 3.6 offline for sm_90, d = 64 and 128:
+                   the model is then within 256 B above the compiler, where the 16-bit
+                   form was 23-25% under it)
                  (all the above x dtype_bytes)
                  + fp32 LSE and D rows    num_stages * 2 * block_m * 4
 
@@ -227,7 +231,8 @@ def smem_estimate(kind, block_m, block_n, head_dim_padded, dtype_bytes, num_stag
     d = head_dim_padded
     staged = max(num_stages - 1, 0) * block_m * block_n * score_bytes
     if kind == "bwd":
-        elems = 2 * block_n * d + num_stages * 2 * block_m * d + 2 * block_m * block_n
+        scratch = 2 * block_n * d if dtype_bytes == 4 else 2 * block_m * block_n
+        elems = 2 * block_n * d + num_stages * 2 * block_m * d + scratch
         return elems * dtype_bytes + num_stages * 2 * block_m * 4 + staged
     elems = block_m * d + num_stages * 2 * block_n * d + block_m * block_n
     return elems * dtype_bytes + staged

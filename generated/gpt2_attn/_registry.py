@@ -290,7 +290,7 @@ PLANNED = {'fwd_d64_fp16': {'block_m': 128, 'block_n': 64, 'num_warps': 4, 'num_
                                     'num_stages': 3},
  'bwd_sdpa_mask_d64_fp16': {'block_m': 32, 'block_n': 128, 'num_warps': 4, 'num_stages': 4},
  'bwd_sdpa_mask_d64_bf16': {'block_m': 32, 'block_n': 128, 'num_warps': 4, 'num_stages': 4},
- 'bwd_sdpa_mask_d64_fp32': {'block_m': 32, 'block_n': 128, 'num_warps': 4, 'num_stages': 4},
+ 'bwd_sdpa_mask_d64_fp32': {'block_m': 32, 'block_n': 128, 'num_warps': 4, 'num_stages': 3},
  'bwd_sdpa_mask_dropout_d64_fp16': {'block_m': 32,
                                     'block_n': 128,
                                     'num_warps': 4,
@@ -302,7 +302,7 @@ PLANNED = {'fwd_d64_fp16': {'block_m': 128, 'block_n': 64, 'num_warps': 4, 'num_
  'bwd_sdpa_mask_dropout_d64_fp32': {'block_m': 32,
                                     'block_n': 128,
                                     'num_warps': 4,
-                                    'num_stages': 4}}
+                                    'num_stages': 3}}
 
 # GPU key -> canonical variant name -> bucket -> launch config
 TUNED = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'fwd_d64_fp16': {512: {'block_m': 128,
