@@ -69,6 +69,8 @@ def mod_arg_types(registry, name: str) -> tuple[dict, dict]:
     if not facts.get("mods"):
         return {}, {}
     types = {name_: "*i32" for name_ in _BLOCK_LISTS}
+    # a piece's global start row / column (context parallelism), which q_idx / kv_idx add
+    types.update(Q_POS="i32", KV_POS="i32")
     for mod in facts["mods"]:
         decl = registry.MODS[mod]
         for t, _, dt in decl["tensors"]:

@@ -181,7 +181,11 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         extents = [f"T_{t.name}_D{k}" for k in range(len(t.dims))]
         tensor_args += [f"T_{t.name}", *strides, *extents]
         sizes += strides + extents
-    mod_args = tensor_args + params
+    # the piece's global start row / column (context parallelism; 0 otherwise): q_idx and
+    # kv_idx are global positions, the band and the tensors' rows stay local. Decode takes
+    # its positions from the cache.
+    pos_args = ["Q_POS", "KV_POS"] if ms and variant.kind != "decode" else []
+    mod_args = tensor_args + params + pos_args
     # the gradient of each tensor read once per score element: d score_mod / d t[...]
     grad_lines = [{"name": t.name, "deriv": tri(mods.derivative(score, ld)),
                    "flag": f"GRAD_{t.name.upper()}"}
@@ -199,7 +203,7 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     # blocks in (_mods._program_order: the longest lists first, head-major among equals)
     gl_bwd_sparse_args = sparse_args + ["PROG_ORDER"] if block_sparse else []
     # integers that change per call: not specialised on (a new length reuses the binary)
-    ints = sizes + [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
+    ints = sizes + pos_args + [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
         grad_strides + (["BM_SB", "BM_SH"] if block_sparse else [])
     mask_expr = None
     for e in masks_:

@@ -84,13 +84,51 @@ def max_err(a, b):
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
-def single(pkg, q, k, v, do, causal, window):
+def single(pkg, q, k, v, do, causal, window, mods=None):
     """(out, lse, dq, dk, dv) of the package's single-process call on the full sequence."""
     fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = pkg.flash_attn_func(fq, fk, fv, causal=causal, window_size=window,
-                                   return_lse=True)
+                                   return_lse=True, **(mods or {}))
     out.backward(do)
     return out.detach(), lse, fq.grad, fk.grad, fv.grad
+
+
+def case_mods(case, device):
+    """A case's mods as call keyword arguments: case["mods"] names them, case["mod_kw"]
+    gives params as numbers and tensors as {"values": nested list, "dtype": name}."""
+    if "mods" not in case:
+        return {}
+    kw = {"mods": tuple(case["mods"])}
+    for name, value in case.get("mod_kw", {}).items():
+        if isinstance(value, dict):
+            value = torch.tensor(value["values"], dtype=getattr(torch, value["dtype"]),
+                                 device=device)
+        kw[name] = value
+    return kw
+
+
+def mod_reference(kw, n):
+    """(score_mod, visible) of the float64 reference for a case's position-based mods,
+    written out from their definitions (docs/MODS.md's built-ins) over the global (B, H,
+    N, N) index grids."""
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    score, visible = (lambda s: s), torch.ones(n, n, dtype=torch.bool)
+    for name in kw.get("mods", ()):
+        if name == "softcap":
+            cap = kw["cap"]
+            score = (lambda f, c: lambda s: c * torch.tanh(f(s) / c))(score, cap)
+        elif name == "alibi":
+            slope = kw["slope"].double().cpu()[None, :, None, None]
+            score = (lambda f, sl: lambda s: f(s) - sl * (i - j).abs())(score, slope)
+        elif name == "prefix_lm":
+            plen = kw["prefix_len"].cpu()[:, None, None, None]
+            visible = visible & ((j < plen) | (j <= i))
+        elif name == "window_sinks":
+            sinks, window = kw["sinks"], kw["window"]
+            visible = visible & (j <= i) & ((j < sinks) | (i - j <= window))
+        else:
+            raise ValueError(f"no reference for mod {name}")
+    return score, visible
 
 
 def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
@@ -109,13 +147,16 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     if case.get("vs_fp32"):  # long sequences: no float64 N x N reference
         return run_long_case(pkg, case, rank, world, q, k, v, do)
 
+    mods = case_mods(case, device)
+    extra.update(mods)
     # (a) the package's single-process call on the full sequence
-    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window)
+    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window, mods)
     # (b) float64 reference
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
     vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True)
+    score_mod, mod_vis = mod_reference(mods, n)
     r_out, r_lse = attention_ref(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2),
-                                 vis)
+                                 vis & mod_vis, score_mod=score_mod)
     r_out = r_out.transpose(1, 2)
     r_out.backward(do.double())
 

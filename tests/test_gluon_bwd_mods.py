@@ -272,7 +272,7 @@ STACK = {
     "bwd_causal_alibi": 136,  # 128 with the fp32 index vectors (104 converting per score)
     "bwd_causal_document": 208,  # 208 (d=64: 16)
     "bwd_causal_document_softcap": 432,  # 424
-    "bwd_prefix_lm": 112,  # 112 (d=64 fp16: 0)
+    "bwd_prefix_lm": 120,  # 120 since the global positions (Q_POS) joined, 112 before (d=64 fp16: 0)
     "bwd_window_sinks": 128,  # 128
     "bwd_causal_sink_logits": 32,  # 32, the plain kernel's: the sink is host-side
     "bwd_causal_softcap_key_padding": 336,  # 328

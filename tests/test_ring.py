@@ -8,6 +8,9 @@ sliding windows, GQA, both layouts, the SDPA twin, bf16: every rank's rows of th
 LSE and dq, dk, dv against the package's single-process call on the full sequence and the
 float64 reference, plus bitwise determinism of a repeated call. Shapes are tiny (Triton's
 interpreter), and each world size is one group of processes running all its cases.
+Mods (a second small package, MODS_SPEC): position-based mods under the ring against the
+single-process call and the float64 reference, a piece's kernels at global offsets, and
+the refusal of data-dependent mods and sinks.
 """
 import json
 import os
@@ -92,7 +95,9 @@ def test_plans_cover_the_mask_exactly_once(pkg, world, layout, causal, window):
             k_segs = ring.segments(n_local, src, world, layout)
             q_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in q_segs])
             k_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in k_segs])
-            for qs, qn, ks, kn, mask, lo, hi in ring.plan_pair(q_segs, k_segs, lo_g, hi_g):
+            for qs, qn, ks, kn, mask, lo, hi, qg, kg in ring.plan_pair(q_segs, k_segs,
+                                                                       lo_g, hi_g):
+                assert (q_glob[qs], k_glob[ks]) == (qg, kg)  # a call's first global row, key
                 lo_eff = lo if mask == "sliding_window" else -(qn + kn + 1)
                 hi_eff = hi if mask != "none" else qn + kn + 1
                 vis = brute(qn, kn, lo_eff, hi_eff).int()
@@ -374,3 +379,157 @@ def test_causal_only_package_serves_full_pieces_with_the_causal_kernel(tmp_path)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for a, b in zip(g, g_ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------
+# Mods: position-based mods see global positions; data-dependent ones are refused
+# ----------------------------------------------------------------------------------------
+MODS_PACKAGE = "fg_test_ring_mods"
+MODS_SPEC = """
+    head_dims: [16]
+    dtypes: [fp32]
+    masks: [none, causal]
+    gqa: true
+    attn_mask: false
+    mods:
+      softcap: {builtin: softcap, params: {cap: 2.0}}
+      alibi: {builtin: alibi}
+      prefix_lm: {builtin: prefix_lm}
+      window_sinks: {builtin: sliding_window_sinks, params: {sinks: 2, window: 5}}
+      document: {builtin: document}
+      sink_logits: {builtin: sink_logits}
+    variants:
+      - {mask: causal, mods: [softcap]}
+      - {mask: causal, mods: [alibi]}
+      - {mask: none, mods: [prefix_lm]}
+      - {mask: none, mods: [window_sinks]}
+      - {mask: causal, mods: [document]}
+      - {mask: causal, mods: [sink_logits]}
+    """
+
+
+@pytest.fixture(scope="module")
+def mods_built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ring_mods")
+    pkg = build_and_import(root, MODS_PACKAGE, MODS_SPEC)
+    return pkg, root / "out"
+
+
+SLOPE = [0.25, 0.75]  # per query head: ALiBi's distance penalty must be visible
+
+
+@pytest.mark.parametrize("mods,kw,causal", [
+    (("alibi",), dict(slope=torch.tensor(SLOPE)), True),
+    (("window_sinks",), dict(sinks=2, window=5), False),  # a mask mod: block lists
+    (("prefix_lm",), dict(prefix_len=torch.tensor([7, 30], dtype=torch.int32)), False),
+])
+def test_piece_at_global_offsets_matches_the_full_call(mods_built, mods, kw, causal):
+    """Rows [a, a + m) against keys [0, c) and [c, n), each one forward launch whose mods
+    see global positions (a _mods.Call piece), merged through their LSE: the full call's
+    rows. Without the offsets the same launch gives other numbers."""
+    pkg, _ = mods_built
+    torch.manual_seed(2)
+    b, n, a, m, c = 2, 40, 9, 23, 21
+    q = torch.randn(b, n, 2, 16)
+    k, v = torch.randn(b, n, 1, 16), torch.randn(b, n, 1, 16)
+    _, lo_g, hi_g = pkg._ring._global_band(n, causal, (-1, -1))
+    mask = "causal" if causal else "none"
+    call = pkg._mods.prepare(mods, kw, b, 2, n, n, q.device)
+    with pkg._runtime.override_config(**TILES):
+        full, full_lse = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods,
+                                             return_lse=True, **kw)
+        parts = []
+        for ks, kn in ((0, c), (c, n - c)):
+            o = torch.empty(b, m, 2, 16)
+            lse = pkg._runtime.forward(q[:, a:a + m], k[:, ks:ks + kn], v[:, ks:ks + kn], o,
+                                       mask=mask, lo=a - ks + lo_g, hi=a - ks + hi_g,
+                                       scale=16 ** -0.5, bnhd=True,
+                                       mods=call.piece(m, kn, a, ks))
+            parts.append((o, lse))
+        local = torch.empty(b, m, 2, 16)
+        pkg._runtime.forward(q[:, a:a + m], k, v, local, mask=mask, lo=a + lo_g, hi=a + hi_g,
+                             scale=16 ** -0.5, bnhd=True, mods=call.piece(m, n, 0, 0))
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(torch.nan_to_num(o * torch.exp(l - lse).transpose(1, 2)[..., None])
+              for o, l in parts)
+    torch.testing.assert_close(out, full[:, a:a + m], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, full_lse[..., a:a + m], atol=1e-5, rtol=1e-5)
+    assert (local - full[:, a:a + m]).abs().max() > 0.1  # the offsets matter here
+
+
+def test_plans_with_mods_call_contiguous_global_runs(mods_built):
+    """With mods, a call's rows and keys are each one run of global positions (its mods
+    add its first position to the local index), and the pieces still tile the mask."""
+    pkg, _ = mods_built
+    ring = pkg._ring
+    call = pkg._mods.prepare(("alibi",), dict(slope=torch.tensor(SLOPE)), 1, 2, 24, 24,
+                              torch.device("cpu"))
+    world, n_local = 3, 8
+    n = world * n_local
+    _, lo_g, hi_g = pkg._runtime.band(n, n, True, (-1, -1), True)
+    got = torch.zeros(n, n, dtype=torch.int32)
+    for rank in range(world):
+        q_segs = ring.segments(n_local, rank, world, "zigzag")
+        q_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in q_segs])
+        for src in range(world):
+            k_segs = ring.segments(n_local, src, world, "zigzag")
+            k_glob = torch.cat([torch.arange(g, g + ln) for _, ln, g in k_segs])
+            for qs, qn, ks, kn, mask, lo, hi, qg, kg in ring.plan_pair(q_segs, k_segs, lo_g,
+                                                                       hi_g, call):
+                assert mask == "causal"  # the only mask alibi was built with
+                rows, cols = q_glob[qs:qs + qn], k_glob[ks:ks + kn]
+                assert torch.equal(rows, torch.arange(qg, qg + qn))
+                assert torch.equal(cols, torch.arange(kg, kg + kn))
+                got[rows[:, None], cols[None, :]] += brute(qn, kn, lo, hi).int()
+    assert torch.equal(got, brute(n, n, lo_g, hi_g).int())
+
+
+@pytest.mark.parametrize("mods,kw,match", [
+    (("document",), dict(doc=torch.zeros(1, 8, dtype=torch.int32)),
+     r"mod `document`.*`doc` \[B, N\].*along the sequence"),
+    (("sink_logits",), dict(sinks=torch.zeros(2)), "mod `sink_logits` is a sink"),
+])
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_data_dependent_mods_and_sinks_refused(mods_built, mods, kw, match, strategy):
+    pkg, _ = mods_built
+    q = torch.zeros(1, 8, 2, 16)
+    for fn, x in ((pkg.ring_flash_attn_func, q), (pkg.ring_scaled_dot_product_attention,
+                                                  q.transpose(1, 2))):
+        with pytest.raises(NotImplementedError, match=match):
+            fn(x, x, x, mods=mods, strategy=strategy, **kw)
+
+
+def test_mod_arguments_checked_before_launch(mods_built):
+    pkg, _ = mods_built
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="need mods="):
+        pkg.ring_flash_attn_func(q, q, q, causal=True, slope=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"`slope` has shape \(3,\)"):
+        pkg.ring_flash_attn_func(q, q, q, causal=True, mods=("alibi",), slope=torch.zeros(3))
+    with pytest.raises(ValueError, match="no kernel"):  # prefix_lm was built without causal
+        pkg.ring_flash_attn_func(q, q, q, causal=True, mods=("prefix_lm",),
+                                 prefix_len=torch.zeros(1, dtype=torch.int32))
+
+
+def mod_case(n, mods, mod_kw, **kw):
+    return case(n, mods=list(mods), mod_kw=mod_kw, **kw)
+
+
+ALIBI = {"slope": {"values": SLOPE, "dtype": "float32"}}
+MOD_CASES = {
+    # zig-zag chunks of 5 rows: pieces start off the 16-row tiles
+    2: [mod_case(20, ["alibi"], ALIBI, causal=True),
+        mod_case(20, ["softcap"], {"cap": 2.0}, causal=True, strategy="allgather"),
+        mod_case(18, ["window_sinks"], {"sinks": 2, "window": 5}, layout="contiguous",
+                 sdpa=True),
+        mod_case(24, ["prefix_lm"], {"prefix_len": {"values": [15], "dtype": "int32"}},
+                 strategy="allgather")],
+    3: [mod_case(30, ["alibi"], ALIBI, causal=True)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_mods_match_single_process(mods_built, tmp_path, world):
+    _, pkg_dir = mods_built
+    per_rank = run_world(world, pkg_dir, tmp_path, MOD_CASES[world], package=MODS_PACKAGE)
+    assert_results(per_rank)

@@ -512,7 +512,7 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
             _plans[full] = cached
         plan = cached
     return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse,
-                call.args)
+                call.mod_args)
 
 
 _capacities = {}  # (plan key, mod names) -> the cache capacity a call with mods checks against

@@ -33,7 +33,11 @@ Masks see global positions: every kernel call gets the band offsets (runtime.ban
 query and key pieces shifted by their global starts, so causal and sliding-window masks
 are exact; a piece that is fully visible runs the unmasked kernel, a fully masked one is
 skipped (it contributes nothing, no NaN). Self-attention: N_q = N_k, so the diagonal's
-top-left and bottom-right alignments coincide.
+top-left and bottom-right alignments coincide. The spec's position-based mods (mods=...,
+as flash_attn_func takes them: softcap, alibi, relative_bias, prefix_lm, windows with
+sinks) are exact too: each piece's kernels get its global query and key starts, which
+q_idx / kv_idx add. Mods with a tensor along the sequence (document, key_padding, bias)
+and sinks raise NotImplementedError.
 
 Backward: every piece's backward is the package's own backward kernels, called with the
 GLOBAL (merged) output and LSE: D = rowsum(dO * O) and P = exp(S - LSE) are then those of
@@ -63,7 +67,7 @@ import os
 import torch
 
 from . import _runtime
-from ._registry import BUILT_FOR, PACKAGE
+from ._registry import BUILT_FOR, MODS, PACKAGE, VARIANTS
 
 STRATEGIES = ("ring", "allgather")
 LAYOUTS = ("zigzag", "contiguous")
@@ -215,23 +219,38 @@ def classify(m: int, n: int, lo: int, hi: int) -> str:
     return "both" if left else "right"
 
 
-def kernel_mask(kind: str) -> str:
+def kernel_mask(kind: str, mods=None) -> str:
     """The cheapest built mask variant that computes a piece of this kind exactly (a
-    weaker band is a wider one: unbounded offsets leave the extra edges inert)."""
+    weaker band is a wider one: unbounded offsets leave the extra edges inert); with mods
+    (a `_mods.Call`), among the masks the spec built that mod combination with."""
     need = {"full": "none", "right": "causal", "both": "sliding_window"}[kind]
+    if mods is None:
+        built = BUILT_FOR["masks"]
+    else:
+        built = {f["mask"] for f in VARIANTS.values()
+                 if f["kind"] == "fwd" and tuple(f.get("mods") or ()) == mods.names}
     for mask in _FALLBACK[need]:
-        if mask in BUILT_FOR["masks"]:
+        if mask in built:
             return mask
+    if mods is not None:
+        raise ValueError(f"{PACKAGE} has mods {'+'.join(mods.names)} with masks {sorted(built)}: "
+                         f"a context-parallel piece needs the `{need}` mask with them; add "
+                         f"an entry with mask: {need} and mods: [{', '.join(mods.names)}] to "
+                         f"`variants` in {BUILT_FOR['spec']} and rebuild")
     raise ValueError(f"{PACKAGE} was built for masks {list(BUILT_FOR['masks'])}: a context-"
                      f"parallel piece needs the `{need}` mask; add it to `masks` in "
                      f"{BUILT_FOR['spec']} and rebuild")
 
 
-def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int) -> tuple:
+def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None) -> tuple:
     """The kernel calls of one (query shard, key shard) pair: ((q start, q len, k start,
-    k len, mask, lo, hi), ...) in local coordinates. (lo_glob, hi_glob): the band in global
-    positions. Fully visible pieces that form a rectangle of adjacent segments share one
-    unmasked call (under zig-zag a rank's off-diagonal steps are one call each)."""
+    k len, mask, lo, hi, q global start, k global start), ...), starts and band in local
+    coordinates. (lo_glob, hi_glob): the band in global positions. Fully visible pieces
+    that form a rectangle of adjacent segments share one unmasked call (under zig-zag a
+    rank's off-diagonal steps are one call each). With mods (a `_mods.Call`), segments
+    share a call only where they are adjacent in the sequence too: a call's mods see
+    q_idx = q global start + its local row (kv_idx likewise), so its rows and columns must
+    be contiguous runs of global positions."""
     cells = {}
     for i, (qs, qn, qg) in enumerate(q_segs):
         for j, (ks, kn, kg) in enumerate(k_segs):
@@ -245,32 +264,35 @@ def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int) -> tuple:
     def span(segs, idx):
         return segs[idx[0]][0], sum(segs[x][1] for x in idx)
 
-    def run(idx):
-        return idx == list(range(idx[0], idx[0] + len(idx)))
+    def run(segs, idx):
+        return all(b == a + 1 and (mods is None or segs[a][2] + segs[a][1] == segs[b][2])
+                   for a, b in zip(idx, idx[1:]))
 
-    if full and len(full) == len(rows) * len(cols) and run(rows) and run(cols):
-        calls.append((*span(q_segs, rows), *span(k_segs, cols)))
+    if full and len(full) == len(rows) * len(cols) and run(q_segs, rows) and run(k_segs, cols):
+        calls.append((*span(q_segs, rows), *span(k_segs, cols), q_segs[rows[0]][2],
+                      k_segs[cols[0]][2]))
     else:
         for i in rows:
             mine = [j for j in cols if (i, j) in cells and cells[i, j][0] == "full"]
             groups, current = [], [mine[0]]
             for j in mine[1:]:
-                if j == current[-1] + 1:
+                if run(k_segs, [current[-1], j]):
                     current.append(j)
                 else:
                     groups.append(current)
                     current = [j]
             groups.append(current)
             for g in groups:
-                calls.append((*span(q_segs, [i]), *span(k_segs, g)))
+                calls.append((*span(q_segs, [i]), *span(k_segs, g), q_segs[i][2],
+                              k_segs[g[0]][2]))
     # unbounded, as runtime.band writes it: an edge past every row and key is inert
-    calls = [(qs, qn, ks, kn, kernel_mask("full"), -(qn + kn + 1), qn + kn + 1)
-             for qs, qn, ks, kn in calls]
+    calls = [(qs, qn, ks, kn, kernel_mask("full", mods), -(qn + kn + 1), qn + kn + 1, qg, kg)
+             for qs, qn, ks, kn, qg, kg in calls]
     for (i, j), (kind, lo, hi) in sorted(cells.items()):
         if kind in ("right", "both"):
-            qs, qn, _ = q_segs[i]
-            ks, kn, _ = k_segs[j]
-            calls.append((qs, qn, ks, kn, kernel_mask(kind), lo, hi))
+            qs, qn, qg = q_segs[i]
+            ks, kn, kg = k_segs[j]
+            calls.append((qs, qn, ks, kn, kernel_mask(kind, mods), lo, hi, qg, kg))
     return tuple(calls)
 
 
@@ -300,12 +322,22 @@ def _empty_as(like, shape, dtype=None, lead=()):
     return base.permute(tuple(range(n)) + tuple(n + p for p in inverse))
 
 
-def _piece_forward(q, k, v, call, scale):
+def _piece_mods(mods, call):
+    """The call's mods (a `_mods.Call` for the whole sequence, or None) on this piece: its
+    mods see global positions, the piece's global starts plus its local row / column."""
+    if mods is None:
+        return None
+    qs, qn, ks, kn, mask, lo, hi, qg, kg = call
+    return mods.piece(qn, kn, qg, kg)
+
+
+def _piece_forward(q, k, v, call, scale, mods=None):
     """(out (B, qn, H, d) in q's dtype, lse (B, H, qn) fp32) of one planned call."""
-    qs, qn, ks, kn, mask, lo, hi = call
+    qs, qn, ks, kn, mask, lo, hi = call[:7]
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
     out = _empty_as(q, qp.shape)
-    lse = _runtime.forward(qp, kp, vp, out, mask=mask, lo=lo, hi=hi, scale=scale, bnhd=True)
+    lse = _runtime.forward(qp, kp, vp, out, mask=mask, lo=lo, hi=hi, scale=scale, bnhd=True,
+                           mods=_piece_mods(mods, call))
     return out, lse
 
 
@@ -327,19 +359,19 @@ def _merge(acc, lse_acc, out, lse, qs):
                           BLOCK_D=max(16, 1 << (d - 1).bit_length()))
 
 
-def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc):
+def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None):
     """One planned call's backward (against the GLOBAL out and lse): its dq is added into
     the fp32 accumulator dq_acc (B, N, H, d) -- by the Gluon kernel itself, which sums
     dQ in fp32 anyway -- and its (dk, dv) over the call's keys are returned in the input
     dtype, for the caller to add where the shard's sum is."""
-    qs, qn, ks, kn, mask, lo, hi = call
+    qs, qn, ks, kn, mask, lo, hi = call[:7]
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
     dk = _empty_as(k, kp.shape)
     dv = _empty_as(v, vp.shape)
     _runtime.backward(_bhnd(do.narrow(1, qs, qn)), _bhnd(qp), _bhnd(kp), _bhnd(vp),
                       _bhnd(out.narrow(1, qs, qn)), lse.narrow(2, qs, qn).contiguous(),
                       None, _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale,
-                      dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)))
+                      mods=_piece_mods(mods, call), dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)))
     return dk, dv
 
 
@@ -415,8 +447,9 @@ def _ring_forward(q, k, v, cfg):
         works = ()
         if step < world - 1:
             nxt, works = ring.exchange(*kv)
-        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g):
-            out, lse = _piece_forward(q, kv[0], kv[1], call, scale)
+        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
+                              cfg["mods"]):
+            out, lse = _piece_forward(q, kv[0], kv[1], call, scale, cfg["mods"])
             _merge(acc, lse_acc, out, lse, call[0])
         if works:
             _wait(works)
@@ -510,8 +543,10 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
             # NVLink against ~450 ms of kernels)
             _wait(dkv_works)
             dkv, dkv_works, arriving = arriving, (), None
-        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g):
-            dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc)
+        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
+                              cfg["mods"]):
+            dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc,
+                                     cfg["mods"])
             _add_piece(dkv, call, dk, dv)
             del dk, dv
         if world > 1:
@@ -553,7 +588,7 @@ def _allgather_calls(n_local, cfg):
     for qs, qn, qg in segments(n_local, ring.rank, ring.world, layout):
         k0 = max(0, qg + lo_g)
         k1 = min(n, qg + qn - 1 + hi_g + 1)
-        for call in plan_pair(((qs, qn, qg),), ((k0, k1 - k0, k0),), lo_g, hi_g):
+        for call in plan_pair(((qs, qn, qg),), ((k0, k1 - k0, k0),), lo_g, hi_g, cfg["mods"]):
             calls.append(call)
     return calls
 
@@ -569,14 +604,14 @@ def _allgather_forward(q, k, v, cfg):
         # exactly one call per query segment (self-attention: every query sees itself):
         # its output is final, no merge
         for call in calls:
-            o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"])
+            o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"])
             out.narrow(1, call[0], call[1]).copy_(o)
             lse.narrow(2, call[0], call[1]).copy_(l)
         return out, lse
     acc = _empty_as(q, q.shape, torch.float32).zero_()
     lse.fill_(float("-inf"))
     for call in calls:
-        o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"])
+        o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"])
         _merge(acc, lse, o, l, call[0])
     return acc.to(q.dtype), lse
 
@@ -590,7 +625,7 @@ def _allgather_backward(do, q, k, v, out, lse, cfg):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for call in _allgather_calls(n_local, cfg):
         _add_piece(dkv, call, *_piece_backward(do, q, kv[0], kv[1], out, lse, call,
-                                               cfg["scale"], dq_acc))
+                                               cfg["scale"], dq_acc, cfg["mods"]))
     # back to rank order, then each rank gets the sum of every rank's dK/dV for its shard
     mine = torch.stack([shard(dkv, r, ring.world, dim=2, layout=layout)
                         for r in range(ring.world)])
@@ -638,9 +673,52 @@ def _strategy(strategy) -> str:
     return strategy
 
 
+# a mod tensor's extents that run along the sequence (docs/MODS.md)
+_SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
+
+
+def _ring_mods(mods, mod_args, q, n):
+    """The `_mods.Call` of a context-parallel call's mods over the whole sequence of n
+    tokens (None without mods), validated before anything launches. Position-based mods
+    (expressions of b, h, q_idx, kv_idx, params and tensors not indexed along the
+    sequence) are exact: every piece's kernels see global positions. Refused: a tensor
+    along the sequence (each rank would need the whole of it, or its shard to travel the
+    ring with the keys) and sinks (a sink joins each row's denominator once, but a row's
+    softmax is merged from several pieces)."""
+    from . import _mods
+
+    if mods is None:
+        if mod_args:
+            raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: a mod's "
+                            "tensors and params need mods=(...)")
+        return None
+    names = _mods.combo(mods)
+    for m in names:
+        decl = MODS[m]
+        if decl["kind"] == "sink":
+            raise NotImplementedError(
+                f"mod `{m}` is a sink: under context parallelism each row's softmax is "
+                "merged from several pieces, and a sink must join that denominator exactly "
+                "once (folded into the merged LSE, with its gradient) -- not done yet; run "
+                "it single-process, or without the sink")
+        for t, dims, _ in decl["tensors"]:
+            along = [str(d) for d in dims if d in _SEQUENCE_EXTENTS]
+            if along:
+                what = ("attn_mask (the sdpa_mask mod)" if m == "sdpa_mask" else f"mod `{m}`")
+                raise NotImplementedError(
+                    f"{what} under context parallelism: its tensor `{t}` "
+                    f"[{', '.join(map(str, dims))}] is indexed along the sequence "
+                    f"({', '.join(along)}), so it is data-dependent: it would have to be "
+                    "sharded with the sequence and travel the ring with the keys, which is "
+                    "not supported. Use position-based mods (causal, window_size, alibi, "
+                    "softcap, ...), or run this mask single-process")
+    return _mods.prepare(names, mod_args, q.shape[0], q.shape[2], n, n, q.device)
+
+
 def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, window_size,
-                      return_lse, strategy, layout, grad_sum_dtype):
-    """q, k, v: (B, N_local, H, d) tensors (possibly transposed views)."""
+                      return_lse, strategy, layout, grad_sum_dtype, mods=None, mod_args=None):
+    """q, k, v: (B, N_local, H, d) tensors (possibly transposed views); mods / mod_args:
+    the call's mods and their tensors and params (flash_attn_func's)."""
     _runtime.check_tensors(q, k, v, bnhd=True)
     if isinstance(dropout_p, (int, float)) and dropout_p > 0.0:
         raise NotImplementedError(
@@ -668,9 +746,11 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     window = _runtime.check_window(window_size)
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
     mask, _, _ = _global_band(n_local * world, bool(causal), window)
-    _runtime.find_variant("fwd", mask, False, q.shape[-1], _runtime._DTYPE_NAMES[q.dtype])
+    call = _ring_mods(mods, mod_args or {}, q, n_local * world)
+    _runtime.find_variant("fwd", mask, False, q.shape[-1], _runtime._DTYPE_NAMES[q.dtype],
+                          call.names if call is not None else ())
     cfg = dict(ring=_Ring(group, rank, world), layout=layout, causal=bool(causal),
-               window=window, scale=scale, strategy=strategy, grad_sum=grad_sum)
+               window=window, scale=scale, strategy=strategy, grad_sum=grad_sum, mods=call)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _ContextParallel.apply(q, k, v, cfg)
     else:
@@ -681,7 +761,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
 @torch.compiler.disable
 def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softmax_scale=None,
                          window_size=(-1, -1), return_lse=False, *, strategy=None,
-                         layout="zigzag", grad_sum_dtype=None):
+                         layout="zigzag", grad_sum_dtype=None, mods=None, **mod_args):
     """flash_attn_func over a sequence sharded across the ranks of `group` (default: the
     default process group; without torch.distributed initialised, one rank). q, k, v are
     this rank's shards (B, N / world, H, d) cut with `layout` (see shard_sequence); returns
@@ -691,6 +771,9 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
     grad_sum_dtype: the dtype a K/V shard's dK/dV sum travels the ring in, "input" (the
     inputs' dtype: one rounding per hop, half the memory) or "float32" (default
     FLASHGEN_CP_GRAD_SUM, else "input"); the all-gather strategy always sums in fp32.
+    mods: the spec's mods as in flash_attn_func (mods=("alibi",), slope=slopes), seeing
+    global positions; mods with a tensor along the sequence (document, key_padding, bias)
+    and sinks raise NotImplementedError (docs/RING.md).
     Every rank of the group must call it with the same arguments and shapes."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -699,18 +782,19 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
     return _context_parallel(q, k, v, group=group, causal=causal, dropout_p=dropout_p,
                              softmax_scale=softmax_scale, window_size=window_size,
                              return_lse=return_lse, strategy=strategy, layout=layout,
-                             grad_sum_dtype=grad_sum_dtype)
+                             grad_sum_dtype=grad_sum_dtype, mods=mods, mod_args=mod_args)
 
 
 @torch.compiler.disable
 def ring_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                       is_causal=False, scale=None, enable_gqa=False, *,
                                       group=None, window_size=(-1, -1), return_lse=False,
-                                      strategy=None, layout="zigzag", grad_sum_dtype=None):
+                                      strategy=None, layout="zigzag", grad_sum_dtype=None,
+                                      mods=None, **mod_args):
     """ring_flash_attn_func in PyTorch's SDPA layout and argument order (the context-
     parallel arguments by keyword): this rank's shards (B, H, N / world, d), cut along
     dim 2 (shard_sequence(x, dim=2)); returns (B, H_q, N / world, d) laid out like
-    `query` (and the gradients like their inputs)."""
+    `query` (and the gradients like their inputs); mods as ring_flash_attn_func's."""
     if attn_mask is not None:
         raise NotImplementedError(
             "attn_mask is not supported under context parallelism (a data-dependent mask "
@@ -727,7 +811,7 @@ def ring_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout
                                causal=is_causal, dropout_p=dropout_p, softmax_scale=scale,
                                window_size=window_size, return_lse=return_lse,
                                strategy=strategy, layout=layout,
-                               grad_sum_dtype=grad_sum_dtype)
+                               grad_sum_dtype=grad_sum_dtype, mods=mods, mod_args=mod_args)
     if return_lse:
         return _bhnd(result[0]), result[1]
     return _bhnd(result)

@@ -48,8 +48,29 @@ def combo(mods) -> tuple:
 class Call:
     """One call's mods, validated: kernel arguments and what the backward needs."""
 
-    __slots__ = ("names", "info", "tensors", "params", "args", "signature", "block_sparse",
-                 "grad_flags", "grad_buffers", "shape", "device", "mask_key", "mask_refs")
+    __slots__ = ("names", "info", "tensors", "params", "mod_args", "pos", "signature",
+                 "block_sparse", "grad_flags", "grad_buffers", "shape", "device", "mask_key",
+                 "mask_refs")
+
+    @property
+    def args(self) -> tuple:
+        """The attention kernels' mod arguments: the tensors and params (`mod_args`, what
+        decode takes), then the global positions of the call's first row and column."""
+        return self.mod_args + self.pos
+
+    def piece(self, n_q: int, n_k: int, q_pos: int, kv_pos: int) -> "Call":
+        """This call on the piece of the score matrix of n_q rows from global row q_pos and
+        n_k columns from global column kv_pos (a context-parallel shard's kernel call): the
+        mods see global q_idx / kv_idx; the block lists are the piece's own. The tensors
+        were validated for the whole sequence by `prepare`."""
+        c = Call()
+        for name in Call.__slots__:
+            setattr(c, name, getattr(self, name))
+        c.shape = self.shape[:2] + (n_q, n_k)
+        c.pos = (int(q_pos), int(kv_pos))
+        if self.mask_key is not None:  # the block lists depend on where the piece is
+            c.mask_key = self.mask_key[:2] + (c.pos,)
+        return c
 
     def grad_args(self) -> tuple:
         out = ()
@@ -161,7 +182,8 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
                         f"{'+'.join(names)}; they take {accepted or 'nothing'}")
     call = Call()
     call.names, call.info, call.tensors, call.params = names, info, tensors, params
-    call.args = tuple(args + param_args)
+    call.mod_args = tuple(args + param_args)
+    call.pos = (0, 0)
     call.block_sparse = info["block_sparse"]
     want_grad = torch.is_grad_enabled()
     call.grad_flags = {f"GRAD_{t.upper()}": bool(want_grad and tensors[t].requires_grad)
@@ -175,7 +197,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     try:
         call.mask_key = (tuple((tensors[t].data_ptr(), tensors[t]._version, tuple(tensors[t].shape),
                                 tensors[t].stride()) for t in mask_tensors),
-                         tuple(params[p] for p in mask_params))
+                         tuple(params[p] for p in mask_params), call.pos)
     except RuntimeError:  # an inference tensor has no version counter: no caching
         call.mask_key = None
     # the cached block masks are valid only for these very tensor objects: a new tensor at

@@ -139,7 +139,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0", "Q_POS", "KV_POS"])
 def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -158,7 +158,7 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
     # the mods' tensors (pointer, strides, extents) and params
-    T_sinks, T_sinks_S0, T_sinks_D0,
+    T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
@@ -274,8 +274,8 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
@@ -347,8 +347,8 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0))
@@ -408,8 +408,8 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             p_t = tl.exp2(s_t * QK_SCALE_LOG2 - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
@@ -476,7 +476,7 @@ def bwd_causal_sink_logits_d128_bf16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_sinks_S0", "T_sinks_D0", "Q_POS", "KV_POS"])
 def bwd_causal_sink_logits_d128_bf16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -492,7 +492,7 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
     SCALE,
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
-    T_sinks, T_sinks_S0, T_sinks_D0,
+    T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -564,8 +564,8 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
             vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
             # scores in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
-            q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-            kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+            q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+            kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
             p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
@@ -594,8 +594,8 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
             vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
@@ -611,8 +611,8 @@ def bwd_causal_sink_logits_d128_bf16_dq_kernel(
         vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
         p = tl.exp2(s * QK_SCALE_LOG2 - lse[:, None])  # [BLOCK_M, BLOCK_N]
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K

@@ -140,7 +140,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_S1", "T_rel_bias_D0", "T_rel_bias_D1", "P_max_distance"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_S1", "T_rel_bias_D0", "T_rel_bias_D1", "Q_POS", "KV_POS", "P_max_distance"])
 def bwd_relative_bias_d128_bf16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -159,7 +159,7 @@ def bwd_relative_bias_d128_bf16_dkdv_kernel(
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
     # the mods' tensors (pointer, strides, extents) and params
-    T_rel_bias, T_rel_bias_S0, T_rel_bias_S1, T_rel_bias_D0, T_rel_bias_D1, P_max_distance,
+    T_rel_bias, T_rel_bias_S0, T_rel_bias_S1, T_rel_bias_D0, T_rel_bias_D1, P_max_distance, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
@@ -275,8 +275,8 @@ def bwd_relative_bias_d128_bf16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             score = s_t * SCALE  # natural units, what the score mod sees
             p_t = tl.exp2(((score + tl.load(T_rel_bias + tl.minimum(tl.maximum(h, 0), T_rel_bias_D0 - 1).to(tl.int64) * T_rel_bias_S0 + tl.minimum(tl.maximum(((kv_idx - q_idx) + P_max_distance), 0), T_rel_bias_D1 - 1).to(tl.int64) * T_rel_bias_S1))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
@@ -351,8 +351,8 @@ def bwd_relative_bias_d128_bf16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             score = s_t * SCALE  # natural units, what the score mod sees
             p_t = tl.exp2(((score + tl.load(T_rel_bias + tl.minimum(tl.maximum(h, 0), T_rel_bias_D0 - 1).to(tl.int64) * T_rel_bias_S0 + tl.minimum(tl.maximum(((kv_idx - q_idx) + P_max_distance), 0), T_rel_bias_D1 - 1).to(tl.int64) * T_rel_bias_S1))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
@@ -415,8 +415,8 @@ def bwd_relative_bias_d128_bf16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             score = s_t * SCALE  # natural units, what the score mod sees
             p_t = tl.exp2(((score + tl.load(T_rel_bias + tl.minimum(tl.maximum(h, 0), T_rel_bias_D0 - 1).to(tl.int64) * T_rel_bias_S0 + tl.minimum(tl.maximum(((kv_idx - q_idx) + P_max_distance), 0), T_rel_bias_D1 - 1).to(tl.int64) * T_rel_bias_S1))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
@@ -486,7 +486,7 @@ def bwd_relative_bias_d128_bf16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_S1", "T_rel_bias_D0", "T_rel_bias_D1", "P_max_distance"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_S1", "T_rel_bias_D0", "T_rel_bias_D1", "Q_POS", "KV_POS", "P_max_distance"])
 def bwd_relative_bias_d128_bf16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -502,7 +502,7 @@ def bwd_relative_bias_d128_bf16_dq_kernel(
     SCALE,
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
-    T_rel_bias, T_rel_bias_S0, T_rel_bias_S1, T_rel_bias_D0, T_rel_bias_D1, P_max_distance,
+    T_rel_bias, T_rel_bias_S0, T_rel_bias_S1, T_rel_bias_D0, T_rel_bias_D1, P_max_distance, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -574,8 +574,8 @@ def bwd_relative_bias_d128_bf16_dq_kernel(
             vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
             # scores in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
-            q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-            kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+            q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+            kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
             score = s * SCALE  # natural units, what the score mod sees
             p = tl.exp2(((score + tl.load(T_rel_bias + tl.minimum(tl.maximum(h, 0), T_rel_bias_D0 - 1).to(tl.int64) * T_rel_bias_S0 + tl.minimum(tl.maximum(((kv_idx - q_idx) + P_max_distance), 0), T_rel_bias_D1 - 1).to(tl.int64) * T_rel_bias_S1))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
             cols = (n0 + offs_n)[None, :]
@@ -606,8 +606,8 @@ def bwd_relative_bias_d128_bf16_dq_kernel(
             vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
         score = s * SCALE  # natural units, what the score mod sees
         p = tl.exp2(((score + tl.load(T_rel_bias + tl.minimum(tl.maximum(h, 0), T_rel_bias_D0 - 1).to(tl.int64) * T_rel_bias_S0 + tl.minimum(tl.maximum(((kv_idx - q_idx) + P_max_distance), 0), T_rel_bias_D1 - 1).to(tl.int64) * T_rel_bias_S1))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
@@ -625,8 +625,8 @@ def bwd_relative_bias_d128_bf16_dq_kernel(
         vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
         score = s * SCALE  # natural units, what the score mod sees
         p = tl.exp2(((score + tl.load(T_rel_bias + tl.minimum(tl.maximum(h, 0), T_rel_bias_D0 - 1).to(tl.int64) * T_rel_bias_S0 + tl.minimum(tl.maximum(((kv_idx - q_idx) + P_max_distance), 0), T_rel_bias_D1 - 1).to(tl.int64) * T_rel_bias_S1))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         cols = (n0 + offs_n)[None, :]

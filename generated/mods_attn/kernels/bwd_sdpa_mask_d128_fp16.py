@@ -140,7 +140,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
 def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -159,7 +159,7 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
     # the mods' tensors (pointer, strides, extents) and params
-    T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3,
+    T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3, Q_POS, KV_POS,
     # gradients of the mods' tensors, [B, H_Q, N_Q, N_K] fp32 (zeros), by strides
     DT_bias, DT_bias_S0, DT_bias_S1, DT_bias_S2, DT_bias_S3,
     GRAD_BIAS: tl.constexpr,  # the caller wants this tensor's gradient
@@ -278,8 +278,8 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             score = s_t * SCALE  # natural units, what the score mod sees
             p_t = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
@@ -302,7 +302,7 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             if GRAD_BIAS:
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
-                tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + q_idx.to(tl.int64) * DT_bias_S2 + kv_idx.to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=(q_idx < N_Q) & (kv_idx < N_K))
+                tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + (m0 + offs_m)[None, :].to(tl.int64) * DT_bias_S2 + offs_n[:, None].to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=((m0 + offs_m)[None, :] < N_Q) & (offs_n[:, None] < N_K))
             # chain rule through the score mod (0 where dS is, whatever the derivative)
             ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * (1.0))
             p_t = p_t.to(Q.dtype.element_ty)
@@ -357,8 +357,8 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             score = s_t * SCALE  # natural units, what the score mod sees
             p_t = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
@@ -374,7 +374,7 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             if GRAD_BIAS:
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
-                tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + q_idx.to(tl.int64) * DT_bias_S2 + kv_idx.to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=(q_idx < N_Q) & (kv_idx < N_K))
+                tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + (m0 + offs_m)[None, :].to(tl.int64) * DT_bias_S2 + offs_n[:, None].to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=((m0 + offs_m)[None, :] < N_Q) & (offs_n[:, None] < N_K))
             # chain rule through the score mod (0 where dS is, whatever the derivative)
             ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * (1.0))
             p_t = p_t.to(Q.dtype.element_ty)
@@ -424,8 +424,8 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
             lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # transposed scores S^T = K Q^T, in log2 units: [BLOCK_N, BLOCK_M]
             s_t = tl.dot(k0, tl.trans(q0))
-            q_idx = (m0 + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix
-            kv_idx = offs_n[:, None]  # [BLOCK_N, 1] column
+            q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
+            kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
             score = s_t * SCALE  # natural units, what the score mod sees
             p_t = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
             rows = (m0 + offs_m)[None, :]
@@ -448,7 +448,7 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
             if GRAD_BIAS:
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
-                tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + q_idx.to(tl.int64) * DT_bias_S2 + kv_idx.to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=(q_idx < N_Q) & (kv_idx < N_K))
+                tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + (m0 + offs_m)[None, :].to(tl.int64) * DT_bias_S2 + offs_n[:, None].to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=((m0 + offs_m)[None, :] < N_Q) & (offs_n[:, None] < N_K))
             # chain rule through the score mod (0 where dS is, whatever the derivative)
             ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * (1.0))
             p_t = p_t.to(Q.dtype.element_ty)
@@ -498,7 +498,7 @@ def bwd_sdpa_mask_d128_fp16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS"])
 def bwd_sdpa_mask_d128_fp16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -514,7 +514,7 @@ def bwd_sdpa_mask_d128_fp16_dq_kernel(
     SCALE,
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
-    T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3,
+    T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -586,8 +586,8 @@ def bwd_sdpa_mask_d128_fp16_dq_kernel(
             vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
             # scores in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
-            q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-            kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+            q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+            kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
             score = s * SCALE  # natural units, what the score mod sees
             p = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
             cols = (n0 + offs_n)[None, :]
@@ -618,8 +618,8 @@ def bwd_sdpa_mask_d128_fp16_dq_kernel(
             vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
         score = s * SCALE  # natural units, what the score mod sees
         p = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
@@ -637,8 +637,8 @@ def bwd_sdpa_mask_d128_fp16_dq_kernel(
         vv0 = tl.load(v_base + (n0 + offs_n)[:, None] * stride_vn + offs_dv0[None, :], mask=((n0 + offs_n) < N_K)[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
         # scores in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1]
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N]
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
         score = s * SCALE  # natural units, what the score mod sees
         p = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
         cols = (n0 + offs_n)[None, :]

@@ -61,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def fwd_causal_document_d128_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -78,7 +78,7 @@ def fwd_causal_document_d128_bf16_kernel(
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
-    T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1,
+    T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS,
     # the block mask at this kernel's tile: per query block, how many key blocks are
     # fully visible / partly visible, and which ([G, NQB] counts, [G, NQB, NKB] indices;
     # G = the mask's batch x head groups, BM_SB / BM_SH their strides, 0 when shared)
@@ -181,8 +181,8 @@ def fwd_causal_document_d128_bf16_kernel(
             k0 = tl.load(k_ptrs0 + n0 * stride_kn)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
         s = s * QK_SCALE_LOG2
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         m_ref = m_new
@@ -207,8 +207,8 @@ def fwd_causal_document_d128_bf16_kernel(
         k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
         s = s * QK_SCALE_LOG2
         # this block straddles an edge of the band: hide what the query may not see
         cols = (n0 + offs_n)[None, :]
@@ -254,12 +254,12 @@ def fwd_causal_document_d128_bf16_kernel(
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], ov0, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "LO_OFF", "HI_OFF", "H_M", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "LO_OFF", "HI_OFF", "H_M", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS"])
 def fwd_causal_document_d128_bf16_block_state(
     STATE,  # [G, cdiv(N_Q, BLOCK_M), cdiv(N_K, BLOCK_N)] int8: 0 empty, 1 partial, 2 full
     N_Q, N_K, LO_OFF, HI_OFF,
     H_M,  # head groups of the mask: H_Q when it depends on h, else 1
-    T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1,
+    T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -272,14 +272,17 @@ def fwd_causal_document_d128_bf16_block_state(
     pid_n = tl.program_id(2)
     b = g // H_M
     h = g % H_M
-    q_idx = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]  # [BLOCK_M, 1]
-    kv_idx = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]  # [1, BLOCK_N]
-    row_ok = q_idx < N_Q
-    visible = kv_idx < N_K
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]  # [BLOCK_M, 1] local
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]  # [1, BLOCK_N] local
+    row_ok = rows < N_Q
+    visible = cols < N_K
     if MASK_RIGHT:
-        visible = visible & (kv_idx <= q_idx + HI_OFF)
+        visible = visible & (cols <= rows + HI_OFF)
     if MASK_LEFT:
-        visible = visible & (kv_idx >= q_idx + LO_OFF)
+        visible = visible & (cols >= rows + LO_OFF)
+    # the mask mod sees global positions, as the attention kernels' mods do
+    q_idx = rows + Q_POS
+    kv_idx = cols + KV_POS
     visible = visible & ((tl.load(T_doc + tl.minimum(tl.maximum(b, 0), T_doc_D0 - 1).to(tl.int64) * T_doc_S0 + tl.minimum(tl.maximum(q_idx, 0), T_doc_D1 - 1).to(tl.int64) * T_doc_S1) == tl.load(T_doc + tl.minimum(tl.maximum(b, 0), T_doc_D0 - 1).to(tl.int64) * T_doc_S0 + tl.minimum(tl.maximum(kv_idx, 0), T_doc_D1 - 1).to(tl.int64) * T_doc_S1)))  # [BLOCK_M, BLOCK_N]
     seen = tl.max(tl.max((visible & row_ok).to(tl.int32), 1), 0)
     # full only if every row exists too: the backward's dK/dV kernel loads its query rows

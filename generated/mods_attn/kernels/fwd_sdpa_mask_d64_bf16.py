@@ -61,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
 def fwd_sdpa_mask_d64_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -78,7 +78,7 @@ def fwd_sdpa_mask_d64_bf16_kernel(
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
-    T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3,
+    T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -170,8 +170,8 @@ def fwd_sdpa_mask_d64_bf16_kernel(
             k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
             # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
-            q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
-            kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
+            q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
+            kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
             score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
             s = ((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
             # this block straddles an edge of the band: hide what the query may not see
@@ -206,8 +206,8 @@ def fwd_sdpa_mask_d64_bf16_kernel(
             k0 = tl.load(k_ptrs0 + n0 * stride_kn)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
         s = ((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
@@ -234,8 +234,8 @@ def fwd_sdpa_mask_d64_bf16_kernel(
         k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
-        q_idx = offs_m[:, None]  # [BLOCK_M, 1] row of the score matrix
-        kv_idx = (n0 + offs_n)[None, :]  # [1, BLOCK_N] column
+        q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
+        kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
         score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
         s = ((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
         # this block straddles an edge of the band: hide what the query may not see

@@ -365,7 +365,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
               kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-              SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, SEQS,
+              SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
@@ -420,11 +420,16 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0, not NaN
             lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
-            kv_idx = gl.expand_dims(keys, 1)  # [SPLIT_N, 1]: S^T's rows are keys
-            q_idx = gl.expand_dims(m0 + qcols, 0)  # [1, BLOCK_M], its columns queries
+            # global positions (Q_POS / KV_POS: a context-parallel piece's starts, else 0)
+            # (the order of the additions is what spilled least, sm_90, d=128, in stack
+            # bytes against no positions: ALiBi 120 -> 120 (176 with the positions added
+            # before the fp32 conversion), document 192 -> 160, prefix-LM 112 -> 120
+            # (104 but document 240 with q's added after the expand), window+sinks 120 -> 112)
+            kv_idx = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]: S^T's rows are keys
+            q_idx = gl.expand_dims(m0 + Q_POS + qcols, 0)  # [1, BLOCK_M], its columns queries
             # fp32 copies for index arithmetic that feeds a float (mods.to_triton)
-            kv_idx_f = gl.expand_dims(keys.to(gl.float32), 1)
-            q_idx_f = gl.expand_dims((m0 + qcols).to(gl.float32), 0)
+            kv_idx_f = gl.expand_dims(keys.to(gl.float32), 1) + KV_POS.to(gl.float32)
+            q_idx_f = gl.expand_dims((m0 + qcols).to(gl.float32), 0) + Q_POS.to(gl.float32)
             pt = gl.exp2(st * QK_SCALE_LOG2 - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
             if i >= n_full:
                 # a partial block of the lists: hide what it may not see
@@ -503,7 +508,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_N", "VEC_ROW", "HEAD_GROUP", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "BM_SB", "BM_SH"])
+                              "NUM_N", "VEC_ROW", "HEAD_GROUP", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_causal_document_d64_fp16_kernel(
     # pointers, or with HOST_DESC the host's TMA descriptors over them
     Q, K, V, DO,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
@@ -534,7 +539,7 @@ def bwd_causal_document_d64_fp16_kernel(
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
     HEAD_GROUP,  # VARLEN: K/V heads whose key blocks are ordered together (_varlen_block); dense: unused
     # the mods' tensors (pointer, strides, extents) and params
-    T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1,
+    T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS,
     # the block mask, transposed: per (mask group, key block) its full and partial query
     # blocks; BM_SB / BM_SH step between the groups of batches / heads (0: shared);
     # PROG_ORDER: int32 [BATCH * H_KV * NUM_N], the (b * H_KV + kv_h) * NUM_N + key block
@@ -638,12 +643,12 @@ def bwd_causal_document_d64_fp16_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 0, BLOCK_M,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 0, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 1, BLOCK_M,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 1, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,

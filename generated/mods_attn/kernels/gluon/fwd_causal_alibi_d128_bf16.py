@@ -592,16 +592,19 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, m
 
 
 @gluon.jit
-def _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_slope, T_slope_S0, T_slope_D0):
+def _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS):
     """The variant's score mod on one [SPLIT_M, BLOCK_N] block of raw scores (Q K^T),
     returned in the same raw units (the natural score divided by the softmax scale), so
     the online softmax step runs unchanged."""
-    q_idx = gl.expand_dims(rows, 1)  # [SPLIT_M, 1] rows of the score matrix
-    kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
+    # global positions: Q_POS / KV_POS are a context-parallel piece's starts (else 0)
+    q_idx = gl.expand_dims(rows + Q_POS, 1)  # [SPLIT_M, 1] rows of the score matrix
+    kv_idx = gl.expand_dims(n0 + KV_POS + cols, 0)  # [1, BLOCK_N] columns
     # fp32 copies, converted once per vector: index arithmetic that feeds a float (ALiBi's
-    # distance) is done in fp32, not converted per score (mods.to_triton)
-    q_idx_f = gl.expand_dims(rows.to(gl.float32), 1)
-    kv_idx_f = gl.expand_dims((n0 + cols).to(gl.float32), 0)
+    # distance) is done in fp32, not converted per score (mods.to_triton). (Positions added
+    # before the conversion spilled least here, sm_90 d=128: ALiBi 136 -> 144 stack bytes,
+    # document 80 -> 80; after it, as the backward does, 152 and 88.)
+    q_idx_f = gl.expand_dims((rows + Q_POS).to(gl.float32), 1)
+    kv_idx_f = gl.expand_dims((n0 + KV_POS + cols).to(gl.float32), 0)
     natural = qk_scale * LN2  # the softmax scale
     score = qk * natural
     return ((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx_f - kv_idx_f))))) * (1.0 / natural)
@@ -693,7 +696,7 @@ def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, s
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
               NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO, SEED_HI,
-              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, T_slope, T_slope_S0, T_slope_D0, CU_Q, CU_K, BATCH, O, stride_oh,
+              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr,
@@ -796,7 +799,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             qk = warpgroup_mma_wait(0, deps=(qk, ))
             mbarrier.arrive(k_empty.index(s), count=1)
             masked = (n_first < full_lo) | (n_first >= full_hi)
-            qk = _score_mod(qk, rows, cols, n_first, b, h, qk_scale, T_slope, T_slope_S0, T_slope_D0)
+            qk = _score_mod(qk, rows, cols, n_first, b, h, qk_scale, T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS)
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n_first, rows, cols, n_k, lo_off,
                                                hi_off, qk_scale, masked)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
@@ -830,7 +833,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 qk = warpgroup_mma_wait(1, deps=(qk, ))
                 mbarrier.arrive(k_empty.index(s), count=1)
                 masked = (n0 < full_lo) | (n0 >= full_hi)
-                qk = _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_slope, T_slope_S0, T_slope_D0)
+                qk = _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS)
                 p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, n_k, lo_off,
                                                    hi_off, qk_scale, masked)
                 if DROPOUT:
@@ -959,7 +962,7 @@ def fwd_causal_alibi_d128_bf16_kernel(
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
-    T_slope, T_slope_S0, T_slope_D0,
+    T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS,
     BLOCK_M: gl.constexpr,  # NUM_CONSUMERS * SPLIT_M
     BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,  # K/V ring depth
@@ -1031,14 +1034,14 @@ def fwd_causal_alibi_d128_bf16_kernel(
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, T_slope, T_slope_S0, T_slope_D0, CU_Q, CU_K, BATCH, O,
+                     DROP_SCALE, T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                      OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, T_slope, T_slope_S0, T_slope_D0, CU_Q, CU_K, BATCH, O,
+                     DROP_SCALE, T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                      OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,

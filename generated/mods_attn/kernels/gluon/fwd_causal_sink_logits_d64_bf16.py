@@ -677,7 +677,7 @@ def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, s
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
               NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO, SEED_HI,
-              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, T_sinks, T_sinks_S0, T_sinks_D0, CU_Q, CU_K, BATCH, O, stride_oh,
+              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr,
@@ -949,7 +949,7 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
-    T_sinks, T_sinks_S0, T_sinks_D0,
+    T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS,
     BLOCK_M: gl.constexpr,  # NUM_CONSUMERS * SPLIT_M
     BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,  # K/V ring depth
@@ -1021,14 +1021,14 @@ def fwd_causal_sink_logits_d64_bf16_kernel(
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, T_sinks, T_sinks_S0, T_sinks_D0, CU_Q, CU_K, BATCH, O,
+                     DROP_SCALE, T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                      OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, T_sinks, T_sinks_S0, T_sinks_D0, CU_Q, CU_K, BATCH, O,
+                     DROP_SCALE, T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                      OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,

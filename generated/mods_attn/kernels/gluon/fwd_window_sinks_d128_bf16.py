@@ -593,7 +593,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
 # ----------------------------------------------------------------------------------------
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, masked,
-                  b, h, P_sinks, P_window):
+                  b, h, P_sinks, P_window, Q_POS, KV_POS):
     """Online softmax of one [SPLIT_M, BLOCK_N] block of raw scores: (P, new row max, new
     row sum, the factor that rescales what was accumulated before)."""
     if masked:
@@ -604,7 +604,7 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, m
             visible = visible & (gl.expand_dims(kcols, 0) <= gl.expand_dims(rows + HI_OFF, 1))
         if MASK_LEFT:
             visible = visible & (gl.expand_dims(kcols, 0) >= gl.expand_dims(rows + LO_OFF, 1))
-        visible = visible & _mask_mod(rows, cols, n0, b, h, P_sinks, P_window)
+        visible = visible & _mask_mod(rows, cols, n0, b, h, P_sinks, P_window, Q_POS, KV_POS)
         qk = gl.where(visible, qk, float("-inf"))
     # the max is taken on raw scores; the scale is folded into one FMA per element below
     m_new = gl.maximum(m_i, gl.max(qk, 1))
@@ -617,15 +617,18 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, m
 
 
 @gluon.jit
-def _mask_mod(rows, cols, n0, b, h, P_sinks, P_window):
+def _mask_mod(rows, cols, n0, b, h, P_sinks, P_window, Q_POS, KV_POS):
     """Where the variant's mask mod lets a query see a key, on one [SPLIT_M, BLOCK_N] block
     (only the partial blocks of the block mask run it)."""
-    q_idx = gl.expand_dims(rows, 1)  # [SPLIT_M, 1] rows of the score matrix
-    kv_idx = gl.expand_dims(n0 + cols, 0)  # [1, BLOCK_N] columns
+    # global positions: Q_POS / KV_POS are a context-parallel piece's starts (else 0)
+    q_idx = gl.expand_dims(rows + Q_POS, 1)  # [SPLIT_M, 1] rows of the score matrix
+    kv_idx = gl.expand_dims(n0 + KV_POS + cols, 0)  # [1, BLOCK_N] columns
     # fp32 copies, converted once per vector: index arithmetic that feeds a float (ALiBi's
-    # distance) is done in fp32, not converted per score (mods.to_triton)
-    q_idx_f = gl.expand_dims(rows.to(gl.float32), 1)
-    kv_idx_f = gl.expand_dims((n0 + cols).to(gl.float32), 0)
+    # distance) is done in fp32, not converted per score (mods.to_triton). (Positions added
+    # before the conversion spilled least here, sm_90 d=128: ALiBi 136 -> 144 stack bytes,
+    # document 80 -> 80; after it, as the backward does, 152 and 88.)
+    q_idx_f = gl.expand_dims((rows + Q_POS).to(gl.float32), 1)
+    kv_idx_f = gl.expand_dims((n0 + KV_POS + cols).to(gl.float32), 0)
     return ((kv_idx <= q_idx) & ((kv_idx < P_sinks) | ((q_idx - kv_idx) <= P_window)))
 
 
@@ -715,7 +718,7 @@ def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, s
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
               NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO, SEED_HI,
-              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O, stride_oh,
+              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, P_sinks, P_window, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr,
@@ -821,7 +824,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 masked = j0 >= n_full
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n_first, rows, cols, n_k, lo_off,
                                                hi_off, qk_scale, masked, b, h,
-                                               P_sinks, P_window)
+                                               P_sinks, P_window, Q_POS, KV_POS)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
                 w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n_first,
                                                 SPLIT_M, BLOCK_N)
@@ -856,7 +859,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 masked = j >= n_full
                 p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, n_k, lo_off,
                                                    hi_off, qk_scale, masked, b, h,
-                                                   P_sinks, P_window)
+                                                   P_sinks, P_window, Q_POS, KV_POS)
                 if DROPOUT:
                     w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n0,
                                                     SPLIT_M, BLOCK_N)
@@ -983,7 +986,7 @@ def fwd_window_sinks_d128_bf16_kernel(
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
     # the mods' tensors (pointer, strides, extents) and params
-    P_sinks, P_window,
+    P_sinks, P_window, Q_POS, KV_POS,
     # the block mask at this kernel's tile (BLOCK_M x BLOCK_N): per (mask group, query
     # block) how many key blocks are fully / partly visible ([G, NUM_M] counts), and which,
     # the full ones first ([G, NUM_M, cdiv(N_K, BLOCK_N)] indices); BM_SB / BM_SH the
@@ -1060,14 +1063,14 @@ def fwd_window_sinks_d128_bf16_kernel(
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
+                     DROP_SCALE, P_sinks, P_window, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                      OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, P_sinks, P_window, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
+                     DROP_SCALE, P_sinks, P_window, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                      OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
