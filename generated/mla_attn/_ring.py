@@ -489,7 +489,10 @@ def _head_groups(k, choice=None) -> int:
 def _ring_backward(do, q, k, v, out, lse, cfg):
     """(dq, dk, dv) of this rank's shard: the ring backward (_ring_backward_heads) once
     per group of K/V heads (with their query heads), the groups one after another."""
-    groups = _head_groups(k)
+    # with mods, one group: a mod may read the head index (ALiBi's slope[h]) and its
+    # tensors were validated for all the heads; a group's call would index them from its
+    # own head 0 (a head offset for the mods is not built)
+    groups = 1 if cfg.get("mods") is not None else _head_groups(k)
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
     h_q, h_kv = q.shape[2], k.shape[2]
