@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from packages import build_and_import
-from test_ring import assert_results, case, run_world
+from test_ring import ALIBI, ROOT, assert_results, case, mod_case, run_world
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,3 +111,23 @@ def test_32k_exactness(pkg_dir, tmp_path):
                                            f"single-GPU {one:.3e} (both against fp32)"))
     print("\n".join(table))
     assert not failures, failures
+
+
+def mod_cases(d=128):
+    """Position-based mods under both strategies, on the committed generated/mods_attn
+    (specs/mods.yaml: bf16, the package's own launch configs, Gluon where it serves)."""
+    out = [mod_case(1024, ["alibi"], ALIBI, causal=True, dtype="bf16", repeat=True),
+           mod_case(1024, ["softcap"], {"cap": 2.0}, causal=True, strategy="allgather",
+                    dtype="bf16"),
+           mod_case(1000, ["window_sinks"], {"sinks": 2, "window": 100}, dtype="bf16",
+                    layout="contiguous", sdpa=True),
+           mod_case(1024, ["prefix_lm"], {"prefix_len": {"values": [300], "dtype": "int32"}},
+                    dtype="bf16")]
+    for c in out:
+        c["shape"][-1] = d
+    return out
+
+
+def test_two_gpus_mods_match_reference(tmp_path):
+    assert_results(run_world(2, ROOT / "generated", tmp_path, mod_cases(), package="mods_attn",
+                             backend="nccl", timeout=400))
