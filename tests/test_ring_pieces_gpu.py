@@ -1,0 +1,130 @@
+"""The context-parallel call's pieces on one GPU (`-m gpu`): world size 1, no process group.
+
+Zig-zag on one rank still cuts the sequence into two chunks, so the call runs real
+kernels on pieces whose queries and keys start at global positions other than 0 (the
+second chunk: N / 2), merges them through their LSE, and runs the backward piece by piece
+against the global output and LSE -- the same arithmetic as a 2-GPU ring minus the NCCL
+transfers (tests/test_ring_gpu.py, which needs 2 GPUs). Checked against float64:
+  * position-based mods on the committed generated/mods_attn (bf16, d = 128, the Gluon
+    kernels where they serve): ALiBi, softcap, window_sinks, prefix_lm -- each piece's
+    kernels must see global q_idx / kv_idx (Q_POS / KV_POS);
+  * the backward in K/V head groups (FLASHGEN_CP_HEAD_GROUPS) on generated/llama_attn,
+    GQA 8:4, against one group: the same arithmetic per head;
+  * a test package's fp32 d = 128 backward (the planner once chose a tile that needed
+    262912 B of shared memory and did not launch).
+"""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
+from packages import build_and_import
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "generated"))
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+from flashgen.reference import attention_ref  # noqa: E402
+from ring_worker import mod_reference  # noqa: E402
+
+
+def _inputs(b, n, h, hk, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(b, n, heads, d, generator=g, device="cuda", dtype=dtype)
+            for heads in (h, hk, hk, h)]
+
+
+def _check(got, ref, tol, what):
+    got, ref = got.double(), ref.double()
+    assert not torch.isnan(got).any(), f"{what}: NaN"
+    err = (got - ref).abs().max().item()
+    bound = tol[0] + tol[1] * ref.abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3e} > {bound:.3e}"
+
+
+MOD_CASES = {
+    "alibi": (dict(slope=[0.25, 0.5, 0.125, 1.0]), True),
+    "softcap": (dict(cap=2.0), True),
+    "window_sinks": (dict(sinks=3, window=200), False),
+    "prefix_lm": (dict(prefix_len=[700, 300]), False),
+}
+
+
+@pytest.mark.parametrize("name", list(MOD_CASES))
+def test_pieces_with_mods_at_global_positions(name):
+    import mods_attn as pkg
+
+    kw, causal = MOD_CASES[name]
+    b, n, h, hk, d = 2, 1536, 4, 2, 128
+    q, k, v, do = _inputs(b, n, h, hk, d, torch.bfloat16)
+    mod_kw = {"mods": (name,)}
+    for key, value in kw.items():
+        mod_kw[key] = (torch.tensor(value, device="cuda",
+                                    dtype=torch.int32 if key == "prefix_len" else torch.float32)
+                       if isinstance(value, list) else value)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out, lse = pkg.ring_flash_attn_func(q, k, v, causal=causal, return_lse=True, **mod_kw)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+
+    # (the reference on the CPU, where mod_reference builds its index grids)
+    score_mod, visible = mod_reference(mod_kw, n)
+    if causal:
+        visible = visible & torch.ones(n, n, dtype=torch.bool).tril()
+    rq, rk, rv = (t.detach().cpu().double().transpose(1, 2).requires_grad_()
+                  for t in (q, k, v))
+    r_out, r_lse = attention_ref(rq, rk, rv, visible, score_mod=score_mod)
+    r_grads = torch.autograd.grad(r_out, (rq, rk, rv), do.cpu().double().transpose(1, 2))
+    out, lse, grads = out.cpu(), lse.cpu(), [t.cpu() for t in grads]
+    _check(out, r_out.transpose(1, 2), OUT_TOL[torch.bfloat16], f"{name} out")
+    finite = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"{name}: LSE -inf pattern"
+    _check(lse[finite], r_lse[finite], LSE_TOL, f"{name} lse")
+    for what, a, r in zip(("dq", "dk", "dv"), grads, r_grads):
+        _check(a, r.transpose(1, 2), GRAD_TOL[torch.bfloat16], f"{name} {what}")
+
+
+def test_head_groups_match_one_group(monkeypatch):
+    import llama_attn as pkg
+
+    q, k, v, do = _inputs(1, 4096, 8, 4, 128, torch.bfloat16, seed=1)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    results = []
+    for groups in ("1", "2", "4"):
+        monkeypatch.setenv("FLASHGEN_CP_HEAD_GROUPS", groups)
+        out = pkg.ring_flash_attn_func(q, k, v, causal=True)
+        results.append(torch.autograd.grad(out, (q, k, v), do))
+    for groups, grads in zip(("2", "4"), results[1:]):
+        for what, a, b in zip(("dq", "dk", "dv"), grads, results[0]):
+            # each head's pieces and sums are the same; dQ's fp32 sum is reduce-added by
+            # the kernel's programs in whatever order they finish
+            _check(a, b, (1e-2, 1e-2), f"{groups} groups {what}")
+
+
+@pytest.fixture(scope="module")
+def fp32_pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("fp32_d128"), "fg_test_fp32_d128", """
+        head_dims: [128]
+        dtypes: [fp32]
+        masks: [causal]
+        gqa: true
+        """)
+
+
+@pytest.mark.parametrize("n", [257, 1024])
+def test_fp32_d128_backward_launches_and_matches(fp32_pkg, n):
+    q, k, v, do = _inputs(1, n, 4, 2, 128, torch.float32, seed=2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = fp32_pkg.flash_attn_func(q, k, v, causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    visible = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    rq, rk, rv = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    r_out, _ = attention_ref(rq, rk, rv, visible)
+    r_grads = torch.autograd.grad(r_out, (rq, rk, rv), do.double().transpose(1, 2))
+    _check(out, r_out.transpose(1, 2), OUT_TOL[torch.float32], "fp32 out")
+    for what, a, r in zip(("dq", "dk", "dv"), grads, r_grads):
+        _check(a, r.transpose(1, 2), GRAD_TOL[torch.float32], f"fp32 {what}")
