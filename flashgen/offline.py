@@ -34,6 +34,8 @@ _VARLEN_POINTERS = ("CU_Q", "CU_K")
 _DENSE = dict(CU_Q=None, CU_K=None, VARLEN=False)
 _FLOATS = {"QK_SCALE_LOG2", "SCALE", "DROP_SCALE", "SM_SCALE"}
 _WIDE_INTS = {"SEED"}
+# a context-parallel piece's global start row / column (variants with mods or dropout)
+_POSITIONS = {"Q_POS", "KV_POS"}
 
 
 @dataclass
@@ -95,6 +97,8 @@ def _signature(fn, dtype: str, extra: dict | None = None):
             sig[name] = "*fp32"
         elif name in _INT_POINTERS:
             sig[name] = _INT_POINTERS[name]
+        elif name in _POSITIONS:
+            sig[name] = "i32"
         elif name.isupper() and not name.startswith(("N_", "H_", "KV_", "LO_", "HI_", "DROP_",
                                                     "RNG_", "SEED", "QK_", "SCALE", "SM_")) \
                 and not name.endswith("_ROW"):  # DELTA_ROW: a row length, not a tensor

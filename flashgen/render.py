@@ -182,9 +182,11 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         tensor_args += [f"T_{t.name}", *strides, *extents]
         sizes += strides + extents
     # the piece's global start row / column (context parallelism; 0 otherwise): q_idx and
-    # kv_idx are global positions, the band and the tensors' rows stay local. Decode takes
-    # its positions from the cache.
-    pos_args = ["Q_POS", "KV_POS"] if ms and variant.kind != "decode" else []
+    # kv_idx are global positions, the band and the tensors' rows stay local, and dropout
+    # draws its keep mask at global (row, column) so a piece drops what the whole call
+    # drops. Decode takes its positions from the cache (and has no dropout).
+    pos_args = (["Q_POS", "KV_POS"] if (ms or variant.dropout) and variant.kind != "decode"
+                else [])
     mod_args = tensor_args + params + pos_args
     # the gradient of each tensor read once per score element: d score_mod / d t[...]
     grad_lines = [{"name": t.name, "deriv": tri(mods.derivative(score, ld)),

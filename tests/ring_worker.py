@@ -65,8 +65,13 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
     with forced:
         for i, case in enumerate(cases):
             start = time.perf_counter()
-            results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask,
-                                    device))
+            # (a case's own tiles: dropout's 32-token chunks make longer sequences, which
+            # 16 x 16 tiles would walk slowly in the interpreter)
+            own = (pkg._runtime.override_config(**case["tiles"])
+                   if "tiles" in case and device == "cpu" else nullcontext())
+            with own:
+                results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask,
+                                        device))
             # progress in the log run_world shows when a world fails or runs out of time
             print(f"rank {rank}: case {i + 1}/{len(cases)} in "
                   f"{time.perf_counter() - start:.1f} s: {case}", flush=True)
@@ -84,11 +89,11 @@ def max_err(a, b):
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
-def single(pkg, q, k, v, do, causal, window, mods=None):
+def single(pkg, q, k, v, do, causal, window, mods=None, dropout_p=0.0):
     """(out, lse, dq, dk, dv) of the package's single-process call on the full sequence."""
     fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
     out, lse = pkg.flash_attn_func(fq, fk, fv, causal=causal, window_size=window,
-                                   return_lse=True, **(mods or {}))
+                                   return_lse=True, dropout_p=dropout_p, **(mods or {}))
     out.backward(do)
     return out.detach(), lse, fq.grad, fk.grad, fv.grad
 
@@ -149,20 +154,35 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
 
     mods = case_mods(case, device)
     extra.update(mods)
+    # dropout: the single-process call, the reference's mask and the context-parallel call
+    # each start from torch.manual_seed(rng_seed). With rank_seeds the ranks' generators
+    # differ for the context-parallel call (rank 0's is the single call's): only a (seed,
+    # stream) shared from rank 0 drops the single call's elements on every rank
+    p = case.get("dropout_p", 0.0)
+    rng_seed = case.get("rng_seed", 0)
+    ring_seed = rng_seed + (1000 * rank if case.get("rank_seeds") else 0)
+    if p:
+        extra["dropout_p"] = p
     # (a) the package's single-process call on the full sequence
-    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window, mods)
+    torch.manual_seed(rng_seed)
+    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window, mods, p)
     # (b) float64 reference
+    keep = None
+    if p:
+        torch.manual_seed(rng_seed)
+        keep = pkg.dropout_mask(b, h, n, n, p, device=device)
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
     vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True)
     score_mod, mod_vis = mod_reference(mods, n)
     r_out, r_lse = attention_ref(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2),
-                                 vis & mod_vis, score_mod=score_mod)
+                                 vis & mod_vis, score_mod=score_mod, keep=keep, dropout_p=p)
     r_out = r_out.transpose(1, 2)
     r_out.backward(do.double())
 
     def mine(t, dim=1):
         return pkg.shard(t, rank, world, dim=dim, layout=layout)
 
+    torch.manual_seed(ring_seed)
     if sdpa:  # the SDPA twin on (B, H, N, d) shards
         sq, sk, sv = (mine(t.transpose(1, 2), dim=2).requires_grad_() for t in (q, k, v))
         out, lse = pkg.ring_scaled_dot_product_attention(
@@ -193,6 +213,7 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     # determinism: a second call gives bitwise the same output and gradients
     if case.get("repeat"):
         sq2, sk2, sv2 = (t.detach().clone().requires_grad_() for t in (sq, sk, sv))
+        torch.manual_seed(ring_seed)
         out2 = pkg.ring_flash_attn_func(sq2, sk2, sv2, causal=causal, window_size=window,
                                         strategy=strategy, layout=layout, **extra)
         out2.backward(mine(do))

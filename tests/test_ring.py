@@ -34,6 +34,7 @@ SPEC = """
     masks: [none, causal, sliding_window]
     window: {left: 8, right: 0}
     gqa: true
+    dropout: true
     """
 
 
@@ -146,7 +147,7 @@ def test_zigzag_needs_length_divisible_by_two_world(pkg):
 
 
 @pytest.mark.parametrize("call,exc,match", [
-    (dict(dropout_p=0.1), NotImplementedError, "dropout_p=0.1 under context parallelism"),
+    (dict(dropout_p=1.5), ValueError, "dropout_p must be a number in"),
     (dict(strategy="tree"), ValueError, "strategy='tree'"),
     (dict(layout="striped"), ValueError, "layout='striped'"),
     (dict(grad_sum_dtype="fp64"), ValueError, "grad_sum_dtype='fp64'"),
@@ -156,6 +157,74 @@ def test_bad_arguments(pkg, call, exc, match):
     q = torch.zeros(1, 8, 2, 16)
     with pytest.raises(exc, match=match):
         pkg.ring_flash_attn_func(q, q, q, **call)
+
+
+def test_dropout_needs_shard_chunks_on_32_tokens(pkg):
+    """The keep mask's Philox blocks are 32 columns wide: a shard chunk off them is refused
+    before anything launches or the generator advances, naming the length that works."""
+    q = torch.zeros(1, 48, 2, 16)  # one rank, zig-zag: chunks of 24 at 0 and 24
+    state = torch.get_rng_state()
+    with pytest.raises(ValueError, match="4 chunks of 24: pad the sequence to a multiple of 128"):
+        pkg._ring._check_dropout_chunks(48, 2, "zigzag")
+    with pytest.raises(ValueError, match="2 chunks of 24: pad the sequence to a multiple of 64"):
+        pkg.ring_flash_attn_func(q, q, q, causal=True, dropout_p=0.1)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pkg.ring_scaled_dot_product_attention(*(q.transpose(1, 2),) * 3, dropout_p=0.1)
+    assert torch.equal(torch.get_rng_state(), state)
+    pkg._ring._check_dropout_chunks(64, 2, "zigzag")
+    pkg._ring._check_dropout_chunks(32, 3, "contiguous")
+    pkg._ring._check_dropout_chunks(48, 1, "contiguous")  # one chunk, at 0
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pkg._ring._check_dropout_chunks(48, 2, "contiguous")
+    o = torch.empty(1, 16, 2, 16)
+    with pytest.raises(ValueError, match="row 8, column 0"):
+        pkg._runtime.forward(q[:, :16], q[:, :16], q[:, :16], o, mask="none", lo=-40, hi=40,
+                             scale=0.25, bnhd=True, dropout_p=0.1,
+                             rng=torch.tensor([1, 2]), pos=(8, 0))
+
+
+def test_dropout_piece_at_global_offsets_drops_the_full_calls_elements(pkg):
+    """One forward and one backward launch on rows [a, a + m) and keys [c, c + kn) at
+    pos=(a, c) apply the whole call's keep mask there (keep_mask_kernel over the full
+    N x N, sliced): out, dq, dk, dv match the float64 reference with that slice. At
+    pos=(0, 0), the piece's local coordinates, the same launch drops other elements."""
+    from flashgen.reference import attention_ref
+
+    rt = pkg._runtime
+    drop = rt._dropout()
+    torch.manual_seed(3)
+    b, h, n, d, p = 1, 2, 128, 16, 0.4
+    a, m, c, kn = 32, 48, 64, 64  # a on a 16-row block, c on a 32-column block
+    q, do = torch.randn(b, m, h, d), torch.randn(b, m, h, d)
+    k, v = torch.randn(b, kn, h, d), torch.randn(b, kn, h, d)
+    rng = torch.tensor([1234, 56])
+    seed, stream, thresh, _ = drop.launch_args(rng, p)
+    full = torch.empty(b * h, n, n, dtype=torch.int8)
+    drop.keep_mask_kernel[(n // 64, n // 64, b * h)](full, seed, stream, n, n, thresh,
+                                                     BLOCK_M=64, BLOCK_N=64)
+    keep = full.view(b, h, n, n).bool()[:, :, a:a + m, c:c + kn]
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, N, H, d) <-> (B, H, N, d)
+    rq, rk, rv = (t(x).double().requires_grad_() for x in (q, k, v))
+    ref, _ = attention_ref(rq, rk, rv, torch.ones(m, kn, dtype=torch.bool), keep=keep,
+                           dropout_p=p)
+    ref.backward(t(do).double())
+    band = dict(mask="none", lo=-(m + kn + 1), hi=m + kn + 1, scale=d ** -0.5)
+
+    def piece(pos):
+        out = torch.empty_like(q)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        lse = rt.forward(q, k, v, out, bnhd=True, dropout_p=p, rng=rng, pos=pos, **band)
+        rt.backward(t(do), t(q), t(k), t(v), t(out), lse, t(dq), t(dk), t(dv), dropout_p=p,
+                    rng=rng, pos=pos, **band)
+        return out, dq, dk, dv
+
+    with rt.override_config(**TILES):
+        got = piece((a, c))
+        local = piece((0, 0))
+    want = (t(ref), t(rq.grad), t(rk.grad), t(rv.grad))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.double(), w, atol=1e-5, rtol=1e-5)
+    assert (local[0].double() - want[0]).abs().max() > 0.1  # the offsets matter here
 
 
 def test_sdpa_twin_refuses_attn_mask_and_ungrouped_heads(pkg):
@@ -321,6 +390,37 @@ def run_world(world, pkg_dir, tmp_path, cases, *, package=PACKAGE, backend="gloo
 def test_context_parallel_matches_single_process(built, tmp_path, world):
     _, pkg_dir = built
     per_rank = run_world(world, pkg_dir, tmp_path, CASES[world])
+    assert_results(per_rank)
+
+
+# Dropout: shard chunks of 32 tokens (the keep mask's Philox blocks are 32 columns wide),
+# so N = 64 * world under zig-zag. 32 x 32 tiles (16 x 16 would walk these lengths slowly
+# in the interpreter); one case takes 16-key tiles, the keep mask's half-block path.
+# rank_seeds: the ranks' generators differ for the context-parallel call, so only rank 0's
+# (seed, stream), broadcast, gives every rank the single call's mask
+DROP_TILES = dict(block_m=32, block_n=32, num_warps=4, num_stages=1)
+DROPOUT_CASES = {
+    2: [case(128, causal=True, dropout_p=0.3, rng_seed=5, rank_seeds=True, tiles=DROP_TILES,
+             repeat=True),
+        case(128, causal=True, dropout_p=0.3, rng_seed=6, strategy="allgather",
+             heads=(4, 2), tiles=DROP_TILES),
+        # the all-gather's key range under a window starts off a 32-column block: rounded
+        # down to one (the band hides the extra keys); 16-key tiles
+        case(128, causal=True, window=(40, 0), dropout_p=0.2, rng_seed=7,
+             strategy="allgather", tiles=dict(DROP_TILES, block_n=16)),
+        case(128, dropout_p=0.25, rng_seed=8, layout="contiguous", sdpa=True,
+             dtype="bf16", tiles=DROP_TILES)],
+    3: [case(192, causal=True, dropout_p=0.3, rng_seed=10, rank_seeds=True, tiles=DROP_TILES)],
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_dropout_matches_single_process(built, tmp_path, world):
+    """The pieces drop exactly the elements flash_attn_func on the full sequence drops
+    from the same generator state: out, LSE and dq, dk, dv match it (and the float64
+    reference with its replayed mask)."""
+    _, pkg_dir = built
+    per_rank = run_world(world, pkg_dir, tmp_path, DROPOUT_CASES[world])
     assert_results(per_rank)
 
 

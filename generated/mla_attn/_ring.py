@@ -52,14 +52,13 @@ Memory layout: the buffers a rank allocates (outputs, partial outputs, sums) fol
 memory order of its q, so SDPA-layout shards (B, H, N / world, d) keep each head's rows
 contiguous -- the layout to use when a shard's rows span more than 2**31 elements.
 
-Not supported: dropout_p > 0 raises NotImplementedError -- the kernels draw the dropout
-keep mask from a Philox counter keyed by the call's LOCAL (row, column, batch*head) and
-the call's own (seed, stream); a shard's call sees other local coordinates than the same
-element has in a single-process call (and the keep mask's tiles must start on multiples
-of 16 rows/columns, which global offsets of a shard are not in general), so the mask
-would differ from the single-process one. Making it match needs global row/column offsets
-inside the kernels' dropout (a kernel-template change) and one (seed, stream) shared by all
-ranks. Data-dependent masks (attn_mask) raise NotImplementedError.
+Dropout (dropout_p > 0) is exact: the pieces drop the elements flash_attn_func on the
+full sequence drops from the same generator state. Every rank draws the call's (seed,
+stream) as that call would and takes rank 0's (a broadcast), the backward reuses it, and
+each piece's kernels draw the keep mask at its global rows and columns (Q_POS / KV_POS).
+The mask is drawn in 16-row x 32-column Philox blocks, so every shard chunk must start on
+a multiple of 32 tokens (N a multiple of 64 * world under zig-zag, 32 * world contiguous;
+ValueError otherwise). Data-dependent masks (attn_mask) raise NotImplementedError.
 """
 import math
 import os
@@ -80,6 +79,10 @@ HEAD_GROUPS_ENV = "FLASHGEN_CP_HEAD_GROUPS"
 # a ring per group), at most this many groups
 HEAD_GROUP_MIN_BYTES = 64 << 20
 HEAD_GROUPS_MAX = 8
+# the dropout keep mask's Philox blocks (`_dropout.keep_mask`): 16 rows x 32 columns. A
+# piece draws the single-process call's mask only if its global starts are on a block, so
+# under dropout every shard chunk starts on a multiple of DROPOUT_COLUMNS tokens
+DROPOUT_ROWS, DROPOUT_COLUMNS = 16, 32
 
 
 def _dist():
@@ -219,16 +222,18 @@ def classify(m: int, n: int, lo: int, hi: int) -> str:
     return "both" if left else "right"
 
 
-def kernel_mask(kind: str, mods=None) -> str:
+def kernel_mask(kind: str, mods=None, dropout: bool = False) -> str:
     """The cheapest built mask variant that computes a piece of this kind exactly (a
     weaker band is a wider one: unbounded offsets leave the extra edges inert); with mods
-    (a `_mods.Call`), among the masks the spec built that mod combination with."""
+    (a `_mods.Call`), among the masks the spec built that mod combination with (with
+    dropout too, when the call drops)."""
     need = {"full": "none", "right": "causal", "both": "sliding_window"}[kind]
     if mods is None:
         built = BUILT_FOR["masks"]
     else:
         built = {f["mask"] for f in VARIANTS.values()
-                 if f["kind"] == "fwd" and tuple(f.get("mods") or ()) == mods.names}
+                 if f["kind"] == "fwd" and tuple(f.get("mods") or ()) == mods.names
+                 and (f["dropout"] or not dropout)}
     for mask in _FALLBACK[need]:
         if mask in built:
             return mask
@@ -242,7 +247,8 @@ def kernel_mask(kind: str, mods=None) -> str:
                      f"{BUILT_FOR['spec']} and rebuild")
 
 
-def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None) -> tuple:
+def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None,
+              dropout: bool = False) -> tuple:
     """The kernel calls of one (query shard, key shard) pair: ((q start, q len, k start,
     k len, mask, lo, hi, q global start, k global start), ...), starts and band in local
     coordinates. (lo_glob, hi_glob): the band in global positions. Fully visible pieces
@@ -250,7 +256,9 @@ def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None) -> tuple:
     rank's off-diagonal steps are one call each). With mods (a `_mods.Call`), segments
     share a call only where they are adjacent in the sequence too: a call's mods see
     q_idx = q global start + its local row (kv_idx likewise), so its rows and columns must
-    be contiguous runs of global positions."""
+    be contiguous runs of global positions. With dropout likewise: a call draws its keep
+    mask at its global starts plus its local row / column."""
+    positional = mods is not None or dropout
     cells = {}
     for i, (qs, qn, qg) in enumerate(q_segs):
         for j, (ks, kn, kg) in enumerate(k_segs):
@@ -265,7 +273,7 @@ def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None) -> tuple:
         return segs[idx[0]][0], sum(segs[x][1] for x in idx)
 
     def run(segs, idx):
-        return all(b == a + 1 and (mods is None or segs[a][2] + segs[a][1] == segs[b][2])
+        return all(b == a + 1 and (not positional or segs[a][2] + segs[a][1] == segs[b][2])
                    for a, b in zip(idx, idx[1:]))
 
     if full and len(full) == len(rows) * len(cols) and run(q_segs, rows) and run(k_segs, cols):
@@ -286,13 +294,14 @@ def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None) -> tuple:
                 calls.append((*span(q_segs, [i]), *span(k_segs, g), q_segs[i][2],
                               k_segs[g[0]][2]))
     # unbounded, as runtime.band writes it: an edge past every row and key is inert
-    calls = [(qs, qn, ks, kn, kernel_mask("full", mods), -(qn + kn + 1), qn + kn + 1, qg, kg)
+    calls = [(qs, qn, ks, kn, kernel_mask("full", mods, dropout), -(qn + kn + 1), qn + kn + 1,
+              qg, kg)
              for qs, qn, ks, kn, qg, kg in calls]
     for (i, j), (kind, lo, hi) in sorted(cells.items()):
         if kind in ("right", "both"):
             qs, qn, qg = q_segs[i]
             ks, kn, kg = k_segs[j]
-            calls.append((qs, qn, ks, kn, kernel_mask(kind, mods), lo, hi, qg, kg))
+            calls.append((qs, qn, ks, kn, kernel_mask(kind, mods, dropout), lo, hi, qg, kg))
     return tuple(calls)
 
 
@@ -331,13 +340,22 @@ def _piece_mods(mods, call):
     return mods.piece(qn, kn, qg, kg)
 
 
-def _piece_forward(q, k, v, call, scale, mods=None):
+def _piece_dropout(drop, call) -> dict:
+    """The dropout arguments of one planned call: drop is (dropout_p, rng) of the whole
+    call (rng broadcast from rank 0) or None; the piece draws its keep mask at its global
+    starts, so it drops what the single-process call drops there."""
+    if drop is None:
+        return {}
+    return dict(dropout_p=drop[0], rng=drop[1], pos=(call[7], call[8]))
+
+
+def _piece_forward(q, k, v, call, scale, mods=None, drop=None):
     """(out (B, qn, H, d) in q's dtype, lse (B, H, qn) fp32) of one planned call."""
     qs, qn, ks, kn, mask, lo, hi = call[:7]
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
     out = _empty_as(q, qp.shape)
     lse = _runtime.forward(qp, kp, vp, out, mask=mask, lo=lo, hi=hi, scale=scale, bnhd=True,
-                           mods=_piece_mods(mods, call))
+                           mods=_piece_mods(mods, call), **_piece_dropout(drop, call))
     return out, lse
 
 
@@ -359,7 +377,7 @@ def _merge(acc, lse_acc, out, lse, qs):
                           BLOCK_D=max(16, 1 << (d - 1).bit_length()))
 
 
-def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None):
+def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None, drop=None):
     """One planned call's backward (against the GLOBAL out and lse): its dq is added into
     the fp32 accumulator dq_acc (B, N, H, d) -- by the Gluon kernel itself, which sums
     dQ in fp32 anyway -- and its (dk, dv) over the call's keys are returned in the input
@@ -371,7 +389,8 @@ def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None):
     _runtime.backward(_bhnd(do.narrow(1, qs, qn)), _bhnd(qp), _bhnd(kp), _bhnd(vp),
                       _bhnd(out.narrow(1, qs, qn)), lse.narrow(2, qs, qn).contiguous(),
                       None, _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale,
-                      mods=_piece_mods(mods, call), dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)))
+                      mods=_piece_mods(mods, call), dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)),
+                      **_piece_dropout(drop, call))
     return dk, dv
 
 
@@ -448,8 +467,8 @@ def _ring_forward(q, k, v, cfg):
         if step < world - 1:
             nxt, works = ring.exchange(*kv)
         for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
-                              cfg["mods"]):
-            out, lse = _piece_forward(q, kv[0], kv[1], call, scale, cfg["mods"])
+                              cfg["mods"], cfg["drop"] is not None):
+            out, lse = _piece_forward(q, kv[0], kv[1], call, scale, cfg["mods"], cfg["drop"])
             _merge(acc, lse_acc, out, lse, call[0])
         if works:
             _wait(works)
@@ -491,8 +510,10 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     per group of K/V heads (with their query heads), the groups one after another."""
     # with mods, one group: a mod may read the head index (ALiBi's slope[h]) and its
     # tensors were validated for all the heads; a group's call would index them from its
-    # own head 0 (a head offset for the mods is not built)
-    groups = 1 if cfg.get("mods") is not None else _head_groups(k)
+    # own head 0 (a head offset for the mods is not built). With dropout likewise: the keep
+    # mask is keyed by batch * heads + head, which a group would count from its head 0
+    groups = (1 if cfg.get("mods") is not None or cfg.get("drop") is not None
+              else _head_groups(k))
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
     h_q, h_kv = q.shape[2], k.shape[2]
@@ -547,9 +568,9 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
             _wait(dkv_works)
             dkv, dkv_works, arriving = arriving, (), None
         for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
-                              cfg["mods"]):
+                              cfg["mods"], cfg["drop"] is not None):
             dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc,
-                                     cfg["mods"])
+                                     cfg["mods"], cfg["drop"])
             _add_piece(dkv, call, dk, dv)
             del dk, dv
         if world > 1:
@@ -588,10 +609,16 @@ def _allgather_calls(n_local, cfg):
     n = n_local * ring.world
     _, lo_g, hi_g = _global_band(n, cfg["causal"], cfg["window"])
     calls = []
+    dropout = cfg["drop"] is not None
     for qs, qn, qg in segments(n_local, ring.rank, ring.world, layout):
         k0 = max(0, qg + lo_g)
+        if dropout:
+            # the keep mask's 32-column blocks: start the keys on one (the band hides the
+            # extra keys)
+            k0 -= k0 % DROPOUT_COLUMNS
         k1 = min(n, qg + qn - 1 + hi_g + 1)
-        for call in plan_pair(((qs, qn, qg),), ((k0, k1 - k0, k0),), lo_g, hi_g, cfg["mods"]):
+        for call in plan_pair(((qs, qn, qg),), ((k0, k1 - k0, k0),), lo_g, hi_g, cfg["mods"],
+                              dropout):
             calls.append(call)
     return calls
 
@@ -607,14 +634,14 @@ def _allgather_forward(q, k, v, cfg):
         # exactly one call per query segment (self-attention: every query sees itself):
         # its output is final, no merge
         for call in calls:
-            o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"])
+            o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"], cfg["drop"])
             out.narrow(1, call[0], call[1]).copy_(o)
             lse.narrow(2, call[0], call[1]).copy_(l)
         return out, lse
     acc = _empty_as(q, q.shape, torch.float32).zero_()
     lse.fill_(float("-inf"))
     for call in calls:
-        o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"])
+        o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"], cfg["drop"])
         _merge(acc, lse, o, l, call[0])
     return acc.to(q.dtype), lse
 
@@ -628,7 +655,7 @@ def _allgather_backward(do, q, k, v, out, lse, cfg):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for call in _allgather_calls(n_local, cfg):
         _add_piece(dkv, call, *_piece_backward(do, q, kv[0], kv[1], out, lse, call,
-                                               cfg["scale"], dq_acc, cfg["mods"]))
+                                               cfg["scale"], dq_acc, cfg["mods"], cfg["drop"]))
     # back to rank order, then each rank gets the sum of every rank's dK/dV for its shard
     mine = torch.stack([shard(dkv, r, ring.world, dim=2, layout=layout)
                         for r in range(ring.world)])
@@ -718,17 +745,43 @@ def _ring_mods(mods, mod_args, q, n):
     return _mods.prepare(names, mod_args, q.shape[0], q.shape[2], n, n, q.device)
 
 
+def _check_dropout_chunks(n_local: int, world: int, layout: str) -> None:
+    """Dropout needs every shard chunk to start at a global position that is a multiple of
+    DROPOUT_COLUMNS (see there); ValueError naming the length that works otherwise."""
+    starts = [g for r in range(world) for _, _, g in segments(n_local, r, world, layout)]
+    if all(g % DROPOUT_COLUMNS == 0 for g in starts):
+        return
+    parts = 2 * world if layout == "zigzag" else world
+    chunk = n_local // (2 if layout == "zigzag" else 1)
+    raise ValueError(
+        f"dropout under context parallelism draws the single-process call's keep mask only "
+        f"if every shard chunk starts on a multiple of {DROPOUT_COLUMNS} tokens (its Philox "
+        f"blocks are {DROPOUT_ROWS} rows x {DROPOUT_COLUMNS} columns), but {layout} sharding "
+        f"over {world} ranks cuts the sequence of {n_local * world} into {parts} chunks of "
+        f"{chunk}: pad the sequence to a multiple of {DROPOUT_COLUMNS * parts}")
+
+
+def _shared_rng(ring, device) -> torch.Tensor:
+    """The (seed, stream) of a dropout call, the same on every rank: each rank draws it as
+    the single-process call would (advancing its generator alike), then takes rank 0's,
+    so that with the generators seeded alike the pieces drop what flash_attn_func on the
+    full sequence drops."""
+    rng = _runtime._dropout().draw_rng(device)
+    if ring.world == 1:
+        return rng
+    dist = _dist()
+    g = ring.group if ring.group is not None else dist.group.WORLD
+    # (on the device: NCCL broadcasts GPU tensors only)
+    shared = rng.to(device)
+    dist.broadcast(shared, src=dist.get_global_rank(g, 0), group=ring.group)
+    return shared.cpu()
+
+
 def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, window_size,
                       return_lse, strategy, layout, grad_sum_dtype, mods=None, mod_args=None):
     """q, k, v: (B, N_local, H, d) tensors (possibly transposed views); mods / mod_args:
     the call's mods and their tensors and params (flash_attn_func's)."""
     _runtime.check_tensors(q, k, v, bnhd=True)
-    if isinstance(dropout_p, (int, float)) and dropout_p > 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p} under context parallelism: the kernels key the dropout "
-            "mask on each call's local row/column coordinates, so a sharded call would not "
-            "drop the elements the single-process call drops; pass dropout_p=0.0 "
-            "(see docs/RING.md)")
     _runtime.check_dropout(dropout_p)
     _check_layout(layout)
     strategy = _strategy(strategy)
@@ -742,6 +795,8 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     if layout == "zigzag" and n_local % 2:
         _check_divisible(n_local * world, world, layout,
                          what=f"the sequence ({world} shards of {n_local})")
+    if dropout_p > 0.0:
+        _check_dropout_chunks(n_local, world, layout)
     if window_size is None:
         from ._api import DEFAULT_WINDOW
 
@@ -750,10 +805,12 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
     mask, _, _ = _global_band(n_local * world, bool(causal), window)
     call = _ring_mods(mods, mod_args or {}, q, n_local * world)
-    _runtime.find_variant("fwd", mask, False, q.shape[-1], _runtime._DTYPE_NAMES[q.dtype],
-                          call.names if call is not None else ())
-    cfg = dict(ring=_Ring(group, rank, world), layout=layout, causal=bool(causal),
-               window=window, scale=scale, strategy=strategy, grad_sum=grad_sum, mods=call)
+    _runtime.find_variant("fwd", mask, dropout_p > 0.0, q.shape[-1],
+                          _runtime._DTYPE_NAMES[q.dtype], call.names if call is not None else ())
+    ring = _Ring(group, rank, world)
+    drop = (float(dropout_p), _shared_rng(ring, q.device)) if dropout_p > 0.0 else None
+    cfg = dict(ring=ring, layout=layout, causal=bool(causal), window=window, scale=scale,
+               strategy=strategy, grad_sum=grad_sum, mods=call, drop=drop)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _ContextParallel.apply(q, k, v, cfg)
     else:

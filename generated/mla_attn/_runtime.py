@@ -808,19 +808,22 @@ def _descriptor_allocator() -> None:
 
 
 _NO_DROP = (0, 0, 0, 1.0)
+_WHOLE = (0, 0)  # a whole call's (Q_POS, KV_POS)
 _SCRATCH_MAX = 1 << 20  # LSE elements: a no-grad call's LSE up to this size goes to a scratch buffer
 
 
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
             dropout_p: float = 0.0, rng=None, bnhd: bool = False, need_lse: bool = True,
-            mods=None):
+            mods=None, pos=(0, 0)):
     """Run the forward kernel on (B, H, N, d) tensors, or (B, N, H, d) ones with bnhd;
     writes o in place, returns the LSE as a contiguous (B, H, N_q) fp32 tensor. `rng` is
     the call's (seed, stream) tensor when dropout_p > 0. With need_lse=False (a call that
     discards the LSE) a small LSE is written to a scratch buffer of the launch plan, saving
     an allocation per call; what it returns then is only valid until the next such call.
     `mods` is a `_mods.Call` (the call's validated mod tensors and params) for a variant
-    with mods, else None.
+    with mods, else None. `pos`: the global (row, column) of q's first row and k's first
+    key, where the dropout mask is drawn (a context-parallel piece; (0, 0) for a whole
+    call; with mods the Call's own positions, `Call.piece`, serve instead).
 
     This runs on every call: everything derived from the call's shapes, strides, dtype,
     device, mask and pointer alignment is computed once per signature (a launch plan) and
@@ -830,8 +833,9 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         # Triton types an int argument by its value (i32 or wider), so the seed's and
         # stream's widths are part of the signature a launch plan is valid for
         widths = int_widths(drop[0], drop[1])
+        drop_pos = _drop_positions(mods, pos)
     else:
-        drop, widths = _NO_DROP, None
+        drop, widths, drop_pos = _NO_DROP, None, ()
     key = (bnhd, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
            q.device, mask, lo, hi, scale, widths, q.data_ptr() % 16 == 0,
            k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
@@ -860,13 +864,27 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
                                     args[_HEAD_GROUP_ARG])
             args = (*args[:_TILE_ORDER_ARG], table, *args[_TILE_ORDER_ARG + 1:])
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
-               *(mods.args if mods is not None else ()), *lists)
+               *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
                *(mods.sparse(*sparse, lo, hi) if sparse else ()))
     else:
-        launch(q, k, v, o, lse, *args, *drop)
+        launch(q, k, v, o, lse, *args, *drop, *drop_pos)
     return lse
+
+
+def _drop_positions(mods, pos) -> tuple:
+    """The (Q_POS, KV_POS) a dropout variant without mods is launched with (() with mods:
+    Call.args carries them). The keep mask's Philox counters come in 16-row x 32-column
+    blocks (`_dropout.keep_mask`), so a piece must start on one to draw the whole call's
+    mask."""
+    q_pos, kv_pos = mods.pos if mods is not None else pos
+    if q_pos % 16 or kv_pos % 32:
+        raise ValueError(f"dropout at global position (row {q_pos}, column {kv_pos}): the "
+                         "keep mask is drawn in 16-row x 32-column blocks, so a piece must "
+                         "start at a row that is a multiple of 16 and a column that is a "
+                         "multiple of 32")
+    return () if mods is not None else (int(q_pos), int(kv_pos))
 
 
 def _gluon_dropout_args(drop) -> tuple:
@@ -902,9 +920,10 @@ _backward_plans = {}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
-             dropout_p: float = 0.0, rng=None, mods=None, dq_accum=None):
+             dropout_p: float = 0.0, rng=None, mods=None, dq_accum=None, pos=(0, 0)):
     """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
-    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream.
+    `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream,
+    `pos` the global (row, column) it drew its keep mask at (see forward).
 
     `dq_accum` (with dq=None): an fp32 (B, H, N_q, d) view that dQ is ADDED into instead
     of being written to dq -- a caller summing dQ over several calls (context parallelism's
@@ -920,8 +939,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
+        drop_pos = _drop_positions(mods, pos)
     else:
-        drop, widths = _NO_DROP, None
+        drop, widths, drop_pos = _NO_DROP, None, ()
     if (dq is None) == (dq_accum is None):
         raise ValueError("backward: pass exactly one of dq and dq_accum")
     dq_like = dq if dq is not None else dq_accum
@@ -948,7 +968,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         # (B * H, N, d) layout): a dQ of this call, then added
         dq = torch.empty_like(dq_accum, dtype=q.dtype)
         delta = backward(do, q, k, v, o, lse, dq, dk, dv, mask=mask, lo=lo, hi=hi,
-                         scale=scale, dropout_p=dropout_p, rng=rng, mods=mods)
+                         scale=scale, dropout_p=dropout_p, rng=rng, mods=mods, pos=pos)
         dq_accum.add_(dq)
         return delta
     (pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, delta_shape, fused, acc_shape,
@@ -998,11 +1018,11 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *mods.args,
                   *(mods.sparse(*tiles[1], lo, hi) if tiles else ()))
         return delta
-    dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop)
+    dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop, *drop_pos)
     if fused:
         dq.copy_(dq_acc.view(dq.shape))
         return delta
-    dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop)
+    dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *drop_pos)
     return delta
 
 
@@ -1324,8 +1344,9 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
+        drop_pos = _WHOLE  # (Q_POS, KV_POS): each sequence draws from its own row 0
     else:
-        drop, widths = _NO_DROP, None
+        drop, widths, drop_pos = _NO_DROP, None, ()
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), o.stride(),
            q.dtype, q.device, cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
            # Triton specialises pointers on 16-byte alignment (o: a fresh allocation)
@@ -1346,9 +1367,9 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     if tma:
         _descriptor_allocator()
     if tma == _GLUON:
-        launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop))
+        launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop), *drop_pos)
     else:
-        launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop)
+        launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *drop_pos)
     return lse
 
 
@@ -1465,8 +1486,9 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
+        drop_pos = _WHOLE  # (Q_POS, KV_POS): each sequence draws from its own row 0
     else:
-        drop, widths = _NO_DROP, None
+        drop, widths, drop_pos = _NO_DROP, None, ()
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            do.stride(), o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device,
            cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
@@ -1500,8 +1522,8 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         return delta
     if tma:
         _descriptor_allocator()
-    dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop)
-    dq_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k, *dq_args, *drop)
+    dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop, *drop_pos)
+    dq_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k, *dq_args, *drop, *drop_pos)
     return delta
 
 

@@ -137,7 +137,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "Q_POS", "KV_POS"])
 def bwd_dropout_d64_fp16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -155,6 +155,9 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
+    Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
@@ -283,7 +286,8 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -347,7 +351,8 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -413,7 +418,8 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -466,7 +472,7 @@ def bwd_dropout_d64_fp16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "Q_POS", "KV_POS"])
 def bwd_dropout_d64_fp16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -482,6 +488,7 @@ def bwd_dropout_d64_fp16_dq_kernel(
     SCALE,
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
+    Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -564,7 +571,7 @@ def bwd_dropout_d64_fp16_dq_kernel(
             dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
-                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
             dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
@@ -585,7 +592,7 @@ def bwd_dropout_d64_fp16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
@@ -607,7 +614,7 @@ def bwd_dropout_d64_fp16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]

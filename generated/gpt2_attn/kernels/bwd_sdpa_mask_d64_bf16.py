@@ -158,7 +158,8 @@ def bwd_sdpa_mask_d64_bf16_dkdv_kernel(
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_bias, T_bias_S0, T_bias_S1, T_bias_S2, T_bias_S3, T_bias_D0, T_bias_D1, T_bias_D2, T_bias_D3, Q_POS, KV_POS,
     # gradients of the mods' tensors, [B, H_Q, N_Q, N_K] fp32 (zeros), by strides
     DT_bias, DT_bias_S0, DT_bias_S1, DT_bias_S2, DT_bias_S3,
@@ -294,7 +295,8 @@ def bwd_sdpa_mask_d64_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -366,7 +368,8 @@ def bwd_sdpa_mask_d64_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -440,7 +443,8 @@ def bwd_sdpa_mask_d64_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -600,7 +604,7 @@ def bwd_sdpa_mask_d64_bf16_dq_kernel(
             dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
-                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
             ds = tl.where(ds == 0.0, 0.0, ds * (1.0)).to(Q.dtype.element_ty)
@@ -625,7 +629,7 @@ def bwd_sdpa_mask_d64_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
         ds = tl.where(ds == 0.0, 0.0, ds * (1.0)).to(Q.dtype.element_ty)
@@ -651,7 +655,7 @@ def bwd_sdpa_mask_d64_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
         ds = tl.where(ds == 0.0, 0.0, ds * (1.0)).to(Q.dtype.element_ty)

@@ -282,7 +282,8 @@ def bwd_window_d128_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -346,7 +347,8 @@ def bwd_window_d128_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -412,7 +414,8 @@ def bwd_window_d128_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -563,7 +566,7 @@ def bwd_window_d128_bf16_dq_kernel(
             dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
-                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
             dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
@@ -584,7 +587,7 @@ def bwd_window_d128_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
@@ -606,7 +609,7 @@ def bwd_window_d128_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]

@@ -182,8 +182,10 @@ def fwd_d128_bf16_kernel(
             p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
-                # the softmax denominator counts every key; only the P @ V product is dropped
-                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                # the softmax denominator counts every key; only the P @ V product is dropped.
+                # Drawn at global (row, column): a context-parallel piece drops what the whole
+                # sequence's call drops (Q_POS / KV_POS, 0 otherwise)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 p = tl.where(keep, p, 0.0)
             p = p.to(V.dtype.element_ty)
             vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
@@ -205,8 +207,10 @@ def fwd_d128_bf16_kernel(
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            # the softmax denominator counts every key; only the P @ V product is dropped
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            # the softmax denominator counts every key; only the P @ V product is dropped.
+            # Drawn at global (row, column): a context-parallel piece drops what the whole
+            # sequence's call drops (Q_POS / KV_POS, 0 otherwise)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         if USE_TMA:
@@ -238,8 +242,10 @@ def fwd_d128_bf16_kernel(
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            # the softmax denominator counts every key; only the P @ V product is dropped
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            # the softmax denominator counts every key; only the P @ V product is dropped.
+            # Drawn at global (row, column): a context-parallel piece drops what the whole
+            # sequence's call drops (Q_POS / KV_POS, 0 otherwise)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]

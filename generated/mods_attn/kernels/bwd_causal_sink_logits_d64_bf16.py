@@ -157,7 +157,8 @@ def bwd_causal_sink_logits_d64_bf16_dkdv_kernel(
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_sinks, T_sinks_S0, T_sinks_D0, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
@@ -289,7 +290,8 @@ def bwd_causal_sink_logits_d64_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -355,7 +357,8 @@ def bwd_causal_sink_logits_d64_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -423,7 +426,8 @@ def bwd_causal_sink_logits_d64_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -577,7 +581,7 @@ def bwd_causal_sink_logits_d64_bf16_dq_kernel(
             dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
-                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
             dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
@@ -600,7 +604,7 @@ def bwd_causal_sink_logits_d64_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]
@@ -624,7 +628,7 @@ def bwd_causal_sink_logits_d64_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0)  # [BLOCK_M, D0_SIZE]

@@ -159,7 +159,8 @@ def bwd_causal_softcap_d128_bf16_dkdv_kernel(
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,  # the forward's dropout stream
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     P_cap, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
@@ -292,7 +293,8 @@ def bwd_causal_softcap_d128_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -361,7 +363,8 @@ def bwd_causal_softcap_d128_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -432,7 +435,8 @@ def bwd_causal_softcap_d128_bf16_dkdv_kernel(
             if DROPOUT:
                 # the forward used Z * P with Z = keep * DROP_SCALE; so dV sees Z * P, and
                 # dS = P * (Z * dP - D)
-                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0, n_start, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+                # (at global positions, as the forward drew it)
+                keep_t = tl.trans(keep_mask(SEED, RNG_OFFSET, bh, m0 + Q_POS, n_start + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N))  # [BLOCK_N, BLOCK_M]
                 dp_t = tl.where(keep_t, dp_t * DROP_SCALE, 0.0)
                 ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
                 p_t = tl.where(keep_t, p_t * DROP_SCALE, 0.0)
@@ -589,7 +593,7 @@ def bwd_causal_softcap_d128_bf16_dq_kernel(
             dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
             if DROPOUT:
-                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+                keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
             ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
             ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
@@ -614,7 +618,7 @@ def bwd_causal_softcap_d128_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
         ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)
@@ -640,7 +644,7 @@ def bwd_causal_softcap_d128_bf16_dq_kernel(
         dp = tl.dot(dov0, tl.trans(vv0))  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
         ds = tl.where(ds == 0.0, 0.0, ds * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(tl.float32)) * _tanh(((score / P_cap)).to(tl.float32)))) * (1.0 / P_cap))))).to(Q.dtype.element_ty)

@@ -79,7 +79,8 @@ def fwd_causal_document_softcap_d128_bf16_kernel(
     SEED, RNG_OFFSET,  # Philox key and stream of this call (dropout only)
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS,
     # the block mask at this kernel's tile: per query block, how many key blocks are
     # fully visible / partly visible, and which ([G, NQB] counts, [G, NQB, NKB] indices;
@@ -195,8 +196,10 @@ def fwd_causal_document_softcap_d128_bf16_kernel(
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            # the softmax denominator counts every key; only the P @ V product is dropped
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            # the softmax denominator counts every key; only the P @ V product is dropped.
+            # Drawn at global (row, column): a context-parallel piece drops what the whole
+            # sequence's call drops (Q_POS / KV_POS, 0 otherwise)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         if USE_TMA:
@@ -233,8 +236,10 @@ def fwd_causal_document_softcap_d128_bf16_kernel(
         p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            # the softmax denominator counts every key; only the P @ V product is dropped
-            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start, n0, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
+            # the softmax denominator counts every key; only the P @ V product is dropped.
+            # Drawn at global (row, column): a context-parallel piece drops what the whole
+            # sequence's call drops (Q_POS / KV_POS, 0 otherwise)
+            keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
         vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]

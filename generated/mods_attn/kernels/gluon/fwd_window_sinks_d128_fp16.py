@@ -826,8 +826,9 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                                                hi_off, qk_scale, masked, b, h,
                                                P_sinks, P_window, Q_POS, KV_POS)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
-                w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n_first,
-                                                SPLIT_M, BLOCK_N)
+                # at global (row, column): Q_POS / KV_POS, a context-parallel piece's starts
+                w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
+                                                n_first + KV_POS, SPLIT_M, BLOCK_N)
                 p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
             v_s = s
             v_ph = ph
@@ -861,8 +862,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                                                    hi_off, qk_scale, masked, b, h,
                                                    P_sinks, P_window, Q_POS, KV_POS)
                 if DROPOUT:
-                    w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, n0,
-                                                    SPLIT_M, BLOCK_N)
+                    w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
+                                                    n0 + KV_POS, SPLIT_M, BLOCK_N)
                     p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(v_s), count=1)
@@ -985,7 +986,8 @@ def fwd_window_sinks_d128_fp16_kernel(
     SEED_LO, SEED_HI, RNG_OFFSET,
     DROP_THRESHOLD,  # drop when an 8-bit uniform draw is below this (T = p * 256, rounded)
     DROP_SCALE,  # 256 / (256 - T), folded into the final normalisation
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     P_sinks, P_window, Q_POS, KV_POS,
     # the block mask at this kernel's tile (BLOCK_M x BLOCK_N): per (mask group, query
     # block) how many key blocks are fully / partly visible ([G, NUM_M] counts), and which,
