@@ -60,7 +60,10 @@ def test_pieces_with_mods_at_global_positions(name):
     import mods_attn as pkg
 
     kw, causal = MOD_CASES[name]
-    b, n, h, hk, d = 2, 1536, 4, 2, 128
+    # n / 2 = 500: the second chunk's pieces start at a position that is not a multiple of
+    # 16, after pieces at 0 of the same shape (one launch plan): a kernel specialised on
+    # Q_POS / KV_POS (divisibility, == 1) would reuse the first piece's binary
+    b, n, h, hk, d = 2, 1000, 4, 2, 128
     q, k, v, do = _inputs(b, n, h, hk, d, torch.bfloat16)
     mod_kw = {"mods": (name,)}
     for key, value in kw.items():
@@ -128,3 +131,26 @@ def test_fp32_d128_backward_launches_and_matches(fp32_pkg, n):
     _check(out, r_out.transpose(1, 2), OUT_TOL[torch.float32], "fp32 out")
     for what, a, r in zip(("dq", "dk", "dv"), grads, r_grads):
         _check(a, r.transpose(1, 2), GRAD_TOL[torch.float32], f"fp32 {what}")
+
+
+def test_pieces_with_dropout_draw_the_single_call_mask():
+    """Dropout at world size 1: the pieces (the second chunk at global row / column
+    N / 2) must drop exactly the elements the single call drops from the same generator
+    state, so output and gradients agree up to the merge's rounding."""
+    import llama_attn as pkg
+
+    q, k, v, do = _inputs(2, 2048, 8, 2, 128, torch.bfloat16, seed=3)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    results = []
+    for fn in (pkg.flash_attn_func, pkg.ring_flash_attn_func):
+        torch.manual_seed(7)
+        out = fn(q, k, v, causal=True, dropout_p=0.2)
+        results.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    torch.manual_seed(7)
+    other = pkg.flash_attn_func(q, k, v, causal=True, dropout_p=0.2)
+    torch.manual_seed(8)
+    assert not torch.equal(other, pkg.flash_attn_func(q, k, v, causal=True, dropout_p=0.2)), \
+        "another seed must drop other elements (or this test could not fail)"
+    for what, a, b in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
+        _check(a, b, OUT_TOL[torch.bfloat16] if what == "out" else GRAD_TOL[torch.bfloat16],
+               f"dropout {what}")
