@@ -67,17 +67,21 @@ def _cmd_plan(args) -> int:
     from .plan import plan_spec
     from .spec import load_spec
 
-    from .plan import format_summary
+    from .plan import format_summary, variant_score_bytes
 
     spec = load_spec(args.spec)
     seen = set()
     for variant, plan in plan_spec(spec).items():
-        key = (variant.kind, variant.head_dim, variant.dtype_bytes)
+        # mods that read a [q, kv] tile per score (an attn_mask, a bias) plan their own
+        # tile: a section of their own, or their choice would go unseen
+        score_bytes = variant_score_bytes(spec, variant)
+        key = (variant.kind, variant.head_dim, variant.dtype_bytes, score_bytes)
         if key in seen:
             continue
         seen.add(key)
-        print(f"== {variant.kind} d={variant.head_dim} {variant.dtype_bytes}-byte dtypes "
-              f"(e.g. {variant.name}) on {spec.gpu.name}")
+        reads = f", mods reading {score_bytes} B a score" if score_bytes else ""
+        print(f"== {variant.kind} d={variant.head_dim} {variant.dtype_bytes}-byte dtypes"
+              f"{reads} (e.g. {variant.name}) on {spec.gpu.name}")
         print(planner_core.format_plan(plan) if args.all else format_summary(plan))
         print()
     print(family_summary(spec))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from flashgen.plan import plan_spec
+from flashgen.plan import plan_spec, variant_score_bytes
 from flashgen.render import render_package
 from flashgen.spec import load_spec
 from flashgen.variants import variants_for
@@ -192,10 +192,12 @@ def test_plan_summary_explains_the_rule_and_the_choice(work):
     out = res.stdout
     spec = load_spec(GPT2)
     plans = plan_spec(spec)
-    sections = {(v.kind, v.head_dim, v.dtype_bytes) for v in plans}
+    sections = {(v.kind, v.head_dim, v.dtype_bytes, variant_score_bytes(spec, v)) for v in plans}
     assert len(out.splitlines()) < 12 * len(sections)  # a summary, not 375 candidates each
     assert out.count("FA-1 rule: M = 232448 B / 2 = 116224 elements; Bc = ceil(M / 4d) = 454, "
-                     "Br = min(Bc, d) = 64") == 2  # fwd and bwd, 2-byte dtypes
+                     "Br = min(Bc, d) = 64") == len(
+        {k for k in sections if k[2] == 2})  # fwd and bwd, 2-byte dtypes, with or without
+    # the attn_mask (sdpa_mask) variants, which plan their own tiles (their [q, kv] bias)
     # the rule's Bc/Br become a target tile, and the line says how
     assert "block_m (resident Q rows) <- Bc, block_n (streamed K/V rows) <- Br" in out
     assert "-> block_m 32, block_n 128" in out  # bwd: streamed Br / 4, resident Bc clamped
@@ -228,8 +230,8 @@ def test_plan_all_prints_fa1_numbers_choice_and_rejections(work):
         assert f"Bc = ceil(M / (4*64)) = {bc}" in out
     spec = load_spec(GPT2)
     plans = plan_spec(spec)
-    sections = {(v.kind, v.head_dim, v.dtype_bytes) for v in plans}
-    assert {("fwd", 64, 2), ("fwd", 64, 4)} <= sections
+    sections = {(v.kind, v.head_dim, v.dtype_bytes, variant_score_bytes(spec, v)) for v in plans}
+    assert {("fwd", 64, 2, 0), ("fwd", 64, 4, 0)} <= sections
     # one section per (kind, d, dtype size)
     assert out.count("Br = min(Bc, d) = 64") == len(sections)
     chosen = {f"chosen: {p.chosen.as_dict()}" for p in plans.values()}
