@@ -154,3 +154,40 @@ def test_pieces_with_dropout_draw_the_single_call_mask():
     for what, a, b in zip(("out", "dq", "dk", "dv"), results[1], results[0]):
         _check(a, b, OUT_TOL[torch.bfloat16] if what == "out" else GRAD_TOL[torch.bfloat16],
                f"dropout {what}")
+
+
+@pytest.fixture(scope="module")
+def dropout_d128_pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("dropout_d128"), "fg_test_ring_drop128", """
+        head_dims: [128]
+        dtypes: [bf16]
+        masks: [none, causal]
+        dropout: true
+        gqa: true
+        """)
+
+
+def test_gluon_dropout_forward_pieces_draw_the_single_call_mask(dropout_d128_pkg):
+    """The Gluon dropout forward (d > 64, opt-in) at the second chunk's global position:
+    the forward (the backward is the `tl` family's) against the single call's, from the
+    same generator state, and against a float64 reference with the replayed mask."""
+    pkg = dropout_d128_pkg
+    rt = pkg._runtime
+    b, n, h, hk, d, p = 2, 2048, 4, 2, 128, 0.15
+    q, k, v, _ = _inputs(b, n, h, hk, d, torch.bfloat16, seed=4)
+    outs = []
+    rt._forward_plans.clear()
+    with rt.override_config(family="gluon"):
+        for fn in (pkg.flash_attn_func, pkg.ring_flash_attn_func):
+            torch.manual_seed(9)
+            outs.append(fn(q, k, v, causal=True, dropout_p=p))
+        kinds = {type(pl[0].fn).__name__ for pl in rt._forward_plans.values()
+                 if pl[0] is not None}
+        assert kinds == {"GluonJITFunction"}, kinds
+    torch.manual_seed(9)
+    keep = pkg.dropout_mask(b, h, n, n, p, device="cuda")
+    visible = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    ref, _ = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), visible,
+                           keep=keep, dropout_p=p)
+    _check(outs[1], outs[0], OUT_TOL[torch.bfloat16], "gluon dropout ring vs single")
+    _check(outs[1], ref.transpose(1, 2), OUT_TOL[torch.bfloat16], "gluon dropout ring vs float64")
