@@ -248,6 +248,22 @@ def test_chosen_always_feasible_across_grid():
                     assert c.smem_bytes <= sram
 
 
+def test_fp32_forward_counts_the_tf32x3_split():
+    """fp32 on Hopper: the planner no longer picks the tiles that spilled offline (sm_90:
+    d=128 64x64 w2 97796 B a thread, d=64 128x64 w4 1544 B), and keeps ones that did not
+    (d=64 128x64 w8: 0 B; d=128 64x64 w4: 532 B)."""
+    def verdict(d, m, n, w, stages=2):
+        return pc.evaluate("fwd", pc.TileConfig(m, n, w, stages), d, 4, H100).rejected
+
+    assert "tf32x3" in verdict(128, 64, 64, 2)
+    assert "tf32x3" in verdict(64, 128, 64, 4, 3)
+    assert verdict(64, 128, 64, 8, 3) is None
+    assert verdict(128, 64, 64, 4) is None
+    assert pc.plan("fwd", 128, 4, H100).chosen.num_warps >= 4
+    # 16-bit inputs have no split: the same tiles as before
+    assert pc.evaluate("fwd", pc.TileConfig(128, 64, 4, 3), 64, 2, H100).rejected is None
+
+
 def test_fp32_halves_what_fits():
     p2 = pc.plan("fwd", 64, 2, H100)
     p4 = pc.plan("fwd", 64, 4, H100)

@@ -85,6 +85,13 @@ MIN_ARCH = 75             # the oldest compute capability the model covers (Turi
 HOPPER = 90               # wgmma (operands from shared memory) from here on
 MMA_SYNC_MAX_ACC_REGS = 85  # the cap before Hopper, where mma.sync operands live in registers
 MMA_SYNC_MAX_HEAD_DIM = 128  # the widest (padded) head dim that cap was measured at
+# fp32 forward on Hopper (tf32x3): the Q operand is split into tf32 hi and lo parts held in
+# registers beside the accumulators, two more block_m x d tiles a thread's share of which
+# the accumulator model does not count. Triton 3.6, offline sm_90, the estimate with the
+# split -> spill stores a thread: d=128 64x32 w4 213 -> 80 B, 64x64 w4 229 -> 532 B;
+# d=64 128x64 w8 133 -> 0 B, 128x64 w4 262 -> 1544 B; d=128 64x64 w2 454 -> 97796 B (the
+# old model let the planner choose that one). The cap keeps the first three.
+FP32_FWD_MAX_REGS = 260
 REG_OVERHEAD = 4          # loop counters, scale, row bases... (most addressing is in uniform regs)
 ROWS_PER_WARP = 16        # an MMA tile has 16 rows: fewer rows per warp leaves warps idle
 MAX_TARGET_TILE = 128     # cap on the FA-1-derived target tile, see _targets()
@@ -334,6 +341,11 @@ def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: i
     if regs > cap:
         where = f" on {arch_name(arch)}" if in_regs else ""
         reasons.append(f"accumulator {regs} regs/thread > {cap}{where}: spills")
+    elif kind == "fwd" and dtype_bytes == 4 and not in_regs:
+        split = regs + -(-2 * cfg.block_m * d // (32 * cfg.num_warps))
+        if split > FP32_FWD_MAX_REGS:
+            reasons.append(f"fp32: accumulator and tf32x3's split Q {split} regs/thread > "
+                           f"{FP32_FWD_MAX_REGS}: spills")
     if smem > sram_bytes:
         reasons.append(f"smem {smem} B > budget {sram_bytes} B")
     return Candidate(cfg, smem, regs, "; ".join(reasons) if reasons else None)
