@@ -125,6 +125,10 @@ def mod_reference(kw, n):
         elif name == "alibi":
             slope = kw["slope"].double().cpu()[None, :, None, None]
             score = (lambda f, sl: lambda s: f(s) - sl * (i - j).abs())(score, slope)
+        elif name == "relative_bias":
+            bias = kw["rel_bias"].double().cpu()  # [H, 2 * max_distance + 1]
+            idx = (j - i + (bias.shape[1] - 1) // 2).clamp(0, bias.shape[1] - 1)
+            score = (lambda f, t: lambda s: f(s) + t)(score, bias[:, idx][None])
         elif name == "prefix_lm":
             plen = kw["prefix_len"].cpu()[:, None, None, None]
             visible = visible & ((j < plen) | (j <= i))

@@ -498,6 +498,7 @@ MODS_SPEC = """
       window_sinks: {builtin: sliding_window_sinks, params: {sinks: 2, window: 5}}
       document: {builtin: document}
       sink_logits: {builtin: sink_logits}
+      relative_bias: {builtin: relative_bias, params: {max_distance: 4}}
     variants:
       - {mask: causal, mods: [softcap]}
       - {mask: causal, mods: [alibi]}
@@ -505,6 +506,7 @@ MODS_SPEC = """
       - {mask: none, mods: [window_sinks]}
       - {mask: causal, mods: [document]}
       - {mask: causal, mods: [sink_logits]}
+      - {mask: none, mods: [relative_bias]}
     """
 
 
@@ -623,7 +625,12 @@ MOD_CASES = {
         mod_case(18, ["window_sinks"], {"sinks": 2, "window": 5}, layout="contiguous",
                  sdpa=True),
         mod_case(24, ["prefix_lm"], {"prefix_len": {"values": [15], "dtype": "int32"}},
-                 strategy="allgather")],
+                 strategy="allgather"),
+        # a [H, 2 * 4 + 1] bias gathered at kv_idx - q_idx (clamped): 20 tokens reach
+        # distances past 4 both ways, so both end buckets are read across pieces
+        mod_case(20, ["relative_bias"], {"rel_bias": {
+            "values": [[0.1 * (i - 4) * (h + 1) for i in range(9)] for h in range(2)],
+            "dtype": "float32"}})],
     # (FLASHGEN_CP_HEAD_GROUPS=2: a call with mods keeps its heads in one group, or the
     # second group's heads would read the first's slopes)
     3: [mod_case(30, ["alibi"], ALIBI, causal=True, heads=(2, 2), head_groups=2)],
