@@ -608,6 +608,10 @@ def test_mod_arguments_checked_before_launch(mods_built):
         pkg.ring_flash_attn_func(q, q, q, causal=True, slope=torch.zeros(2))
     with pytest.raises(ValueError, match=r"`slope` has shape \(3,\)"):
         pkg.ring_flash_attn_func(q, q, q, causal=True, mods=("alibi",), slope=torch.zeros(3))
+    # a mod tensor that wants a gradient would silently get none: refused
+    with pytest.raises(NotImplementedError, match="`slope` requires grad"):
+        pkg.ring_flash_attn_func(q, q, q, causal=True, mods=("alibi",),
+                                 slope=torch.zeros(2, requires_grad=True))
     with pytest.raises(ValueError, match="no kernel"):  # prefix_lm was built without causal
         pkg.ring_flash_attn_func(q, q, q, causal=True, mods=("prefix_lm",),
                                  prefix_len=torch.zeros(1, dtype=torch.int32))
@@ -631,8 +635,8 @@ MOD_CASES = {
         mod_case(20, ["relative_bias"], {"rel_bias": {
             "values": [[0.1 * (i - 4) * (h + 1) for i in range(9)] for h in range(2)],
             "dtype": "float32"}})],
-    # (FLASHGEN_CP_HEAD_GROUPS=2: a call with mods keeps its heads in one group, or the
-    # second group's heads would read the first's slopes)
+    # (FLASHGEN_CP_HEAD_GROUPS=2: the second group's heads must read their own slopes --
+    # the group's mods get the slope narrowed to its heads)
     3: [mod_case(30, ["alibi"], ALIBI, causal=True, heads=(2, 2), head_groups=2)],
 }
 

@@ -55,10 +55,14 @@ MOD_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(MOD_CASES))
-def test_pieces_with_mods_at_global_positions(name):
+@pytest.mark.parametrize("name,groups", [(name, "auto") for name in MOD_CASES]
+                         + [("alibi", "2")])
+def test_pieces_with_mods_at_global_positions(name, groups, monkeypatch):
+    """(groups "2": the backward in two K/V head groups, each reading its own heads'
+    slopes)"""
     import mods_attn as pkg
 
+    monkeypatch.setenv("FLASHGEN_CP_HEAD_GROUPS", groups)
     kw, causal = MOD_CASES[name]
     # n / 2 = 500: the second chunk's pieces start at a position that is not a multiple of
     # 16, after pieces at 0 of the same shape (one launch plan): a kernel specialised on

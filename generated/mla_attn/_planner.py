@@ -44,7 +44,9 @@ Register model (fp32 accumulator + state elements per thread, also an estimate)
 * bwd:           (dK,dV accumulators 2*block_n*d + the two live score tiles P^T and dP^T
                  2*block_m*block_n + LSE,D 2*block_m) / (32*num_warps) + REG_OVERHEAD
 A config whose estimate exceeds MAX_ACC_REGS (200 of the 255 architectural registers; the rest is
-needed for MMA operand fragments, addresses and temporaries) is rejected as spilling.
+needed for MMA operand fragments, addresses and temporaries) is rejected as spilling. An fp32
+forward on Hopper also holds tf32x3's hi/lo parts of Q (2 * block_m * d more), capped at
+FP32_FWD_MAX_REGS (calibrated offline; see the constant).
 
 Architecture (``arch``: the compute capability as an integer, 80 for sm_80; DEFAULT_ARCH, the
 H100's 90, when not given).  The 200 above was calibrated on the H100, where wgmma reads its

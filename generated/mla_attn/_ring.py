@@ -508,12 +508,10 @@ def _head_groups(k, choice=None) -> int:
 def _ring_backward(do, q, k, v, out, lse, cfg):
     """(dq, dk, dv) of this rank's shard: the ring backward (_ring_backward_heads) once
     per group of K/V heads (with their query heads), the groups one after another."""
-    # with mods, one group: a mod may read the head index (ALiBi's slope[h]) and its
-    # tensors were validated for all the heads; a group's call would index them from its
-    # own head 0 (a head offset for the mods is not built). With dropout likewise: the keep
-    # mask is keyed by batch * heads + head, which a group would count from its head 0
-    groups = (1 if cfg.get("mods") is not None or cfg.get("drop") is not None
-              else _head_groups(k))
+    # with dropout, one group: the keep mask is keyed by batch * heads + head, which a
+    # group's call would count from its own first head. Mods that read a head's tensor
+    # entry (ALiBi's slope[h]) get their tensors narrowed to the group's heads instead
+    groups = 1 if cfg.get("drop") is not None else _head_groups(k)
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
     h_q, h_kv = q.shape[2], k.shape[2]
@@ -525,8 +523,9 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
         # the shard's memory order)
         kg = _empty_as(k, k[:, :, hk].shape).copy_(k[:, :, hk])
         vg = _empty_as(v, v[:, :, hk].shape).copy_(v[:, :, hk])
+        cfg_g = cfg if cfg["mods"] is None else dict(cfg, mods=_group_mods(cfg, hq, h_q))
         dqg, dkg, dvg = _ring_backward_heads(do[:, :, hq], q[:, :, hq], kg, vg,
-                                             out[:, :, hq], lse[:, hq], cfg)
+                                             out[:, :, hq], lse[:, hq], cfg_g)
         del kg, vg
         dq[:, :, hq].copy_(dqg)
         dk[:, :, hk].copy_(dkg)
@@ -742,7 +741,38 @@ def _ring_mods(mods, mod_args, q, n):
                     "sharded with the sequence and travel the ring with the keys, which is "
                     "not supported. Use position-based mods (causal, window_size, alibi, "
                     "softcap, ...), or run this mask single-process")
+    if torch.is_grad_enabled():
+        for name, value in mod_args.items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                raise NotImplementedError(
+                    f"mod tensor `{name}` requires grad: under context parallelism the "
+                    "mods' tensors get no gradient (each rank's pieces would have to sum "
+                    "theirs and all-reduce them) -- not done yet; pass "
+                    f"{name}.detach(), or run single-process for its gradient")
     return _mods.prepare(names, mod_args, q.shape[0], q.shape[2], n, n, q.device)
+
+
+def _group_mods(cfg, heads: slice, h_q: int):
+    """The call's mods for the query heads `heads` alone (a ring backward head group):
+    the same mods with every tensor that runs along H narrowed to those heads, so the
+    group's kernels, which count heads from the group's first, read the right ones."""
+    from . import _mods
+
+    names, mod_args = cfg["mod_spec"]
+    args = dict(mod_args)
+    for m in names:
+        for t, dims, _ in MODS[m]["tensors"]:
+            value = args.get(t)
+            if not isinstance(value, torch.Tensor):
+                continue
+            for axis, extent in enumerate(dims):
+                # (an extent of 1 broadcasts over the heads: kept whole)
+                if str(extent) == "H" and value.shape[axis] == h_q:
+                    value = value.narrow(axis, heads.start, heads.stop - heads.start)
+            args[t] = value
+    mods = cfg["mods"]
+    return _mods.prepare(names, args, mods.shape[0], heads.stop - heads.start,
+                         mods.shape[2], mods.shape[3], mods.device)
 
 
 def _check_dropout_chunks(n_local: int, world: int, layout: str) -> None:
@@ -810,7 +840,8 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     ring = _Ring(group, rank, world)
     drop = (float(dropout_p), _shared_rng(ring, q.device)) if dropout_p > 0.0 else None
     cfg = dict(ring=ring, layout=layout, causal=bool(causal), window=window, scale=scale,
-               strategy=strategy, grad_sum=grad_sum, mods=call, drop=drop)
+               strategy=strategy, grad_sum=grad_sum, mods=call, drop=drop,
+               mod_spec=(call.names, dict(mod_args or {})) if call is not None else None)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _ContextParallel.apply(q, k, v, cfg)
     else:
