@@ -509,9 +509,12 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     """(dq, dk, dv) of this rank's shard: the ring backward (_ring_backward_heads) once
     per group of K/V heads (with their query heads), the groups one after another."""
     # with dropout, one group: the keep mask is keyed by batch * heads + head, which a
-    # group's call would count from its own first head. Mods that read a head's tensor
-    # entry (ALiBi's slope[h]) get their tensors narrowed to the group's heads instead
-    groups = 1 if cfg.get("drop") is not None else _head_groups(k)
+    # group's call would count from its own first head. Mods that read h only as a
+    # tensor's head index (ALiBi's slope[h]) get their tensors narrowed to the group's
+    # heads instead; any other use of h keeps one group too
+    one = cfg.get("drop") is not None or (
+        cfg["mods"] is not None and not _heads_only_index(cfg["mods"].names))
+    groups = 1 if one else _head_groups(k)
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
     h_q, h_kv = q.shape[2], k.shape[2]
@@ -750,6 +753,32 @@ def _ring_mods(mods, mod_args, q, n):
                     "theirs and all-reduce them) -- not done yet; pass "
                     f"{name}.detach(), or run single-process for its gradient")
     return _mods.prepare(names, mod_args, q.shape[0], q.shape[2], n, n, q.device)
+
+
+def _heads_only_index(names) -> bool:
+    """Whether the mods `names` read the head index h only as the index of a tensor's H
+    extent (ALiBi's slope[h]): then a head group's call, which counts heads from its own
+    first one, is exact with those tensors narrowed to its heads (_group_mods). A bare h
+    in arithmetic, or h inside another index, would see the group's local head."""
+    import ast
+
+    for m in names:
+        decl = MODS[m]
+        dims = {t: [str(x) for x in d] for t, d, _ in decl["tensors"]}
+        allowed = set()
+        tree = ast.parse(decl["source"], mode="eval")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                    and node.value.id in dims:
+                idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+                for axis, e in enumerate(idx):
+                    if isinstance(e, ast.Name) and e.id == "h" and axis < len(dims[node.value.id]) \
+                            and dims[node.value.id][axis] == "H":
+                        allowed.add(id(e))
+        if any(isinstance(n, ast.Name) and n.id == "h" and id(n) not in allowed
+               for n in ast.walk(tree)):
+            return False
+    return True
 
 
 def _group_mods(cfg, heads: slice, h_q: int):
