@@ -311,6 +311,25 @@ def free_names(e: Expr) -> set:
     return out
 
 
+def heads_by_index_only(mod: "Mod") -> bool:
+    """Whether the mod reads the head index h only as a tensor's index along an H extent
+    (ALiBi's slope[h]). A call over a subset of the heads (the ring backward's head
+    groups, which count heads from their own first) is then exact with those tensors
+    narrowed to its heads; h in arithmetic, or inside another index, is not."""
+    extents = {t.name: [str(d) for d in t.dims] for t in mod.tensors}
+
+    def ok(e: Expr) -> bool:
+        if e.op == "var":
+            return e.value != "h"
+        if e.op == "load":
+            dims = extents.get(e.value, [])
+            return all((i < len(dims) and dims[i] == "H") if (a.op, a.value) == ("var", "h")
+                       else ok(a) for i, a in enumerate(e.args))
+        return all(ok(c) for c in _children(e))
+
+    return ok(mod.expr)
+
+
 def ops_of(e: Expr) -> set:
     """Every operation the tree uses (e.g. whether a kernel needs tanh)."""
     out = {e.op}

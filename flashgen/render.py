@@ -351,6 +351,8 @@ def mods_registry(spec: Spec, plans: dict) -> dict:
             "kind": m.kind, "source": m.source, "builtin": m.builtin, "doc": m.doc,
             "params": dict(m.params),
             "tensors": [[t.name, list(t.dims), t.dtype] for t in m.tensors],
+            # h only as an H-extent tensor index: a call over some heads narrows them
+            "heads_by_index": mods.heads_by_index_only(m),
         }
     combos = {}
     for v in plans:

@@ -206,3 +206,18 @@ def test_index_arithmetic_feeding_a_float_is_done_in_fp32_vectors():
     # a pure int expression (a mask) is left alone
     m = M.parse_expr("q_idx - kv_idx <= 16", "mask", {}, {})
     assert "qf" not in M.to_triton(m, names, load, "gl", float_names={"q_idx": "qf", "kv_idx": "kf"})
+
+
+def test_heads_by_index_only():
+    """h only as a tensor's index along an H extent (ALiBi's slope[h]): a call over some of
+    the heads (the ring backward's head groups) is exact with the tensor narrowed to them;
+    h in arithmetic or inside another index is not. The registry carries the verdict."""
+    for name in ("alibi", "softcap", "relative_bias", "sliding_window_sinks"):
+        assert M.heads_by_index_only(M.builtin_mod(name, name)), name
+    # (the language already requires h as the index along an H extent)
+    for source in ("score - 0.1 * h", "score + tab[q_idx, h]", "score + free[h, 0]",
+                   "score + slope[h] * h"):
+        tensors = {t: d for t, d in (("slope", "[H] fp32"), ("tab", "[Nq, R] fp32"),
+                                     ("free", "[R, 4] fp32")) if t in source}
+        mod = M.make_mod("m", "score", source, {}, tensors)
+        assert not M.heads_by_index_only(mod), source

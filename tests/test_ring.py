@@ -601,18 +601,6 @@ def test_data_dependent_mods_and_sinks_refused(mods_built, mods, kw, match, stra
             fn(x, x, x, mods=mods, strategy=strategy, **kw)
 
 
-def test_head_groups_only_when_mods_index_heads_through_tensors(mods_built, monkeypatch):
-    """A head group's call counts heads from its own first one: exact for h as a tensor's
-    H index (the tensor narrowed to the group), not for h in arithmetic or another index."""
-    r = mods_built[0]._ring
-    assert r._heads_only_index(("alibi",)) and r._heads_only_index(("softcap",))
-    assert r._heads_only_index(("relative_bias",))
-    for source in ("score - 0.1 * h", "score + slope[h + 1]", "score + tab[q_idx, h]"):
-        monkeypatch.setitem(r.MODS, "fake", {"source": source, "tensors": [
-            ["slope", ["H"], "fp32"], ["tab", ["Nq", "R"], "fp32"]]})
-        assert not r._heads_only_index(("fake",)), source
-
-
 def test_mod_arguments_checked_before_launch(mods_built):
     pkg, _ = mods_built
     q = torch.zeros(1, 8, 2, 16)

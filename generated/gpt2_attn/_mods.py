@@ -48,15 +48,12 @@ def combo(mods) -> tuple:
 class Call:
     """One call's mods, validated: kernel arguments and what the backward needs."""
 
-    __slots__ = ("names", "info", "tensors", "params", "mod_args", "pos", "signature",
+    # args: the attention kernels' mod arguments, the tensors and params (`mod_args`, what
+    # decode takes) and then `pos`, the global positions of the call's first row and
+    # column (made once here, not on every launch)
+    __slots__ = ("names", "info", "tensors", "params", "mod_args", "pos", "args", "signature",
                  "block_sparse", "grad_flags", "grad_buffers", "shape", "device", "mask_key",
                  "mask_refs")
-
-    @property
-    def args(self) -> tuple:
-        """The attention kernels' mod arguments: the tensors and params (`mod_args`, what
-        decode takes), then the global positions of the call's first row and column."""
-        return self.mod_args + self.pos
 
     def piece(self, n_q: int, n_k: int, q_pos: int, kv_pos: int) -> "Call":
         """This call on the piece of the score matrix of n_q rows from global row q_pos and
@@ -68,6 +65,7 @@ class Call:
             setattr(c, name, getattr(self, name))
         c.shape = self.shape[:2] + (n_q, n_k)
         c.pos = (int(q_pos), int(kv_pos))
+        c.args = c.mod_args + c.pos
         if self.mask_key is not None:  # the block lists depend on where the piece is
             c.mask_key = self.mask_key[:2] + (c.pos,)
         return c
@@ -184,6 +182,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     call.names, call.info, call.tensors, call.params = names, info, tensors, params
     call.mod_args = tuple(args + param_args)
     call.pos = (0, 0)
+    call.args = call.mod_args + call.pos
     call.block_sparse = info["block_sparse"]
     want_grad = torch.is_grad_enabled()
     call.grad_flags = {f"GRAD_{t.upper()}": bool(want_grad and tensors[t].requires_grad)

@@ -809,6 +809,9 @@ def _descriptor_allocator() -> None:
 
 _NO_DROP = (0, 0, 0, 1.0)
 _WHOLE = (0, 0)  # a whole call's (Q_POS, KV_POS)
+# the dropout keep mask's Philox blocks (`_dropout.keep_mask`): a call that is a piece of
+# a larger one draws that one's mask only if its global start is on a block
+DROPOUT_BLOCK_ROWS, DROPOUT_BLOCK_COLUMNS = 16, 32
 _SCRATCH_MAX = 1 << 20  # LSE elements: a no-grad call's LSE up to this size goes to a scratch buffer
 
 
@@ -879,11 +882,12 @@ def _drop_positions(mods, pos) -> tuple:
     blocks (`_dropout.keep_mask`), so a piece must start on one to draw the whole call's
     mask."""
     q_pos, kv_pos = mods.pos if mods is not None else pos
-    if q_pos % 16 or kv_pos % 32:
+    if q_pos % DROPOUT_BLOCK_ROWS or kv_pos % DROPOUT_BLOCK_COLUMNS:
         raise ValueError(f"dropout at global position (row {q_pos}, column {kv_pos}): the "
-                         "keep mask is drawn in 16-row x 32-column blocks, so a piece must "
-                         "start at a row that is a multiple of 16 and a column that is a "
-                         "multiple of 32")
+                         f"keep mask is drawn in {DROPOUT_BLOCK_ROWS}-row x "
+                         f"{DROPOUT_BLOCK_COLUMNS}-column blocks, so a piece must start at a "
+                         f"row that is a multiple of {DROPOUT_BLOCK_ROWS} and a column that "
+                         f"is a multiple of {DROPOUT_BLOCK_COLUMNS}")
     return () if mods is not None else (int(q_pos), int(kv_pos))
 
 

@@ -840,7 +840,8 @@ MODS = {'sdpa_mask': {'kind': 'score',
                'doc': "an additive bias broadcastable to (B, H, Nq, Nk): SDPA's float "
                       'attn_mask (a boolean mask becomes 0 / -inf)',
                'params': {},
-               'tensors': [['bias', ['B', 'H', 'Nq', 'Nk'], 'fp32']]}}
+               'tensors': [['bias', ['B', 'H', 'Nq', 'Nk'], 'fp32']],
+               'heads_by_index': True}}
 
 # "+"-joined mod names of a variant -> what the runtime needs to call it: tensor and param
 # arguments in kernel order, whether it takes a block mask (and whether that mask depends

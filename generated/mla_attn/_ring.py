@@ -79,10 +79,9 @@ HEAD_GROUPS_ENV = "FLASHGEN_CP_HEAD_GROUPS"
 # a ring per group), at most this many groups
 HEAD_GROUP_MIN_BYTES = 64 << 20
 HEAD_GROUPS_MAX = 8
-# the dropout keep mask's Philox blocks (`_dropout.keep_mask`): 16 rows x 32 columns. A
-# piece draws the single-process call's mask only if its global starts are on a block, so
-# under dropout every shard chunk starts on a multiple of DROPOUT_COLUMNS tokens
-DROPOUT_ROWS, DROPOUT_COLUMNS = 16, 32
+# under dropout every shard chunk starts on a multiple of DROPOUT_COLUMNS tokens: the keep
+# mask's Philox blocks (the runtime's, from `_dropout.keep_mask`)
+DROPOUT_ROWS, DROPOUT_COLUMNS = _runtime.DROPOUT_BLOCK_ROWS, _runtime.DROPOUT_BLOCK_COLUMNS
 
 
 def _dist():
@@ -512,8 +511,8 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     # group's call would count from its own first head. Mods that read h only as a
     # tensor's head index (ALiBi's slope[h]) get their tensors narrowed to the group's
     # heads instead; any other use of h keeps one group too
-    one = cfg.get("drop") is not None or (
-        cfg["mods"] is not None and not _heads_only_index(cfg["mods"].names))
+    one = cfg["drop"] is not None or (cfg["mods"] is not None and not all(
+        MODS[m]["heads_by_index"] for m in cfg["mods"].names))
     groups = 1 if one else _head_groups(k)
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
@@ -538,8 +537,8 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
 
 
 def _ring_backward_heads(do, q, k, v, out, lse, cfg):
-    """(dq, dk, dv) of this rank's shard (or of one group of its heads). K/V travel the ring as in the forward; with each
-    K/V shard travels the sum of its (dK, dV) over the ranks it has visited (in
+    """(dq, dk, dv) of this rank's shard (or of one group of its heads). K/V travel the
+    ring as in the forward; with each K/V shard travels the sum of its (dK, dV) over the ranks it has visited (in
     cfg["grad_sum"]: the input dtype or fp32), which is back at its owner after a full
     turn. Memory: a shard's sum is started by its owner and then only ever held as the
     buffer it arrived in -- the pieces of a step write (dk, dv) in the input dtype and are
@@ -755,40 +754,14 @@ def _ring_mods(mods, mod_args, q, n):
     return _mods.prepare(names, mod_args, q.shape[0], q.shape[2], n, n, q.device)
 
 
-def _heads_only_index(names) -> bool:
-    """Whether the mods `names` read the head index h only as the index of a tensor's H
-    extent (ALiBi's slope[h]): then a head group's call, which counts heads from its own
-    first one, is exact with those tensors narrowed to its heads (_group_mods). A bare h
-    in arithmetic, or h inside another index, would see the group's local head."""
-    import ast
-
-    for m in names:
-        decl = MODS[m]
-        dims = {t: [str(x) for x in d] for t, d, _ in decl["tensors"]}
-        allowed = set()
-        tree = ast.parse(decl["source"], mode="eval")
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
-                    and node.value.id in dims:
-                idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
-                for axis, e in enumerate(idx):
-                    if isinstance(e, ast.Name) and e.id == "h" and axis < len(dims[node.value.id]) \
-                            and dims[node.value.id][axis] == "H":
-                        allowed.add(id(e))
-        if any(isinstance(n, ast.Name) and n.id == "h" and id(n) not in allowed
-               for n in ast.walk(tree)):
-            return False
-    return True
-
-
 def _group_mods(cfg, heads: slice, h_q: int):
     """The call's mods for the query heads `heads` alone (a ring backward head group):
     the same mods with every tensor that runs along H narrowed to those heads, so the
     group's kernels, which count heads from the group's first, read the right ones."""
     from . import _mods
 
-    names, mod_args = cfg["mod_spec"]
-    args = dict(mod_args)
+    mods = cfg["mods"]
+    names, args = mods.names, dict(cfg["mod_args"])
     for m in names:
         for t, dims, _ in MODS[m]["tensors"]:
             value = args.get(t)
@@ -799,7 +772,6 @@ def _group_mods(cfg, heads: slice, h_q: int):
                 if str(extent) == "H" and value.shape[axis] == h_q:
                     value = value.narrow(axis, heads.start, heads.stop - heads.start)
             args[t] = value
-    mods = cfg["mods"]
     return _mods.prepare(names, args, mods.shape[0], heads.stop - heads.start,
                          mods.shape[2], mods.shape[3], mods.device)
 
@@ -870,7 +842,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     drop = (float(dropout_p), _shared_rng(ring, q.device)) if dropout_p > 0.0 else None
     cfg = dict(ring=ring, layout=layout, causal=bool(causal), window=window, scale=scale,
                strategy=strategy, grad_sum=grad_sum, mods=call, drop=drop,
-               mod_spec=(call.names, dict(mod_args or {})) if call is not None else None)
+               mod_args=dict(mod_args or {}))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _ContextParallel.apply(q, k, v, cfg)
     else:
