@@ -68,6 +68,9 @@ def parse():
                    help="pin PyTorch SDPA's backend for the sdpa runs (default: its own choice)")
     p.add_argument("--tiny", action="store_true",
                    help="a tiny model on CPU in Triton's interpreter (checks the script)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one training step of each implementation (GPU kernels "
+                        "by total time; where a step-time difference comes from)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.tiny:
@@ -199,9 +202,68 @@ def time_steps(args, model, ids, mask, device):
             if cuda:
                 peak[impl] = max(peak.get(impl, 0), torch.cuda.max_memory_allocated() / 2**30)
     res = {f"step_ms_{impl}": statistics.median(t) for impl, t in times.items()}
+    res.update({f"steps_ms_{impl}": t for impl, t in times.items()})
     res["fgen_over_sdpa"] = res["step_ms_fgen"] / res["step_ms_sdpa"]
     res["bar_time"] = res["step_ms_fgen"] <= res["step_ms_sdpa"]
     res.update({f"peak_gib_{impl}": v for impl, v in peak.items()})
+    return res
+
+
+def profile_steps(args, model, ids, mask):
+    """One training step of each implementation under torch.profiler: the GPU kernels by
+    total time (name, calls, ms), and the total GPU time, so a step-time difference can be
+    traced to the kernels that make it."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    res = {}
+    for impl in ("sdpa", "fgen"):
+        model.set_attn_implementation(impl)
+        with sdpa_backend(args, impl):
+            for _ in range(2):  # the optimizer's state and any lazy compile out of the trace
+                opt.zero_grad(set_to_none=True)
+                loss_of(model, ids, mask).backward()
+                opt.step()
+            torch.cuda.synchronize()
+            # device-to-host synchronisations in a step (each one drains the GPU's queue)
+            import warnings
+            opt.zero_grad(set_to_none=True)
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                loss_of(model, ids, mask).backward()
+                opt.step()
+            torch.cuda.set_sync_debug_mode("default")
+            syncs = [f"{w.filename}:{w.lineno}: {str(w.message)[:120]}" for w in caught
+                     if "synchroniz" in str(w.message)]
+            torch.cuda.synchronize()
+            opt.zero_grad(set_to_none=True)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                loss_of(model, ids, mask).backward()
+                opt.step()
+                torch.cuda.synchronize()
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+        gaps, end = [], spans[0][0] if spans else 0
+        for start, stop, name in spans:
+            if start > end:
+                gaps.append((start - end, name))
+            end = max(end, stop)
+        gaps.sort(reverse=True)
+        kernels = {}
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                k = kernels.setdefault(e.name, [0, 0.0])
+                k[0] += 1
+                k[1] += e.device_time_total / 1e3 if hasattr(e, "device_time_total") \
+                    else e.cuda_time_total / 1e3
+        rows = sorted(((n, c, ms) for n, (c, ms) in kernels.items()), key=lambda r: -r[2])
+        res[impl] = {"total_ms": sum(r[2] for r in rows), "syncs": syncs,
+                     "span_ms": (spans[-1][1] - spans[0][0]) / 1e3 if spans else 0.0,
+                     "idle_ms": sum(g for g, _ in gaps) / 1e3,
+                     "largest_gaps": [{"us": g, "before": n} for g, n in gaps[:15]],
+                     "kernels": [{"name": n, "calls": c, "ms": ms} for n, c, ms in rows]}
     return res
 
 
@@ -226,6 +288,8 @@ def main():
     result["transformers"] = transformers.__version__
     result["logits"] = logits_check(args, model, ids, mask, device)
     result["timing"] = time_steps(args, model, ids, mask, device)
+    if args.profile and device == "cuda":
+        result["profile"] = profile_steps(args, model, ids, mask)
     t, lg = result["timing"], result["logits"]
     print(f"{result['device']}: Llama hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} kv), {args.layers} layers, seq {args.seqlen}, batch {args.batch}, "
@@ -240,6 +304,16 @@ def main():
               f"{lg['mean_abs_fgen_vs_fp32']:.3e}; argmax agree sdpa "
               f"{lg['argmax_agree_sdpa_vs_fp32']:.4f}, fgen {lg['argmax_agree_fgen_vs_fp32']:.4f}"
               f"   bar: {lg['bar_logits']}")
+    for impl, prof in result.get("profile", {}).items():
+        print(f"  profile {impl}: GPU kernels {prof['total_ms']:.2f} ms a step, from the first "
+              f"kernel's start to the last's end {prof['span_ms']:.2f} ms, GPU idle "
+              f"{prof['idle_ms']:.2f} ms, {len(prof['syncs'])} host syncs; largest gaps "
+              "(us, before kernel):")
+        for g in prof["largest_gaps"][:6]:
+            print(f"    {g['us']:8.1f}  {g['before'][:100]}")
+        print("   top kernels:")
+        for k in prof["kernels"][:12]:
+            print(f"    {k['ms']:8.3f} ms  {k['calls']:4d}x  {k['name'][:110]}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 

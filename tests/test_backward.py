@@ -184,6 +184,31 @@ def test_sdpa_layout_top_left_causal(pkg, device, poison):
     assert_grads((q.grad, k.grad, v.grad), ref, dt)
 
 
+@pytest.mark.parametrize("causal,window", [(True, (-1, -1)), (False, (-1, -1)), (True, (20, 0))],
+                         ids=["causal", "full", "window20"])
+def test_bhnd_entry_keeps_the_callers_layout(pkg, device, poison, causal, window):
+    """flash_attn_bhnd (the transformers integration's path): (B, H, N, d) views of
+    (B, N, H, d) memory, as transformers hands them over, GQA 4:1, N_q != N_k with the
+    causal diagonal bottom-right. The output is laid out like query, so its (B, N, H, d)
+    transpose is contiguous; gradients against float64 (fp16: bf16's rounding of dS summed
+    over four query heads exceeds its tolerance now and then)."""
+    dt = torch.float16
+    q = leaf(2, 37, 4, 64, dtype=dt, device=device)  # (B, N, H, d) memory
+    k, v = (leaf(2, 70, 1, 64, dtype=dt, device=device) for _ in range(2))
+    do = torch.randn(2, 37, 4, 64, dtype=dt, device=device)
+    with pkg._runtime.override_config(**TILES):
+        out = pkg._api.flash_attn_bhnd(q.transpose(1, 2), k.transpose(1, 2),
+                                       v.transpose(1, 2), 0.0, 0.3, causal, window)
+        assert out.shape == (2, 4, 37, 64) and out.transpose(1, 2).is_contiguous()
+        out.transpose(1, 2).backward(do)
+    vis = visible_mask(37, 70, causal=causal, window=window, bottom_right=True)
+    ref_out, _ = attention_ref(*(t.detach().double().transpose(1, 2) for t in (q, k, v)), vis,
+                               scale=0.3)
+    atol, rtol = GRAD_TOL[dt]
+    torch.testing.assert_close(out.double().cpu(), ref_out.cpu(), atol=atol, rtol=rtol)
+    assert_grads((q.grad, k.grad, v.grad), reference_grads(q, k, v, do, vis, scale=0.3), dt)
+
+
 def test_strided_inputs_get_gradients_in_their_layout(pkg, device, poison):
     dt = torch.float32
     big_q = torch.randn(2, 60, 3, 96, dtype=dt, device=device, requires_grad=True)

@@ -56,7 +56,8 @@ def fa(tmp_path_factory):
 
 @pytest.fixture
 def calls(fa, monkeypatch):
-    """Every flash_attn_func call the integration makes: (causal, window, mods)."""
+    """Every flash_attn_func / flash_attn_bhnd call the integration makes: (causal, window,
+    mods)."""
     seen = []
     real = fa._api.flash_attn_func
 
@@ -66,7 +67,18 @@ def calls(fa, monkeypatch):
         return real(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse,
                     mods=mods, **mod_args)
 
+    real_bhnd = fa._api.flash_attn_bhnd
+
+    def spy_bhnd(query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
+                 window_size=(-1, -1)):
+        # the mod-free fast path: SDPA-layout tensors, the output laid out like query
+        seen.append((causal, tuple(window_size), ()))
+        out = real_bhnd(query, key, value, dropout_p, softmax_scale, causal, window_size)
+        assert out.stride() == query.stride() or not query.transpose(1, 2).is_contiguous()
+        return out
+
     monkeypatch.setattr(fa._api, "flash_attn_func", spy)
+    monkeypatch.setattr(fa._api, "flash_attn_bhnd", spy_bhnd)
     return seen
 
 

@@ -34,8 +34,11 @@ def _out_like(q, v):
 
 
 def _run_forward(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
-                 dropout_p: float, rng, need_lse: bool = True):
-    out = _out_like(q, v)  # = the fake impl
+                 dropout_p: float, rng, need_lse: bool = True, keep_layout: bool = False):
+    # keep_layout (eager only; the operators' fake impl is contiguous): the output takes
+    # q's memory layout, see `eager`
+    out = torch.empty_like(q) if keep_layout and v.shape[-1] == q.shape[-1] \
+        else _out_like(q, v)  # = the fake impl
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
                            dropout_p=dropout_p, rng=rng, bnhd=bnhd, need_lse=need_lse)
     return out, lse
@@ -200,10 +203,11 @@ class _Attention(torch.autograd.Function):
     """out, lse (the LSE non-differentiable)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
+    def forward(ctx, q, k, v, args, keep_layout=False):
         bnhd, mask, lo, hi, scale, dropout_p = args
         rng = _draw_rng(q, dropout_p)
-        out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)
+        out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng,
+                                keep_layout=keep_layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args, ctx.rng = args, rng
         ctx.mark_non_differentiable(lse)
@@ -213,17 +217,18 @@ class _Attention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward_impl(dout, q, k, v, out, lse, ctx.rng, *ctx.args)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 class _AttentionOut(torch.autograd.Function):
     """_Attention for callers that drop the LSE: one output to wrap, the LSE kept on ctx."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args):
+    def forward(ctx, q, k, v, args, keep_layout=False):
         bnhd, mask, lo, hi, scale, dropout_p = args
         rng = _draw_rng(q, dropout_p)
-        out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng)
+        out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng,
+                                keep_layout=keep_layout)
         ctx.save_for_backward(q, k, v, out)
         ctx.lse = lse  # produced here and used only by the backward: no version check needed
         ctx.args, ctx.rng = args, rng
@@ -233,7 +238,7 @@ class _AttentionOut(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out = ctx.saved_tensors
         dq, dk, dv = _backward_impl(dout, q, k, v, out, ctx.lse, ctx.rng, *ctx.args)
-        return dq, dk, dv, None
+        return dq, dk, dv, None, None
 
 
 def _unpack(qkv, heads, bhnd=False):
@@ -296,20 +301,25 @@ _transforms_active = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
 
 
-def eager(q, k, v, args, need_lse):
+def eager(q, k, v, args, need_lse, keep_layout=False):
     """(out, lse) of an eager call (never under torch.compile) whose arguments were checked;
     `args` = (bnhd, mask, lo, hi, scale, dropout_p). need_lse=False: the caller drops the
-    LSE (then, without gradients, it may be a scratch buffer, and with them it is None)."""
+    LSE (then, without gradients, it may be a scratch buffer, and with them it is None).
+    keep_layout: the output is allocated like q (its strides where q is dense) instead of
+    contiguous -- for the transformers integration, whose (B, H, N, d) tensors are views
+    of (B, N, H, d) memory: the output it returns, (B, N, H, d) contiguous, is then the
+    output's transpose, with no copy and no transposes on the way in."""
     if _grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         if _transforms_active():  # vmap / functorch.grad: the full Function.apply
             if need_lse:
-                return _Attention.apply(q, k, v, args)
-            return _AttentionOut.apply(q, k, v, args), None
+                return _Attention.apply(q, k, v, args, keep_layout)
+            return _AttentionOut.apply(q, k, v, args, keep_layout), None
         if need_lse:
-            return _apply(q, k, v, args)
-        return _apply_out(q, k, v, args), None
+            return _apply(q, k, v, args, keep_layout)
+        return _apply_out(q, k, v, args, keep_layout), None
     bnhd, mask, lo, hi, scale, dropout_p = args
-    out = _out_like(q, v)  # = the fake impl
+    out = torch.empty_like(q) if keep_layout and v.shape[-1] == q.shape[-1] \
+        else _out_like(q, v)  # = the fake impl
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
                            dropout_p=dropout_p, rng=_draw_rng(q, dropout_p), bnhd=bnhd,
                            need_lse=need_lse)

@@ -289,11 +289,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         (("document",) if layout.doc is not None else ())
     band = "sliding_window" if layout.left is not None else \
         "causal" if layout.causal else "none"
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     window = (layout.left, 0) if layout.left is not None else (-1, -1)
-    if not builtins:
-        out = _api.flash_attn_func(q, k, v, dropout, scaling, layout.causal, window)
-        return out.contiguous(), None
+    if not builtins:  # the fast path: the output's transpose is contiguous (flash_attn_bhnd)
+        out = _api.flash_attn_bhnd(query, key, value, dropout, scaling, layout.causal, window)
+        return out.transpose(1, 2).contiguous(), None
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     names = _combo(band, builtins)
     if names is None:
         if softcap or attention_mask is None:

@@ -173,6 +173,55 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse)
 
 
+def flash_attn_bhnd(query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
+                    window_size=(-1, -1)):
+    """flash_attn_func's conventions (causal diagonal bottom-right, window_size, GQA) on
+    SDPA-layout (B, H, N, d) tensors, without the LSE; the output, (B, H_q, N_q, d), is
+    laid out in memory like query (contiguous when query is not dense). The transformers
+    integration calls this: its (B, H, N, d) tensors are views of (B, N, H, d) memory, so
+    the (B, N, H, d) output it must return is the output's transpose, contiguous, and
+    nothing is transposed on the way in (each transpose is a few microseconds of host
+    time in a forward that can be host-bound)."""
+    if _compiling():  # the operators, whose output is contiguous
+        out, _ = _flash_bhnd_checked(query, key, value, dropout_p, softmax_scale, causal,
+                                     window_size)
+        return out
+    try:
+        signature = (query.shape, key.shape, value.shape, query.stride(), key.stride(),
+                     value.stride(), query.dtype, key.dtype, value.dtype, query.device,
+                     key.device, value.device, dropout_p, softmax_scale, causal, window_size,
+                     "bhnd")
+        args = _checked.get(signature)
+    except (AttributeError, TypeError):  # not tensors, or an unhashable argument
+        signature = args = None
+    if args is None:
+        _flash_bhnd_checked(query, key, value, dropout_p, softmax_scale, causal, window_size,
+                            check_only=True)
+        args = (False, *_flash_band(query.shape[2], key.shape[2], causal, window_size),
+                _runtime.softmax_scale(softmax_scale, query.shape[-1]), float(dropout_p))
+        if signature is not None:
+            _remember(signature, False, args[1:4], args[4], dropout_p)
+    return _ops.eager(query, key, value, args, False, True)[0]
+
+
+def _flash_bhnd_checked(query, key, value, dropout_p, softmax_scale, causal, window_size,
+                        check_only=False):
+    """flash_attn_bhnd with every argument checked (check_only: only the checks)."""
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 4-D (B, H, N, d) torch.Tensor, got {got}")
+    _runtime.check_tensors(query, key, value)
+    window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
+                                   else window_size)
+    _runtime.check_dropout(dropout_p)
+    if check_only:
+        return None
+    return _attention(query, key, value, bnhd=False, causal=bool(causal), window=window,
+                      bottom_right=True, scale=softmax_scale, dropout_p=dropout_p,
+                      need_lse=False)
+
+
 def _flash_band(n_q, n_k, causal, window_size):
     """(mask, lo, hi) of a flash-attn-convention call (diagonal aligned bottom-right)."""
     window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
