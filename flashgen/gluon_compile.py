@@ -174,10 +174,13 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
         descriptors = {}
         # what the runtime launches: a dense band's tiles dealt by the host's table, a
-        # block mask's by the table _mods.Call.tile_table makes from it (not a packed
-        # batch's)
+        # block mask's by the table _mods.Call.tile_table makes from it; a packed batch's
+        # walk by its own table (the runtime's _varlen_tile_table)
         if not varlen and module.LONGEST_FIRST.value:
             const["TILE_TABLE"] = True
+            pointers["TILE_ORDER"] = "i32"
+        elif varlen:
+            const["TILE_TABLE"] = False
             pointers["TILE_ORDER"] = "i32"
         else:
             const.update(TILE_TABLE=False, TILE_ORDER=None)

@@ -78,14 +78,16 @@ def _compile_dense_and_packed(pkg, names, kind):
 @needs_gluon_triton
 def test_varlen_gluon_forward_compiles_for_sm90(pkg):
     """Dense and packed forms side by side: the packed one keeps the design (wgmma, the
-    register split), its shared memory and a small stack frame. Measured when written
-    (llama-like d=128 bf16 causal): 197064 B shared (dense 197032), 80 B stack (dense 112)."""
+    register split), its shared memory and a small stack frame whose spills stay out of
+    the key loops. Measured with the walk's table (d=128 bf16, stack bytes / key-loop
+    spills): causal 104 / 0, window 144 / 0 (dense 112 / 0, 48 / 0); 197080 B shared
+    (dense 197032). The search of cu_seqlens it replaced had 80 / 1 and 88 / 0."""
     names = ["fwd_causal_d128_bf16", "fwd_d64_fp16", "fwd_window_d128_bf16"]
     for d, r in _compile_dense_and_packed(pkg, names, "fwd").values():
         assert r["shared"] <= 232448 and r["shared"] <= d["shared"] + 1024, r
         assert r["wgmma"] == d["wgmma"] > 0, r
         assert r["setmaxnreg"] == d["setmaxnreg"], r
-        assert r["spill_bytes"] <= 128, r
+        assert r["spill_bytes"] <= 160, r  # a tile's coordinates, outside the key loops
         # spills in the key loops: none, or one reload a block (packed causal d=128)
         assert r["loop_spills"] is not None and r["loop_spills"] <= 1, r
 
@@ -104,7 +106,7 @@ def test_varlen_gluon_backward_compiles_for_sm90(pkg):
         assert r["shared"] <= 232448 and r["shared"] <= d["shared"] + 256, r
         assert r["wgmma"] == d["wgmma"] > 0, r
         assert r["setmaxnreg"] == d["setmaxnreg"], r
-        assert r["spill_bytes"] <= 128, r
+        assert r["spill_bytes"] <= 160, r  # a tile's coordinates, outside the key loops
 
 
 def test_the_runtime_says_why_not_gluon(pkg, monkeypatch):

@@ -1371,6 +1371,10 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     if tma:
         _descriptor_allocator()
     if tma == _GLUON:
+        # the walk's table (TILE_ORDER), from this call's cu_seqlens
+        table = _varlen_tile_table(cu_q, q.shape[0], args[_VARLEN_NUM_M_ARG],
+                                   launch.meta["BLOCK_M"])
+        args = (*args[:_VARLEN_TABLE_ARG], table, *args[_VARLEN_TABLE_ARG + 1:])
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop), *drop_pos)
     else:
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *drop_pos)
@@ -1451,6 +1455,46 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     return Launcher(kernel(name), grid, meta), args, tma
 
 
+_VARLEN_TILE_TABLES = "_flashgen_varlen_tiles"  # attribute of a cu_seqlens tensor
+
+
+def _varlen_tile_table(cu_q, total_q: int, num_m: int, block_m: int):
+    """The Gluon varlen forward's walk for one head (its TILE_ORDER): int32 [batch * num_m],
+    sequence * num_m + query block for every tile that exists -- query blocks from the last
+    level down, sequences in order within a level, as the kernel walks them -- then the
+    missing ones. Made on the device from cu_seqlens with the kernel's clamping (a
+    sequence's span clamped into [0, total_q], at most num_m blocks), without a sync;
+    cached on the cu_seqlens tensor (every layer of a step passes the same one) by its
+    version, total_q, num_m and block_m."""
+    key = (_version(cu_q), total_q, num_m, block_m)
+    cached = getattr(cu_q, _VARLEN_TILE_TABLES, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    batch = cu_q.shape[0] - 1
+    cu = cu_q.to(torch.int64)
+    start = cu[:-1].clamp(0, total_q)
+    end = torch.maximum(cu[1:].clamp(0, total_q), start)
+    blocks = ((end - start + block_m - 1) // block_m).clamp(max=num_m)  # [batch]
+    level = torch.arange(num_m - 1, -1, -1, device=cu_q.device)[:, None]  # [num_m, 1]
+    seq = torch.arange(batch, device=cu_q.device)[None, :]  # [1, batch]
+    exists = (level < blocks[None, :]).flatten()  # [num_m * batch], level-major
+    # a stable sort on "missing": the real tiles first, in walk order
+    order = torch.sort((~exists).to(torch.int8), stable=True).indices
+    table = (seq * num_m + level).flatten()[order].to(torch.int32)
+    try:
+        setattr(cu_q, _VARLEN_TILE_TABLES, (key, table))
+    except (AttributeError, RuntimeError):
+        pass
+    return table
+
+
+def _version(t):
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return None
+
+
 def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale):
     """(Launcher, run-time arguments, _GLUON) of the Gluon forward with VARLEN=True: the
     dense kernel's descriptors over a (1, H, total, d) view of each packed tensor, the
@@ -1473,9 +1517,14 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
     args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
             v.stride(0), v.stride(1), v.stride(0), o.stride(0), o.stride(1), o.stride(0),
             batch, total_q, total_k, h_q, group, scale * LOG2E, lo, hi, num_m, batch * h_q,
-            0, head_group, None,  # (TILE_ORDER: the packed walk deals its own tiles)
+            0, head_group, None,  # TILE_ORDER: the walk's table, made per call
             0, None, None)  # SK_START, SK_WS, SK_FLAGS: no stream-K for a packed batch
     return launch, args, _GLUON
+
+
+# where forward_varlen finds NUM_M and puts the walk's table in the plan's arguments
+_VARLEN_NUM_M_ARG = 20
+_VARLEN_TABLE_ARG = 24
 
 
 def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max_k: int, *,

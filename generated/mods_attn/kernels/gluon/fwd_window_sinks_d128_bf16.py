@@ -81,8 +81,8 @@ the position-based deal cannot know.
 
 Packed ragged batches (VARLEN, flash_attn_varlen_func; docs/VARLEN.md) run this kernel
 too: the descriptors span the packed token axis as one batch, a tile's boxes start at its
-sequence's first row, the persistent walk visits only tiles that exist (see
-_varlen_tile), keys past the sequence's end are masked like a ragged end, and a 64-row
+sequence's first row, the persistent walk visits only tiles that exist (their coordinates
+from a table made on the device, see _varlen_tile), keys past the sequence's end are masked like a ragged end, and a 64-row
 slab that crosses the end is stored from registers, row by row, instead of by TMA (whose
 box would write the next sequence's rows).
 
@@ -280,13 +280,17 @@ def _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M, N_K,
 # The grid cannot be sized from the sequences' lengths (they are on the device; reading them
 # would sync), and a B x H x cdiv(max_seqlen, BLOCK_M) walk that skips the missing tiles deals
 # the real ones to the programs unevenly (a model of the 16-document bench: the busiest
-# program 1.2-1.5x the mean, vs 1.03 for the walk below). So every partition counts the real
-# tiles itself from cu_seqlens (a few L1-resident loads per tile) and walks only those: head
-# group by head group (HEAD_GROUP heads whose K/V share L2), then query-block levels from the
-# top (the longest tiles first: a level holds block m of every sequence longer than
-# m * BLOCK_M), then sequences, then heads. Programs take every P-th tile (back and forth
-# with a band, as in the dense schedule), so each walks down the levels monotonically and carries its
-# position (group, level, first tile of the level, tiles in the level) from tile to tile.
+# program 1.2-1.5x the mean, vs 1.03 for the walk below). So the real tiles are walked in
+# one order: head group by head group (HEAD_GROUP heads whose K/V share L2), then query-block
+# levels from the top (the longest tiles first: a level holds block m of every sequence
+# longer than m * BLOCK_M), then sequences, then heads; programs take every P-th tile (back
+# and forth with a band, as in the dense schedule). One head's part of that order, the
+# (sequence, query block) of each of its tiles, is a table the runtime makes on the device
+# from cu_seqlens (TILE_ORDER, `_varlen_tile_table`, no sync, cached with cu_seqlens): a
+# tile's coordinates are one load. (Searching cu_seqlens for them in every partition, a
+# few cross-warp reductions and dependent loads a tile, made the varlen forward 0.74x the
+# dense kernel on equal 1024-token sequences, the very same tiles: PERF_NOTES.) Each
+# partition still counts the real tiles once, from cu_seqlens.
 @gluon.jit
 def _seq_span(CU, b, TOTAL):
     """(first row, length) of sequence b, clamped into [0, TOTAL] as the `tl` kernels'
@@ -318,63 +322,22 @@ def _varlen_tiles_per_head(CU_Q, BATCH, TOTAL_Q, NUM_M, BLOCK_M: gl.constexpr, l
 
 
 @gluon.jit
-def _varlen_level_size(CU_Q, BATCH, TOTAL_Q, m_blk, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """How many sequences have query block m_blk."""
-    n = gl.program_id(0) * 0
-    for c0 in range(0, BATCH, SEQ_CHUNK):
-        _, lens = _seq_lengths(CU_Q, c0, BATCH, TOTAL_Q, layout)
-        n += gl.sum((lens > m_blk * BLOCK_M).to(gl.int32), axis=0)
-    return n
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _varlen_seq(CU_Q, BATCH, TOTAL_Q, m_blk, rank, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """The rank-th (from 0) sequence that has query block m_blk."""
-    b = BATCH  # not found yet
-    seen = gl.program_id(0) * 0  # such sequences before chunk c0
-    c0 = gl.program_id(0) * 0
-    while (b == BATCH) & (c0 < BATCH):
-        i, lens = _seq_lengths(CU_Q, c0, BATCH, TOTAL_Q, layout)
-        has = (lens > m_blk * BLOCK_M).to(gl.int32)
-        count = gl.associative_scan(has, 0, _add) + seen  # inclusive running count
-        b = gl.min(gl.where((has > 0) & (count == rank + 1), i, BATCH), axis=0)
-        seen += gl.sum(has, axis=0)
-        c0 += SEQ_CHUNK
-    return gl.minimum(b, BATCH - 1)
-
-
-@gluon.jit
-def _varlen_tile(k, group, level, base, size, CU_Q, BATCH, TOTAL_Q, H_Q, HEAD_GROUP,
-                 TILES_PER_HEAD, NUM_M, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """(sequence, head, query block) of this program's k-th tile, and the walk's new
-    position (group, level, first tile of the level, tiles in the level)."""
+def _varlen_tile(k, TABLE, per_head, H_Q, HEAD_GROUP, NUM_M, BATCH):
+    """(sequence, head, query block) of this program's k-th tile: its place in the walk,
+    then its head's table entry (sequence * NUM_M + query block)."""
     pid = gl.program_id(0)
     P = gl.num_programs(0)
     t = k * P + pid
     if LONGEST_FIRST:  # back and forth, as _my_tile_count counts them
         if k % 2 == 1:
             t = k * P + (P - 1 - pid)
-    g = t // (HEAD_GROUP * TILES_PER_HEAD)
-    g0 = g * HEAD_GROUP
+    g0 = (t // (HEAD_GROUP * per_head)) * HEAD_GROUP
     g_size = gl.minimum(HEAD_GROUP, H_Q - g0)
-    if g != group:  # a new head group: from the top level again
-        group = g
-        level = NUM_M
-        base = g0 * TILES_PER_HEAD
-        size = group * 0
-    # down to the level that holds tile t (level > 0 only guards a corrupt cu_seqlens)
-    while (t - base >= size) & (level > 0):
-        base += size
-        level -= 1
-        size = _varlen_level_size(CU_Q, BATCH, TOTAL_Q, level, BLOCK_M, layout) * g_size
-    r = t - base
-    b = _varlen_seq(CU_Q, BATCH, TOTAL_Q, level, r // g_size, BLOCK_M, layout)
-    return b, g0 + r % g_size, level, group, level, base, size
+    u = t - g0 * per_head  # the tile's place in its head group's walk
+    # (the minimum only guards a table and a count that disagree: both clamp cu_seqlens
+    # alike, so they do not)
+    e = gl.load(TABLE + gl.minimum(u // g_size, BATCH * NUM_M - 1))
+    return e // NUM_M, g0 + u % g_size, e % NUM_M
 
 
 @gluon.jit
@@ -392,10 +355,9 @@ def _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN: gl.constexpr):
 
 @gluon.jit
 def _varlen_start(CU_Q, BATCH, TOTAL_Q, H_Q, NUM_M, BLOCK_M: gl.constexpr, layout: gl.constexpr):
-    """(tiles, tiles per head, and the walk's starting position) of a packed batch."""
+    """(tiles, tiles per head) of a packed batch."""
     per_head = _varlen_tiles_per_head(CU_Q, BATCH, TOTAL_Q, NUM_M, BLOCK_M, layout)
-    zero = per_head * 0
-    return H_Q * per_head, per_head, zero - 1, zero, zero, zero
+    return H_Q * per_head, per_head
 
 
 @gluon.jit
@@ -530,8 +492,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
     tphase = 0
     if VARLEN:
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        NUM_TILES, per_head, group, level, base, size = _varlen_start(
-            CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
+        NUM_TILES, per_head = _varlen_start(CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
     if STREAM_K:
         n_units, sk_lo, sk_hi, n_tiles = _sk_share(SK_START, NUM_TILES, N_K, BLOCK_N)
     else:
@@ -540,9 +501,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         TILE_ORDER = _my_tile_list(TILE_ORDER)
     for k in range(0, n_tiles):
         if VARLEN:
-            b, h, m_blk, group, level, base, size = _varlen_tile(
-                k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
-                NUM_M, BLOCK_M, seq_layout)
+            b, h, m_blk = _varlen_tile(k, TILE_ORDER, per_head, H_Q, HEAD_GROUP, NUM_M, BATCH)
             db = 0  # the descriptors see the packed rows as one batch
         elif STREAM_K:
             b, h, m_blk, u_lo, u_hi = _sk_item(k, SK_START, sk_lo, sk_hi, n_units, NUM_M, H_Q)
@@ -752,8 +711,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         row0_p = zero_i
     if VARLEN:
         seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        NUM_TILES, per_head, group, level, base, size = _varlen_start(
-            CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
+        NUM_TILES, per_head = _varlen_start(CU_Q, BATCH, N_Q, H_Q, NUM_M, BLOCK_M, seq_layout)
     if STREAM_K:
         n_units, sk_lo, sk_hi, n_tiles = _sk_share(SK_START, NUM_TILES, N_K, BLOCK_N)
     else:
@@ -762,9 +720,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         TILE_ORDER = _my_tile_list(TILE_ORDER)
     for k in range(0, n_tiles):
         if VARLEN:
-            b, h, m_blk, group, level, base, size = _varlen_tile(
-                k, group, level, base, size, CU_Q, BATCH, N_Q, H_Q, HEAD_GROUP, per_head,
-                NUM_M, BLOCK_M, seq_layout)
+            b, h, m_blk = _varlen_tile(k, TILE_ORDER, per_head, H_Q, HEAD_GROUP, NUM_M, BATCH)
             db = 0  # the descriptors (and the LSE, (H_Q, total_q)) see one batch
         elif STREAM_K:
             b, h, m_blk, u_lo, u_hi = _sk_item(k, SK_START, sk_lo, sk_hi, n_units, NUM_M, H_Q)
@@ -974,7 +930,9 @@ def fwd_window_sinks_d128_bf16_kernel(
     HEAD_GROUP,  # heads whose K/V share L2 in the longest-first order
     # with TILE_TABLE: int32 [P + 1] offsets into the [NUM_TILES] tiles that follow them,
     # program p's in the order it runs them (a band's: the host's deal; a block mask's:
-    # made on the device from its lists, _mods._tile_table; else None)
+    # made on the device from its lists, _mods._tile_table; else None). VARLEN: one head's
+    # tiles, int32 [BATCH * NUM_M], sequence * NUM_M + query block in walk order, the real
+    # ones first (_varlen_tile_table)
     TILE_ORDER,
     # STREAM_K: tiles dealt whole, round-robin, before the tail is dealt by key block;
     # fp32 workspace of a part-tile slot per (program, consumer) and int32 counters, one per
