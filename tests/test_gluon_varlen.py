@@ -243,6 +243,40 @@ def test_varlen_backward_head_groups(pkg, monkeypatch):
     assert heads(16, 16384, 128) == 1
 
 
+def _walk_reference(lengths, total, num_m, block_m):
+    """The varlen forward's walk for one head, as the kernel's old search made it: levels
+    from the top, sequences in order, each sequence's span clamped into [0, total]."""
+    starts = [min(max(c, 0), total) for c in lengths[:-1]]
+    ends = [min(max(e, s), total) for s, e in zip(starts, lengths[1:])]
+    blocks = [min(-(-(e - s) // block_m), num_m) for s, e in zip(starts, ends)]
+    return [b * num_m + m for m in range(num_m - 1, -1, -1)
+            for b in range(len(blocks)) if blocks[b] > m]
+
+
+@pytest.mark.parametrize("cu_list,total,num_m,block_m", [
+    ([0, 130, 130, 131, 190, 447], 447, 3, 128),  # an empty sequence, one token, ragged ends
+    ([0, 128, 256, 384], 384, 1, 128),  # equal, one block each
+    ([0, 5000, 5000, 9000], 9000, 2, 128),  # longer than max_seqlen: capped at num_m blocks
+    ([0, 300, 200, 9999], 500, 4, 64),  # corrupt: decreasing, past the total (clamped)
+], ids=["ragged", "equal", "capped", "corrupt"])
+def test_varlen_tile_table_is_the_walk(pkg, cu_list, total, num_m, block_m):
+    """_varlen_tile_table lists one head's tiles in the walk's order (the real ones first),
+    the order the kernel's former search of cu_seqlens produced, with its clamping; cached
+    on the cu_seqlens tensor until it changes."""
+    rt = pkg._runtime
+    cu_q = torch.tensor(cu_list, dtype=torch.int32)
+    table = rt._varlen_tile_table(cu_q, total, num_m, block_m)
+    want = _walk_reference(cu_list, total, num_m, block_m)
+    batch = len(cu_list) - 1
+    assert table.dtype == torch.int32 and table.shape == (batch * num_m,)
+    assert table[:len(want)].tolist() == want
+    assert sorted(table.tolist()) == list(range(batch * num_m))  # the missing ones after
+    assert rt._varlen_tile_table(cu_q, total, num_m, block_m) is table  # cached
+    cu_q[1] = cu_q[2]  # in place: a new version, a new table
+    changed = _walk_reference(cu_q.tolist(), total, num_m, block_m)
+    assert rt._varlen_tile_table(cu_q, total, num_m, block_m)[:len(changed)].tolist() == changed
+
+
 # ---------------------------------------------------------------------------------------
 # GPU: against float64
 # ---------------------------------------------------------------------------------------
@@ -587,3 +621,29 @@ def test_gluon_varlen_backward_corrupted_cu_seqlens_stay_in_bounds(pkg, monkeypa
         for buf, n in ((dq_buf, 3000), (dk_buf, 1400), (dv_buf, 1400)):
             assert (buf[:128] == 7).all() and (buf[128 + n:] == 7).all(), "wrote outside"
             assert not torch.isnan(buf[128:128 + n]).any()
+
+
+@pytest.mark.gpu
+def test_gluon_varlen_cuda_graph_replays_new_lengths(pkg):
+    """A varlen forward captured in a CUDA graph, then replayed after cu_seqlens changed in
+    place (same totals): the walk's table is made inside the graph, never taken from the
+    cache, so the replay walks the new lengths (compared with an eager call on them)."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    h, d, dt = 4, 128, torch.bfloat16
+    first, second = [300, 50, 162, 0, 512], [64, 700, 1, 200, 59]
+    q, k, v = (torch.randn(sum(first), h, d, dtype=dt, device="cuda") for _ in range(3))
+    cu_q = cu(first, "cuda")
+    with pkg._runtime.override_config(family="gluon"):
+        pkg.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 700, 700, causal=True)  # cache a table
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = pkg.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 700, 700, causal=True)
+        cu_q.copy_(cu(second, "cuda"))
+        graph.replay()
+        eager = pkg.flash_attn_varlen_func(q, k, v, cu(second, "cuda"), cu(second, "cuda"),
+                                           700, 700, causal=True)
+        assert _families_ran(pkg) == {"GluonJITFunction"}
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

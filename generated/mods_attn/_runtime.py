@@ -1465,9 +1465,12 @@ def _varlen_tile_table(cu_q, total_q: int, num_m: int, block_m: int):
     missing ones. Made on the device from cu_seqlens with the kernel's clamping (a
     sequence's span clamped into [0, total_q], at most num_m blocks), without a sync;
     cached on the cu_seqlens tensor (every layer of a step passes the same one) by its
-    version, total_q, num_m and block_m."""
+    version, total_q, num_m and block_m (not while a CUDA graph is captured)."""
+    # under CUDA-graph capture the table is always made (its ops join the graph, so a
+    # replay after cu_seqlens changed in place walks the new lengths), never cached
+    capturing = cu_q.is_cuda and torch.cuda.is_current_stream_capturing()
     key = (_version(cu_q), total_q, num_m, block_m)
-    cached = getattr(cu_q, _VARLEN_TILE_TABLES, None)
+    cached = None if capturing else getattr(cu_q, _VARLEN_TILE_TABLES, None)
     if cached is not None and cached[0] == key:
         return cached[1]
     batch = cu_q.shape[0] - 1
@@ -1481,10 +1484,11 @@ def _varlen_tile_table(cu_q, total_q: int, num_m: int, block_m: int):
     # a stable sort on "missing": the real tiles first, in walk order
     order = torch.sort((~exists).to(torch.int8), stable=True).indices
     table = (seq * num_m + level).flatten()[order].to(torch.int32)
-    try:
-        setattr(cu_q, _VARLEN_TILE_TABLES, (key, table))
-    except (AttributeError, RuntimeError):
-        pass
+    if not capturing:
+        try:
+            setattr(cu_q, _VARLEN_TILE_TABLES, (key, table))
+        except (AttributeError, RuntimeError):
+            pass
     return table
 
 
