@@ -1234,8 +1234,16 @@ VARLEN_GLUON_BACKWARD = True
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
 # bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
-# one group, 1.37x with the L2 rule's 2 heads). More heads per group share L2 less.
+# one group, 1.37x with the L2 rule's 2 heads). More heads per group share L2 less: with
+# short sequences a group holds many (sequence, head) pairs and each tile's K/V is read
+# from DRAM, so up to VARLEN_GLUON_SHORT tokens the longest sequence takes
+# VARLEN_GLUON_ROUNDS_SHORT. H100, causal d=128 H=16 bf16, 16k tokens of equal-length
+# sequences, TFLOP/s at 2 / 8 rounds: 1k 332.7 / 289.2 (the dense kernel on the same tiles
+# 381.7), 2k 434.2 / 426.5, 4k 487.2 / 505.5; the 16-document bench (up to 4k) 8 best of
+# 4 / 8 / 16 (PERF_NOTES, fifteenth and seventeenth sessions).
 VARLEN_GLUON_ROUNDS = 8
+VARLEN_GLUON_ROUNDS_SHORT = 2
+VARLEN_GLUON_SHORT = 1024
 # The most K/V heads a group of the Gluon varlen backward's program order
 # (_gluon_varlen_bwd_heads; 1: head-major, the order before groups). A model of the
 # 16-document bench (benchmarks/varlen_schedule_model.py: per-step and per-program costs
@@ -1455,6 +1463,11 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     return Launcher(kernel(name), grid, meta), args, tma
 
 
+def _varlen_rounds(max_q: int) -> int:
+    """Rounds of the persistent grid a head group of the varlen walk holds at least."""
+    return VARLEN_GLUON_ROUNDS_SHORT if max_q <= VARLEN_GLUON_SHORT else VARLEN_GLUON_ROUNDS
+
+
 _VARLEN_TILE_TABLES = "_flashgen_varlen_tiles"  # attribute of a cu_seqlens tensor
 
 
@@ -1513,7 +1526,7 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
     per_head = min(batch * num_m, triton_cdiv(total_q, cfg["block_m"]) + batch)
     group = h_q // h_kv
     kv_heads = _gluon_kv_heads(cfg, q, total_k, d,
-                               triton_cdiv(VARLEN_GLUON_ROUNDS * sms, per_head * group))
+                               triton_cdiv(_varlen_rounds(max_q) * sms, per_head * group))
     head_group = min(kv_heads, h_kv) * group
     tiles = h_q * per_head  # an upper bound: the kernel counts the real ones
     launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=True)
