@@ -1,4 +1,9 @@
-"""Where the equal-length varlen gap goes: dense persistent vs not, varlen head groups."""
+"""Where the equal-length varlen gap goes: the dense forward persistent or not, and the varlen
+forward's head groups (VARLEN_GLUON_ROUNDS), interleaved rounds, TFLOP/s (H100 numbers: PERF_NOTES,
+seventeenth session).
+
+    python benchmarks/varlen_probe.py
+"""
 import contextlib, os, statistics, sys
 import torch, triton
 sys.path.insert(0, os.getcwd())
