@@ -15,15 +15,15 @@ torch.manual_seed(0)
 
 @contextlib.contextmanager
 def setting(rounds=None, **kw):
-    old = rt.VARLEN_GLUON_ROUNDS
-    if rounds is not None:
-        rt.VARLEN_GLUON_ROUNDS = rounds
+    old = rt.VARLEN_GLUON_ROUNDS, rt.VARLEN_GLUON_ROUNDS_SHORT
+    if rounds is not None:  # whatever the length (the runtime's rule has two values)
+        rt.VARLEN_GLUON_ROUNDS = rt.VARLEN_GLUON_ROUNDS_SHORT = rounds
     rt._forward_plans.clear()
     try:
         with (rt.override_config(**kw) if kw else contextlib.nullcontext()):
             yield
     finally:
-        rt.VARLEN_GLUON_ROUNDS = old
+        rt.VARLEN_GLUON_ROUNDS, rt.VARLEN_GLUON_ROUNDS_SHORT = old
         rt._forward_plans.clear()
 
 
@@ -38,7 +38,7 @@ for L in (1024, 2048, 4096):
     cfg = dict(rt.launch_config("fwd_causal_d128_bf16", q.device, L))
     arms = {"dense": (dense, {}), "dense_pers": (dense, {**cfg, "persistent": True}),
             "dense_nonpers": (dense, {**cfg, "persistent": False}),
-            "var_r8": (var, {}), "var_r2": (var, {"rounds": 2}), "var_r32": (var, {"rounds": 32}),
+            "var": (var, {}), "var_r8": (var, {"rounds": 8}), "var_r2": (var, {"rounds": 2}), "var_r32": (var, {"rounds": 32}),
             "var_r1000": (var, {"rounds": 1000})}
     res = {n: [] for n in arms}
     for _ in range(5):
