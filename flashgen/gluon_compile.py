@@ -204,7 +204,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         elif arg in pointers:
             sig[arg] = "*" + pointers[arg]
             attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
-        elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE"):
+        elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE", "DROP_SCALE"):
             sig[arg] = "fp32"
         elif mod_types and arg in mod_types:
             sig[arg] = mod_types[arg]
