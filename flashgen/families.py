@@ -146,6 +146,18 @@ GLUON_BWD_DEFAULT = {
 }
 
 
+# The Gluon dropout backward draws each step's keep mask in the consumers (templates/gluon/
+# bwd.py.j2, "Dropout"): a Philox call's words land on two warps of S^T, and by default
+# both warps draw the call (BLOCK_M / 16 calls a thread a step). With philox_split (an
+# override_config / tuned-config key, read by the runtime's launcher) each call is drawn
+# once and half its words cross to the other warp through shared memory: ~60 fewer
+# instructions a step at d=128 (1090 against 1148 in the consumer's step loop, sm_90
+# offline; 744 without dropout), ~3.6 KB more shared memory, and a warpgroup barrier a step.
+# Not measured on a GPU yet: off until benchmarks/gluon_dropout_bwd_ab.py says otherwise.
+GLUON_BWD_PHILOX_SPLIT = False
+PHILOX_SPLIT_SHARED_BYTES = 3632  # the exchange's scratch, sm_90 compile at d = 64 and 128
+
+
 # What the Gluon backward's tile may be (bwd_config_reason): BLOCK_N is fixed by the consumer
 # count rendered into the kernel (CONSUMERS x KEY_ROWS_PER_CONSUMER keys per program);
 # BLOCK_M, the query rows of one step through the Q/dO ring, is the N extent of
@@ -310,6 +322,8 @@ def bwd_config_reason(config: dict, head_dim: int, dtype_bytes: int,
     if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
         return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
     need = bwd_shared_bytes(head_dim, dtype_bytes, config["block_m"], config["num_stages"])
+    if config.get("philox_split"):  # (a dropout variant's: the others ignore the key)
+        need += PHILOX_SPLIT_SHARED_BYTES
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
     return None

@@ -149,7 +149,8 @@ def _bwd_mask_as_tl(text):
     decides which bit lands on which (key, query) element."""
     import re
 
-    src = _gluon_functions(text, ["_philox", "_byte_carries", "_keep_bits", "_to_s", "_kept"])
+    src = _gluon_functions(text, ["_philox", "_byte_carries", "_keep_bits", "_to_s", "_kept",
+                                  "_keep_bits_split", "_to_s_split", "_kept_split"])
     src = "\n".join(ln for ln in src.splitlines()
                     if not re.match(r"\s+\w+: gl\.constexpr = .*(Layout|_layout)\(", ln))
     src = _without(src, ", layout=", keep_first=False)
@@ -162,11 +163,12 @@ def _bwd_mask_as_tl(text):
 
 
 def test_gluon_backward_mask_bookkeeping_is_keep_mask(pkg, tmp_path):
-    """The Gluon backward's _keep_bits / _kept, as `tl` (the interpreter on the CPU, the GPU
-    with -m gpu), for both step heights (64 and 128 query rows), at positions and seeds of
-    both widths, against keep_mask_kernel over the whole call, sliced: element
-    [key, query] of the [64, BLOCK_M] tile must be keep[query, key]. On Hopper the
-    Gluon kernel itself is checked against float64 (test_gluon_dropout_backward_*)."""
+    """The Gluon backward's _keep_bits / _kept (and the philox_split pair), as `tl` (the
+    interpreter on the CPU, the GPU with -m gpu), for both step heights (64 and 128 query
+    rows), at positions and seeds of both widths, against keep_mask_kernel over the whole
+    call, sliced: element [key, query] of the [64, BLOCK_M] tile must be keep[query, key].
+    On Hopper the Gluon kernel itself is checked against float64
+    (test_gluon_dropout_backward_*)."""
     import textwrap
 
     text = (_gluon_dir(pkg) / "bwd_causal_dropout_d64_bf16.py").read_text()
@@ -177,13 +179,18 @@ def test_gluon_backward_mask_bookkeeping_is_keep_mask(pkg, tmp_path):
 
         @triton.jit
         def mask_t(OUT, SEED_LO, SEED_HI, RNG_OFFSET, N_Q, N_K, DROP_THRESHOLD, Q_POS, KV_POS,
-                   BLOCK_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr, SPLIT: tl.constexpr):
             bh = tl.program_id(2)
             q0 = tl.program_id(0) * BLOCK_M
             k0 = tl.program_id(1) * SPLIT_N
-            bits = _keep_bits(SEED_LO, SEED_HI, RNG_OFFSET, bh, q0 + Q_POS, k0 + KV_POS,
-                              DROP_THRESHOLD, BLOCK_M)
-            words, masks = _kept(bits, BLOCK_M, 0)
+            if SPLIT:
+                bits = _keep_bits_split(SEED_LO, SEED_HI, RNG_OFFSET, bh, q0 + Q_POS,
+                                        k0 + KV_POS, DROP_THRESHOLD, BLOCK_M)
+                words, masks = _kept_split(bits, BLOCK_M, 0)
+            else:
+                bits = _keep_bits(SEED_LO, SEED_HI, RNG_OFFSET, bh, q0 + Q_POS, k0 + KV_POS,
+                                  DROP_THRESHOLD, BLOCK_M)
+                words, masks = _kept(bits, BLOCK_M, 0)
             keep = (words & masks) != 0  # [SPLIT_N keys, BLOCK_M queries]
             keys = k0 + tl.arange(0, SPLIT_N)[:, None]
             qs = q0 + tl.arange(0, BLOCK_M)[None, :]
@@ -195,9 +202,11 @@ def test_gluon_backward_mask_bookkeeping_is_keep_mask(pkg, tmp_path):
     spec.loader.exec_module(mod)
     drop = importlib.import_module(f"{pkg.__name__}._dropout")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for block_m, (seed, stream, p, q_pos, kv_pos) in [
-            (64, (0, 0, 0.1, 0, 0)), (128, (2**40 + 3, 2**31 + 9, 0.5, 32, 64)),
-            (64, (2**62 + 11, 0xFFFFFFFF, 1 / 512, 16, 96)), (128, (5, 3, 0.9, 0, 0))]:
+    for block_m, split, (seed, stream, p, q_pos, kv_pos) in [
+            (64, False, (0, 0, 0.1, 0, 0)), (128, False, (2**40 + 3, 2**31 + 9, 0.5, 32, 64)),
+            (64, False, (2**62 + 11, 0xFFFFFFFF, 1 / 512, 16, 96)),
+            (128, False, (5, 3, 0.9, 0, 0)), (64, True, (7, 1, 0.3, 48, 32)),
+            (128, True, (2**40 + 3, 2**31 + 9, 0.5, 32, 64))]:
         bh, n_q, n_k = 2, 150, 100  # ragged in both directions
         thresh = drop.threshold(p)
         full = torch.zeros((bh, q_pos + n_q, kv_pos + n_k), dtype=torch.int8, device=device)
@@ -208,8 +217,9 @@ def test_gluon_backward_mask_bookkeeping_is_keep_mask(pkg, tmp_path):
         lo, hi, stream32, thresh32, _ = pkg._runtime._gluon_dropout_args(
             (seed, stream, thresh, 1.0))
         mod.mask_t[(-(-n_q // block_m), -(-n_k // 64), bh)](
-            got, lo, hi, stream32, n_q, n_k, thresh32, q_pos, kv_pos, BLOCK_M=block_m)
-        assert torch.equal(got, want), (block_m, seed, p, int((got != want).sum()))
+            got, lo, hi, stream32, n_q, n_k, thresh32, q_pos, kv_pos, BLOCK_M=block_m,
+            SPLIT=split)
+        assert torch.equal(got, want), (block_m, split, seed, p, int((got != want).sum()))
 
 
 def test_gluon_philox_with_a_split_seed_is_tl_philox(pkg):
@@ -317,14 +327,17 @@ def test_dropout_kernels_compile_for_sm90(pkg):
 @needs_gluon_triton
 def test_dropout_backward_kernels_compile_for_sm90(pkg):
     """The Gluon dropout backward at its default steps (d=64: 128 query rows, d=96/128: 64)
-    and at 64-row steps at d=64 with the other register split: `_kept`'s convert_layout
-    asserts at compile time that the unpacked bits sit where S^T holds their elements, and
-    the Philox rounds fit beside the step's accumulators (offline, Triton 3.6: stack
-    frames of 40-72 bytes against 8-64 for the backward without dropout)."""
+    and at 64-row steps at d=64 with the other register split, and with philox_split:
+    `_kept`'s convert_layout asserts at compile time that the unpacked bits sit where S^T
+    holds their elements, and the Philox rounds fit beside the step's accumulators
+    (offline, Triton 3.6: stack frames of 40-88 bytes against 8-64 for the backward
+    without dropout)."""
     rows = _compile(pkg, [["bwd_causal_dropout_d128_bf16", {}],
                           ["bwd_dropout_d64_fp16", {}],
                           ["bwd_window_dropout_d96_bf16", {}],
-                          ["bwd_causal_dropout_d64_bf16", {"block_m": 64, "regs": "232/40"}]])
+                          ["bwd_causal_dropout_d64_bf16", {"block_m": 64, "regs": "232/40"}],
+                          ["bwd_causal_dropout_d128_fp16", {"philox_split": True}],
+                          ["bwd_dropout_d64_bf16", {"philox_split": True}]])
     for r in rows:
         assert r["wgmma"] > 0 and r["shared"] <= 232448, r
         assert families.PRODUCER_REGS in r["setmaxnreg"] or 40 in r["setmaxnreg"], r

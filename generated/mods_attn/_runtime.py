@@ -1194,6 +1194,11 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], gl_dtype),
                 HOST_DESC=host, VARLEN=varlen, num_warps=4, **layouts)
+    if VARIANTS[name]["dropout"]:
+        # each Philox call drawn once per warpgroup instead of by both warps that use its
+        # words (a shared-memory exchange and a barrier a step; an override_config knob,
+        # off by default: _families.GLUON_BWD_PHILOX_SPLIT)
+        meta["PHILOX_SPLIT"] = bool(cfg.get("philox_split", _families.GLUON_BWD_PHILOX_SPLIT))
     boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
     return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
 

@@ -370,17 +370,17 @@ def _keep_bits(SEED_LO, SEED_HI, RNG_OFFSET, bh, q_start, k_start, DROP_THRESHOL
     survives, already in the layout _keep_t unpacks from (see above). q_start: a multiple
     of 16; k_start: of 32; BLOCK_M: 64 or 128."""
     e_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # e: a thread's own
-    e = gl.arange(0, DROP_THREADS, layout=e_layout)
     zero = _opaque_zero(e_layout)
+    e = gl.arange(0, DROP_THREADS, layout=e_layout) + zero.to(gl.int32)
     w = e >> 5
     first = (w & 1) == 0  # b = 0: this warp's keys take words 0 and 2, else 1 and 3
-    c0 = (4 * (k_start // 32 + (w >> 1)) + ((e >> 3) & 3)).to(gl.uint32) + zero  # 4 Q + t
+    c0 = (4 * (k_start // 32 + (w >> 1)) + ((e >> 3) & 3)).to(gl.uint32)  # 4 Q + t
     c1 = (q_start + 2 * (e & 3) + ((e >> 2) & 1)).to(gl.uint32)  # 16 G + rr, G = 0
     c2 = zero + bh.to(gl.uint32)
     c3 = zero + RNG_OFFSET.to(gl.uint32)
     seed_lo = zero + SEED_LO.to(gl.uint32)
     seed_hi = zero + SEED_HI.to(gl.uint32)
-    c_rep = (256 - DROP_THRESHOLD.to(gl.uint32)) * 0x01010101  # 256 - T in every byte
+    c_rep = (256 - (zero + DROP_THRESHOLD.to(gl.uint32))) * 0x01010101  # 256 - T in every byte
     c_low = c_rep & 0x7F7F7F7F
     # the carries of the words n = 2 G + wl in order, each shifted down one as the next
     # comes in: word n's byte j ends at bit 8 j + n (G < 4 in acc_lo, G >= 4 in acc_hi)
@@ -434,6 +434,97 @@ def _kept(bits, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
     words, masks = gl.broadcast(gl.expand_dims(bits, 2),
                                 gl.expand_dims(gl.expand_dims(masks, 0), 0))
     return _to_s(words, BLOCK_M, s_layout), _to_s(masks, BLOCK_M, s_layout)
+
+
+@gluon.constexpr_function
+def _split_layout(block_m):
+    """PHILOX_SPLIT's unpack layout, [DROP_THREADS, 2, 2, block_m // 8] indexed (e, b, k, p)
+    with e = 64 Q + 32 gpar + 8 t + 4 rrl + rrh (the drawing thread: warp 2 Q + gpar) and
+    p = NW wh + 2 g' + wl (NW = block_m // 16 words a thread, G = 2 g' + gpar): again the S^T
+    accumulator's layout under _to_s_split. Registers: rrl (query + 1), wl (key + 8), wh
+    (query + 8), gpar (query + 16), g' (query + 32, + 64); lanes: rrh, k, t; warps: b
+    (key + 16), Q (key + 32)."""
+    nw = block_m // 16
+    regs = [[4, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, nw], [32, 0, 0, 0], [0, 0, 0, 2]]
+    if nw == 8:
+        regs.append([0, 0, 0, 4])
+    return gl.DistributedLinearLayout(
+        reg_bases=regs,
+        lane_bases=[[1, 0, 0, 0], [2, 0, 0, 0], [0, 0, 1, 0], [8, 0, 0, 0], [16, 0, 0, 0]],
+        warp_bases=[[0, 1, 0, 0], [64, 0, 0, 0]],
+        block_bases=[],
+        shape=[DROP_THREADS, 2, 2, 2 * nw])
+
+
+@gluon.jit
+def _keep_bits_split(SEED_LO, SEED_HI, RNG_OFFSET, bh, q_start, k_start, DROP_THRESHOLD,
+                     BLOCK_M: gl.constexpr):
+    """PHILOX_SPLIT's _keep_bits: each call once per warpgroup. Warp 2 Q + gpar draws the
+    calls (Q, t, 16 G + rr) with G = 2 g' + gpar, all four words, and sends words b = 1 - gpar
+    (and b + 2) to the other warp of its pair through shared memory (the layout conversion;
+    a barrier of the warpgroup): BLOCK_M / 32 calls a thread a step instead of BLOCK_M / 16.
+    Returns [DROP_THREADS, 2, 2] uint32 (e, b, k) in _split_layout sliced, bit
+    p = NW wh + 2 g' + wl of element (e, b, k) holding whether (query q_start +
+    16 (2 g' + gpar) + 8 wh + 2 rrh + rrl, key k_start + 32 Q + 16 b + 8 wl + 2 t + k)
+    survives."""
+    e_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # e: a thread's own
+    NW: gl.constexpr = BLOCK_M // 16  # words of one b a thread draws (2 per call)
+    zero = _opaque_zero(e_layout)
+    e = gl.arange(0, DROP_THREADS, layout=e_layout) + zero.to(gl.int32)
+    c0 = (4 * (k_start // 32 + (e >> 6)) + ((e >> 3) & 3)).to(gl.uint32)  # 4 Q + t
+    c1 = (q_start + 16 * ((e >> 5) & 1) + 2 * (e & 3) + ((e >> 2) & 1)).to(gl.uint32)  # g' = 0
+    c2 = zero + bh.to(gl.uint32)
+    c3 = zero + RNG_OFFSET.to(gl.uint32)
+    seed_lo = zero + SEED_LO.to(gl.uint32)
+    seed_hi = zero + SEED_HI.to(gl.uint32)
+    c_rep = (256 - (zero + DROP_THRESHOLD.to(gl.uint32))) * 0x01010101  # 256 - T in every byte
+    c_low = c_rep & 0x7F7F7F7F
+    acc0 = gl.zeros([DROP_THREADS], gl.uint32, layout=e_layout)  # b = 0: words 0, 2
+    acc1 = gl.zeros([DROP_THREADS], gl.uint32, layout=e_layout)  # b = 1: words 1, 3
+    for g in gl.static_range(BLOCK_M // 32):
+        r0, r1, r2, r3 = _philox(seed_lo, seed_hi, c0, c1 + 32 * g, c2, c3)
+        acc0 = (acc0 >> 1) | _byte_carries(r0, c_rep, c_low)
+        acc0 = (acc0 >> 1) | _byte_carries(r2, c_rep, c_low)
+        acc1 = (acc1 >> 1) | _byte_carries(r1, c_rep, c_low)
+        acc1 = (acc1 >> 1) | _byte_carries(r3, c_rep, c_low)
+    # word n = 2 g' + wl ends at bit 8 j + 8 - NW + n of its accumulator, byte j = wh + 2 k:
+    # key k's two bytes, densely, at bit NW wh + n
+    if NW == 8:
+        v00 = acc0 & 0xFFFF
+        v01 = acc0 >> 16
+        v10 = acc1 & 0xFFFF
+        v11 = acc1 >> 16
+    else:
+        v00 = ((acc0 >> 4) & 0xF) | ((acc0 >> 8) & 0xF0)
+        v01 = ((acc0 >> 20) & 0xF) | ((acc0 >> 24) & 0xF0)
+        v10 = ((acc1 >> 4) & 0xF) | ((acc1 >> 8) & 0xF0)
+        v11 = ((acc1 >> 20) & 0xF) | ((acc1 >> 24) & 0xF0)
+    packed = gl.join(gl.join(v00, v10), gl.join(v01, v11))  # [DROP_THREADS, 2 (b), 2 (k)]
+    return gl.convert_layout(packed, gl.SliceLayout(3, _split_layout(BLOCK_M)))
+
+
+@gluon.jit
+def _to_s_split(x, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """_to_s for PHILOX_SPLIT: [DROP_THREADS, 2, 2, BLOCK_M // 8] in _split_layout,
+    (e, b, k, p) -> (Q, gpar, t, rrl, rrh, b, k, wh, g', wl) -> (Q, b, wl, t, k | g', gpar,
+    wh, rrh, rrl), as [SPLIT_N, BLOCK_M] in s_layout (nothing moves)."""
+    x = gl.reshape(x, [2, 2, 4, 2, 4, 2, 2, 2, BLOCK_M // 32, 2])
+    x = gl.permute(x, (0, 5, 9, 2, 6, 8, 1, 7, 4, 3))
+    x = gl.reshape(x, [SPLIT_N, BLOCK_M])
+    return gl.convert_layout(x, s_layout, assert_trivial=True)
+
+
+@gluon.jit
+def _kept_split(bits, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
+    """_kept for PHILOX_SPLIT's words (_keep_bits_split)."""
+    layout: gl.constexpr = _split_layout(BLOCK_M)
+    nbits: gl.constexpr = BLOCK_M // 8
+    p_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, layout)))
+    masks = gl.full([nbits], 1, gl.uint32, layout=p_layout) << gl.arange(
+        0, nbits, layout=p_layout).to(gl.uint32)
+    words, masks = gl.broadcast(gl.expand_dims(bits, 3),
+                                gl.expand_dims(gl.expand_dims(gl.expand_dims(masks, 0), 0), 0))
+    return _to_s_split(words, BLOCK_M, s_layout), _to_s_split(masks, BLOCK_M, s_layout)
 
 
 @gluon.jit
@@ -538,7 +629,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
               SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, SEED_LO, SEED_HI, RNG_OFFSET,
               DROP_THRESHOLD, DROP_SCALE, Q_POS, KV_POS, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
+              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr,
+              PHILOX_SPLIT: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
     # [SPLIT_N, HEAD_DIM_PAD]; its columns of a query block's dQ are [BLOCK_M, DQ_COLS]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -587,9 +679,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             dpt = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             # the keep mask's bits of this step, drawn while the tensor cores compute S^T and
             # dP^T, at global (query, key): Q_POS / KV_POS, a context-parallel piece's starts
-            drop_bits = _keep_bits(SEED_LO, SEED_HI, RNG_OFFSET, b * (H_KV * KV_GROUP) + h,
-                                   m0 + Q_POS, n_start + CID * SPLIT_N + KV_POS, DROP_THRESHOLD,
-                                   BLOCK_M)
+            if PHILOX_SPLIT:
+                drop_bits = _keep_bits_split(SEED_LO, SEED_HI, RNG_OFFSET,
+                                             b * (H_KV * KV_GROUP) + h, m0 + Q_POS,
+                                             n_start + CID * SPLIT_N + KV_POS, DROP_THRESHOLD,
+                                             BLOCK_M)
+            else:
+                drop_bits = _keep_bits(SEED_LO, SEED_HI, RNG_OFFSET, b * (H_KV * KV_GROUP) + h,
+                                       m0 + Q_POS, n_start + CID * SPLIT_N + KV_POS,
+                                       DROP_THRESHOLD, BLOCK_M)
             st = warpgroup_mma_wait(1, deps=(st, ))
             lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0, not NaN
@@ -614,7 +712,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             # dO and dS^T = P^T (Z dP^T - D) (the `tl` backward's arithmetic), here as
             # DROP_SCALE SCALE (keep P^T dP^T - P^T D / DROP_SCALE) with keep P^T also the dV
             # product's operand (DROP_SCALE: multiplied into dV once, on its store)
-            words, masks = _kept(drop_bits, BLOCK_M, s_layout)
+            if PHILOX_SPLIT:
+                words, masks = _kept_split(drop_bits, BLOCK_M, s_layout)
+            else:
+                words, masks = _kept(drop_bits, BLOCK_M, s_layout)
             p_keep = _drop1(words, masks, pt)
             dst = (p_keep * dpt * DROP_SCALE - pt * gl.expand_dims(delta, 0)) * SCALE  # [SPLIT_N, BLOCK_M]
             p_op = gl.convert_layout(p_keep.to(dtype), a_layout)
@@ -729,6 +830,9 @@ def bwd_causal_dropout_d64_fp16_kernel(
     VEC_LAYOUT: gl.constexpr,  # and of the fp32 [BLOCK_M] LSE and D boxes
     HOST_DESC: gl.constexpr,  # Q, K, V, DO, LSE, DELTA, DQ_ACC are TMA descriptors (VARLEN: not LSE, DELTA)
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
+    # each Philox call drawn once per warpgroup, half its words sent to the other warp of
+    # the pair through shared memory (_keep_bits_split); False: drawn by both warps
+    PHILOX_SPLIT: gl.constexpr = False,
 ):
     H_Q = H_KV * KV_GROUP
     desc_b = BATCH
@@ -817,13 +921,13 @@ def bwd_causal_dropout_d64_fp16_kernel(
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, SEED_LO, SEED_HI,
                      RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, Q_POS, KV_POS, CU_Q, CU_K, seqs, 0, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN)),
+                     BLOCK_N, NUM_BUFFERS, VARLEN, PHILOX_SPLIT)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, SEED_LO, SEED_HI,
                      RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, Q_POS, KV_POS, CU_Q, CU_K, seqs, 1, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN)),
+                     BLOCK_N, NUM_BUFFERS, VARLEN, PHILOX_SPLIT)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
