@@ -143,6 +143,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
                                                                      gl.float32),
                      HOST_DESC=True, VARLEN=varlen)
+        if "PHILOX_SPLIT" in fn.arg_names:  # a dropout variant
+            const["PHILOX_SPLIT"] = bool(config.get("philox_split", families.GLUON_BWD_PHILOX_SPLIT))
         # what the runtime launches: TMA descriptors made on the host (VARLEN: LSE and D
         # are read by plain loads, from pointers)
         pointers = {"DK": dtype, "DV": dtype}
@@ -207,7 +209,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         elif arg in pointers:
             sig[arg] = "*" + pointers[arg]
             attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
-        elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE"):
+        elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE", "DROP_SCALE"):
             sig[arg] = "fp32"
         elif mod_types and arg in mod_types:
             sig[arg] = mod_types[arg]
@@ -230,6 +232,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         " overlap" if config.get("overlap", families.GLUON_DEFAULT["overlap"]) else "") + (
         " diag-first" if config.get("diag_first", families.GLUON_DEFAULT["diag_first"]) else "") + (
         " stream-k" if const.get("STREAM_K") else "") + (
+        " philox-split" if const.get("PHILOX_SPLIT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
     return GluonResources(

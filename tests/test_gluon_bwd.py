@@ -35,7 +35,7 @@ def test_backward_variants_with_a_gluon_kernel(pkg):
     assert reasons["bwd_d64_bf16"] is None
     assert "fp32" in reasons["bwd_d128_fp32"]
     assert "head dim 80" in reasons["bwd_d80_bf16"]
-    assert reasons["bwd_dropout_d128_bf16"] is not None
+    assert reasons["bwd_dropout_d128_bf16"] is None  # tests/test_gluon_dropout.py
     gluon = __import__("pathlib").Path(pkg.__file__).parent / "kernels" / "gluon"
     text = (gluon / "bwd_causal_d96_bf16.py").read_text()
     assert "def bwd_causal_d96_bf16_kernel(" in text and "HEAD_DIM_PAD = gl.constexpr(128)" in text
@@ -142,7 +142,8 @@ def test_which_gluon_kernels_run_by_default():
     from flashgen import families
 
     # what has run on the H100 and beaten `tl` there: the forward without dropout, the
-    # backward at d >= 96; the dropout forward and the d=64 backward run when asked for
+    # backward at d >= 96 (d=64 from GLUON_BWD_SMALL_D_MIN_N); the dropout backward by the
+    # same rule; the dropout forward runs when asked for
     assert families.gluon_by_default("fwd", False, 64)
     assert families.gluon_by_default("bwd", False, 128)
     assert families.gluon_by_default("bwd", False, 96)
@@ -153,3 +154,8 @@ def test_which_gluon_kernels_run_by_default():
     assert families.gluon_default(64, "bwd")["block_m"] == 128
     assert families.gluon_default(128, "bwd")["block_m"] == 64
     assert not families.gluon_by_default("fwd", True, 128)
+    assert families.gluon_by_default("bwd", True, 128)
+    assert families.gluon_by_default("bwd", True, 96)
+    assert not families.gluon_by_default("bwd", True, 64)
+    assert not families.gluon_by_default("bwd", True, 64, (), families.GLUON_BWD_SMALL_D_MIN_N // 2)
+    assert families.gluon_by_default("bwd", True, 64, (), families.GLUON_BWD_SMALL_D_MIN_N)

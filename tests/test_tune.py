@@ -144,9 +144,9 @@ def test_the_gluon_family_is_searched_where_it_runs():
     too_deep = {**families.gluon_default(128), "tma": False, "num_stages": 3}
     assert "shared memory" in space.check(too_deep)
     # a variant without a Gluon kernel, or a GPU without Gluon, never gets a Gluon point
-    no = space_for("fwd", 128, 2, **H100, gluon="no Gluon dropout yet")
+    no = space_for("fwd", 128, 2, **H100, gluon="fp32: wgmma takes fp16/bf16 operands")
     assert all(p["family"] == "tl" for p in no.points())
-    assert no.check({**too_deep, "num_stages": 2}) == "family='gluon': no Gluon dropout yet"
+    assert no.check({**too_deep, "num_stages": 2}) == "family='gluon': fp32: wgmma takes fp16/bf16 operands"
 
 
 def test_the_gluon_backward_is_searched_where_it_runs():
@@ -194,9 +194,9 @@ def test_the_gluon_backward_is_searched_where_it_runs():
     smaller = space_for("bwd", 128, 2, **{**H100, "sram_bytes": 200 * 1024}, gluon=None)
     assert {p["num_stages"] for p in smaller.points() if p["family"] == "gluon"} == {2}
     # a variant without a Gluon backward, or a GPU without Gluon, never gets a Gluon point
-    no = space_for("bwd", 128, 2, **H100, gluon="no Gluon dropout yet")
+    no = space_for("bwd", 128, 2, **H100, gluon="fp32: wgmma takes fp16/bf16 operands")
     assert all(p["family"] == "tl" for p in no.points())
-    assert no.check(base) == "family='gluon': no Gluon dropout yet"
+    assert no.check(base) == "family='gluon': fp32: wgmma takes fp16/bf16 operands"
 
 
 # (head dim, block_m, ring depth) -> shared bytes of the sm_90 compile

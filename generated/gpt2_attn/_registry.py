@@ -1110,22 +1110,18 @@ GLUON = {'fwd_d64_fp16': None,
  'bwd_d64_fp16': None,
  'bwd_d64_bf16': None,
  'bwd_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3',
- 'bwd_dropout_d64_fp16': "no Gluon dropout yet: the `tl` kernel's in-register Philox mask "
-                         'serves it',
- 'bwd_dropout_d64_bf16': "no Gluon dropout yet: the `tl` kernel's in-register Philox mask "
-                         'serves it',
- 'bwd_dropout_d64_fp32': "no Gluon dropout yet: the `tl` kernel's in-register Philox mask "
-                         'serves it',
+ 'bwd_dropout_d64_fp16': None,
+ 'bwd_dropout_d64_bf16': None,
+ 'bwd_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
+                         'tf32x3',
  'bwd_causal_d64_fp16': None,
  'bwd_causal_d64_bf16': None,
  'bwd_causal_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                         'tf32x3',
- 'bwd_causal_dropout_d64_fp16': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
-                                'mask serves it',
- 'bwd_causal_dropout_d64_bf16': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
-                                'mask serves it',
- 'bwd_causal_dropout_d64_fp32': "no Gluon dropout yet: the `tl` kernel's in-register Philox "
-                                'mask serves it',
+ 'bwd_causal_dropout_d64_fp16': None,
+ 'bwd_causal_dropout_d64_bf16': None,
+ 'bwd_causal_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs '
+                                'fp32 as tf32x3',
  'fwd_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
                            'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',

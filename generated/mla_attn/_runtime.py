@@ -413,7 +413,8 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     entry has no `family` (it was tuned before that knob existed) or has no tuned entry
     takes the Gluon default: measured faster than the tuned `tl` winners at every training
     shape on the H100 (docs/PERF_NOTES.md). That holds where _families.gluon_by_default
-    says so (the forward without dropout, the backward at d >= 96 and at d=64 from N = 2048); the others reach their Gluon kernel through a
+    says so (the forward without dropout, the backward -- with or without dropout -- at
+    d >= 96 and at d=64 from N = GLUON_BWD_SMALL_D_MIN_N); the others reach their Gluon kernel through a
     tuned entry that names it, FLASHGEN_FAMILY=gluon or override_config(family="gluon").
 
     FLASHGEN_FAMILY=gluon sends every call a Gluon kernel can serve to it, whatever the
@@ -1001,8 +1002,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         else:
             _descriptor_allocator()
             tensors = (q, k, v, do, lse, delta)
+        # a dropout variant takes the forward's stream as the Gluon forward does
+        # (_gluon_dropout_args) and, without mods, its (Q_POS, KV_POS); with mods Call.args
+        # carries them
         dkdv(*tensors[:6], dk, dv, tensors[6] if locks_shape is not None else dq_acc,
-             *dkdv_args, *(mods.args if mods is not None else ()),
+             *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
+             *(mods.args if mods is not None else drop_pos),
              *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1]) if tiles else ()))
         if dq_accum is None:
             dq.copy_(dq_acc)
@@ -1189,6 +1194,11 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], gl_dtype),
                 HOST_DESC=host, VARLEN=varlen, num_warps=4, **layouts)
+    if VARIANTS[name]["dropout"]:
+        # each Philox call drawn once per warpgroup instead of by both warps that use its
+        # words (a shared-memory exchange and a barrier a step; an override_config knob,
+        # off by default: _families.GLUON_BWD_PHILOX_SPLIT)
+        meta["PHILOX_SPLIT"] = bool(cfg.get("philox_split", _families.GLUON_BWD_PHILOX_SPLIT))
     boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
     return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
 
@@ -1220,10 +1230,12 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
 # sequence's span read from cu_seqlens on the device (clamped into the tensors), so no call
 # reads a device value on the host. The LSE is flash-attn 2's varlen layout (H_q, total_q).
 # What packed batches still run on `tl` only, whatever the dense call would take: dropout
-# (the Gluon varlen forward with Philox spilled; the backward has no Gluon dropout kernel at
-# all). Mods are refused (NotImplementedError).
+# (the Gluon varlen forward with Philox spilled; the Gluon dropout backward is written and
+# launched for dense batches only, and must draw the mask the `tl` varlen forward drew).
+# Mods are refused (NotImplementedError).
 VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spills with "
-                       "Philox and the Gluon backward has no dropout; `tl` serves it")
+                       "Philox and the Gluon dropout backward serves dense batches only; "
+                       "`tl` serves it")
 # The varlen forward and backward take the Gluon kernels (VARLEN=True) wherever the dense
 # call of their variant would (the Gluon default, a tuned entry naming it,
 # FLASHGEN_FAMILY=gluon, override_config(family="gluon")). The one-line switches: False
@@ -1600,8 +1612,8 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
 def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) -> "str | None":
     """Why a varlen backward of `name` at config `cfg` (the dense call's, launch_config) does
     not take the Gluon backward (None when it does): the dense rules (a Gluon config, the
-    variant -- dropout has none --, the device, determinism, not too small), TMA-readable
-    packed tensors, some keys, and VARLEN_GLUON_BACKWARD."""
+    variant, the device, determinism, not too small), no dropout (VARLEN_GLUON_REASON),
+    TMA-readable packed tensors, some keys, and VARLEN_GLUON_BACKWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
@@ -1610,6 +1622,8 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) -> "str | 
     reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
     if reason is not None:
         return reason
+    if VARIANTS[name]["dropout"]:
+        return VARLEN_GLUON_REASON
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
     total_q, h_q, d = q.shape

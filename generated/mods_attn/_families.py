@@ -85,6 +85,11 @@ def regs(config: dict) -> tuple[int, int]:
 #    288 / 410 for the `tl` backward in the same run (seventh session); d=64 below at
 #    GLUON_BWD_SMALL_D_MIN_N;
 #  - not the dropout forward: its shipped form was compiled for sm_90 but has not run;
+#  - the dropout backward by the rule of the backward without dropout (d >= 96; d=64 from
+#    GLUON_BWD_SMALL_D_MIN_N): its keep mask is drawn while the step's first two products
+#    run, and the `tl` dropout backward it replaces ran at 0.63x cuDNN's on the H100 (bf16
+#    causal d=128 p=0.1, N=4k: 204 TFLOP/s against ~365 for the Gluon p=0 backward). Not
+#    measured on the GPU yet (benchmarks/gluon_dropout_bwd_ab.py);
 #  - a kernel with mods only where every kind of mod it has is in
 #    GLUON_MOD_KINDS_BY_DEFAULT[its kind].
 # Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
@@ -118,7 +123,7 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
     """Whether the Gluon kernel of a variant replaces the `tl` one by default on Hopper, for
     calls of length bucket n (None: the variant as a whole, where a length rule counts as
     not by default)."""
-    if dropout:
+    if dropout and kind != "bwd":
         return False
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
@@ -140,6 +145,18 @@ GLUON_BWD_DEFAULT = {
     "num_stages": 2,
     "regs": "240/24",
 }
+
+
+# The Gluon dropout backward draws each step's keep mask in the consumers (templates/gluon/
+# bwd.py.j2, "Dropout"): a Philox call's words land on two warps of S^T, and by default
+# both warps draw the call (BLOCK_M / 16 calls a thread a step). With philox_split (an
+# override_config / tuned-config key, read by the runtime's launcher) each call is drawn
+# once and half its words cross to the other warp through shared memory: ~60 fewer
+# instructions a step at d=128 (1090 against 1148 in the consumer's step loop, sm_90
+# offline; 744 without dropout), ~3.6 KB more shared memory, and a warpgroup barrier a step.
+# Not measured on a GPU yet: off until benchmarks/gluon_dropout_bwd_ab.py says otherwise.
+GLUON_BWD_PHILOX_SPLIT = False
+PHILOX_SPLIT_SHARED_BYTES = 3632  # the exchange's scratch, sm_90 compile at d = 64 and 128
 
 
 # What the Gluon backward's tile may be (bwd_config_reason): BLOCK_N is fixed by the consumer
@@ -235,15 +252,12 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     """Why a variant has no Gluon kernel (None when it has one)."""
     if kind not in ("fwd", "bwd"):
         return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
-    if dropout and kind != "fwd":
-        # the forward regenerates `_dropout.keep_mask` in the S accumulator's registers
-        return "no Gluon dropout yet: the `tl` kernel's in-register Philox mask serves it"
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
     if head_dim not in GLUON_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
                 f"{', '.join(map(str, GLUON_HEAD_DIMS))}")
-    if dropout and head_dim <= 64:
+    if dropout and kind == "fwd" and head_dim <= 64:
         # the consumer's Philox rounds weigh more against d=64's half-size products: GPT-2
         # small's attention forward (B=8, N=1024, causal, p=0.1) took 1.284 ms a training
         # step on the Gluon kernel against 1.067 on `tl` (H100, docs/PERF_NOTES.md)
@@ -309,6 +323,8 @@ def bwd_config_reason(config: dict, head_dim: int, dtype_bytes: int,
     if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
         return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
     need = bwd_shared_bytes(head_dim, dtype_bytes, config["block_m"], config["num_stages"])
+    if config.get("philox_split"):  # (a dropout variant's: the others ignore the key)
+        need += PHILOX_SPLIT_SHARED_BYTES
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
     return None

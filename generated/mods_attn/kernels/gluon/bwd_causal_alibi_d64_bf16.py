@@ -388,7 +388,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 
     cnt = 0
     for g in range(0, KV_GROUP):
-        h = kv_h * KV_GROUP + g  # the query head, as the mods see it
+        h = kv_h * KV_GROUP + g  # the query head (as the mods see it; the mask's slice)
         for m0 in range(lo, hi, BLOCK_M):
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
@@ -521,7 +521,8 @@ def bwd_causal_alibi_d64_bf16_kernel(
     NUM_N,  # key blocks per (batch, K/V head); the grid is BATCH * H_KV * NUM_N programs
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
     HEAD_GROUP,  # VARLEN: K/V heads whose key blocks are ordered together (_varlen_block); dense: unused
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_slope, T_slope_S0, T_slope_D0, Q_POS, KV_POS,
     BLOCK_M: gl.constexpr,  # query rows per step
     BLOCK_N: gl.constexpr,  # NUM_CONSUMERS * SPLIT_N key rows per program

@@ -402,7 +402,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 
     cnt = 0
     for g in range(0, KV_GROUP):
-        h = kv_h * KV_GROUP + g  # the query head, as the mods see it
+        h = kv_h * KV_GROUP + g  # the query head (as the mods see it; the mask's slice)
         # the producer's walk: full query blocks, then partial ones
         bm_row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_N + n_start // BLOCK_N
         n_full = gl.load(FULL_CNT + bm_row)
@@ -538,7 +538,8 @@ def bwd_causal_document_d64_bf16_kernel(
     NUM_N,  # key blocks per (batch, K/V head); the grid is BATCH * H_KV * NUM_N programs
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
     HEAD_GROUP,  # VARLEN: K/V heads whose key blocks are ordered together (_varlen_block); dense: unused
-    # the mods' tensors (pointer, strides, extents) and params
+    # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
+    # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS,
     # the block mask, transposed: per (mask group, key block) its full and partial query
     # blocks; BM_SB / BM_SH step between the groups of batches / heads (0: shared);
