@@ -529,25 +529,14 @@ def _kept_split(bits, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
 
 @gluon.jit
 def _drop1(words, masks, x):
-    """x where words & masks is nonzero, else 0 (as _drop2, for one tensor)."""
+    """x where words & masks is nonzero, else 0, elementwise: one predicate an element (a
+    LOP3) into a select. In PTX, because LLVM vectorizes the comparisons into a <32 x i1>
+    vector, which NVPTX legalizes as bytes packed into registers and out again (~90 PRMT /
+    SEL instructions a step at d=128)."""
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 t; and.b32 t, $1, $2; setp.ne.b32 p, t, 0; "
         "selp.f32 $0, $3, 0f00000000, p; }",
         "=f,r,r,f", [words, masks, x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _drop2(words, masks, x, y):
-    """(x, y) where words & masks is nonzero, else (0, 0), elementwise: one predicate an
-    element (a LOP3) into two selects. In PTX, because LLVM vectorizes the comparisons into
-    a <32 x i1> vector, which NVPTX legalizes as bytes packed into registers and out again
-    (~90 PRMT / SEL instructions a step at d=128), and a separate AND keeps its result in
-    a register per element."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; and.b32 t, $2, $3; setp.ne.b32 p, t, 0; "
-        "selp.f32 $0, $4, 0f00000000, p; selp.f32 $1, $5, 0f00000000, p; }",
-        "=f,=f,r,r,f,f", [words, masks, x, y], dtype=(gl.float32, gl.float32), is_pure=True,
-        pack=1)
 
 
 # ----------------------------------------------------------------------------------------
