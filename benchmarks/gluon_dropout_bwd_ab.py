@@ -54,7 +54,7 @@ def set_family(pkg, family, split=False):
     backward with or without philox_split; the launch plans are rebuilt."""
     rt = pkg._runtime
     rt.use_family(family)
-    pkg._families.GLUON_BWD_PHILOX_SPLIT = split
+    rt._families.GLUON_BWD_PHILOX_SPLIT = split
     rt._configs.clear()
     rt._backward_plans.clear()
 

@@ -141,7 +141,7 @@ def test_the_runtime_says_why_not_gluon_backward(pkg, monkeypatch):
     # on this machine: the interpreter or no CUDA device
     assert why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
     assert "tl" in why("bwd_causal_d128_bf16", {}, q, q, q, q, 40, "causal")
-    # dropout: the backward has no Gluon kernel at all
+    # dropout: the Gluon dropout backward serves dense batches only
     assert "dropout" in why("bwd_dropout_d128_bf16", cfg, q, q, q, q, 40, "none")
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)  # as on an H100
     assert "too small" in why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")

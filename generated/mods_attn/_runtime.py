@@ -1619,11 +1619,11 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) -> "str | 
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_BACKWARD and not asked:
         return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
+    if GLUON.get(name, "not a variant") is None and VARIANTS[name]["dropout"]:
+        return VARLEN_GLUON_REASON  # (the variant's, whatever the device)
     reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
     if reason is not None:
         return reason
-    if VARIANTS[name]["dropout"]:
-        return VARLEN_GLUON_REASON
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
     total_q, h_q, d = q.shape

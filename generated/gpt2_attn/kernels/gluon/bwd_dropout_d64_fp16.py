@@ -46,6 +46,13 @@ columns past the end get P^T = dS^T = 0 (so dQ's reduce-add adds exact zeros int
 neighbour's rows), and dK, dV are stored row-masked. LSE and D come by plain loads: a
 sequence starts at any row, and a TMA box must start on a 16-byte boundary.
 
+Dropout (this variant): the forward multiplied P by Z = keep * DROP_SCALE, so
+    dV += (keep P^T) dO  (times DROP_SCALE once, on dV's store),  dS^T = P^T (Z dP^T - D)
+with keep the package's `_dropout.keep_mask` at global (query, key) -- Q_POS / KV_POS, a
+context-parallel piece's starts -- regenerated each step from the forward's Philox stream
+("Dropout" below says how its bits reach S^T's registers). Packed batches with dropout are
+served by the `tl` kernels (the runtime launches this kernel dense only).
+
 Verified with Triton 3.6 (Gluon's API moves between versions).
 """
 from triton._C.libtriton import ir
@@ -281,7 +288,7 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 #     16 G + 2 rrh + rrl) for every G of the step: words b = W % 2 and b + 2 are this
 #     warp's, so both warps of a pair run the same calls (BLOCK_M / 16 calls a thread, twice
 #     the minimum; the other two words are dropped rather than sent to the other warp
-#     through shared memory and a barrier);
+#     through shared memory and a barrier -- which PHILOX_SPLIT does: _keep_bits_split);
 #   * compares all four bytes of a word with T at once (a carry per byte: SWAR) and packs
 #     the keep bits of its two keys k = 0, 1 into one 16-bit half each;
 #   * swaps a half with lane ^ 4 (lane rrh + 4 k + 8 t holds key k of those calls, for
@@ -529,25 +536,14 @@ def _kept_split(bits, BLOCK_M: gl.constexpr, s_layout: gl.constexpr):
 
 @gluon.jit
 def _drop1(words, masks, x):
-    """x where words & masks is nonzero, else 0 (as _drop2, for one tensor)."""
+    """x where words & masks is nonzero, else 0, elementwise: one predicate an element (a
+    LOP3) into a select. In PTX, because LLVM vectorizes the comparisons into a <32 x i1>
+    vector, which NVPTX legalizes as bytes packed into registers and out again (~90 PRMT /
+    SEL instructions a step at d=128)."""
     return gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 t; and.b32 t, $1, $2; setp.ne.b32 p, t, 0; "
         "selp.f32 $0, $3, 0f00000000, p; }",
         "=f,r,r,f", [words, masks, x], dtype=gl.float32, is_pure=True, pack=1)
-
-
-@gluon.jit
-def _drop2(words, masks, x, y):
-    """(x, y) where words & masks is nonzero, else (0, 0), elementwise: one predicate an
-    element (a LOP3) into two selects. In PTX, because LLVM vectorizes the comparisons into
-    a <32 x i1> vector, which NVPTX legalizes as bytes packed into registers and out again
-    (~90 PRMT / SEL instructions a step at d=128), and a separate AND keeps its result in
-    a register per element."""
-    return gl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .b32 t; and.b32 t, $2, $3; setp.ne.b32 p, t, 0; "
-        "selp.f32 $0, $4, 0f00000000, p; selp.f32 $1, $5, 0f00000000, p; }",
-        "=f,=f,r,r,f,f", [words, masks, x, y], dtype=(gl.float32, gl.float32), is_pure=True,
-        pack=1)
 
 
 # ----------------------------------------------------------------------------------------
