@@ -154,8 +154,11 @@ GLUON_BWD_DEFAULT = {
 # once and half its words cross to the other warp through shared memory: ~60 fewer
 # instructions a step at d=128 (1090 against 1148 in the consumer's step loop, sm_90
 # offline; 744 without dropout), ~3.6 KB more shared memory, and a warpgroup barrier a step.
-# Not measured on a GPU yet: off until benchmarks/gluon_dropout_bwd_ab.py says otherwise.
-GLUON_BWD_PHILOX_SPLIT = False
+# H100 (benchmarks/gluon_dropout_bwd_ab.py, bf16 causal H=16 B*N=16k p=0.1, TFLOP/s, split
+# vs not, dK/dV identical): d=64 1k 173.2 vs 155.1, 4k 268.5 vs 235.4; d=128 1k 230.4 vs
+# 221.1, 4k 372.1 vs 347.6 (`tl` 93.4 / 135.8 / 142.7 / 224.1; p=0 Gluon 200.6 / 331.4 /
+# 260.4 / 417.1). So it is on by default.
+GLUON_BWD_PHILOX_SPLIT = True
 PHILOX_SPLIT_SHARED_BYTES = 3632  # the exchange's scratch, sm_90 compile at d = 64 and 128
 
 
