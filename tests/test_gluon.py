@@ -273,13 +273,15 @@ def test_tile_boundary_knobs_compile(pkg):
         assert not r["wgmma_notes"], r
         # spills in a key loop (LDL/STL a block): the knobs add at most 3 to the
         # default's (measured: 0 with all three on; 3 with overlap alone, causal d=128, a
-        # predicate register). The stack frame: the default's 0-112 bytes; with the knobs
-        # the packed window kernel's grows to ~260 (the carried output meets the varlen
-        # walk's registers between tiles), outside its key loop
+        # predicate register). The stack frame: the default's 0-144 bytes (the packed
+        # window kernel's 144 since the varlen walk became a table: a tile's coordinates,
+        # outside the key loops); with the knobs the packed window kernel's grows to ~260
+        # (the carried output meets the varlen walk's registers between tiles), outside its
+        # key loop
         default = base[(r["variant"], r["config"].startswith("varlen"))]
         assert r["loop_spills"] is not None and default["loop_spills"] is not None, r
         assert r["loop_spills"] <= default["loop_spills"] + 3, r
-        assert r["spill_bytes"] <= (128 if r is default else 320), r
+        assert r["spill_bytes"] <= (160 if r is default else 320), r
         q2 = "q2" in r["config"]
         d = int(r["variant"].split("_d")[1].split("_")[0])
         assert r["shared"] <= families.shared_bytes(d, 2, 128, 2, 2 if q2 else 1) <= 232448, r
