@@ -495,9 +495,9 @@ def test_gluon_varlen_bench_shape(pkg, poison):
 @pytest.mark.gpu
 def test_gluon_varlen_backward_bench_shape(pkg, poison):
     """The bench's workload on the default path (no family asked): the Gluon backward (the
-    d=128 backward is the Hopper default), every gradient of the checked documents within
-    twice the error that torch's own bf16 SDPA backward makes (the float64 result the
-    yardstick; flash-attn's test criterion: absolute errors grow with the length)."""
+    d=128 backward is the Hopper default), every gradient of the checked documents as
+    accurate as the dense flashgen backward on the same document (RMS error against the
+    float64 result) and within 3x torch's own bf16 SDPA backward's largest error."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
     from flashgen.bench_varlen import ragged_lengths
@@ -532,12 +532,17 @@ def test_gluon_varlen_backward_bench_shape(pkg, poison):
         ts = [t.detach()[s:e][None].clone().requires_grad_() for t in (q, k, v)]
         pkg.flash_attn_func(*ts, causal=True).backward(do[s:e][None])
         dense = [t.grad[0].double() for t in ts]
+        # the bound on the root-mean-square error against the dense kernel's: over 60 draws
+        # (5 batches x 4 documents x 3 gradients, H100) its ratio stayed in 0.98-1.02, where
+        # the ratio of the maxima wandered over 0.78-1.42 (a 1.5x bound on it failed now and
+        # then); the maximum keeps a loose guard against torch's (1.01-2.27x seen)
         for name, g, r, b, dn in zip(("dq", "dk", "dv"), ours, ref, low, dense):
-            err = (g[s:e].double() - r).abs().max().item()
-            base = (b - r).abs().max().item()
-            dense_err = (dn - r).abs().max().item()
-            assert err <= 1.5 * dense_err + 1e-3 and err <= 3 * base + 1e-3, (
-                f"document {i} ({e - s} tokens) {name}: {err} vs dense {dense_err}, torch {base}")
+            diff = g[s:e].double() - r
+            rms, dense_rms = diff.pow(2).mean().sqrt().item(), (dn - r).pow(2).mean().sqrt().item()
+            err, base = diff.abs().max().item(), (b - r).abs().max().item()
+            assert rms <= 1.1 * dense_rms and err <= 3 * base + 1e-3, (
+                f"document {i} ({e - s} tokens) {name}: rms {rms} vs dense {dense_rms}; max "
+                f"{err} vs torch {base}")
 
 
 @pytest.mark.gpu
