@@ -61,6 +61,8 @@ GLUON_DEFAULT = {
     "diag_first": False,
     # deal the last rounds of an even (unmasked) forward by key block: see stream_k_start
     "stream_k": True,
+    # 1 / poly_exp2 of each block's exponentials on the FMA units (0: all on MUFU)
+    "poly_exp2": 0,
 }
 CONSUMER_REGS = 240  # the default split, "consumer/producer" registers per thread
 PRODUCER_REGS = 24

@@ -169,6 +169,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      Q_BUFFERS=int(config.get("q_buffers", families.GLUON_DEFAULT["q_buffers"])),
                      OVERLAP=bool(config.get("overlap", families.GLUON_DEFAULT["overlap"])),
                      DIAG_FIRST=bool(config.get("diag_first", families.GLUON_DEFAULT["diag_first"])),
+                     POLY_EXP2=int(config.get("poly_exp2", families.GLUON_DEFAULT["poly_exp2"])),
                      **regs,
                      QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
                      KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype),
@@ -231,6 +232,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         f" q{config['q_buffers']}" if config.get("q_buffers", 1) != 1 else "") + (
         " overlap" if config.get("overlap", families.GLUON_DEFAULT["overlap"]) else "") + (
         " diag-first" if config.get("diag_first", families.GLUON_DEFAULT["diag_first"]) else "") + (
+        f" poly-exp2 1/{config['poly_exp2']}" if config.get("poly_exp2") else "") + (
         " stream-k" if const.get("STREAM_K") else "") + (
         " philox-split" if const.get("PHILOX_SPLIT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)

@@ -354,7 +354,10 @@ def _plan_families(pkg):
     {"q_buffers": 2}, {"overlap": True}, {"diag_first": True}, {"overlap": True, "q_buffers": 2},
     {"overlap": True, "q_buffers": 2, "diag_first": True, "pingpong": False, "block_n": 64,
      "num_stages": 4},
-], ids=["default", "knobs", "q2", "overlap", "diag-first", "overlap-q2", "all-bn64"])
+    # a share of P's exponentials by the cubic on the FMA units (rows with no key included)
+    {"poly_exp2": 8}, {"poly_exp2": 2, "diag_first": True, "pingpong": False, "block_n": 64},
+], ids=["default", "knobs", "q2", "overlap", "diag-first", "overlap-q2", "all-bn64", "poly8",
+        "poly2-bn64"])
 def test_gluon_forward_against_float64(pkg, poison, case, knobs):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
@@ -367,6 +370,56 @@ def test_gluon_forward_against_float64(pkg, poison, case, knobs):
     with pkg._runtime.override_config(family="gluon", **knobs):
         _check(pkg, q, k, v, causal=causal, window=window)
         assert _plan_families(pkg) == {"GluonJITFunction"}
+
+
+def _exp2_cubic(x, module):
+    """The Gluon forward's _exp2_fma written in torch (fp32, the same operations and the
+    shipped constants): its bits, not a second opinion of the maths."""
+    x = torch.maximum(x, torch.tensor(-127.0)).where(~torch.isnan(x), x)
+    t = x + module.EXP2_ROUND.value
+    f = x - (t - module.EXP2_ROUND.value)
+    p = ((f * module.EXP2_C3.value + module.EXP2_C2.value) * f + module.EXP2_C1.value) * f + 1.0
+    scale = (t.view(torch.int32) * 8388608 + 0x3F800000).view(torch.float32)
+    return p * scale
+
+
+def test_exp2_cubic_constants_meet_the_stated_error(pkg):
+    """The cubic behind poly_exp2, with the constants the kernels ship: within 1.02e-4 of
+    2^x (relative) over the exponents P sees, exactly 1 at 0, exactly 0 from -127 down
+    (-inf included), NaN kept."""
+    import importlib
+    module = importlib.import_module(f"{pkg.__name__}.kernels.gluon.fwd_d64_bf16")
+    x = torch.cat([torch.linspace(-126.0, 0.0, 400_001), torch.tensor([-0.5, -1.5, -125.5])])
+    got = _exp2_cubic(x.float(), module).double()
+    ref = torch.exp2(x.double())
+    assert ((got - ref).abs() / ref).max().item() < 1.02e-4
+    # between -127 and -126 the result is subnormal and inexact, but below 2^-125
+    tiny = _exp2_cubic(torch.linspace(-127.0, -126.0, 1001), module)
+    assert ((tiny >= 0) & (tiny < 2.0 ** -125)).all()
+    edge = _exp2_cubic(torch.tensor([0.0, -127.0, -300.0, float("-inf"), float("nan")]), module)
+    assert edge[0].item() == 1.0 and (edge[1:4] == 0).all() and torch.isnan(edge[4])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("poly", [0, 2])
+def test_gluon_forward_keeps_nan_with_the_cubic(pkg, poly):
+    """A NaN key reaches every output row that sees it, whichever unit takes its column's
+    exponential: key 127 is in the last eighth of its 128-wide block (the cubic's share
+    at every poly_exp2), key 5 in the first (MUFU's)."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
+    pkg._runtime._forward_plans.clear()
+    q, k, v = (torch.randn(1, 300, 4, 64, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    for key in (127, 5):
+        kk = k.clone()
+        kk[0, key, 1] = float("nan")
+        with pkg._runtime.override_config(family="gluon", poly_exp2=poly):
+            out = pkg.flash_attn_func(q, kk, v, causal=True)
+        nan_rows = torch.isnan(out[0, :, 1]).any(-1).cpu()
+        # bottom-right causal with Nq = Nk: row i sees keys <= i
+        assert torch.equal(nan_rows, torch.arange(300) >= key), (key, poly)
+        assert not torch.isnan(out[0, :, [0, 2, 3]]).any()
 
 
 @pytest.mark.gpu

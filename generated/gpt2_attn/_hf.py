@@ -44,6 +44,7 @@ import warnings
 import torch
 
 from . import _api
+from ._runtime import _version
 from ._registry import BUILT_FOR, MOD_COMBOS, MODS, PACKAGE, VARIANTS
 
 # The attn_implementation register_transformers uses by default. Not "flashgen":
@@ -193,13 +194,6 @@ def _analyze(mask, causal, left, position_ids):
                "padding (AND packed sequences) runs as a (B, 1, N_q, N_k) additive bias "
                "(slower than the band kernels)")
     return _Layout(bias=_bias_of(mask))
-
-
-def _version(t):
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter
-        return None
 
 
 def _cached(mask, key, make):

@@ -688,15 +688,25 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, e
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
-            head_group, table,  # (_TILE_ORDER_ARG)
+            head_group, table,
             # SK_START, SK_WS, SK_FLAGS: the workspace is the calling stream's (_sk_workspace)
             sk_start or 0, None, None)
     return launch, args
 
 
-# where a Gluon forward plan's run-time arguments hold HEAD_GROUP and TILE_ORDER, counted
-# from the end (_gluon_forward_plan: ..., HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS)
-_HEAD_GROUP_ARG, _TILE_ORDER_ARG = -5, -4
+_SLOTS = {}
+
+
+def _arg_slot(launch, arg: str, first: str) -> int:
+    """Where the kernel's run-time argument `arg` sits in a plan's argument tuple whose
+    first entry is the kernel's argument `first`, read off the kernel's own signature (so
+    an argument added before it cannot shift it silently); cached per kernel."""
+    key = (id(launch.fn), arg, first)
+    slot = _SLOTS.get(key)
+    if slot is None:
+        names = list(launch.fn.arg_names)
+        slot = _SLOTS[key] = names.index(arg) - names.index(first)
+    return slot
 
 
 # STREAM_K workspaces by (device, stream, floats): a part-tile slot per (program, consumer)
@@ -780,6 +790,7 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
                 Q_BUFFERS=int(cfg.get("q_buffers", _families.GLUON_DEFAULT["q_buffers"])),
                 OVERLAP=bool(cfg.get("overlap", _families.GLUON_DEFAULT["overlap"])),
                 DIAG_FIRST=bool(cfg.get("diag_first", _families.GLUON_DEFAULT["diag_first"])),
+                POLY_EXP2=int(cfg.get("poly_exp2", _families.GLUON_DEFAULT["poly_exp2"])),
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
                 KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
@@ -865,8 +876,9 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         lists = mods.sparse(*sparse, lo, hi, merged=True) if sparse else ()
         if sparse and launch.meta["TILE_TABLE"]:  # a block mask's deal, from its lists
             table = mods.tile_table(lists, *sparse[:3], lo, hi, launch.grid[0],
-                                    args[_HEAD_GROUP_ARG])
-            args = (*args[:_TILE_ORDER_ARG], table, *args[_TILE_ORDER_ARG + 1:])
+                                    args[_arg_slot(launch, "HEAD_GROUP", "CU_Q")])
+            slot = _arg_slot(launch, "TILE_ORDER", "CU_Q")
+            args = (*args[:slot], table, *args[slot + 1:])
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
                *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
@@ -1392,9 +1404,11 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
         _descriptor_allocator()
     if tma == _GLUON:
         # the walk's table (TILE_ORDER), from this call's cu_seqlens
-        table = _varlen_tile_table(cu_q, q.shape[0], args[_VARLEN_NUM_M_ARG],
+        table = _varlen_tile_table(cu_q, q.shape[0],
+                                   args[_arg_slot(launch, "NUM_M", "stride_qb")],
                                    launch.meta["BLOCK_M"])
-        args = (*args[:_VARLEN_TABLE_ARG], table, *args[_VARLEN_TABLE_ARG + 1:])
+        slot = _arg_slot(launch, "TILE_ORDER", "stride_qb")
+        args = (*args[:slot], table, *args[slot + 1:])
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop), *drop_pos)
     else:
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *drop_pos)
@@ -1518,6 +1532,8 @@ def _varlen_tile_table(cu_q, total_q: int, num_m: int, block_m: int):
 
 
 def _version(t):
+    """t's version counter (bumped by every in-place write), the key of the caches kept on
+    tensors (this module's varlen tables, _hf's masks); None for an inference tensor."""
     try:
         return t._version
     except RuntimeError:  # an inference tensor has no version counter
@@ -1549,11 +1565,6 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
             0, head_group, None,  # TILE_ORDER: the walk's table, made per call
             0, None, None)  # SK_START, SK_WS, SK_FLAGS: no stream-K for a packed batch
     return launch, args, _GLUON
-
-
-# where forward_varlen finds NUM_M and puts the walk's table in the plan's arguments
-_VARLEN_NUM_M_ARG = 20
-_VARLEN_TABLE_ARG = 24
 
 
 def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max_k: int, *,

@@ -78,6 +78,7 @@ box would write the next sequence's rows).
 
 Verified with Triton 3.6 (Gluon's API moves between versions).
 """
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -525,10 +526,84 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
 
 
 # ----------------------------------------------------------------------------------------
+# exp2 on the FMA units for a share of the tile (POLY_EXP2)
+# ----------------------------------------------------------------------------------------
+# The MUFU unit computes 16 exp2 a cycle per SM, a quarter of the FP32 rate: at head dim 64
+# a block's 64 x BLOCK_N exponentials a consumer take as long as its two products at the
+# tensor cores' peak, so the softmax, not the products, sets the pace. With POLY_EXP2 = k
+# the last 1/k of each block's columns take 2^x on the FMA units instead
+# (FlashAttention-4's remedy on Blackwell): x = j + f with j = round(x) read off the low
+# mantissa bits of x + 1.5 * 2^23, 2^f a cubic on [-1/2, 1/2], and j added to the result's
+# exponent field as an integer. The cubic (exact at f = 0, so each row's largest entry
+# stays exactly 1) is within 1.02e-4 of 2^f relative (MUFU's ex2.approx: ~2^-22), under
+# half a unit in the last place of fp16 (4.9e-4) and bf16 (3.9e-3), which P is rounded to
+# for P V; the row sum l sees it as a relative 1.02e-4 at most.
+EXP2_ROUND = gl.constexpr(12582912.0)  # 1.5 * 2**23
+# 2^f ~ 1 + f (C1 + f (C2 + f C3)) on [-1/2, 1/2], C1..C3 fitted for the least largest
+# relative error (an iterated weighted least-squares fit), rounded to fp32
+EXP2_C1 = gl.constexpr(0.6932828426361084)
+EXP2_C2 = gl.constexpr(0.24220940470695496)
+EXP2_C3 = gl.constexpr(0.05500830337405205)
+NAN_PROPAGATES = gl.constexpr(tl.PropagateNan.ALL)
+
+
+@gluon.jit
+def _exp2_fma(x):
+    """2^x on the FMA and integer units for x <= 0: within 1.02e-4 (relative) down to
+    x = -126, exactly 0 from -127 down (-inf included), a number below 2^-125 between the
+    two (the exponent field reaches 0: subnormal, inexact, negligible beside a row's
+    largest entry, 1), NaN stays NaN."""
+    x = gl.maximum(x, -127.0, propagate_nan=NAN_PROPAGATES)
+    t = x + EXP2_ROUND  # round to nearest: t's bits are 0x4B400000 + round(x)
+    f = x - (t - EXP2_ROUND)  # in [-1/2, 1/2]
+    p = gl.fma(gl.fma(gl.fma(f, EXP2_C3, EXP2_C2), f, EXP2_C1), f, 1.0)
+    # 2^round(x) as the float with exponent field round(x) + 127 (t's bits times 2^23: the
+    # top bits of 0x4B4 shift out; one IMAD), 0.0 at -127; a multiply, not an integer add
+    # into p's exponent, so that a NaN x (whose t has any bits) stays NaN
+    scale = (t.to(gl.int32, bitcast=True) * 8388608 + 0x3F800000).to(gl.float32, bitcast=True)
+    return p * scale
+
+
+@gluon.jit
+def _exp2_block(x, POLY_EXP2: gl.constexpr):
+    """2^x of a [SPLIT_M, BLOCK_N] block in the S accumulator's layout: the last
+    BLOCK_N / POLY_EXP2 columns (POLY_EXP2 in 2, 4, 8) by _exp2_fma, the rest by MUFU
+    (POLY_EXP2 = 0: all). The column splits are on bits that the layout keeps in a thread's
+    registers (the columns 32 and 64 apart, ...), so the reshapes, permutes, splits and
+    joins only rename registers; convert_layout asserts that nothing moves."""
+    if POLY_EXP2 == 0:
+        y = gl.exp2(x)
+    else:
+        rows: gl.constexpr = x.shape[0]
+        cols: gl.constexpr = x.shape[1]
+        # [rows, 2, 2, 2, cols / 8] -> (rows, rest, c3, c2, c1): c1 picks the column half,
+        # c2 its quarter, c3 its eighth
+        x5 = gl.permute(gl.reshape(x, [rows, 2, 2, 2, cols // 8]), (0, 4, 3, 2, 1))
+        h0, h1 = gl.split(x5)  # the first / last half of the columns
+        h0 = gl.exp2(h0)
+        if POLY_EXP2 == 2:
+            h1 = _exp2_fma(h1)
+        else:
+            q0, q1 = gl.split(h1)  # the third / fourth quarter
+            q0 = gl.exp2(q0)
+            if POLY_EXP2 == 4:
+                q1 = _exp2_fma(q1)
+            else:
+                e0, e1 = gl.split(q1)  # the seventh / eighth eighth
+                q1 = gl.join(gl.exp2(e0), _exp2_fma(e1))
+            h1 = gl.join(q0, q1)
+        y5 = gl.join(h0, h1)
+        y = gl.reshape(gl.permute(y5, (0, 4, 3, 2, 1)), [rows, cols])
+        y = gl.convert_layout(y, x.type.layout, assert_trivial=True)
+    return y
+
+
+# ----------------------------------------------------------------------------------------
 # The consumers: one warpgroup each, 64 query rows each
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, masked):
+def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, POLY_EXP2: gl.constexpr,
+                  masked):
     """Online softmax of one [SPLIT_M, BLOCK_N] block of raw scores: (P, new row max, new
     row sum, the factor that rescales what was accumulated before)."""
     if masked:
@@ -544,7 +619,7 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, m
     m_new = gl.maximum(m_i, gl.max(qk, 1))
     # a row that has seen no visible key keeps m = -inf; subtract 0 so exp2 gives 0, not NaN
     m_ref = gl.where(m_new == float("-inf"), 0.0, m_new) * qk_scale
-    p = gl.exp2(qk * qk_scale - gl.expand_dims(m_ref, 1))
+    p = _exp2_block(qk * qk_scale - gl.expand_dims(m_ref, 1), POLY_EXP2)
     alpha = gl.exp2(m_i * qk_scale - m_ref)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, l_i, alpha
@@ -639,8 +714,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
               RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
-              OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, VARLEN: gl.constexpr,
-              TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
+              OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, POLY_EXP2: gl.constexpr,
+              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -737,7 +812,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             mbarrier.arrive(k_empty.index(s), count=1)
             masked = (n_first < full_lo) | (n_first >= full_hi)
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n_first, rows, cols, n_k, lo_off,
-                                               hi_off, qk_scale, masked)
+                                               hi_off, qk_scale, POLY_EXP2, masked)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
                 # at global (row, column): Q_POS / KV_POS, a context-parallel piece's starts
                 w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
@@ -771,7 +846,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 mbarrier.arrive(k_empty.index(s), count=1)
                 masked = (n0 < full_lo) | (n0 >= full_hi)
                 p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, n_k, lo_off,
-                                                   hi_off, qk_scale, masked)
+                                                   hi_off, qk_scale, POLY_EXP2, masked)
                 if DROPOUT:
                     w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
                                                     n0 + KV_POS, SPLIT_M, BLOCK_N)
@@ -906,6 +981,7 @@ def fwd_d128_bf16_kernel(
     PINGPONG: gl.constexpr,
     OVERLAP: gl.constexpr,  # a tile's stores run behind the next tile's first S = Q K^T
     DIAG_FIRST: gl.constexpr,  # a tile's key blocks from the last down (the partial ones first)
+    POLY_EXP2: gl.constexpr,  # 1 / POLY_EXP2 of P's columns by a cubic on the FMA units (0: none)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
@@ -972,14 +1048,14 @@ def fwd_d128_bf16_kernel(
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
+                     OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
         (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                      v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                      BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                      SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                      DROP_SCALE, CU_Q, CU_K, BATCH, O,
                      stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
+                     OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
         (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                      k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                      NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
