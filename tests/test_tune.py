@@ -753,6 +753,21 @@ def test_dispatch_picks_the_gpu_keys_nearest_tuned_bucket(tuned_pkg, monkeypatch
         assert rt.launch_config(name, _fake_cuda(), 1000)["block_m"] == 16
 
 
+def test_dispatch_takes_a_tuned_gluon_backward(tuned_pkg, monkeypatch):
+    """A backward entry whose winner is a Gluon config (what `flashgen tune` writes on an
+    H100) is dispatched as written: the forward's fill-in of knobs tuned before they
+    existed (diag_first) is the forward's alone. (It raised KeyError before.)"""
+    pkg, spec, best = tuned_pkg
+    rt = pkg._runtime
+    name = "bwd_causal_d64_fp16"
+    entry = {"block_m": 128, "block_n": 128, "num_warps": 4, "num_stages": 2,
+             "dq_tile": "mirror", "family": "gluon", "regs": "232/40"}
+    monkeypatch.setattr(rt, "gpu_key", lambda device: (FAKE_KEY, 232448, 132))
+    monkeypatch.setattr(rt, "_configs", {})
+    monkeypatch.setitem(rt.TUNED, FAKE_KEY, {**rt.TUNED.get(FAKE_KEY, {}), name: {4096: entry}})
+    assert rt.launch_config(name, _fake_cuda(), 4096) == entry
+
+
 def test_dispatch_on_an_untuned_gpu_plans_for_its_real_smem(tuned_pkg, monkeypatch):
     pkg, spec, best = tuned_pkg
     rt = pkg._runtime

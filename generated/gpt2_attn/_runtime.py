@@ -459,8 +459,10 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             config = tuned[best]
             if gluon and "family" not in config:
                 config = _gluon_default(name)
-            elif config.get("family") == "gluon" and "diag_first" not in config:
-                # tuned before the knob existed: the family's default for this variant
+            elif (config.get("family") == "gluon" and facts["kind"] == "fwd"
+                  and "diag_first" not in config):
+                # a forward tuned before the knob existed: the family's default for this
+                # variant (the backward has no such knob)
                 config = {**config, "diag_first": _gluon_default(name)["diag_first"]}
         elif gluon:
             config = _gluon_default(name)
