@@ -146,6 +146,10 @@ GLUON_BWD_DEFAULT = {
     "num_warps": 4,
     "num_stages": 2,
     "regs": "240/24",
+    # one program per SM walking key blocks pid, pid + P, ... (templates/gluon/bwd.py.j2,
+    # PERSISTENT) instead of one per key block: off until the H100 says otherwise
+    # (benchmarks/gluon_bwd_persistent_ab.py)
+    "persistent": False,
 }
 
 
