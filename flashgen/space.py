@@ -172,10 +172,9 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
     # `family` as for the forward: a Gluon point's tile is the backward's warpgroups'
     # (block_n = 2 consumers x 64 keys, num_warps = 4, block_m = 64 or 128 query rows a
     # step, num_stages = the Q/dO ring depth), checked by families.bwd_config_reason
-    # (shared memory) instead of the planner; `regs` and `persistent` are its own. The
-    # Gluon backward is not searched under torch.use_deterministic_algorithms(True)
-    # (tune.gluon_here): its dQ additions are in no fixed order, and the package sends such
-    # calls to `tl`.
+    # (shared memory) instead of the planner; `regs` is its own knob. The Gluon backward is
+    # not searched under torch.use_deterministic_algorithms(True) (tune.gluon_here): its dQ
+    # additions are in no fixed order, and the package sends such calls to `tl`.
     "bwd": (
         # the dQ kernel's launch, when it should differ from the dK/dV kernel's mirror
         Knob("dq_tile", (planner_core.DQ_MIRROR, "128x64w8s2", "128x64w8s3", "128x32w8s3", "64x64w4s3",
@@ -183,9 +182,6 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
         Knob("family", ("tl", "gluon"), "tl", _family),
         Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
              _gluon_only("regs", families.REG_SPLITS[0])),
-        # one program per SM walking key blocks, or one per block (families.GLUON_BWD_DEFAULT;
-        # older entries keep lacking it: tuning_data.UNFILLED, the runtime's default)
-        Knob("persistent", (False, True), False, _gluon_only("persistent", False)),
         # Reachable through override_config but not tuned, both measured slower on the
         # H100 (docs/PERF_NOTES.md): `fused_dq=True` (dQ inside the dK/dV kernel) and
         # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: 0 to -12%

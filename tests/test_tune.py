@@ -152,21 +152,20 @@ def test_the_gluon_family_is_searched_where_it_runs():
 def test_the_gluon_backward_is_searched_where_it_runs():
     """The backward's `family` knob: Gluon points take the backward's warpgroup tile
     (2 x 64 keys, 4 warps), 64 or 128 query rows a step and a 2- to 4-deep Q/dO ring where
-    shared memory allows, each register split, the persistent walk or not; `dq_tile` stays
-    a `tl` knob and `regs` and `persistent` Gluon ones, so no config is measured twice."""
-    assert [k.name for k in KNOBS["bwd"]] == ["dq_tile", "family", "regs", "persistent"]
+    shared memory allows, each register split; `dq_tile` stays a `tl` knob and `regs` a
+    Gluon one, so no config is measured twice."""
+    assert [k.name for k in KNOBS["bwd"]] == ["dq_tile", "family", "regs"]
     tiles = {}
     for d in (64, 96, 128):
         space = space_for("bwd", d, 2, **H100, gluon=None)
         gluon = [p for p in space.points() if p["family"] == "gluon"]
         tl = [p for p in space.points() if p["family"] == "tl"]
         assert all(p["dq_tile"] == "mirror" for p in gluon)
-        assert all(p["regs"] == "240/24" and p["persistent"] is False for p in tl)
+        assert all(p["regs"] == "240/24" for p in tl)
         assert {(p["block_n"], p["num_warps"]) for p in gluon} == {(128, 4)}
         assert {p["regs"] for p in gluon} == set(families.REG_SPLITS)
-        assert {p["persistent"] for p in gluon} == {False, True}
         tiles[d] = {(p["block_m"], p["num_stages"]) for p in gluon}
-        assert len(gluon) == len(tiles[d]) * len(families.REG_SPLITS) * 2
+        assert len(gluon) == len(tiles[d]) * len(families.REG_SPLITS)
         # the `tl` part is what it was without the knob
         assert tl == [p for p in space_for("bwd", d, 2, **H100).points()]
         default = space.config(families.gluon_default(d, "bwd"))
@@ -191,9 +190,6 @@ def test_the_gluon_backward_is_searched_where_it_runs():
         "dq_tile='128x64w8s3': a `tl` knob (the Gluon backward computes dQ in its one kernel)")
     tl = space.default()
     assert space.check({**tl, "regs": "232/40"}) == "regs='232/40': a Gluon knob (family=gluon only)"
-    assert space.check({**tl, "persistent": True}) == (
-        "persistent=True: a Gluon knob (family=gluon only)")
-    assert space.check({**base, "persistent": True}) is None
     # the reasons come from the GPU's shared memory: with less, the 3-deep ring goes at d=128
     smaller = space_for("bwd", 128, 2, **{**H100, "sram_bytes": 200 * 1024}, gluon=None)
     assert {p["num_stages"] for p in smaller.points() if p["family"] == "gluon"} == {2}
@@ -232,8 +228,7 @@ def test_the_backward_warm_starts_include_the_gluon_backward_default():
     # budget-starved study then writes what the package already runs)
     assert [tag for tag, _ in starts] == ["gluon", "planner"]
     assert starts[0][1] == {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2,
-                            "dq_tile": "mirror", "family": "gluon", "regs": "240/24",
-                            "persistent": False}
+                            "dq_tile": "mirror", "family": "gluon", "regs": "240/24"}
     assert all(bwd.check(cfg) is None for _, cfg in starts)
     # the forward keeps its own Gluon default; no Gluon kernel, no Gluon warm start
     fwd = space_for("fwd", 128, 2, **H100, gluon=None)
@@ -256,13 +251,13 @@ def test_the_backward_warm_starts_include_the_gluon_backward_default():
     # tile comes after the defaults
     assert [tag for tag, _ in starts] == ["tuned", "planner", "gluon", "stored", "try", "try"]
     assert starts[0] == ("tuned", starts[2][1]) and starts[0][1]["family"] == "gluon"
-    assert starts[3] == ("stored", {**old, "family": "tl", "regs": "240/24", "persistent": False})
+    assert starts[3] == ("stored", {**old, "family": "tl", "regs": "240/24"})
     assert starts[4][1]["family"] == "gluon" and starts[4][1]["regs"] == "232/40"
     assert bwd.check(starts[4][1]) is None and "shared memory" in bwd.check(starts[5][1])
     # an entry that names its family is run as stored
     named = {**old, "family": "tl"}
     assert _warm_starts(spec, "bwd", bwd, incumbent=named, bucket=4096)[0] == (
-        "tuned", {**named, "regs": "240/24", "persistent": False})
+        "tuned", {**named, "regs": "240/24"})
 
 
 def test_a_deterministic_process_tunes_the_tl_backward_only():
