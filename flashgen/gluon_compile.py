@@ -142,11 +142,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                          [1, 1, config["block_m"], d_pad // families.CONSUMERS], gl.float32),
                      VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
                                                                      gl.float32),
-                     HOST_DESC=True, VARLEN=varlen,
-                     # one program per SM walking key blocks (the runtime's
-                     # _gluon_backward_launcher reads the same key, the same default)
-                     PERSISTENT=bool(config.get(
-                         "persistent", families.GLUON_BWD_DEFAULT.get("persistent", False))))
+                     HOST_DESC=True, VARLEN=varlen)
         if "PHILOX_SPLIT" in fn.arg_names:  # a dropout variant
             const["PHILOX_SPLIT"] = bool(config.get("philox_split", families.GLUON_BWD_PHILOX_SPLIT))
         # what the runtime launches: TMA descriptors made on the host (VARLEN: LSE and D
@@ -239,7 +235,6 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         f" poly-exp2 1/{config['poly_exp2']}" if config.get("poly_exp2") else "") + (
         " stream-k" if const.get("STREAM_K") else "") + (
         " philox-split" if const.get("PHILOX_SPLIT") else "") + (
-        " persistent" if name.startswith("bwd") and const.get("PERSISTENT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
     return GluonResources(

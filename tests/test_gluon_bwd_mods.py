@@ -292,25 +292,21 @@ def _bwd_plan_kinds(pkg):
 
 
 def _gpu_check(pkg, mods, kw, *, causal, b, n_q, n_k, h, h_kv, d, dtype, score=None,
-               mask=None, sink=None, dead_rows=None, knobs=None):
+               mask=None, sink=None, dead_rows=None):
     """dq, dk, dv (and the sink's gradient) of the Gluon backward against float64
     autograd through test_mods.reference; NaN fails; `dead_rows` (batch, rows) see no key
-    and must get exactly zero dq. `knobs`: override_config keys beside the family."""
+    and must get exactly zero dq."""
     g = torch.Generator().manual_seed(7)
     q = torch.randn(b, n_q, h, d, generator=g).cuda().to(dtype).requires_grad_()
     k = torch.randn(b, n_k, h_kv, d, generator=g).cuda().to(dtype).requires_grad_()
     v = torch.randn(b, n_k, h_kv, d, generator=g).cuda().to(dtype).requires_grad_()
     rt = pkg._runtime
     rt._backward_plans.clear()
-    with rt.override_config(family="gluon", **(knobs or {})):
+    with rt.override_config(family="gluon"):
         out = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, **kw)
         dout = torch.randn(out.shape, generator=g).cuda().to(dtype)
         out.backward(dout)
         assert _bwd_plan_kinds(pkg) == {"gluon"}, "the Gluon backward did not run"
-        if knobs and "persistent" in knobs:
-            assert {p[2].meta["PERSISTENT"] for p in rt._backward_plans.values()
-                    if p is not None} == {
-                knobs["persistent"]}
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     sink_leaf = None
     if sink is not None:
@@ -382,23 +378,6 @@ def test_gluon_document_softcap_backward(pkg, poison):
     _gpu_check(pkg, ("document", "softcap"), {"doc": doc, "cap": 5.0}, causal=True, b=2,
                n_q=777, n_k=777, h=4, h_kv=1, d=128, dtype=torch.bfloat16, score=_soft(5.0),
                mask=lambda b, h, i, j: dd[b, i] == dd[b, j])
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"persistent": True}, {"persistent": True, "programs": 5}],
-                         ids=["persistent", "persistent-p5"])
-def test_gluon_mods_backward_persistent(pkg, poison, knobs):
-    """The persistent walk with a block mask (the programs' order from PROG_ORDER, indexed
-    by the walk's block; empty lists between full ones) and with a window's sinks."""
-    _skip_unless_hopper()
-    doc = documents(3, 257, "cuda")
-    dd = doc.cpu().long()
-    _gpu_check(pkg, ("document",), {"doc": doc}, causal=True, b=3, n_q=257, n_k=257, h=8,
-               h_kv=2, d=128, dtype=torch.bfloat16, knobs=knobs,
-               mask=lambda b, h, i, j: dd[b, i] == dd[b, j])
-    _gpu_check(pkg, ("window_sinks",), {"sinks": 4, "window": 100}, causal=False, b=2,
-               n_q=1031, n_k=1031, h=8, h_kv=2, d=128, dtype=torch.bfloat16, knobs=knobs,
-               mask=lambda b, h, i, j: (j <= i) & ((j < 4) | (i - j <= 100)))
 
 
 @pytest.mark.gpu

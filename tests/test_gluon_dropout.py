@@ -640,18 +640,6 @@ def test_gluon_dropout_backward_against_float64(pkg, poison, case, knobs):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("case", [BWD_CASES[i] for i in (2, 6, 7, 11, 12)],
-                         ids=[BWD_IDS[i] for i in (2, 6, 7, 11, 12)])
-@pytest.mark.parametrize("knobs", [{"persistent": True}, {"persistent": True, "programs": 5}],
-                         ids=["persistent", "persistent-p5"])
-def test_gluon_dropout_backward_persistent_against_float64(pkg, poison, case, knobs):
-    """The persistent walk of the dropout backward (each block's mask drawn at its own
-    batch, head and keys)."""
-    test_gluon_dropout_backward_against_float64(pkg, poison, case, knobs)
-
-
-@pytest.mark.gpu
-@needs_hopper
 @pytest.mark.parametrize("case", [BWD_CASES[i] for i in (2, 6, 7, 9, 11, 12)],
                          ids=[BWD_IDS[i] for i in (2, 6, 7, 9, 11, 12)])
 def test_gluon_dropout_backward_agrees_with_tl(pkg, case):

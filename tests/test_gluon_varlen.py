@@ -382,36 +382,6 @@ def test_gluon_varlen_backward_many_sequences(pkg, poison):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("knobs", [{"persistent": True}, {"persistent": True, "programs": 5}],
-                         ids=["persistent", "persistent-p5"])
-@pytest.mark.parametrize("causal,window,h_q,h_kv,d", [(True, (-1, -1), 8, 2, 128),
-                                                      (False, (100, 0), 4, 1, 64)],
-                         ids=["causal-gqa4", "window-mqa-d64"])
-def test_gluon_varlen_persistent_backward(pkg, poison, monkeypatch, knobs, causal, window, h_q,
-                                          h_kv, d):
-    """The backward's persistent walk over a packed batch: programs walk the real key
-    blocks of the varlen order (the on-device count, _num_blocks) -- empty sequences, one
-    token, Nq != Nk, blocks that cross a sequence's end -- with 5 programs as well (each
-    then walks blocks of several sequences and heads)."""
-    if not _hopper():
-        pytest.skip("the Gluon kernels run on Hopper only")
-    # the plans die with override_config: note each varlen plan's launch as it is made
-    made, plan_of = [], pkg._runtime._varlen_backward_plan
-
-    def noting(*args, **kwargs):
-        plan = plan_of(*args, **kwargs)
-        made.append(plan)
-        return plan
-    monkeypatch.setattr(pkg._runtime, "_varlen_backward_plan", noting)
-    q, k, v, out, lse, do = _run(pkg, LQ, LK, h_q, h_kv, d, torch.bfloat16, causal=causal,
-                                 window=window, knobs=knobs)
-    metas = {p[2].meta["PERSISTENT"] for p in made if p is not None}
-    assert metas == {True}, metas
-    ref = reference(q, k, v, LQ, LK, do, causal=causal, window=window)
-    assert_all((out, lse, q.grad, k.grad, v.grad), ref, torch.bfloat16)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_gluon_varlen_backward_head_groups(pkg, poison, monkeypatch, group):
     """The backward's program order in groups of K/V heads (HEAD_GROUP): head-major (1),

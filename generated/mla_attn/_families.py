@@ -147,12 +147,6 @@ GLUON_BWD_DEFAULT = {
     "num_stages": 2,
     "regs": "240/24",
 }
-# `persistent` (override_config only; absent = False): one program per SM walking key
-# blocks pid, pid + P, ... (templates/gluon/bwd.py.j2, PERSISTENT) instead of one per key
-# block. Correct on the H100 but never faster (benchmarks/gluon_bwd_persistent_ab.py,
-# docs/PERF_NOTES.md: level without a mask, 0.61-0.96x causal, where the hardware's own
-# dispatch of the grid balances the unequal key blocks better than a static stride), so it
-# is neither the default nor a tuner knob.
 
 
 # The Gluon dropout backward draws each step's keep mask in the consumers (templates/gluon/

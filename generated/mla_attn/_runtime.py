@@ -1172,7 +1172,7 @@ def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
     h_kv, n_k = k.shape[1], k.shape[2]
     num_n = triton_cdiv(n_k, cfg["block_n"])
     launch, boxes = _gluon_backward_launcher(name, cfg, q.dtype, d, batch * h_kv * num_n,
-                                             varlen=False, device=q.device)
+                                             varlen=False)
     # the dQ sum takes dQ's layout (as empty_like lays it out), so that its conversion
     # into dQ streams in order; a caller's fp32 sum (dq_accum, passed as dq) keeps its own
     acc_stride = (dq.stride() if dq.dtype != q.dtype  # only a caller's fp32 sum differs
@@ -1185,13 +1185,11 @@ def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
     return launch, args, boxes, acc_stride
 
 
-def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool, device=None):
+def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
     """(Launcher, descriptor boxes) of a Gluon backward (dense or VARLEN) at config `cfg`
     over `programs` key blocks: its compile-time meta and its grid (a program per key
-    block; with the `persistent` key, min(programs, the SMs of `device`): one per SM, each
-    walking key blocks pid, pid + P, ... -- config key "programs": fewer, for tests that
-    need many blocks a program). The boxes and layouts are what the host's descriptors
-    need, None when the kernel makes its own (GLUON_BWD_HOST_DESCRIPTORS)."""
+    block). The boxes and layouts are what the host's descriptors need, None when the
+    kernel makes its own (GLUON_BWD_HOST_DESCRIPTORS)."""
     from triton.experimental.gluon import language as gl
 
     d_pad = _families.head_dim_pad(d)
@@ -1210,21 +1208,13 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool, device
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], gl_dtype),
                 HOST_DESC=host, VARLEN=varlen, num_warps=4, **layouts)
-    # a program per SM walking its share of the key blocks (PERSISTENT), or one per block:
-    # the config's `persistent` key (override_config, a tuned entry), else the default's
-    persistent = bool(cfg.get("persistent", _families.GLUON_BWD_DEFAULT.get("persistent", False)))
-    meta["PERSISTENT"] = persistent
     if VARIANTS[name]["dropout"]:
         # each Philox call drawn once per warpgroup instead of by both warps that use its
         # words (a shared-memory exchange and a barrier a step; an override_config knob,
         # on by default, measured faster: _families.GLUON_BWD_PHILOX_SPLIT)
         meta["PHILOX_SPLIT"] = bool(cfg.get("philox_split", _families.GLUON_BWD_PHILOX_SPLIT))
     boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
-    grid = (programs,)
-    if persistent:
-        sms = cfg["programs"] if "programs" in cfg else gpu_key(device)[2]
-        grid = (min(programs, max(1, int(sms))),)
-    return Launcher(kernel(name, family="gluon"), grid, meta), boxes
+    return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
 
 
 def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
@@ -1715,7 +1705,7 @@ def _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv, batch, max_k, lo
     # key blocks of one K/V head: sum of cdiv(n_i, BLOCK_N) <= (total_k + B (BLOCK_N - 1)) / BLOCK_N
     per_head = min(batch * num_n, (total_k + batch * (block_n - 1)) // block_n)
     launch, boxes = _gluon_backward_launcher(name, cfg, q.dtype, d, h_kv * per_head,
-                                             varlen=True, device=q.device)
+                                             varlen=True)
     # batch strides: the token stride (one batch; never stepped, only a valid descriptor);
     # the dQ sum is a contiguous (total_q, H_q, d)
     args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),

@@ -30,19 +30,6 @@ products. D = rowsum(dO * O) comes from the `tl` family's preprocess kernel, as 
   family's backward is bitwise reproducible; under torch.use_deterministic_algorithms(True)
   the runtime takes it.
 
-With PERSISTENT (config key `persistent`) the grid is min(key blocks, SMs) and program
-pid walks key blocks pid, pid + P, pid + 2 P, ... (P the grid) in the order a one-block
-program grid runs them (_program with the walk's block in place of the program id), the
-producer and the consumers alike, so the per-program setup and launch are paid once per
-SM and a block's dK/dV stores overlap the next block's loads. The phases carry over: the
-Q/dO ring's count and the dS^T buffers' count run on across blocks; kv_ready completes
-once a block (phase: the block's parity); a "kv_free" barrier (NUM_CONSUMERS arrivals),
-on which each consumer arrives once its block's last dQ = dS K -- the last product that
-reads K, any consumer's -- is done, gates the producer's K/V loads of the next block. A
-block with no visible query still gets its K/V load, its kv_ready wait and its kv_free
-arrival (and stores dK = dV = 0), so the two sides never fall out of step. VARLEN walks
-the real blocks only (_num_blocks).
-
 The band mask is the forward's: key j is visible to query i when
     i + LO_OFF <= j <= i + HI_OFF   and   j < N_K
 query blocks that see the whole key block skip the mask arithmetic, those that see none of
@@ -109,15 +96,15 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 # Which key block a program owns, and which query blocks see it
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _block_coords(pid, NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
-    """(batch, K/V head, first key row) of key block `pid` in program order (the program
-    id; PERSISTENT: the walk's block). Blocks of one head are
+def _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
+    """(batch, K/V head, first key row) of this program. Programs of one head are
     consecutive, so the ones running together read the same Q and dO through L2; within a
     head the first key blocks, which the most query rows see under a causal mask, go
     first. With a block mask (PROG_ORDER, made on the device by _mods._program_order) the
     key blocks with the longest lists go first, head-major among blocks of about the same
     length: programs start in grid order, so a long one left to the end of the grid (a
     window's sink block: 3-4x the mean) runs alone while the other SMs idle."""
+    pid = gl.program_id(0)
     if PROG_ORDER is not None:
         pid = gl.load(PROG_ORDER + pid)
     bkv = pid // NUM_N
@@ -209,10 +196,11 @@ def _nth_seq_at(CU_K, level, rank, BATCH, TOTAL_K, NUM_N, BLOCK_N: gl.constexpr,
 
 
 @gluon.jit
-def _varlen_block(pid, CU_K, BATCH, TOTAL_K, H_KV, HEAD_GROUP, NUM_N, BLOCK_N: gl.constexpr,
+def _varlen_block(CU_K, BATCH, TOTAL_K, H_KV, HEAD_GROUP, NUM_N, BLOCK_N: gl.constexpr,
                   layout: gl.constexpr):
-    """(whether it is a real one, sequence, K/V head, first key row in the sequence) of key
-    block `pid` in the order above (the program id; PERSISTENT: the walk's block)."""
+    """(whether it owns one, sequence, K/V head, first key row in the sequence) of this
+    program's key block in the order above."""
+    pid = gl.program_id(0)
     per_head = _blocks_above(CU_K, -1, BATCH, TOTAL_K, NUM_N, BLOCK_N, layout)
     live = pid < H_KV * per_head
     group = gl.minimum(gl.maximum(HEAD_GROUP, 1), H_KV)
@@ -240,18 +228,17 @@ def _varlen_block(pid, CU_K, BATCH, TOTAL_K, H_KV, HEAD_GROUP, NUM_N, BLOCK_N: g
 
 
 @gluon.jit
-def _program(pid, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, PROG_ORDER,
+def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, PROG_ORDER,
              BLOCK_N: gl.constexpr, VARLEN: gl.constexpr, layout: gl.constexpr):
-    """What key block `pid` is (the program id; PERSISTENT: the walk's block): (descriptor
-    batch, batch, K/V head, first key row; its
+    """What a program works on: (descriptor batch, batch, K/V head, first key row; its
     sequence's first query and key rows, query and key counts, LO_OFF and HI_OFF). Dense:
     batch b's whole N_Q x N_K. VARLEN (SEQS sequences): one batch of packed rows (N_Q, N_K
     are the totals), a sequence's span and its band, aligned bottom-right per sequence, in
     in-sequence positions; a program past the real key blocks gets no queries and no keys
     (no steps, nothing stored)."""
     if VARLEN:
-        live, b, kv_h, n_start = _varlen_block(pid, CU_K, SEQS, N_K, H_KV, HEAD_GROUP, NUM_N,
-                                               BLOCK_N, layout)
+        live, b, kv_h, n_start = _varlen_block(CU_K, SEQS, N_K, H_KV, HEAD_GROUP, NUM_N, BLOCK_N,
+                                               layout)
         q0, n_q = _seq_span(CU_Q, b, N_Q)
         k0, n_k = _seq_span(CU_K, b, N_K)
         n_q = gl.where(live, n_q, 0)
@@ -259,21 +246,8 @@ def _program(pid, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP,
         db = gl.program_id(0) * 0  # the descriptors see the packed rows as one batch
         return db, b, kv_h, n_start, q0, k0, n_q, n_k, LO_OFF + (n_k - n_q), HI_OFF + (n_k - n_q)
     else:
-        b, kv_h, n_start = _block_coords(pid, NUM_N, H_KV, PROG_ORDER, BLOCK_N)
+        b, kv_h, n_start = _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N)
         return b, b, kv_h, n_start, 0, 0, N_Q, N_K, LO_OFF, HI_OFF
-
-
-@gluon.jit
-def _num_blocks(CU_K, SEQS, N_K, H_KV, NUM_N, BLOCK_N: gl.constexpr, VARLEN: gl.constexpr,
-                layout: gl.constexpr):
-    """PERSISTENT: the key blocks the programs walk. Dense: SEQS (the batch) x H_KV x
-    NUM_N, the grid of the one-block-a-program launch. VARLEN: the real blocks only, H_KV x
-    the key blocks of one head (the launch's grid is an upper bound; the blocks past the
-    real ones own nothing, so the walk stops before them)."""
-    if VARLEN:
-        return H_KV * _blocks_above(CU_K, -1, SEQS, N_K, NUM_N, BLOCK_N, layout)
-    else:
-        return SEQS * H_KV * NUM_N
 
 
 @gluon.jit
@@ -306,49 +280,15 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 # ----------------------------------------------------------------------------------------
 @gluon.jit
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
-              v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_full, q_empty, do_full, do_empty, N_Q,
+              v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
               N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K,
               SEQS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
-    if PERSISTENT:
-        # key blocks pid, pid + P, pid + 2 P, ... in program order, as the consumers walk
-        # them; the ring's count carries on from block to block (so do its phases)
-        seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-        num_blocks = _num_blocks(CU_K, SEQS, N_K, H_KV, NUM_N, BLOCK_N, VARLEN, seq_layout)
-        cnt = 0
-        it = 0  # blocks walked so far: kv_free's phase
-        for blk in range(gl.program_id(0), num_blocks, gl.num_programs(0)):
-            # K and V are overwritten only when both consumers are done with every product
-            # that reads the last block's (dQ = dS K reads every consumer's K); the first
-            # wait passes (a fresh barrier's phase before 0)
-            mbarrier.wait(kv_free, (it & 1) ^ 1)
-            cnt = _producer_block(blk, cnt, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
-                                  v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-                                  N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K,
-                                  SEQS, BLOCK_M, BLOCK_N, NUM_BUFFERS, VARLEN)
-            it += 1
-    else:
-        cnt = 0  # (assigned, a tensor: the step loop carries it)
-        _producer_block(gl.program_id(0), cnt, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
-                        v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-                        N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K,
-                        SEQS, BLOCK_M, BLOCK_N, NUM_BUFFERS, VARLEN)
-
-
-@gluon.jit
-def _producer_block(blk, cnt, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
-                    v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-                    N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K,
-                    SEQS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
-    """The loads of key block `blk`: its K and V, then Q, dO, LSE and D of every query
-    block that sees it, through the ring from slot cnt % NUM_BUFFERS on. Returns the ring's
-    count after them."""
+              VARLEN: gl.constexpr):
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
     db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
-        blk, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, None,
-        BLOCK_N, VARLEN, seq_layout)
-    # this block's K and V, a [SPLIT_N, HEAD_DIM_PAD] box of each per consumer
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, None, BLOCK_N,
+        VARLEN, seq_layout)
+    # this program's K and V, a [SPLIT_N, HEAD_DIM_PAD] box of each per consumer
     mbarrier.expect(kv_ready, 2 * NUM_CONSUMERS * desc_k.block_type.nbytes)
     for c in gl.static_range(NUM_CONSUMERS):
         tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n_start + c * SPLIT_N, 0],
@@ -360,7 +300,7 @@ def _producer_block(blk, cnt, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_de
     if VARLEN:
         vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         vec_rows = gl.arange(0, BLOCK_M, layout=vec_layout)
-    # cnt: query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
+    cnt = 0  # query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # GQA: the query heads that share this K/V head
         row0 = (b * (H_KV * KV_GROUP) + h) * VEC_ROW  # this head's first row of LSE and D
@@ -402,7 +342,6 @@ def _producer_block(blk, cnt, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_de
                 tma.async_copy_global_to_shared(desc_do, [b, h, m0, 0], do_full.index(s), do_smem.index(s))
                 tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(s), delta_smem.index(s))
             cnt += 1
-    return cnt
 
 
 # ----------------------------------------------------------------------------------------
@@ -410,45 +349,11 @@ def _producer_block(blk, cnt, desc_q, desc_do, desc_k, desc_v, desc_lse, desc_de
 # ----------------------------------------------------------------------------------------
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-              kv_ready, kv_free, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+              kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
               SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
-    if PERSISTENT:
-        # the producer's walk: key blocks pid, pid + P, ... The ring's count (the Q/dO
-        # slots' and the dS^T buffers' phases) carries on from block to block; kv_ready
-        # completes once a block, so its phase is the block's parity
-        seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        num_blocks = _num_blocks(CU_K, SEQS, N_K, H_KV, NUM_N, BLOCK_N, VARLEN, seq_layout)
-        cnt = 0
-        it = 0
-        for blk in range(gl.program_id(0), num_blocks, gl.num_programs(0)):
-            cnt = _consumer_block(blk, cnt, it, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-                                  kv_ready, kv_free, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                                  stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                                  SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, SEQS,
-                                  CID, BLOCK_M, BLOCK_N, NUM_BUFFERS, VARLEN, PERSISTENT)
-            it += 1
-    else:
-        cnt = 0  # (assigned, a tensor: the step loop carries it)
-        _consumer_block(gl.program_id(0), cnt, 0, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-                        kv_ready, kv_free, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                        stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                        SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, SEQS,
-                        CID, BLOCK_M, BLOCK_N, NUM_BUFFERS, VARLEN, PERSISTENT)
-    tma.store_wait(0)  # the last dQ reduction has read its staging buffer
-
-
-@gluon.jit
-def _consumer_block(blk, cnt, it, q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-                    kv_ready, kv_free, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                    stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                    SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, SEQS,
-                    CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                    NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Key block `blk` (the program's: the program id; PERSISTENT: the walk's it-th block):
-    its steps from ring count cnt on, then its dK and dV. Returns the count after them."""
+              NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
     # [SPLIT_N, HEAD_DIM_PAD]; its columns of a query block's dQ are [BLOCK_M, DQ_COLS]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -466,8 +371,8 @@ def _consumer_block(blk, cnt, it, q_smem, do_smem, k_smem, v_smem, lse_smem, del
     # VARLEN: a sequence a lane, every warp a copy (the sums stay inside a warp)
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     db, b, kv_h, n_start, q0, k0, n_q, n_k, lo_off, hi_off = _program(
-        blk, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, None,
-        BLOCK_N, VARLEN, seq_layout)
+        CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS, None, BLOCK_N,
+        VARLEN, seq_layout)
     lo, full_lo, full_hi, hi = _query_range(n_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N,
                                             VARLEN)
     keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
@@ -481,8 +386,9 @@ def _consumer_block(blk, cnt, it, q_smem, do_smem, k_smem, v_smem, lse_smem, del
     dv = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
     zero_s = gl.zeros([SPLIT_N, BLOCK_M], gl.float32, layout=s_layout)
     zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
-    mbarrier.wait(kv_ready, it & 1)  # this block's K and V (a block with no step too)
+    mbarrier.wait(kv_ready, 0)
 
+    cnt = 0
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # the query head (as the mods see it; the mask's slice)
         for m0 in range(lo, hi, BLOCK_M):
@@ -576,12 +482,6 @@ def _consumer_block(blk, cnt, it, q_smem, do_smem, k_smem, v_smem, lse_smem, del
             _tma_reduce_add(desc_dq, [db, kv_h * KV_GROUP + g, q0 + m0, CID * DQ_COLS], dq_buf)
             cnt += 1
 
-    if PERSISTENT:
-        # every product that reads this block's K and V is done (each step waited for its
-        # dQ, the last reader of every consumer's K): the producer may load the next
-        # block's while this one's dK and dV go out
-        mbarrier.arrive(kv_free, count=1)
-
     # ------------------------------------------------------------------------------------
     # Epilogue: this warpgroup's rows of dK and dV
     # ------------------------------------------------------------------------------------
@@ -594,7 +494,7 @@ def _consumer_block(blk, cnt, it, q_smem, do_smem, k_smem, v_smem, lse_smem, del
     dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
                + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
     gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
-    return cnt
+    tma.store_wait(0)
 
 
 # ----------------------------------------------------------------------------------------
@@ -629,7 +529,6 @@ def bwd_causal_softcap_d128_bf16_kernel(
     SCALE,  # softmax scale
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
     NUM_N,  # key blocks per (batch, K/V head); the grid is BATCH * H_KV * NUM_N programs
-    # (PERSISTENT: min(that, the SMs), each walking its share of the blocks)
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
     HEAD_GROUP,  # VARLEN: K/V heads whose key blocks are ordered together (_varlen_block); dense: unused
     # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
@@ -647,8 +546,6 @@ def bwd_causal_softcap_d128_bf16_kernel(
     VEC_LAYOUT: gl.constexpr,  # and of the fp32 [BLOCK_M] LSE and D boxes
     HOST_DESC: gl.constexpr,  # Q, K, V, DO, LSE, DELTA, DQ_ACC are TMA descriptors (VARLEN: not LSE, DELTA)
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
-    # a program walks key blocks pid, pid + P, ... (P = the grid) instead of owning one
-    PERSISTENT: gl.constexpr = False,
 ):
     H_Q = H_KV * KV_GROUP
     desc_b = BATCH
@@ -656,8 +553,6 @@ def bwd_causal_softcap_d128_bf16_kernel(
     if VARLEN:
         desc_b = 1
         seqs = BATCH
-    if PERSISTENT:
-        seqs = BATCH  # the walk's length is counted from it (_num_blocks)
     if HOST_DESC:
         # the host made the descriptors (the runtime's _gluon_bwd_descriptors, the same boxes
         # as below): made here, once per program, they cost ~10 us of a program's start,
@@ -716,9 +611,6 @@ def bwd_causal_softcap_d128_bf16_kernel(
                                         desc_dq.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
-    # PERSISTENT: both consumers are done with the block's K and V (the producer's next
-    # block may overwrite them); unused otherwise
-    kv_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     q_full = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
     do_full = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
@@ -726,7 +618,6 @@ def bwd_causal_softcap_d128_bf16_kernel(
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_free, count=NUM_CONSUMERS)
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=NUM_CONSUMERS)
         mbarrier.init(ds_free.index(i), count=NUM_CONSUMERS)
@@ -739,18 +630,18 @@ def bwd_causal_softcap_d128_bf16_kernel(
     # the first partition runs in this kernel's 4 warps, the others in the workers below
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                     desc_dq, kv_ready, kv_free, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, seqs, 0, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN, PERSISTENT)),
+                     BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                     desc_dq, kv_ready, kv_free, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, seqs, 1, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN, PERSISTENT)),
+                     BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
-                     k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_full, q_empty, do_full,
+                     k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
                      NUM_N, VEC_ROW, HEAD_GROUP, CU_Q, CU_K, seqs, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN, PERSISTENT)),
+                     BLOCK_N, NUM_BUFFERS, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
