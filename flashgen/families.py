@@ -85,12 +85,18 @@ def regs(config: dict) -> tuple[int, int]:
 #    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
 #    288 / 410 for the `tl` backward in the same run (seventh session); d=64 below at
 #    GLUON_BWD_SMALL_D_MIN_N;
-#  - not the dropout forward: its shipped form was compiled for sm_90 but has not run;
+#  - the dropout forward at d = 128 (GLUON_DROPOUT_FWD_MIN_D): forced onto each family in
+#    one run, causal bf16 H=16 B*N=16k p=0.1, the Gluon forward ran 279.9 / 377.6 TFLOP/s
+#    at N = 1k / 4k (fourteenth session, dropout_ab.py) where the package's `tl` default
+#    ran ~224 / ~326 (the dropout bench, eighteenth session); re-measured side by side in
+#    the nineteenth (benchmarks/philox_rounds_ab.py). d = 96 (the d = 128 tiles, padded)
+#    has not been measured with dropout and stays on `tl`, and d = 64 has no Gluon dropout
+#    forward (gluon_reason);
 #  - the dropout backward by the rule of the backward without dropout (d >= 96; d=64 from
 #    GLUON_BWD_SMALL_D_MIN_N): its keep mask is drawn while the step's first two products
 #    run, and the `tl` dropout backward it replaces ran at 0.63x cuDNN's on the H100 (bf16
-#    causal d=128 p=0.1, N=4k: 204 TFLOP/s against ~365 for the Gluon p=0 backward). Not
-#    measured on the GPU yet (benchmarks/gluon_dropout_bwd_ab.py);
+#    causal d=128 p=0.1, N=4k: 204 TFLOP/s against ~365 for the Gluon p=0 backward;
+#    measured since: benchmarks/gluon_dropout_bwd_ab.py, docs/PERF_NOTES.md);
 #  - a kernel with mods only where every kind of mod it has is in
 #    GLUON_MOD_KINDS_BY_DEFAULT[its kind].
 # Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
@@ -117,6 +123,8 @@ GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
 # vs 153.6 / 132.9 (two rounds each; docs/PERF_NOTES.md, tenth session). Shorter calls
 # were not measured and keep `tl` (as do calls under GLUON_MIN_FLOPS).
 GLUON_BWD_SMALL_D_MIN_N = 512
+# the dropout forward goes Gluon by default from this head dim up (see above)
+GLUON_DROPOUT_FWD_MIN_D = 128
 
 
 def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
@@ -124,8 +132,9 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
     """Whether the Gluon kernel of a variant replaces the `tl` one by default on Hopper, for
     calls of length bucket n (None: the variant as a whole, where a length rule counts as
     not by default)."""
-    if dropout and kind != "bwd":
-        return False
+    if dropout and kind == "fwd":
+        # (with mods as well: not measured, so `tl`)
+        return head_dim >= GLUON_DROPOUT_FWD_MIN_D and not mod_kinds
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
     if kind == "bwd" and head_dim <= 64:
@@ -147,6 +156,17 @@ GLUON_BWD_DEFAULT = {
     "regs": "240/24",
 }
 
+
+# Rounds of the dropout keep mask's Philox4x32 generator, in every kernel family and in the
+# package's mask replay (_dropout.keep_mask): 7, FlashAttention-2's dropout generator
+# (csrc/flash_attn/src/philox.cuh: six rounds and a last one), the fewest Salmon et al.
+# (SC'11) found to pass TestU01's BigCrush; cuRAND and `tl.philox` default to 10 for a
+# safety margin. The rounds are most of what dropout costs the kernels (each a 32 x 32-bit
+# product's high and low words per counter pair on the half-rate integer multiplier), and
+# the drop decision reads one byte a draw, so the generator's statistical margin beyond
+# BigCrush buys nothing a keep mask can show (docs/PERF_NOTES.md, nineteenth session, for
+# what the three rounds cost on the H100).
+PHILOX_ROUNDS = 7
 
 # The Gluon dropout backward draws each step's keep mask in the consumers (templates/gluon/
 # bwd.py.j2, "Dropout"): a Philox call's words land on two warps of S^T, and by default

@@ -289,6 +289,7 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "worker_warps": ", ".join(["4"] * (len(consumers) - 1) + ["1"]),
         "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
+        "philox_rounds": families.PHILOX_ROUNDS,
         **{k: v for k, v in context.items()
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
                     "gl_score_grad", "block_sparse", "gl_sparse_args", "sparse_args",
@@ -396,6 +397,7 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
         "masks": list(spec.masks),
         **registry_context(spec, plans, tuned),
         "tuning_info": literal(tuning_info or {}),
+        "philox_rounds": families.PHILOX_ROUNDS,
         # a sliding-window-only package applies the spec's window to calls without one
         "default_window": literal((spec.window.left, spec.window.right)
                                   if spec.masks == ("sliding_window",) else None),

@@ -6,7 +6,8 @@ exactly against a float64 reference that applies that very mask:
     out = (softmax(S) * keep / r) @ V,
 with r the keep rate the packages document: one byte draw per element, dropped below
 T = round(256 p) (clamped to [1, 255]), r = 1 - T / 256. The mask itself is checked against
-an independent NumPy Philox4x32-10 and the documented element -> (call, word, byte) map.
+an independent NumPy Philox4x32 (at flashgen's PHILOX_ROUNDS) and the documented
+element -> (call, word, byte) map.
 """
 import contextlib
 import importlib
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from conftest import GRAD_TOL, OUT_TOL
+from flashgen.families import PHILOX_ROUNDS
 from flashgen.reference import attention_ref, dropout_keep_rate, visible_mask
 from packages import build_and_import
 
@@ -161,13 +163,13 @@ def test_keep_rate_is_one_minus_t_over_256(pkg, device, p):
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
 
 
-def _philox4x32_10(seed, c0, c1, c2, c3):
-    """Philox4x32-10 (Salmon et al., SC'11) in NumPy: the four 32-bit words of counters
-    (c0, c1, c2, c3) under the 64-bit key `seed` (low word first)."""
+def _philox4x32(seed, c0, c1, c2, c3, rounds=PHILOX_ROUNDS):
+    """Philox4x32 (Salmon et al., SC'11) in NumPy: the four 32-bit words of counters
+    (c0, c1, c2, c3) under the 64-bit key `seed` (low word first), after `rounds` rounds."""
     mask = np.uint64(0xFFFFFFFF)
     k0, k1 = np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
     c = [np.asarray(x, dtype=np.uint64) for x in (c0, c1, c2, c3)]
-    for _ in range(10):
+    for _ in range(rounds):
         prod_a = c[0] * np.uint64(0xD2511F53)
         prod_b = c[2] * np.uint64(0xCD9E8D57)
         c = [((prod_b >> np.uint64(32)) ^ c[1] ^ k0) & mask, prod_b & mask,
@@ -175,6 +177,29 @@ def _philox4x32_10(seed, c0, c1, c2, c3):
         k0 = (k0 + np.uint64(0x9E3779B9)) & mask
         k1 = (k1 + np.uint64(0xBB67AE85)) & mask
     return c
+
+
+# Random123's known-answer vectors for philox4x32 (kat_vectors): rounds, counter words,
+# key words, output words
+PHILOX_KAT = [
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("rounds,counter,key,want", PHILOX_KAT)
+def test_numpy_philox_gives_random123_known_answers(rounds, counter, key, want):
+    """The NumPy Philox the masks are checked against is the published generator, at the
+    package's round count and at the usual 10."""
+    words = _philox4x32(key[0] | key[1] << 32, *(np.array([c], dtype=np.uint64) for c in counter),
+                        rounds=rounds)
+    assert tuple(int(w[0]) for w in words) == want
+    assert PHILOX_ROUNDS in {r for r, *_ in PHILOX_KAT}
 
 
 def _documented_mask(seed, stream, bh, n_q, n_k, t):
@@ -185,7 +210,7 @@ def _documented_mask(seed, stream, bh, n_q, n_k, t):
     shape = (n_q, n_k)
     c0 = np.broadcast_to(4 * (col // 32) + (col // 2) % 4, shape)
     c1 = np.broadcast_to(16 * (row // 16) + row % 8, shape)
-    words = _philox4x32_10(seed, c0, c1, np.full(shape, bh), np.full(shape, stream))
+    words = _philox4x32(seed, c0, c1, np.full(shape, bh), np.full(shape, stream))
     word = np.choose((col // 16) % 2 + 2 * ((col // 8) % 2), words)
     byte = (word >> (8 * ((row // 8) % 2 + 2 * (col % 2))).astype(np.uint64)) & np.uint64(0xFF)
     return torch.from_numpy(byte >= t)

@@ -91,13 +91,14 @@ def test_backward_dropout_variants_get_gluon_kernels(pkg):
     assert fam.gluon_by_default("bwd", True, 128) and fam.gluon_by_default("bwd", True, 96)
     assert fam.gluon_by_default("bwd", True, 64, (), fam.GLUON_BWD_SMALL_D_MIN_N)
     assert not fam.gluon_by_default("bwd", True, 64, (), fam.GLUON_BWD_SMALL_D_MIN_N // 2)
-    assert not fam.gluon_by_default("fwd", True, 128)  # the forward's default is unchanged
+    # the forward: Gluon at d = 128 (families.GLUON_DROPOUT_FWD_MIN_D), asked for at d = 96
+    assert fam.gluon_by_default("fwd", True, 128) and not fam.gluon_by_default("fwd", True, 96)
 
 
 def test_describe_lists_dropout_forwards_as_gluon(pkg):
     text = pkg.describe()
     line = next(ln for ln in text.splitlines() if "fwd_causal_dropout_d128_bf16" in ln)
-    assert "gluon" in line and "opt-in" in line
+    assert "gluon" in line and "opt-in" not in line
     line = next(ln for ln in text.splitlines() if "bwd_causal_dropout_d128_bf16" in ln)
     assert "gluon" in line and "opt-in" not in line and "from N" not in line
     line = next(ln for ln in text.splitlines() if "bwd_causal_dropout_d64_bf16" in ln)
@@ -224,7 +225,9 @@ def test_gluon_backward_mask_bookkeeping_is_keep_mask(pkg, tmp_path):
 
 def test_gluon_philox_with_a_split_seed_is_tl_philox(pkg):
     """The Gluon forward's Philox rounds, under the seed halves the runtime passes
-    (`_gluon_dropout_args`: int32 bits of the low and high words), give tl.philox's words.
+    (`_gluon_dropout_args`: int32 bits of the low and high words), give tl.philox's words
+    at the package's round count (the template's PHILOX_ROUNDS, also checked here to be
+    flashgen's).
     Gluon does not run in the interpreter, so the template's `_philox` is run as a
     triton.jit function there (its body uses only operations both dialects share)."""
     import textwrap
@@ -235,6 +238,7 @@ def test_gluon_philox_with_a_split_seed_is_tl_philox(pkg):
     source = text[start:text.index("\n\n\n", start)]
     source = source.replace("@gluon.jit", "@triton.jit").replace("gl.", "tl.")
     constants = "\n".join(ln for ln in text.splitlines() if ln.startswith("PHILOX_"))
+    assert f"PHILOX_ROUNDS = gl.constexpr({families.PHILOX_ROUNDS})" in constants
     path = Path(pkg.__file__).parent / "_philox_as_tl.py"  # triton.jit wants a real file
     path.write_text("import triton\nimport triton.language as tl\n"
                     + constants.replace("gl.constexpr", "tl.constexpr")
@@ -248,7 +252,7 @@ def test_gluon_philox_with_a_split_seed_is_tl_philox(pkg):
             c1 = (i * 40503 + 7).to(tl.uint32)
             c2 = (i % 5).to(tl.uint32)
             c3 = (i * 97).to(tl.uint32)
-            a0, a1, a2, a3 = tl.philox(SEED, c0, c1, c2, c3)
+            a0, a1, a2, a3 = tl.philox(SEED, c0, c1, c2, c3, PHILOX_ROUNDS)
             b0, b1, b2, b3 = _philox(SEED_LO.to(tl.uint32), SEED_HI.to(tl.uint32), c0, c1, c2, c3)
             same = (a0 == b0) & (a1 == b1) & (a2 == b2) & (a3 == b3)
             tl.store(OUT + i, same.to(tl.int8))

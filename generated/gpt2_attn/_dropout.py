@@ -2,12 +2,13 @@
 """Attention dropout inside the fused kernels.
 
 The keep mask is never stored. Every kernel that needs it -- the forward, and both backward
-kernels -- regenerates it from Triton's counter-based Philox generator, keyed by the call's
-seed, with counters (key column group, query row group, batch * heads + head, the call's
-stream). One Philox evaluation gives four 32-bit words, i.e. sixteen 8-bit uniform draws
-(one byte per element, as FlashAttention-2's CUDA kernel draws them), which decide sixteen
-elements of one 16-row x 32-column block: rows i and i + 8, eight columns (`keep_mask` says
-which, and why).
+kernels -- regenerates it from Triton's counter-based Philox4x32 generator at
+PHILOX_ROUNDS = 7 rounds (the package's _families.PHILOX_ROUNDS says
+why), keyed by the call's seed, with counters (key column group, query row group, batch *
+heads + head, the call's stream). One Philox evaluation gives four 32-bit words, i.e.
+sixteen 8-bit uniform draws (one byte per element, as FlashAttention-2's CUDA kernel
+draws them), which decide sixteen elements of one 16-row x 32-column block: rows i and
+i + 8, eight columns (`keep_mask` says which, and why).
 
 Byte draws quantise p to a multiple of 1/256. An element is dropped when its byte is below
 T = round(p * 256), clamped to [1, 255] so that any p > 0 drops something and any p < 1
@@ -33,6 +34,8 @@ import triton.language as tl
 # multiple of 4)
 _CUDA_OFFSET_STEP = 4
 _SEED_MASK = (1 << 63) - 1  # Triton passes the seed as a signed 64-bit integer
+# the generator's rounds (flashgen's families.PHILOX_ROUNDS), the same in every kernel
+PHILOX_ROUNDS = tl.constexpr(7)
 
 
 @triton.jit
@@ -59,7 +62,7 @@ def _keep_mask32(SEED, RNG_OFFSET, bh, row_start, col_start, DROP_THRESHOLD,
     c1 = zero + crow[:, :, None, None]
     c2 = zero + bh.to(tl.uint32)
     c3 = zero + RNG_OFFSET.to(tl.uint32)
-    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3)  # 4 x [R/16, 8, C/32, 4] uint32
+    r0, r1, r2, r3 = tl.philox(SEED, c0, c1, c2, c3, PHILOX_ROUNDS)  # 4 x [R/16, 8, C/32, 4] uint32
     words = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [g, rr, q, t, b, wl]
     # byte j compared in place: (w & (0xFF << 8 j)) >= T << 8 j exactly when byte j >= T
     thresh = DROP_THRESHOLD.to(tl.uint32)

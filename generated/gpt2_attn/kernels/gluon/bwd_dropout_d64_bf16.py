@@ -297,21 +297,22 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 #     the accumulator's (convert_layout asserts that nothing moves).
 # The rounds are issued right after S^T = K Q^T (ptxas runs them in dP^T's accumulator
 # registers before dP^T = V dO^T is issued), while the tensor cores compute.
-# Philox4x32-10 (Salmon et al., SC'11), the generator `tl.philox` runs: its round and key
+# Philox4x32 (Salmon et al., SC'11) at the package's round count (families.PHILOX_ROUNDS),
+# the generator `tl.philox(..., n_rounds)` runs: its round and key
 # constants (the forward's)
 PHILOX_ROUND_A = gl.constexpr(0xD2511F53)
 PHILOX_ROUND_B = gl.constexpr(0xCD9E8D57)
 PHILOX_KEY_A = gl.constexpr(0x9E3779B9)
 PHILOX_KEY_B = gl.constexpr(0xBB67AE85)
-PHILOX_ROUNDS = gl.constexpr(10)
+PHILOX_ROUNDS = gl.constexpr(7)
 DROP_THREADS = gl.constexpr(128)  # a consumer warpgroup's threads: one word pair each
 
 
 @gluon.jit
 def _philox(k0, k1, c0, c1, c2, c3):
-    """Philox4x32-10 of the uint32 counters (c0, c1, c2, c3) under the key (k0, k1), the
-    low and high words of the seed: the same four words as
-    `tl.philox(seed, c0, c1, c2, c3)` (the forward's _philox)."""
+    """Philox4x32 at PHILOX_ROUNDS rounds of the uint32 counters (c0, c1, c2, c3) under
+    the key (k0, k1), the low and high words of the seed: the same four words as
+    `tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)` (the forward's _philox)."""
     for _ in gl.static_range(PHILOX_ROUNDS):
         _c0 = c0
         _c2 = c2

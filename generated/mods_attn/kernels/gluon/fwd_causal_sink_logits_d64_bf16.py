@@ -374,21 +374,23 @@ def _store_rows(O, o_buf, o, h, row, n_rows, stride_oh, stride_om):
 # ----------------------------------------------------------------------------------------
 # Dropout: the package's keep mask, built in the S accumulator's registers
 # ----------------------------------------------------------------------------------------
-# Philox4x32-10 (Salmon et al., SC'11), the generator `tl.philox` runs: its round and key
+# Philox4x32 (Salmon et al., SC'11) at the package's round count (families.PHILOX_ROUNDS),
+# the generator `tl.philox(..., n_rounds)` runs: its round and key
 # constants
 PHILOX_ROUND_A = gl.constexpr(0xD2511F53)
 PHILOX_ROUND_B = gl.constexpr(0xCD9E8D57)
 PHILOX_KEY_A = gl.constexpr(0x9E3779B9)
 PHILOX_KEY_B = gl.constexpr(0xBB67AE85)
-PHILOX_ROUNDS = gl.constexpr(10)
+PHILOX_ROUNDS = gl.constexpr(7)
 
 
 @gluon.jit
 def _philox(k0, k1, c0, c1, c2, c3):
-    """Philox4x32-10 of the uint32 counters (c0, c1, c2, c3) under the key (k0, k1), the
-    low and high words of the seed: the same four words as
-    `tl.philox(seed, c0, c1, c2, c3)`. (Each round's products as umulhi + mul: one 64-bit
-    product, one IMAD.WIDE instead of two IMADs, ran 3-5% slower on the H100.)"""
+    """Philox4x32 at PHILOX_ROUNDS rounds of the uint32 counters (c0, c1, c2, c3) under
+    the key (k0, k1), the low and high words of the seed: the same four words as
+    `tl.philox(seed, c0, c1, c2, c3, PHILOX_ROUNDS)`. (Each round's products as umulhi +
+    mul: one 64-bit product, one IMAD.WIDE instead of two IMADs, ran 3-5% slower on the
+    H100.)"""
     for _ in gl.static_range(PHILOX_ROUNDS):
         _c0 = c0
         _c2 = c2
