@@ -1,6 +1,7 @@
 """Dropout's keep-mask generator at Philox4x32-10 against Philox4x32-7, on one GPU (Hopper).
 
     python benchmarks/philox_rounds_ab.py [--d 128 64] [--n 1024 4096] [--rounds 3]
+                                          [--baseline TEMPLATES_DIR]
 
 flashgen.families.PHILOX_ROUNDS sets the rounds every kernel family draws the dropout keep
 mask with (7 ships: FlashAttention-2's count). This builds the dropout benchmark's package
@@ -15,6 +16,10 @@ scaled_dot_product_attention, in interleaved rounds (triton.testing.do_bench med
   bwd p=0.1 r10 / r7         the backward of one saved forward, the package's default
                              family (Gluon on Hopper at these shapes)
   bwd p=0                    the same without dropout
+
+With --baseline, a third build at 7 rounds from another copy of the templates folder
+(e.g. an earlier commit's: `git archive REV templates | tar -x -C DIR`), labelled "base",
+for A/B runs of a template change.
 
 TFLOP/s with the anchors' formula (causal FLOPs halved; the backward 2.5 forwards), and
 the ratios to p = 0 that issue 14's dropout bar is about (>= 0.85). A check first: at
@@ -44,19 +49,23 @@ SPECS = {128: ROOT / "specs/bench/dropout_d128.yaml", 64: ROOT / "specs/gpt2.yam
 H, TOKENS, P = 16, 16384, 0.1
 
 
-def build(spec_path: Path, rounds: int):
+def build(spec_path: Path, rounds: int, templates: Path | None = None, label: str = ""):
     """The spec's package rendered at `rounds` Philox rounds, imported under its own name
     (the text gets a comment, so the spec sha and the custom-op namespace differ; the
     path stays, so the spec's tuning files are found)."""
-    saved = families.PHILOX_ROUNDS
+    from flashgen import render
+
+    saved = families.PHILOX_ROUNDS, render.TEMPLATES_DIR
     families.PHILOX_ROUNDS = rounds
+    if templates is not None:
+        render.TEMPLATES_DIR = Path(templates).resolve()
     try:
-        spec = parse_spec(spec_path.read_text() + f"\n# Philox rounds: {rounds}\n",
+        spec = parse_spec(spec_path.read_text() + f"\n# Philox rounds: {rounds} {label}\n",
                           str(spec_path))
         root = build_spec(spec, Path(tempfile.mkdtemp(prefix="flashgen-philox-"))).root
     finally:
-        families.PHILOX_ROUNDS = saved
-    name = f"philox_ab_{spec.package}_r{rounds}"
+        families.PHILOX_ROUNDS, render.TEMPLATES_DIR = saved
+    name = f"philox_ab_{spec.package}_r{rounds}{label}"
     mspec = importlib.util.spec_from_file_location(name, root / "__init__.py",
                                                    submodule_search_locations=[str(root)])
     module = importlib.util.module_from_spec(mspec)
@@ -75,14 +84,17 @@ def main():
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64], choices=sorted(SPECS))
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--baseline", type=Path, help="a templates folder for a third build")
     args = ap.parse_args()
     import triton
 
     started = time.perf_counter()
     rows, checks = [], []
     for d in args.d:
-        pkgs = {r: build(SPECS[d], r) for r in (10, 7)}
-        gluon_fwd = pkgs[7]._runtime.GLUON.get(f"fwd_causal_dropout_d{d}_bf16") is None
+        pkgs = {f"r{r}": build(SPECS[d], r) for r in (10, 7)}
+        if args.baseline:
+            pkgs["base"] = build(SPECS[d], 7, args.baseline, "base")
+        gluon_fwd = pkgs["r7"]._runtime.GLUON.get(f"fwd_causal_dropout_d{d}_bf16") is None
         for n in args.n:
             b = TOKENS // n
             g = torch.Generator(device="cuda").manual_seed(n + d)
@@ -109,18 +121,18 @@ def main():
                 share = keep.float().mean().item()
                 del keep
                 checks.append(dict(d=d, n=n, rounds=r, gluon_vs_tl=rel, kept=share))
-                print(f"check d={d} N={n} r{r}: gluon vs tl fwd max rel {rel}, kept share "
+                print(f"check d={d} N={n} {r}: gluon vs tl fwd max rel {rel}, kept share "
                       f"{share} (documented {1 / pkg.dropout_scale(P):.4f})",
                       flush=True)
 
             calls = {}
             for r, pkg in pkgs.items():
                 if gluon_fwd:
-                    calls[f"fwd gluon p=0.1 r{r}"] = ("fwd", fwd(pkg, "gluon", P), None)
-                calls[f"fwd tl p=0.1 r{r}"] = ("fwd", fwd(pkg, "tl", P), None)
-            calls["fwd p=0"] = ("fwd", fwd(pkgs[7], "", 0.0), None)
-            for label, pkg, p in [(f"bwd p=0.1 r{r}", pkg, P) for r, pkg in pkgs.items()] + [
-                    ("bwd p=0", pkgs[7], 0.0)]:
+                    calls[f"fwd gluon p=0.1 {r}"] = ("fwd", fwd(pkg, "gluon", P), None)
+                calls[f"fwd tl p=0.1 {r}"] = ("fwd", fwd(pkg, "tl", P), None)
+            calls["fwd p=0"] = ("fwd", fwd(pkgs["r7"], "", 0.0), None)
+            for label, pkg, p in [(f"bwd p=0.1 {r}", pkg, P) for r, pkg in pkgs.items()] + [
+                    ("bwd p=0", pkgs["r7"], 0.0)]:
                 pkg._runtime.use_family("")
                 qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
                 torch.manual_seed(9)

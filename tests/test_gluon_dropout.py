@@ -314,7 +314,7 @@ def _compile(pkg, cases):
 @needs_gluon_triton
 def test_dropout_kernels_compile_for_sm90(pkg):
     """Default tiles and the other key-block width (the mask's layout depends on BLOCK_N);
-    `_keep_from_words` asserts at compile time that its layout conversion moves nothing."""
+    `_dropped_p` asserts at compile time that its layout conversion moves nothing."""
     knobs = {"block_n": 64, "num_stages": 3, "pingpong": False, "regs": "232/40"}
     rows = _compile(pkg, [["fwd_causal_dropout_d128_bf16", {}],
                           ["fwd_window_dropout_d96_fp16", knobs],
@@ -399,22 +399,30 @@ def _gluon_mask_kernel(mod):
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    _words, _keep = mod._dropout_words, mod._keep_from_words
+    _words, _keep = mod._dropout_words, mod._dropped_p
 
     # like the forward kernel: a threshold of 1 (p = 1/512) must stay a run-time value, not
     # an int Triton specialises into a constant
     @gluon.jit(do_not_specialize=["SEED_LO", "SEED_HI", "RNG_OFFSET", "DROP_THRESHOLD"])
     def mask_kernel(OUT, SEED_LO, SEED_HI, RNG_OFFSET, N_Q, N_K, DROP_THRESHOLD,
-                    BLOCK_N: gl.constexpr):
+                    BLOCK_N: gl.constexpr, FP16: gl.constexpr):
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         bh = gl.program_id(2)
         row0 = gl.program_id(0) * 64
         col0 = gl.program_id(1) * BLOCK_N
         w0, w1, w2, w3 = _words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0, col0, 64, BLOCK_N)
-        kept = _keep(w0, w1, w2, w3, DROP_THRESHOLD, s_layout)
         rows = gl.expand_dims(row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), 1)
         cols = gl.expand_dims(col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout)), 0)
+        # a P whose values name their columns (exact in fp16 and bf16), so that an element
+        # moved within its pair or quad shows
+        vals = gl.zeros([64, BLOCK_N], gl.float32, s_layout) + (cols % 128 + 1).to(gl.float32)
+        if FP16:
+            out = _keep(vals, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, gl.float16).to(gl.float32)
+        else:
+            out = _keep(vals, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, gl.bfloat16).to(gl.float32)
+        # 1 kept with its value, 0 dropped, 2 anything else
+        kept = gl.where(out == vals, 1, gl.where(out == 0.0, 0, 2))
         gl.store(OUT + bh.to(gl.int64) * N_Q * N_K + rows * N_K + cols, kept.to(gl.int8),
                  mask=(rows < N_Q) & (cols < N_K))
 
@@ -425,12 +433,15 @@ def _gluon_mask_kernel(mod):
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("fp16", [False, True], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("seed,stream,p", [(0, 0, 0.1), (12345, 7, 0.5), (2**40 + 3, 2**31 + 9, 0.2),
                                            (2**62 + 11, 0xFFFFFFFF, 0.9), (5, 3, 1 / 512),
                                            (6, 4, 0.999)],
                          ids=["s0", "s12345", "seed64-stream32", "seed62-streammax", "p1/512",
                               "p0.999"])
-def test_gluon_mask_is_keep_mask_bit_for_bit(pkg, block_n, seed, stream, p):
+def test_gluon_mask_is_keep_mask_bit_for_bit(pkg, block_n, fp16, seed, stream, p):
+    """The forward's mask as it lands in P (`_dropped_p`: PRMT, a packed fp16 compare and an
+    AND per element pair) against keep_mask_kernel, at thresholds 1 to 255."""
     drop = importlib.import_module(f"{pkg.__name__}._dropout")
     mod = importlib.import_module(f"{pkg.__name__}.kernels.gluon.fwd_causal_dropout_d128_bf16")
     bh, n_q, n_k = 6, 200, 333  # ragged in both directions, several tiles and heads
@@ -443,7 +454,8 @@ def test_gluon_mask_is_keep_mask_bit_for_bit(pkg, block_n, seed, stream, p):
     seed_lo, seed_hi, stream32, thresh32, _ = pkg._runtime._gluon_dropout_args(
         (seed, stream, thresh, 1.0))
     _gluon_mask_kernel(mod)[(-(-n_q // 64), -(-n_k // block_n), bh)](
-        got, seed_lo, seed_hi, stream32, n_q, n_k, thresh32, BLOCK_N=block_n, num_warps=4)
+        got, seed_lo, seed_hi, stream32, n_q, n_k, thresh32, BLOCK_N=block_n, FP16=fp16,
+        num_warps=4)
     assert torch.equal(got, want), f"{(got != want).sum().item()} elements differ"
     assert abs(want.float().mean().item() - dropout_keep_rate(p)) < 0.02
 

@@ -440,7 +440,7 @@ def _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row_start, col_start,
     The layout puts G on the warps, rr and t on the lanes and Q in registers, which is
     where a thread's elements sit in the wgmma accumulator of S (NVMMA v3, 4 warps): warp
     G holds rows 16 G .. 16 G + 15, lane 4 rr + t holds rows rr and rr + 8 and columns
-    2 t, 2 t + 1 of every 8-column group. `_keep_from_words` then only renames registers."""
+    2 t, 2 t + 1 of every 8-column group. `_dropped_p` then only renames registers."""
     ctr: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, COLS // 32, 1],
                                          threads_per_warp=[1, 8, 1, 4],
                                          warps_per_cta=[ROWS // 16, 1, 1, 1],
@@ -460,23 +460,57 @@ def _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row_start, col_start,
                    c0, c1, c2, c3)
 
 
+# P's keep mask, applied as P becomes the P V operand. Element (16 G + 8 wh + rr,
+# 32 Q + 16 b + 8 wl + 2 t + k) survives when byte wh + 2 k of word b + 2 wl of
+# `_dropout_words` is at least T (`_dropout.keep_mask`'s map), so a thread's four
+# elements in rows r and r + 8, columns 2 t and 2 t + 1 (four consecutive registers of the
+# S accumulator, two 32-bit registers of the operand) take the four bytes of one word,
+# bytes wh and wh + 2 for row r + 8 wh. Per pair, PRMT puts its two bytes
+# under the exponent 0x64 of two fp16 halves (1024 + byte, exact), a packed fp16 compare
+# against 1024 + T makes each half 0xFFFF or 0, and an AND zeroes the dropped halves of the
+# packed pair: three instructions a pair where a byte mask, a compare and a select took
+# three an element.
+DROP_QUAD_ASM = """{
+.reg .b32 t, m;
+cvt.rn.CVT_TYPE.f32 $0, $3, $2;
+cvt.rn.CVT_TYPE.f32 $1, $5, $4;
+prmt.b32 t, $6, 0x64646464, 0x4240;
+set.ge.u32.f16x2 m, t, $10;
+and.b32 $0, $0, m;
+prmt.b32 t, $6, 0x64646464, 0x4341;
+set.ge.u32.f16x2 m, t, $10;
+and.b32 $1, $1, m;
+}"""
+DROP_QUAD_ASM_BF16 = gl.constexpr(DROP_QUAD_ASM.replace("CVT_TYPE", "bf16x2"))
+DROP_QUAD_ASM_FP16 = gl.constexpr(DROP_QUAD_ASM.replace("CVT_TYPE", "f16x2"))
+
+
 @gluon.jit
-def _keep_from_words(r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr):
-    """[ROWS, COLS] bool in s_layout from `_dropout_words`' four words: element
-    (16 G + 8 wh + rr, 32 Q + 16 b + 8 wl + 2 t + k) survives when byte wh + 2 k of word
-    b + 2 wl is at least DROP_THRESHOLD. The joins stack a thread's sixteen decisions in
-    the accumulator's register order (col 1, row 8, col 8, col 16, then Q); permute and
-    reshape only relabel them, and convert_layout asserts that nothing moves."""
-    thresh = DROP_THRESHOLD.to(gl.uint32)
+def _dropped_p(p, r0, r1, r2, r3, DROP_THRESHOLD, s_layout: gl.constexpr, dtype: gl.constexpr):
+    """P ([ROWS, COLS] fp32 in s_layout) in `dtype`, the P V operand's type, with the
+    dropped elements 0, from `_dropout_words`' four words, four elements at a time. The
+    joins stack each word onto the four elements it decides in the accumulator's register
+    order (col 1, row 8, col 8, col 16, then Q); permute and reshape only relabel them,
+    convert_layout asserts that nothing moves, and the asm's four word operands are one
+    register."""
     words = gl.join(gl.join(r0, r1), gl.join(r2, r3))  # [G, rr, Q, t, b, wl]
-    # byte j compared in place: (w & (0xFF << 8 j)) >= T << 8 j exactly when byte j >= T
-    keep = gl.join(gl.join((words & 0xFF) >= thresh, (words & 0xFF00) >= (thresh << 8)),
-                   gl.join((words & 0xFF0000) >= (thresh << 16), words >= (thresh << 24)))
-    keep = gl.permute(keep, (0, 6, 1, 2, 4, 5, 3, 7))  # [G, wh, rr, Q, b, wl, t, k]
-    rows: gl.constexpr = keep.shape[0] * 16
-    cols: gl.constexpr = keep.shape[3] * 32
-    keep = gl.reshape(keep, [rows, cols])
-    return gl.convert_layout(keep, s_layout, assert_trivial=True)
+    words = gl.join(gl.join(words, words), gl.join(words, words))  # [..., wh, k]
+    rows: gl.constexpr = words.shape[0] * 16
+    cols: gl.constexpr = words.shape[2] * 32
+    words = gl.convert_layout(gl.reshape(gl.permute(words, (0, 6, 1, 2, 4, 5, 3, 7)), [rows, cols]),
+                              s_layout, assert_trivial=True)
+    # 1024 + T in both fp16 halves
+    thresh = gl.full([rows, cols], 0, gl.uint32, s_layout) + (
+        (DROP_THRESHOLD.to(gl.uint32) + 0x6400) * 0x10001)
+    if dtype == gl.float16:
+        out = gl.inline_asm_elementwise(DROP_QUAD_ASM_FP16, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                        [p, words, thresh], dtype=gl.float16, is_pure=True,
+                                        pack=4)
+    else:
+        out = gl.inline_asm_elementwise(DROP_QUAD_ASM_BF16, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                        [p, words, thresh], dtype=gl.bfloat16, is_pure=True,
+                                        pack=4)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -862,7 +896,11 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 # at global (row, column): Q_POS / KV_POS, a context-parallel piece's starts
                 w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
                                                 n_first + KV_POS, SPLIT_M, BLOCK_N)
-                p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
+                # P as the P V operand at once, in its dtype: half the registers of fp32 P
+                # across the loop (ptxas then moves some pairs into the registers the
+                # product reads, which still feed the last block's P V here)
+                p = gl.convert_layout(
+                    _dropped_p(p, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, dtype), p_layout)
             v_s = s
             v_ph = ph
             cnt += 1
@@ -897,7 +935,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 if DROPOUT:
                     w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
                                                     n0 + KV_POS, SPLIT_M, BLOCK_N)
-                    p = gl.where(_keep_from_words(w0, w1, w2, w3, DROP_THRESHOLD, s_layout), p, 0.0)
+                    p = gl.convert_layout(
+                        _dropped_p(p, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(v_s), count=1)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
