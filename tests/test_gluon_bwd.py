@@ -143,7 +143,7 @@ def test_which_gluon_kernels_run_by_default():
 
     # what has run on the H100 and beaten `tl` there: the forward without dropout, the
     # backward at d >= 96 (d=64 from GLUON_BWD_SMALL_D_MIN_N); the dropout backward by the
-    # same rule; the dropout forward at d = 128 (d = 96 and with mods when asked for)
+    # same rule; the dropout forward at d = 64 and 128 (d = 96 and with mods when asked for)
     assert families.gluon_by_default("fwd", False, 64)
     assert families.gluon_by_default("bwd", False, 128)
     assert families.gluon_by_default("bwd", False, 96)
@@ -154,6 +154,7 @@ def test_which_gluon_kernels_run_by_default():
     assert families.gluon_default(64, "bwd")["block_m"] == 128
     assert families.gluon_default(128, "bwd")["block_m"] == 64
     assert families.gluon_by_default("fwd", True, 128)
+    assert families.gluon_by_default("fwd", True, 64)
     assert not families.gluon_by_default("fwd", True, 96)
     assert not families.gluon_by_default("fwd", True, 128, ("score",))
     assert families.gluon_by_default("bwd", True, 128)

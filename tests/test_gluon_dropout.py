@@ -56,12 +56,9 @@ def _gluon_dir(pkg):
 def test_forward_dropout_variants_get_gluon_kernels(pkg):
     reasons = pkg._registry.GLUON
     fwd_drop = [n for n in reasons if n.startswith("fwd_") and "_dropout_" in n
-                and "_d64_" not in n and not pkg._registry.VARIANTS[n].get("mods")]
-    assert len(fwd_drop) == 3 * 2 * 2
+                and not pkg._registry.VARIANTS[n].get("mods")]
+    assert len(fwd_drop) == 3 * 3 * 2  # masks x head dims (64, 96, 128) x dtypes
     assert all(reasons[n] is None for n in fwd_drop), {n: reasons[n] for n in fwd_drop}
-    # d=64: measured slower than `tl` (GPT-2 small's forward), so `tl` serves it
-    assert "dropout at head dim <= 64" in reasons["fwd_causal_dropout_d64_bf16"]
-    assert reasons["fwd_causal_d64_bf16"] is None
     text = (_gluon_dir(pkg) / "fwd_causal_dropout_d128_bf16.py").read_text()
     assert "DROPOUT = gl.constexpr(True)" in text
     plain = (_gluon_dir(pkg) / "fwd_causal_d128_bf16.py").read_text()
@@ -91,8 +88,9 @@ def test_backward_dropout_variants_get_gluon_kernels(pkg):
     assert fam.gluon_by_default("bwd", True, 128) and fam.gluon_by_default("bwd", True, 96)
     assert fam.gluon_by_default("bwd", True, 64, (), fam.GLUON_BWD_SMALL_D_MIN_N)
     assert not fam.gluon_by_default("bwd", True, 64, (), fam.GLUON_BWD_SMALL_D_MIN_N // 2)
-    # the forward: Gluon at d = 128 (families.GLUON_DROPOUT_FWD_MIN_D), asked for at d = 96
-    assert fam.gluon_by_default("fwd", True, 128) and not fam.gluon_by_default("fwd", True, 96)
+    # the forward: Gluon at d = 64 and 128 (families.GLUON_DROPOUT_FWD_DIMS), asked for at 96
+    assert fam.gluon_by_default("fwd", True, 128) and fam.gluon_by_default("fwd", True, 64)
+    assert not fam.gluon_by_default("fwd", True, 96)
 
 
 def test_describe_lists_dropout_forwards_as_gluon(pkg):

@@ -1091,20 +1091,16 @@ TUNED = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'fwd_d64_fp16': {512: {'block_m': 
 GLUON = {'fwd_d64_fp16': None,
  'fwd_d64_bf16': None,
  'fwd_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3',
- 'fwd_dropout_d64_fp16': "dropout at head dim <= 64: the Gluon forward's Philox measured "
-                         "slower than the `tl` kernel's",
- 'fwd_dropout_d64_bf16': "dropout at head dim <= 64: the Gluon forward's Philox measured "
-                         "slower than the `tl` kernel's",
+ 'fwd_dropout_d64_fp16': None,
+ 'fwd_dropout_d64_bf16': None,
  'fwd_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                          'tf32x3',
  'fwd_causal_d64_fp16': None,
  'fwd_causal_d64_bf16': None,
  'fwd_causal_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                         'tf32x3',
- 'fwd_causal_dropout_d64_fp16': "dropout at head dim <= 64: the Gluon forward's Philox "
-                                "measured slower than the `tl` kernel's",
- 'fwd_causal_dropout_d64_bf16': "dropout at head dim <= 64: the Gluon forward's Philox "
-                                "measured slower than the `tl` kernel's",
+ 'fwd_causal_dropout_d64_fp16': None,
+ 'fwd_causal_dropout_d64_bf16': None,
  'fwd_causal_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs '
                                 'fp32 as tf32x3',
  'bwd_d64_fp16': None,

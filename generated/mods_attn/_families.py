@@ -86,13 +86,12 @@ def regs(config: dict) -> tuple[int, int]:
 #    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
 #    288 / 410 for the `tl` backward in the same run (seventh session); d=64 below at
 #    GLUON_BWD_SMALL_D_MIN_N;
-#  - the dropout forward at d = 128 (GLUON_DROPOUT_FWD_MIN_D): forced onto each family in
-#    one run, causal bf16 H=16 B*N=16k p=0.1, the Gluon forward ran 279.9 / 377.6 TFLOP/s
-#    at N = 1k / 4k (fourteenth session, dropout_ab.py) where the package's `tl` default
-#    ran ~224 / ~326 (the dropout bench, eighteenth session); re-measured side by side in
-#    the nineteenth (benchmarks/philox_rounds_ab.py). d = 96 (the d = 128 tiles, padded)
-#    has not been measured with dropout and stays on `tl`, and d = 64 has no Gluon dropout
-#    forward (gluon_reason);
+#  - the dropout forward at d = 64 and 128 (GLUON_DROPOUT_FWD_DIMS): forced onto each
+#    family side by side (benchmarks/philox_rounds_ab.py, causal bf16 H=16 B*N=16k p=0.1,
+#    Philox-7, the mask on packed pairs; nineteenth session), Gluon / `tl` TFLOP/s at N =
+#    1k / 4k: d=128 333.0 / 231.6 and 423.7 / 308.6, d=64 200.6 / 190.0 and 280.9 /
+#    259.0. d = 96 (the d = 128 tiles, padded) has not been timed with dropout and stays
+#    on `tl`;
 #  - the dropout backward by the rule of the backward without dropout (d >= 96; d=64 from
 #    GLUON_BWD_SMALL_D_MIN_N): its keep mask is drawn while the step's first two products
 #    run, and the `tl` dropout backward it replaces ran at 0.63x cuDNN's on the H100 (bf16
@@ -124,8 +123,8 @@ GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
 # vs 153.6 / 132.9 (two rounds each; docs/PERF_NOTES.md, tenth session). Shorter calls
 # were not measured and keep `tl` (as do calls under GLUON_MIN_FLOPS).
 GLUON_BWD_SMALL_D_MIN_N = 512
-# the dropout forward goes Gluon by default from this head dim up (see above)
-GLUON_DROPOUT_FWD_MIN_D = 128
+# the head dims whose dropout forward goes Gluon by default (see above)
+GLUON_DROPOUT_FWD_DIMS = (64, 128)
 
 
 def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
@@ -135,7 +134,7 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
     not by default)."""
     if dropout and kind == "fwd":
         # (with mods as well: not measured, so `tl`)
-        return head_dim >= GLUON_DROPOUT_FWD_MIN_D and not mod_kinds
+        return head_dim in GLUON_DROPOUT_FWD_DIMS and not mod_kinds
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
     if kind == "bwd" and head_dim <= 64:
@@ -282,12 +281,6 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     if head_dim not in GLUON_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
                 f"{', '.join(map(str, GLUON_HEAD_DIMS))}")
-    if dropout and kind == "fwd" and head_dim <= 64:
-        # the consumer's Philox rounds weigh more against d=64's half-size products: GPT-2
-        # small's attention forward (B=8, N=1024, causal, p=0.1) took 1.284 ms a training
-        # step on the Gluon kernel against 1.067 on `tl` (H100, docs/PERF_NOTES.md)
-        return ("dropout at head dim <= 64: the Gluon forward's Philox measured slower than "
-                "the `tl` kernel's")
     return None
 
 
