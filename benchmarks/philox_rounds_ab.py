@@ -1,13 +1,15 @@
 """Dropout's keep-mask generator at Philox4x32-10 against Philox4x32-7, on one GPU (Hopper).
 
     python benchmarks/philox_rounds_ab.py [--d 128 64] [--n 1024 4096] [--rounds 3]
-                                          [--baseline TEMPLATES_DIR]
+                                          [--baseline TEMPLATES_DIR] [--heads 16]
+                                          [--tokens 16384]
 
 flashgen.families.PHILOX_ROUNDS sets the rounds every kernel family draws the dropout keep
 mask with (7 ships: FlashAttention-2's count). This builds the dropout benchmark's package
 (d = 128: specs/bench/dropout_d128.yaml; d = 64: specs/gpt2.yaml) twice from this
 checkout, at 10 and at 7 rounds (each under a name of its own, with the spec's tuning
-data), and times, causal bf16, H = 16, B * N = 16k tokens, (B, H, N, d) tensors through
+data), and times, causal bf16, H = 16, B * N = 16k tokens (--heads, --tokens: e.g. GPT-2
+small's attention is --d 64 --heads 12 --tokens 8192 --n 1024), (B, H, N, d) tensors through
 scaled_dot_product_attention, in interleaved rounds (triton.testing.do_bench medians):
 
   fwd gluon p=0.1 r10 / r7   the Gluon dropout forward (use_family("gluon"); d >= 96)
@@ -80,12 +82,16 @@ def flops(b, n, d, mode):
 
 
 def main():
+    global H
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64], choices=sorted(SPECS))
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--baseline", type=Path, help="a templates folder for a third build")
+    ap.add_argument("--heads", type=int, default=H)
+    ap.add_argument("--tokens", type=int, default=TOKENS)
     args = ap.parse_args()
+    H = args.heads
     import triton
 
     started = time.perf_counter()
@@ -96,7 +102,7 @@ def main():
             pkgs["base"] = build(SPECS[d], 7, args.baseline, "base")
         gluon_fwd = pkgs["r7"]._runtime.GLUON.get(f"fwd_causal_dropout_d{d}_bf16") is None
         for n in args.n:
-            b = TOKENS // n
+            b = args.tokens // n
             g = torch.Generator(device="cuda").manual_seed(n + d)
             q, k, v = (torch.randn(b, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                        for _ in range(3))
@@ -153,7 +159,7 @@ def main():
             ms = {label: statistics.median(s) for label, s in samples.items()}
             tf = {label: flops(b, n, d, calls[label][0]) / (t * 1e-3) / 1e12
                   for label, t in ms.items()}
-            rows.append(dict(d=d, n=n, b=b, ms=ms, tflops=tf, samples_ms=samples))
+            rows.append(dict(d=d, n=n, b=b, h=H, ms=ms, tflops=tf, samples_ms=samples))
             print(f"\nd={d} N={n} B={b} (TFLOP/s; x = / p=0 of the same direction)")
             for label, t in tf.items():
                 base = tf["fwd p=0"] if label.startswith("fwd") else tf["bwd p=0"]

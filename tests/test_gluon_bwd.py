@@ -154,7 +154,9 @@ def test_which_gluon_kernels_run_by_default():
     assert families.gluon_default(64, "bwd")["block_m"] == 128
     assert families.gluon_default(128, "bwd")["block_m"] == 64
     assert families.gluon_by_default("fwd", True, 128)
-    assert families.gluon_by_default("fwd", True, 64)
+    assert not families.gluon_by_default("fwd", True, 64)  # (a length rule at d = 64)
+    assert families.gluon_by_default("fwd", True, 64, (), families.GLUON_DROPOUT_FWD_SMALL_D_MIN_N)
+    assert not families.gluon_by_default("fwd", True, 64, (), 512)
     assert not families.gluon_by_default("fwd", True, 96)
     assert not families.gluon_by_default("fwd", True, 128, ("score",))
     assert families.gluon_by_default("bwd", True, 128)

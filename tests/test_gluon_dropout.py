@@ -88,9 +88,11 @@ def test_backward_dropout_variants_get_gluon_kernels(pkg):
     assert fam.gluon_by_default("bwd", True, 128) and fam.gluon_by_default("bwd", True, 96)
     assert fam.gluon_by_default("bwd", True, 64, (), fam.GLUON_BWD_SMALL_D_MIN_N)
     assert not fam.gluon_by_default("bwd", True, 64, (), fam.GLUON_BWD_SMALL_D_MIN_N // 2)
-    # the forward: Gluon at d = 64 and 128 (families.GLUON_DROPOUT_FWD_DIMS), asked for at 96
-    assert fam.gluon_by_default("fwd", True, 128) and fam.gluon_by_default("fwd", True, 64)
-    assert not fam.gluon_by_default("fwd", True, 96)
+    # the forward: Gluon at d = 128, at d = 64 from GLUON_DROPOUT_FWD_SMALL_D_MIN_N, asked for
+    # at 96
+    assert fam.gluon_by_default("fwd", True, 128) and not fam.gluon_by_default("fwd", True, 96)
+    assert fam.gluon_by_default("fwd", True, 64, (), fam.GLUON_DROPOUT_FWD_SMALL_D_MIN_N)
+    assert not fam.gluon_by_default("fwd", True, 64, (), fam.GLUON_DROPOUT_FWD_SMALL_D_MIN_N // 2)
 
 
 def test_describe_lists_dropout_forwards_as_gluon(pkg):

@@ -86,11 +86,13 @@ def regs(config: dict) -> tuple[int, int]:
 #    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
 #    288 / 410 for the `tl` backward in the same run (seventh session); d=64 below at
 #    GLUON_BWD_SMALL_D_MIN_N;
-#  - the dropout forward at d = 64 and 128 (GLUON_DROPOUT_FWD_DIMS): forced onto each
-#    family side by side (benchmarks/philox_rounds_ab.py, causal bf16 H=16 B*N=16k p=0.1,
-#    Philox-7, the mask on packed pairs; nineteenth session), Gluon / `tl` TFLOP/s at N =
-#    1k / 4k: d=128 333.0 / 231.6 and 423.7 / 308.6, d=64 200.6 / 190.0 and 280.9 /
-#    259.0. d = 96 (the d = 128 tiles, padded) has not been timed with dropout and stays
+#  - the dropout forward at d = 128, and at d = 64 from N = GLUON_DROPOUT_FWD_SMALL_D_MIN_N
+#    (GLUON_DROPOUT_FWD_DIMS): forced onto each family side by side
+#    (benchmarks/philox_rounds_ab.py, causal bf16 p=0.1, Philox-7, the mask on packed
+#    pairs; nineteenth session), Gluon / `tl` TFLOP/s, H=16 B*N=16k at N = 1k / 4k: d=128
+#    333.0 / 231.6 and 423.7 / 308.6, d=64 200.6 / 190.0 and 280.9 / 259.0; d=64 at
+#    GPT-2 small's H=12 B*N=8k, N = 512 / 1k / 2k: 110.0 / 128.3, 173.9 / 173.5, 216.9 /
+#    209.5. d = 96 (the d = 128 tiles, padded) has not been timed with dropout and stays
 #    on `tl`;
 #  - the dropout backward by the rule of the backward without dropout (d >= 96; d=64 from
 #    GLUON_BWD_SMALL_D_MIN_N): its keep mask is drawn while the step's first two products
@@ -123,8 +125,10 @@ GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
 # vs 153.6 / 132.9 (two rounds each; docs/PERF_NOTES.md, tenth session). Shorter calls
 # were not measured and keep `tl` (as do calls under GLUON_MIN_FLOPS).
 GLUON_BWD_SMALL_D_MIN_N = 512
-# the head dims whose dropout forward goes Gluon by default (see above)
+# the head dims whose dropout forward goes Gluon by default (see above), at d <= 64 from
+# this length bucket up
 GLUON_DROPOUT_FWD_DIMS = (64, 128)
+GLUON_DROPOUT_FWD_SMALL_D_MIN_N = 1024
 
 
 def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
@@ -134,7 +138,9 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
     not by default)."""
     if dropout and kind == "fwd":
         # (with mods as well: not measured, so `tl`)
-        return head_dim in GLUON_DROPOUT_FWD_DIMS and not mod_kinds
+        if head_dim not in GLUON_DROPOUT_FWD_DIMS or mod_kinds:
+            return False
+        return head_dim > 64 or (n is not None and n >= GLUON_DROPOUT_FWD_SMALL_D_MIN_N)
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
     if kind == "bwd" and head_dim <= 64:
