@@ -2,7 +2,7 @@
 
     python benchmarks/philox_rounds_ab.py [--d 128 64] [--n 1024 4096] [--rounds 3]
                                           [--baseline TEMPLATES_DIR] [--heads 16]
-                                          [--tokens 16384]
+                                          [--tokens 16384] [--knobs JSON ...]
 
 flashgen.families.PHILOX_ROUNDS sets the rounds every kernel family draws the dropout keep
 mask with (7 ships: FlashAttention-2's count). This builds the dropout benchmark's package
@@ -19,7 +19,9 @@ scaled_dot_product_attention, in interleaved rounds (triton.testing.do_bench med
                              family (Gluon on Hopper at these shapes)
   bwd p=0                    the same without dropout
 
-With --baseline, a third build at 7 rounds from another copy of the templates folder
+With --knobs, also the Gluon dropout forward of the 7-round build under
+override_config(family="gluon", **knobs) for each JSON object given (e.g. '{"pingpong":
+false}'), labelled by it. With --baseline, a third build at 7 rounds from another copy of the templates folder
 (e.g. an earlier commit's: `git archive REV templates | tar -x -C DIR`), labelled "base",
 for A/B runs of a template change.
 
@@ -30,6 +32,7 @@ and r7's kept share is the documented 1 - T / 256. With $OUT set, writes
 $OUT/philox_rounds_ab.json.
 """
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -90,6 +93,8 @@ def main():
     ap.add_argument("--baseline", type=Path, help="a templates folder for a third build")
     ap.add_argument("--heads", type=int, default=H)
     ap.add_argument("--tokens", type=int, default=TOKENS)
+    ap.add_argument("--knobs", nargs="+", default=[], type=json.loads,
+                    help="Gluon forward knob sets to time at 7 rounds (JSON objects)")
     args = ap.parse_args()
     H = args.heads
     import triton
@@ -137,6 +142,12 @@ def main():
                     calls[f"fwd gluon p=0.1 {r}"] = ("fwd", fwd(pkg, "gluon", P), None)
                 calls[f"fwd tl p=0.1 {r}"] = ("fwd", fwd(pkg, "tl", P), None)
             calls["fwd p=0"] = ("fwd", fwd(pkgs["r7"], "", 0.0), None)
+            knobbed = {}
+            if gluon_fwd:
+                for knobs in args.knobs:
+                    label = "fwd gluon p=0.1 r7 " + ",".join(f"{k}={v}" for k, v in knobs.items())
+                    calls[label] = ("fwd", fwd(pkgs["r7"], "", P), None)
+                    knobbed[label] = knobs
             for label, pkg, p in [(f"bwd p=0.1 {r}", pkg, P) for r, pkg in pkgs.items()] + [
                     ("bwd p=0", pkgs["r7"], 0.0)]:
                 pkg._runtime.use_family("")
@@ -152,8 +163,11 @@ def main():
             samples = {label: [] for label in calls}
             for _ in range(args.rounds):
                 for label, (mode, call, grads) in calls.items():
-                    samples[label].append(triton.testing.do_bench(
-                        call, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
+                    ctx = (pkgs["r7"]._runtime.override_config(family="gluon", **knobbed[label])
+                           if label in knobbed else contextlib.nullcontext())
+                    with ctx:
+                        samples[label].append(triton.testing.do_bench(
+                            call, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
             for pkg in pkgs.values():
                 pkg._runtime.use_family("")
             ms = {label: statistics.median(s) for label, s in samples.items()}
