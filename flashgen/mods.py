@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["ModError", "Expr", "TensorDecl", "Mod", "BUILTINS", "parse_expr",
            "parse_tensor_decl", "derivative", "substitute", "to_triton", "to_torch",
-           "free_names", "ops_of", "loads_of", "combine", "INDEX_VARS", "FUNCTIONS"]
+           "free_names", "ops_of", "loads_of", "combine", "score_offset", "scale_into",
+           "INDEX_VARS", "FUNCTIONS"]
 
 INDEX_VARS = ("b", "h", "q_idx", "kv_idx")
 FUNCTIONS = ("where", "abs", "min", "max", "exp", "log", "tanh", "sqrt")
@@ -360,6 +361,69 @@ def combine(score_exprs: list) -> Expr | None:
     for e in score_exprs:
         out = e if out is None else substitute(e, "score", out)
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# Score mods that only shift the score
+# ----------------------------------------------------------------------------------------
+# A score mod score + h(b, h, q_idx, kv_idx) (ALiBi, relative biases) has d/d score = 1, and
+# the kernels need it in their own units: raw scores (Q K^T) in the forward, log2 units in
+# the backward. Written as it is parsed, that is a multiply into natural units, the mod, and
+# a multiply back, per score element; with h taken apart from the score the unit change
+# is one factor of h, and placed on a factor that is the same for the whole tile (slope[h],
+# a param) it is computed once per tile, not per element: score' = qk + (slope[h] * k) *
+# |q - kv| is an add and an FMA a score.
+_SCORE = Expr("var", value="score")
+_PER_ELEMENT = {"score", "q_idx", "kv_idx"}
+
+
+def score_offset(e: Expr | None) -> Expr | None:
+    """h when the score mod e is score + h (in any arrangement of adds and subtracts of
+    terms free of `score`, the score's coefficient 1), else None."""
+    if e is None:
+        return None
+    if e == _SCORE:
+        return _ZERO
+    if e.op in ("add", "sub"):
+        a, b = e.args
+        if "score" not in free_names(b):
+            base = score_offset(a)
+            if base is not None:
+                return (_add if e.op == "add" else _sub)(base, b)
+        if e.op == "add" and "score" not in free_names(a):
+            base = score_offset(b)
+            if base is not None:
+                return _add(a, base)
+    return None
+
+
+def _per_tile(e: Expr) -> bool:
+    """Whether e is one value for a whole tile of scores (no index but b and h)."""
+    return not (free_names(e) & _PER_ELEMENT)
+
+
+def scale_into(e: Expr, k: Expr) -> Expr:
+    """e * k with the factor k multiplied into a per-tile factor of e where there is one
+    (so that k costs one multiply a tile), else onto e itself."""
+    if _per_tile(e):
+        return _mul(e, k)
+    if e.op == "neg":  # (onto the factor: -x * k would be a negate and a multiply a score)
+        return scale_into(e.args[0], _neg(k))
+    if e.op == "add":
+        return _add(scale_into(e.args[0], k), scale_into(e.args[1], k))
+    if e.op == "sub":
+        return _add(scale_into(e.args[0], k), scale_into(e.args[1], _neg(k)))
+    if e.op == "mul":
+        a, b = e.args
+        if _per_tile(a) or not _per_tile(b):
+            return _mul(scale_into(a, k), b)
+        return _mul(a, scale_into(b, k))
+    if e.op == "div" and _per_tile(e.args[1]):
+        return _div(scale_into(e.args[0], k), e.args[1])
+    if e.op == "where":
+        c, a, b = e.args
+        return Expr("where", (c, scale_into(a, k), scale_into(b, k)), type="float")
+    return _mul(e, k)
 
 
 # ----------------------------------------------------------------------------------------

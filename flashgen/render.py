@@ -210,6 +210,18 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     mask_expr = None
     for e in masks_:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
+    # a score mod that only shifts the score (mods.score_offset): the Gluon kernels add the
+    # shift in their own units, the unit factor on a per-tile factor of it (mods.scale_into)
+    offset = mods.score_offset(score)
+
+    def glu_offset(k_name, kernel_name):
+        if offset is None:
+            return ""
+        e = mods.scale_into(offset, mods.Expr("var", value=k_name))
+        return mods.to_triton(e, dict(names, **{k_name: kernel_name}), loader("gl"), "gl",
+                              tanh_fn="_tanh" if fast else None,
+                              float_names={"q_idx": "q_idx_f", "kv_idx": "kv_idx_f"})
+
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
     dscore = (mods.derivative(score, mods.Expr("var", value="score"))
               if score is not None else None)
@@ -219,6 +231,10 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "gl_score_mod": glu(score) + ("" if score is None or "score" in mods.free_names(score)
                                       else " + score * 0.0"),
         "gl_sink": glu(sink),
+        # the same mod as a shift when it is one: in raw units (the forward's, times
+        # mod_k = 1 / the softmax scale) and in log2 units (the backward's, times LOG2E)
+        "gl_score_offset_raw": glu_offset("MOD_K", "mod_k"),
+        "gl_score_offset_log2": glu_offset("MOD_LOG2E", "LOG2E"),
         # the Gluon backward's: d(score mod)/d(score) ("" where it is 1: nothing to apply)
         "gl_score_grad": "" if dscore is None or (dscore.op == "const" and dscore.value == 1.0)
                          else glu(dscore),
@@ -292,6 +308,7 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "philox_rounds": families.PHILOX_ROUNDS,
         **{k: v for k, v in context.items()
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
+                    "gl_score_offset_raw", "gl_score_offset_log2",
                     "gl_score_grad", "block_sparse", "gl_sparse_args", "sparse_args",
                     "gl_bwd_sparse_args", "gl_bwd_order",
                     "fast_tanh")},

@@ -221,3 +221,50 @@ def test_heads_by_index_only():
                                      ("free", "[R, 4] fp32")) if t in source}
         mod = M.make_mod("m", "score", source, {}, tensors)
         assert not M.heads_by_index_only(mod), source
+
+
+# score mods that only shift the score, and ones that do more
+OFFSET_CASES = {
+    "alibi": ("score - t[h] * abs(q_idx - kv_idx)", True),
+    "bias_first": ("u[b, kv_idx] * cap + score", True),
+    "two_shifts": ("(score + t[h] * q_idx) - u[b, kv_idx] / cap", True),
+    "where_shift": ("score + where(q_idx >= kv_idx, t[h], -t[h] * 2.0)", True),
+    "scaled": ("2.0 * score + t[h]", False),
+    "softcap": ("cap * tanh(score / cap)", False),
+    "score_in_shift": ("score + score * t[h]", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFSET_CASES))
+def test_score_offset_and_its_unit_factor(name):
+    """score_offset(e) is h with e = score + h exactly (None when the score's coefficient is
+    not 1), and scale_into(h, k) is h * k with k on a per-tile factor where h has one."""
+    text, affine = OFFSET_CASES[name]
+    tensors = {"t": M.parse_tensor_decl("t", "[H] fp32"), "u": M.parse_tensor_decl("u", "[B, N] fp32")}
+    expr = M.parse_expr(text, "score", {"cap": 7.0}, tensors)
+    offset = M.score_offset(expr)
+    assert (offset is not None) == affine
+    if not affine:
+        return
+    assert "score" not in M.free_names(offset)
+    g = torch.Generator().manual_seed(1)
+    env = {"score": torch.randn(2, 3, 5, 6, generator=g, dtype=torch.float64) * 3,
+           "b": torch.arange(2)[:, None, None, None], "h": torch.arange(3)[None, :, None, None],
+           "q_idx": torch.arange(5)[:, None], "kv_idx": torch.arange(6)[None, :], "cap": 7.0,
+           "t": torch.rand(3, generator=g, dtype=torch.float64) + 0.5,
+           "u": torch.randn(2, 6, generator=g, dtype=torch.float64), "K": -0.37}
+    want = M.to_torch(expr, env)
+    torch.testing.assert_close(env["score"] + M.to_torch(offset, env), want)
+    k = M.Expr("var", value="K")
+    scaled = M.scale_into(offset, k)
+    torch.testing.assert_close(torch.as_tensor(M.to_torch(scaled, env) / env["K"]).expand_as(want),
+                               (want - env["score"]))
+
+
+def test_scale_into_puts_the_factor_on_the_per_tile_term():
+    """ALiBi's shift in raw units multiplies slope[h] (one number a tile) by the unit factor,
+    not each score: the rendered Gluon text has no per-element multiply by it."""
+    tensors = {"slope": M.parse_tensor_decl("slope", "[H] fp32")}
+    expr = M.parse_expr("score - slope[h] * abs(q_idx - kv_idx)", "score", {}, tensors)
+    scaled = M.scale_into(M.score_offset(expr), M.Expr("var", value="K"))
+    assert str(scaled) == "((slope[h] * -(K)) * abs((q_idx - kv_idx)))"

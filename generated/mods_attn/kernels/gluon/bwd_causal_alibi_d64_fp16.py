@@ -412,8 +412,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             # fp32 copies for index arithmetic that feeds a float (mods.to_triton)
             kv_idx_f = gl.expand_dims(keys.to(gl.float32), 1) + KV_POS.to(gl.float32)
             q_idx_f = gl.expand_dims((m0 + qcols).to(gl.float32), 0) + Q_POS.to(gl.float32)
-            score = st * SCALE  # natural units, what the score mod sees
-            pt = gl.exp2(((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx_f - kv_idx_f))))) * LOG2E - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
+            # the mod only shifts the score (mods.score_offset): the shift in log2 units,
+            # LOG2E on a factor that is one number for the tile, beside the FMA of S^T
+            pt = gl.exp2((st * QK_SCALE_LOG2 - gl.expand_dims(lse, 0))
+                         + (((gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * (-LOG2E)) * gl.abs((q_idx_f - kv_idx_f)))))  # [SPLIT_N, BLOCK_M]
             if (m0 < full_lo) | (m0 + BLOCK_M > full_hi):
                 # this query block straddles an edge of the band or the end of the queries:
                 # hide what it may not see

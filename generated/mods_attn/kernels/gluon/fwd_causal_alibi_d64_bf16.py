@@ -675,9 +675,10 @@ def _score_mod(qk, rows, cols, n0, b, h, qk_scale, T_slope, T_slope_S0, T_slope_
     # document 80 -> 80; after it, as the backward does, 152 and 88.)
     q_idx_f = gl.expand_dims((rows + Q_POS).to(gl.float32), 1)
     kv_idx_f = gl.expand_dims((n0 + KV_POS + cols).to(gl.float32), 0)
-    natural = qk_scale * LN2  # the softmax scale
-    score = qk * natural
-    return ((score - (gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * gl.abs((q_idx_f - kv_idx_f))))) * (1.0 / natural)
+    # the mod only shifts the score: the shift in raw units, 1 / the softmax scale folded
+    # into a factor that is one number for the tile (mods.scale_into)
+    mod_k = 1.0 / (qk_scale * LN2)
+    return qk + (((gl.load(T_slope + gl.minimum(gl.maximum(h, 0), T_slope_D0 - 1).to(gl.int64) * T_slope_S0) * (-mod_k)) * gl.abs((q_idx_f - kv_idx_f))))
 
 
 @gluon.jit
