@@ -1451,7 +1451,8 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) -> "str | None":
         return reason
     if VARIANTS[name]["dropout"]:
         # the Philox rounds beside the walk's state: a 400-byte stack frame offline at d=128
-        # (the dense dropout kernel: 136), and the dense one is opt-in already
+        # (the dense dropout kernel then: 136; 72 since the mask is applied on packed pairs,
+        # the varlen form not re-measured)
         return VARLEN_GLUON_REASON
     total_q, h_q, d = q.shape
     if k.shape[0] == 0 or max_k == 0:
