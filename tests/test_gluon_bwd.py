@@ -96,7 +96,10 @@ def _bwd_plan_kinds(pkg):
     (2, 127, 127, 4, 4, 128, torch.bfloat16, False, (-1, -1)),
 ], ids=["causal-b3-gqa4", "causal-nq<nk-gqa8", "causal-nq>nk", "d64-2k", "odd-gqa4",
         "d96-window", "decode-row", "N127"])
-@pytest.mark.parametrize("knobs", [{}, {"regs": "232/40"}], ids=["default", "regs"])
+# (bwd_head_group 5: key blocks level by level in groups of 5 (batch, K/V head) pairs, the
+# last group short -- 6 pairs at causal-b3-gqa4, 8 at causal-nq>nk)
+@pytest.mark.parametrize("knobs", [{}, {"regs": "232/40"}, {"bwd_head_group": 5}],
+                         ids=["default", "regs", "group5"])
 def test_gluon_backward_against_float64(pkg, poison, case, knobs):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")

@@ -101,19 +101,31 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 # Which key block a program owns, and which query blocks see it
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
-    """(batch, K/V head, first key row) of this program. Programs of one head are
-    consecutive, so the ones running together read the same Q and dO through L2; within a
-    head the first key blocks, which the most query rows see under a causal mask, go
-    first. With a block mask (PROG_ORDER, made on the device by _mods._program_order) the
-    key blocks with the longest lists go first, head-major among blocks of about the same
-    length: programs start in grid order, so a long one left to the end of the grid (a
-    window's sink block: 3-4x the mean) runs alone while the other SMs idle."""
+def _block_coords(NUM_N, H_KV, HEAD_GROUP, SEQS, PROG_ORDER, BLOCK_N: gl.constexpr):
+    """(batch, K/V head, first key row) of this program. In groups of HEAD_GROUP (batch,
+    K/V head) pairs, and within a group key block by key block: block 0 of every head of
+    the group, then block 1, ... Under a causal mask the first key blocks are the ones the
+    most query rows see, so a group starts with its longest programs and ends with its
+    shortest (programs start in grid order; the hardware hands each to the next free SM),
+    and the group's heads read their Q and dO through L2 together. HEAD_GROUP = 1 is
+    head-major (an unmasked call, where every program is as long as any other). With a
+    block mask (PROG_ORDER, made on the device by _mods._program_order) the key blocks
+    with the longest lists go first, head-major among blocks of about the same length: a
+    long one left to the end of the grid (a window's sink block: 3-4x the mean) would run
+    alone while the other SMs idle."""
     pid = gl.program_id(0)
     if PROG_ORDER is not None:
         pid = gl.load(PROG_ORDER + pid)
-    bkv = pid // NUM_N
-    return bkv // H_KV, bkv % H_KV, (pid % NUM_N) * BLOCK_N
+        bkv = pid // NUM_N
+        n = pid % NUM_N
+    else:
+        per_group = HEAD_GROUP * NUM_N
+        grp = pid // per_group
+        r = pid - grp * per_group
+        heads = gl.minimum(HEAD_GROUP, SEQS * H_KV - grp * HEAD_GROUP)  # (the last group's)
+        n = r // heads
+        bkv = grp * HEAD_GROUP + (r - n * heads)
+    return bkv // H_KV, bkv % H_KV, n * BLOCK_N
 
 
 # ----------------------------------------------------------------------------------------
@@ -251,7 +263,7 @@ def _program(CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, NUM_N, H_KV, HEAD_GROUP, SEQS
         db = gl.program_id(0) * 0  # the descriptors see the packed rows as one batch
         return db, b, kv_h, n_start, q0, k0, n_q, n_k, LO_OFF + (n_k - n_q), HI_OFF + (n_k - n_q)
     else:
-        b, kv_h, n_start = _block_coords(NUM_N, H_KV, PROG_ORDER, BLOCK_N)
+        b, kv_h, n_start = _block_coords(NUM_N, H_KV, HEAD_GROUP, SEQS, PROG_ORDER, BLOCK_N)
         return b, b, kv_h, n_start, 0, 0, N_Q, N_K, LO_OFF, HI_OFF
 
 
@@ -552,7 +564,7 @@ def bwd_causal_document_softcap_d64_bf16_kernel(
     LO_OFF, HI_OFF,  # the band: i + LO_OFF <= j <= i + HI_OFF
     NUM_N,  # key blocks per (batch, K/V head); the grid is BATCH * H_KV * NUM_N programs
     VEC_ROW,  # elements from one (batch, head) row of LSE and D to the next: N_Q rounded up to 4
-    HEAD_GROUP,  # VARLEN: K/V heads whose key blocks are ordered together (_varlen_block); dense: unused
+    HEAD_GROUP,  # K/V heads whose key blocks are ordered together (_block_coords, _varlen_block)
     # the mods' tensors (pointer, strides, extents) and params; Q_POS, KV_POS: the global
     # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS,
@@ -576,10 +588,9 @@ def bwd_causal_document_softcap_d64_bf16_kernel(
 ):
     H_Q = H_KV * KV_GROUP
     desc_b = BATCH
-    seqs = 0  # the partitions' sequence count: a dense program needs none
+    seqs = BATCH  # the partitions' sequence count (dense: the batch, for _block_coords' groups)
     if VARLEN:
         desc_b = 1
-        seqs = BATCH
     if HOST_DESC:
         # the host made the descriptors (the runtime's _gluon_bwd_descriptors, the same boxes
         # as below): made here, once per program, they cost ~10 us of a program's start,
