@@ -2,9 +2,9 @@
 level by level in groups of heads (HEAD_GROUP, the runtime's _gluon_bwd_head_group), on one
 GPU (Hopper).
 
-    python benchmarks/bwd_head_group_ab.py [--rounds 3] [--shapes 1,16,4096,128 ...]
+    python benchmarks/bwd_head_group_ab.py [--rounds 3] [--shapes 1,16,4096,128[,HKV] ...]
 
-For each (B, H, N, d) shape, bf16 causal, (B, H, N, d) tensors through the example
+For each (B, H, N, d[, H_KV]) shape (H_KV < H: GQA; the package must be built with it), bf16 causal, (B, H, N, d) tensors through the example
 packages' scaled_dot_product_attention (d = 128: specs/llama.yaml, d = 64:
 specs/gpt2.yaml, built from this checkout), the backward of one saved forward is timed as
 
@@ -41,6 +41,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--shapes", nargs="+", default=SHAPES)
+    ap.add_argument("--also", nargs="*", type=int, default=[],
+                    help="more arms: the Gluon default config at these forced group sizes")
     args = ap.parse_args()
     import triton
     import torch.nn.functional as F
@@ -51,14 +53,16 @@ def main():
     print("| B | H | N | d | G | head-major | grouped | package | cudnn | grouped / head-major "
           "| grouped / cudnn | dK,dV same | dQ max rel |\n|" + "---|" * 13, flush=True)
     for shape in args.shapes:
-        b, h, n, d = map(int, shape.split(","))
+        b, h, n, d, *rest = map(int, shape.split(","))
+        hkv = rest[0] if rest else h
         pkg, _ = load_package(None, d)
         rt = pkg._runtime
         g = torch.Generator(device="cuda").manual_seed(b * n + d)
-        q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-                   for _ in range(3))
+        q = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        k, v = (torch.randn(b, hkv, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                for _ in range(2))
         do = torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
-        group = rt._gluon_bwd_head_group({}, f"bwd_causal_d{d}_bf16", q, b * h, -(-n // 128))
+        group = rt._gluon_bwd_head_group({}, f"bwd_causal_d{d}_bf16", q, b * hkv, -(-n // 128))
 
         def saved(fn):
             qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
@@ -66,18 +70,21 @@ def main():
             return out, [qg, kg, vg]
 
         def flash(qg, kg, vg):
-            return pkg.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+            return pkg.scaled_dot_product_attention(qg, kg, vg, is_causal=True,
+                                                    enable_gqa=hkv != h)
 
         def cudnn(qg, kg, vg):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True)
+                return F.scaled_dot_product_attention(qg, kg, vg, is_causal=True,
+                                                      enable_gqa=hkv != h)
 
         def ctx(override):
             return rt.override_config(**override) if override else contextlib.nullcontext()
 
         arms = {"head-major": (flash, dict(family="gluon", bwd_head_group=1)),
                 "grouped": (flash, dict(family="gluon")),
-                "package": (flash, None), "cudnn": (cudnn, None)}
+                "package": (flash, None), "cudnn": (cudnn, None),
+                **{f"G={g}": (flash, dict(family="gluon", bwd_head_group=g)) for g in args.also}}
         calls, grads = {}, {}
         for label, (fn, override) in arms.items():
             out, leaves = saved(fn)
@@ -99,11 +106,14 @@ def main():
                         call, warmup=25, rep=100, grad_to_none=leaves, return_mode="median"))
         flops = 2.5 * 4 * b * h * n * n * d / 2
         tf = {label: flops / (statistics.median(s) * 1e-3) / 1e12 for label, s in samples.items()}
-        rows.append(dict(b=b, h=h, n=n, d=d, group=group, tflops=tf, samples_ms=samples,
+        rows.append(dict(b=b, h=h, h_kv=hkv, n=n, d=d, group=group, tflops=tf, samples_ms=samples,
                          dkdv_identical=same, dq_max_rel=dq_rel))
-        print(f"| {b} | {h} | {n} | {d} | {group} | " + " | ".join(f"{tf[a]:.1f}" for a in arms)
+        print(f"| {b} | {h}{'' if hkv == h else f'/{hkv}'} | {n} | {d} | {group} | "
+              + " | ".join(f"{tf[a]:.1f}" for a in ("head-major", "grouped", "package", "cudnn"))
               + f" | {tf['grouped'] / tf['head-major']:.3f} | {tf['grouped'] / tf['cudnn']:.3f}"
               f" | {same} | {dq_rel:.1e} |", flush=True)
+        if args.also:
+            print("    " + ", ".join(f"G={g}: {tf[f'G={g}']:.1f}" for g in args.also), flush=True)
         del calls, grads, q, k, v, do
         torch.cuda.empty_cache()
     print(f"({args.rounds} interleaved rounds; {time.perf_counter() - started:.0f} s)")

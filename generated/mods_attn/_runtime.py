@@ -1190,25 +1190,23 @@ def _gluon_bwd_head_group(cfg, name, q, kv_heads: int, num_n: int) -> int:
     block 0 of each, then block 1, ... (HEAD_GROUP, the kernel's _block_coords). Under a
     causal mask a head's key blocks run from the longest (block 0: every query row sees it)
     to the shortest, and head-major order (1) starts the last heads' longest blocks when
-    most SMs are about to run out of work: a list-scheduling model of 132 SMs put the last
-    SM's end at 1.27x the mean at (B, H, N) = (1, 16, 4k), 1.07x at (8, 16, 2k) and
-    (4, 16, 4k). A group whose programs fill about one wave (at least SMs / key blocks
-    pairs, rounded up to a divisor of the pairs so that no small group runs alone at the
-    end) brings that to 1.00-1.02x; the group's Q, dO and fp32 dQ sum are capped at half of
-    L2. Unmasked and windowed calls (programs of one length) keep head-major order, and a
-    block mask has an order of its own (PROG_ORDER). Config key `bwd_head_group` forces a value (A/B runs)."""
+    most SMs are about to run out of work: a list-scheduling model of 132 SMs
+    (benchmarks/bwd_head_group_model.py) put the last SM's end at 1.27x the mean at (B, H,
+    N) = (1, 16, 4k), 1.07x at (8, 16, 2k) and (4, 16, 4k), 1.58x with GQA 4:1 at (1, 32,
+    4k). A group whose programs fill about a wave brings that to 1.00-1.03x; this is the
+    smallest divisor of the pairs (no small group left to run alone at the end) within one
+    key block level of a full wave, since a group's Q, dO and fp32 dQ sum share L2 (H100,
+    Gluon default config, TFLOP/s: GQA (1, 32/8, 4k) G=4 429.4, G=8 386.5, head-major
+    323.6; (4, 16, 4k) G=4 437.4, G=8 432.1; docs/PERF_NOTES.md). Unmasked and windowed
+    calls (programs of one length) keep head-major order, and a block mask has an order of
+    its own (PROG_ORDER). Config key `bwd_head_group` forces a value (A/B runs)."""
     if "bwd_head_group" in cfg:
         return max(1, int(cfg["bwd_head_group"]))
     if VARIANTS[name]["mask"] != "causal":
         return 1
     _, _, sms = gpu_key(q.device)
-    l2 = getattr(torch.cuda.get_device_properties(q.device), "L2_cache_size", 0) or 50 << 20
-    kv_group = q.shape[1] // max(kv_heads // q.shape[0], 1)
-    pair_bytes = kv_group * q.shape[2] * q.shape[3] * (2 * q.element_size() + 4)
-    cap = max(1, (l2 // 2) // max(pair_bytes, 1))
-    want = triton_cdiv(sms, max(num_n, 1))
-    divisors = [g for g in range(1, kv_heads + 1) if kv_heads % g == 0 and g <= cap]
-    return next((g for g in divisors if g >= want), divisors[-1])
+    return next(g for g in range(1, kv_heads + 1)
+                if kv_heads % g == 0 and (g * num_n >= sms - num_n or g == kv_heads))
 
 
 def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
