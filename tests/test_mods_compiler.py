@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -268,3 +269,19 @@ def test_scale_into_puts_the_factor_on_the_per_tile_term():
     expr = M.parse_expr("score - slope[h] * abs(q_idx - kv_idx)", "score", {}, tensors)
     scaled = M.scale_into(M.score_offset(expr), M.Expr("var", value="K"))
     assert str(scaled) == "((slope[h] * -(K)) * abs((q_idx - kv_idx)))"
+
+
+def test_gluon_kernels_add_alibi_as_a_shift(tmp_path):
+    """The shipped ALiBi variant's Gluon kernels take the shift path (no multiply into
+    natural units and back per score); softcap, which is not a shift, keeps the general
+    one."""
+    from flashgen.build import build
+
+    root = build(Path(__file__).resolve().parents[1] / "specs" / "mods.yaml", tmp_path).root
+    kernels = root / "kernels" / "gluon"
+    fwd = (kernels / "fwd_causal_alibi_d128_bf16.py").read_text()
+    bwd = (kernels / "bwd_causal_alibi_d128_bf16.py").read_text()
+    assert "return qk + (" in fwd and "* (-mod_k))" in fwd
+    assert "(st * QK_SCALE_LOG2 - gl.expand_dims(lse, 0))" in bwd and "* (-LOG2E))" in bwd
+    soft = (kernels / "fwd_causal_softcap_d128_bf16.py").read_text()
+    assert "return qk + (" not in soft and "score = qk * natural" in soft
