@@ -222,6 +222,13 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
                               tanh_fn="_tanh" if fast else None,
                               float_names={"q_idx": "q_idx_f", "kv_idx": "kv_idx_f"})
 
+    def tri_offset():  # the `tl` kernels' shift, in their log2 units
+        if offset is None:
+            return ""
+        e = mods.scale_into(offset, mods.Expr("var", value="MOD_LOG2E"))
+        return mods.to_triton(e, dict(names, MOD_LOG2E="LOG2E"), load,
+                              tanh_fn="_tanh" if fast else None)
+
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
     dscore = (mods.derivative(score, mods.Expr("var", value="score"))
               if score is not None else None)
@@ -246,6 +253,11 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "mods": [{"name": m.name, "kind": m.kind, "source": m.source} for m in ms],
         "score_mod": tri(score),
         "score_grad": tri(dscore),
+        # the `tl` kernels': the mod as a shift in log2 units when it is one, and the chain
+        # rule's factor where it is not 1 ("": nothing to multiply dS by)
+        "score_offset_log2": tri_offset(),
+        "score_grad_apply": "" if dscore is None or (dscore.op == "const" and dscore.value == 1.0)
+                            else tri(dscore),
         "mask_mod": tri(mask_expr),
         "sink_mod": tri(sink),
         "block_sparse": block_sparse,

@@ -282,8 +282,8 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             s_t = tl.dot(k0, tl.trans(q0), input_precision="tf32x3")
             q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
             kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
-            score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            # the mod only shifts the score (mods.score_offset): the shift in log2 units
+            p_t = tl.exp2((s_t * QK_SCALE_LOG2 - lse[None, :]) + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E)))
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
             if MASK_RIGHT:
@@ -306,8 +306,6 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             if GRAD_BIAS:
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
                 tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + (m0 + offs_m)[None, :].to(tl.int64) * DT_bias_S2 + offs_n[:, None].to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=((m0 + offs_m)[None, :] < N_Q) & (offs_n[:, None] < N_K))
-            # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * (1.0))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0, input_precision="tf32x3")  # [BLOCK_N, DV0_SIZE]
@@ -362,8 +360,8 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             s_t = tl.dot(k0, tl.trans(q0), input_precision="tf32x3")
             q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
             kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
-            score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            # the mod only shifts the score (mods.score_offset): the shift in log2 units
+            p_t = tl.exp2((s_t * QK_SCALE_LOG2 - lse[None, :]) + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E)))
             # dP^T = V dO^T: [BLOCK_N, BLOCK_M]
             dp_t = tl.dot(vv0, tl.trans(dov0), input_precision="tf32x3")
             if DROPOUT:
@@ -379,8 +377,6 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             if GRAD_BIAS:
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
                 tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + (m0 + offs_m)[None, :].to(tl.int64) * DT_bias_S2 + offs_n[:, None].to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=((m0 + offs_m)[None, :] < N_Q) & (offs_n[:, None] < N_K))
-            # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * (1.0))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0, input_precision="tf32x3")  # [BLOCK_N, DV0_SIZE]
@@ -430,8 +426,8 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             s_t = tl.dot(k0, tl.trans(q0), input_precision="tf32x3")
             q_idx = (m0 + Q_POS + offs_m)[None, :]  # [1, BLOCK_M] row of the score matrix (global)
             kv_idx = (offs_n + KV_POS)[:, None]  # [BLOCK_N, 1] column (global)
-            score = s_t * SCALE  # natural units, what the score mod sees
-            p_t = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[None, :])  # [BLOCK_N, BLOCK_M]
+            # the mod only shifts the score (mods.score_offset): the shift in log2 units
+            p_t = tl.exp2((s_t * QK_SCALE_LOG2 - lse[None, :]) + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E)))
             rows = (m0 + offs_m)[None, :]
             visible = (offs_n[:, None] < N_K) & (rows < N_Q)
             if MASK_RIGHT:
@@ -454,8 +450,6 @@ def bwd_sdpa_mask_dropout_d64_fp32_dkdv_kernel(
             if GRAD_BIAS:
                 # the gradient of `bias` at this tile: dS times d(score mod)/dbias
                 tl.store(DT_bias + b.to(tl.int64) * DT_bias_S0 + h.to(tl.int64) * DT_bias_S1 + (m0 + offs_m)[None, :].to(tl.int64) * DT_bias_S2 + offs_n[:, None].to(tl.int64) * DT_bias_S3, tl.where(ds_t == 0.0, 0.0, ds_t * (1.0)), mask=((m0 + offs_m)[None, :] < N_Q) & (offs_n[:, None] < N_K))
-            # chain rule through the score mod (0 where dS is, whatever the derivative)
-            ds_t = tl.where(ds_t == 0.0, 0.0, ds_t * (1.0))
             p_t = p_t.to(Q.dtype.element_ty)
             ds_t = ds_t.to(Q.dtype.element_ty)
             dvv0 += tl.dot(p_t, dov0, input_precision="tf32x3")  # [BLOCK_N, DV0_SIZE]
@@ -593,8 +587,8 @@ def bwd_sdpa_mask_dropout_d64_fp32_dq_kernel(
             s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
             q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
             kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
-            score = s * SCALE  # natural units, what the score mod sees
-            p = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+            # the mod only shifts the score (mods.score_offset): the shift in log2 units
+            p = tl.exp2((s * QK_SCALE_LOG2 - lse[:, None]) + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E)))
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
             if MASK_RIGHT:
@@ -607,8 +601,7 @@ def bwd_sdpa_mask_dropout_d64_fp32_dq_kernel(
             if DROPOUT:
                 keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 dp = tl.where(keep, dp * DROP_SCALE, 0.0)
-            ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-            ds = tl.where(ds == 0.0, 0.0, ds * (1.0)).to(Q.dtype.element_ty)
+            ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
             dq0 += tl.dot(ds, k0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
 
 
@@ -625,15 +618,14 @@ def bwd_sdpa_mask_dropout_d64_fp32_dq_kernel(
         s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
         kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
-        score = s * SCALE  # natural units, what the score mod sees
-        p = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        # the mod only shifts the score (mods.score_offset): the shift in log2 units
+        p = tl.exp2((s * QK_SCALE_LOG2 - lse[:, None]) + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E)))
         dp = tl.dot(dov0, tl.trans(vv0), input_precision="tf32x3")  # [BLOCK_M, BLOCK_N]
 
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
-        ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        ds = tl.where(ds == 0.0, 0.0, ds * (1.0)).to(Q.dtype.element_ty)
+        ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
 
 
@@ -644,8 +636,8 @@ def bwd_sdpa_mask_dropout_d64_fp32_dq_kernel(
         s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] (global)
         kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] (global)
-        score = s * SCALE  # natural units, what the score mod sees
-        p = tl.exp2(((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E - lse[:, None])  # [BLOCK_M, BLOCK_N]
+        # the mod only shifts the score (mods.score_offset): the shift in log2 units
+        p = tl.exp2((s * QK_SCALE_LOG2 - lse[:, None]) + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E)))
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K
         if MASK_RIGHT:
@@ -658,8 +650,7 @@ def bwd_sdpa_mask_dropout_d64_fp32_dq_kernel(
         if DROPOUT:
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             dp = tl.where(keep, dp * DROP_SCALE, 0.0)
-        ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
-        ds = tl.where(ds == 0.0, 0.0, ds * (1.0)).to(Q.dtype.element_ty)
+        ds = (p * (dp - delta[:, None])).to(Q.dtype.element_ty)  # [BLOCK_M, BLOCK_N]
         dq0 += tl.dot(ds, k0, input_precision="tf32x3")  # [BLOCK_M, D0_SIZE]
 
 

@@ -174,8 +174,9 @@ def fwd_sdpa_mask_dropout_d64_fp32_kernel(
             s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
             q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
             kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
-            score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = ((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
+            # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+            # units with LOG2E on a factor that is one number for the tile
+            s = s * QK_SCALE_LOG2 + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E))
             # this block straddles an edge of the band: hide what the query may not see
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
@@ -212,8 +213,9 @@ def fwd_sdpa_mask_dropout_d64_fp32_kernel(
         s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
         kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
-        score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
+        # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+        # units with LOG2E on a factor that is one number for the tile
+        s = s * QK_SCALE_LOG2 + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
         # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -242,8 +244,9 @@ def fwd_sdpa_mask_dropout_d64_fp32_kernel(
         s = tl.dot(q0, tl.trans(k0), input_precision="tf32x3")
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
         kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
-        score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((score + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
+        # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+        # units with LOG2E on a factor that is one number for the tile
+        s = s * QK_SCALE_LOG2 + ((tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3) * LOG2E))
         # this block straddles an edge of the band: hide what the query may not see
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K

@@ -237,8 +237,9 @@ def decode_causal_alibi_d64_fp16_kernel(
             # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
             kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
-            score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = ((score - (tl.load(T_slope + tl.minimum(tl.maximum(mod_h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * tl.abs((q_idx - kv_idx))))) * LOG2E
+            # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+            # units with LOG2E on a factor that is one number for the tile
+            s = s * QK_SCALE_LOG2 + (((tl.load(T_slope + tl.minimum(tl.maximum(mod_h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * (-LOG2E)) * tl.abs((q_idx - kv_idx))))
             # this block straddles an edge of the band or of the split: hide what a row may not see
             visible = key_ok[None, :]
             if MASK_RIGHT:
@@ -294,8 +295,9 @@ def decode_causal_alibi_d64_fp16_kernel(
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
-        score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((score - (tl.load(T_slope + tl.minimum(tl.maximum(mod_h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * tl.abs((q_idx - kv_idx))))) * LOG2E
+        # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+        # units with LOG2E on a factor that is one number for the tile
+        s = s * QK_SCALE_LOG2 + (((tl.load(T_slope + tl.minimum(tl.maximum(mod_h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * (-LOG2E)) * tl.abs((q_idx - kv_idx))))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
         # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -345,8 +347,9 @@ def decode_causal_alibi_d64_fp16_kernel(
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
-        score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((score - (tl.load(T_slope + tl.minimum(tl.maximum(mod_h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * tl.abs((q_idx - kv_idx))))) * LOG2E
+        # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+        # units with LOG2E on a factor that is one number for the tile
+        s = s * QK_SCALE_LOG2 + (((tl.load(T_slope + tl.minimum(tl.maximum(mod_h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * (-LOG2E)) * tl.abs((q_idx - kv_idx))))
         # this block straddles an edge of the band or of the split: hide what a row may not see
         visible = key_ok[None, :]
         if MASK_RIGHT:

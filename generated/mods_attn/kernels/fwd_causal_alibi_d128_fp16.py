@@ -173,8 +173,9 @@ def fwd_causal_alibi_d128_fp16_kernel(
             s = tl.dot(q0, tl.trans(k0))
             q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
             kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
-            score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = ((score - (tl.load(T_slope + tl.minimum(tl.maximum(h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * tl.abs((q_idx - kv_idx))))) * LOG2E
+            # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+            # units with LOG2E on a factor that is one number for the tile
+            s = s * QK_SCALE_LOG2 + (((tl.load(T_slope + tl.minimum(tl.maximum(h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * (-LOG2E)) * tl.abs((q_idx - kv_idx))))
             # this block straddles an edge of the band: hide what the query may not see
             cols = (n0 + offs_n)[None, :]
             visible = cols < N_K
@@ -211,8 +212,9 @@ def fwd_causal_alibi_d128_fp16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
         kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
-        score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((score - (tl.load(T_slope + tl.minimum(tl.maximum(h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * tl.abs((q_idx - kv_idx))))) * LOG2E
+        # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+        # units with LOG2E on a factor that is one number for the tile
+        s = s * QK_SCALE_LOG2 + (((tl.load(T_slope + tl.minimum(tl.maximum(h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * (-LOG2E)) * tl.abs((q_idx - kv_idx))))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
         # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
         # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -241,8 +243,9 @@ def fwd_causal_alibi_d128_fp16_kernel(
         s = tl.dot(q0, tl.trans(k0))
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
         kv_idx = (n0 + KV_POS + offs_n)[None, :]  # [1, BLOCK_N] column (global)
-        score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-        s = ((score - (tl.load(T_slope + tl.minimum(tl.maximum(h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * tl.abs((q_idx - kv_idx))))) * LOG2E
+        # the mod only shifts the score (flashgen's mods.score_offset): the shift, in log2
+        # units with LOG2E on a factor that is one number for the tile
+        s = s * QK_SCALE_LOG2 + (((tl.load(T_slope + tl.minimum(tl.maximum(h, 0), T_slope_D0 - 1).to(tl.int64) * T_slope_S0) * (-LOG2E)) * tl.abs((q_idx - kv_idx))))
         # this block straddles an edge of the band: hide what the query may not see
         cols = (n0 + offs_n)[None, :]
         visible = cols < N_K
