@@ -169,23 +169,20 @@ def test_which_gluon_kernels_run_by_default():
     assert families.gluon_by_default("bwd", True, 64, (), families.GLUON_BWD_SMALL_D_MIN_N)
 
 
-def test_causal_backward_head_groups(pkg, monkeypatch):
-    """The dense Gluon backward's program order (runtime _gluon_bwd_head_group): under a
-    causal mask, the smallest divisor of the (batch, K/V head) pairs whose key blocks fill
-    a 132-SM wave to within one level; head-major (1) without a causal mask; a config's
+def test_causal_backward_head_groups(pkg):
+    """The dense Gluon backward's program order: under a causal mask, the smallest divisor
+    of the (batch, K/V head) pairs whose key blocks fill a 132-SM wave to within one level
+    (families.bwd_head_group); head-major (1) without a causal mask or off a GPU; a config's
     bwd_head_group wins."""
+    from flashgen import families
+
+    assert families.bwd_head_group(16, 32, 132) == 4  # (1, 16, 4k): 4 x 32 blocks a wave
+    assert families.bwd_head_group(128, 16, 132) == 8  # (8, 16, 2k)
+    assert families.bwd_head_group(8, 32, 132) == 4  # GQA 4:1 at (1, 32, 4k): K/V heads
+    assert families.bwd_head_group(16, 128, 132) == 1  # 16k: 128 blocks a head already
+    assert families.bwd_head_group(6, 2, 132) == 6  # few blocks: every pair in one group
     rt = pkg._runtime
-    monkeypatch.setattr(rt, "gpu_key", lambda device: ("H100", 232448, 132))
-
-    def group(b, h_q, h_kv, n, name="bwd_causal_d128_bf16", cfg=None):
-        q = torch.empty(b, h_q, n, 128, dtype=torch.bfloat16)
-        return rt._gluon_bwd_head_group(cfg or {}, name, q, b * h_kv, -(-n // 128))
-
-    assert group(1, 16, 16, 4096) == 4  # 4 x 32 blocks: a wave
-    assert group(8, 16, 16, 2048) == 8  # 8 x 16
-    assert group(1, 32, 8, 4096) == 4  # GQA 4:1: pairs are K/V heads
-    assert group(1, 16, 16, 16384) == 1  # 128 blocks a head already
-    assert group(3, 8, 2, 256) == 6  # few blocks: every pair in one group
-    assert group(1, 16, 16, 4096, name="bwd_d128_bf16") == 1  # programs of one length
-    assert group(1, 16, 16, 4096, name="bwd_window_d128_bf16") == 1
-    assert group(1, 16, 16, 4096, cfg={"bwd_head_group": 5}) == 5
+    q = torch.empty(1, 16, 4096, 128, dtype=torch.bfloat16)
+    for name in ("bwd_causal_d128_bf16", "bwd_d128_bf16", "bwd_window_d128_bf16"):
+        assert rt._gluon_bwd_head_group({}, name, q, 16, 32) == 1  # (a CPU tensor; unmasked)
+    assert rt._gluon_bwd_head_group({"bwd_head_group": 5}, "bwd_causal_d128_bf16", q, 16, 32) == 5

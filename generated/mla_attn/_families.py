@@ -189,6 +189,14 @@ GLUON_BWD_PHILOX_SPLIT = True
 PHILOX_SPLIT_SHARED_BYTES = 3632  # the exchange's scratch, sm_90 compile at d = 64 and 128
 
 
+def bwd_head_group(pairs: int, num_n: int, sms: int) -> int:
+    """The dense Gluon backward's group under a causal mask (HEAD_GROUP; the runtime's
+    _gluon_bwd_head_group says why): the smallest divisor of the (batch, K/V head) pairs
+    whose key blocks (num_n a pair) fill a wave of `sms` programs to within one level."""
+    return next(g for g in range(1, pairs + 1)
+                if pairs % g == 0 and (g * num_n >= sms - num_n or g == pairs))
+
+
 # What the Gluon backward's tile may be (bwd_config_reason): BLOCK_N is fixed by the consumer
 # count rendered into the kernel (CONSUMERS x KEY_ROWS_PER_CONSUMER keys per program);
 # BLOCK_M, the query rows of one step through the Q/dO ring, is the N extent of

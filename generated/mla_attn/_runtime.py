@@ -1202,11 +1202,9 @@ def _gluon_bwd_head_group(cfg, name, q, kv_heads: int, num_n: int) -> int:
     its own (PROG_ORDER). Config key `bwd_head_group` forces a value (A/B runs)."""
     if "bwd_head_group" in cfg:
         return max(1, int(cfg["bwd_head_group"]))
-    if VARIANTS[name]["mask"] != "causal":
+    if VARIANTS[name]["mask"] != "causal" or not q.is_cuda:  # (off a GPU: tests' wiring)
         return 1
-    _, _, sms = gpu_key(q.device)
-    return next(g for g in range(1, kv_heads + 1)
-                if kv_heads % g == 0 and (g * num_n >= sms - num_n or g == kv_heads))
+    return _families.bwd_head_group(kv_heads, num_n, gpu_key(q.device)[2])
 
 
 def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
