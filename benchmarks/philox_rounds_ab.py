@@ -79,13 +79,12 @@ def build(spec_path: Path, rounds: int, templates: Path | None = None, label: st
     return module
 
 
-def flops(b, n, d, mode):
-    f = 4 * b * H * n * n * d / 2
+def flops(b, h, n, d, mode):
+    f = 4 * b * h * n * n * d / 2
     return 2.5 * f if mode == "bwd" else f
 
 
 def main():
-    global H
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d", type=int, nargs="+", default=[128, 64], choices=sorted(SPECS))
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
@@ -96,7 +95,7 @@ def main():
     ap.add_argument("--knobs", nargs="+", default=[], type=json.loads,
                     help="Gluon forward knob sets to time at 7 rounds (JSON objects)")
     args = ap.parse_args()
-    H = args.heads
+    h = args.heads
     import triton
 
     started = time.perf_counter()
@@ -109,7 +108,7 @@ def main():
         for n in args.n:
             b = args.tokens // n
             g = torch.Generator(device="cuda").manual_seed(n + d)
-            q, k, v = (torch.randn(b, H, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
                        for _ in range(3))
 
             def fwd(pkg, family, p):
@@ -126,7 +125,7 @@ def main():
                     outs[fam] = fwd(pkg, fam, P)().float()
                 pkg._runtime.use_family("")
                 torch.manual_seed(5)
-                keep = pkg.dropout_mask(b, H, n, n, P, device="cuda")
+                keep = pkg.dropout_mask(b, h, n, n, P, device="cuda")
                 rel = ((outs["gluon"] - outs["tl"]).abs().max() / outs["tl"].abs().max()).item() \
                     if gluon_fwd else None
                 share = keep.float().mean().item()
@@ -171,9 +170,9 @@ def main():
             for pkg in pkgs.values():
                 pkg._runtime.use_family("")
             ms = {label: statistics.median(s) for label, s in samples.items()}
-            tf = {label: flops(b, n, d, calls[label][0]) / (t * 1e-3) / 1e12
+            tf = {label: flops(b, h, n, d, calls[label][0]) / (t * 1e-3) / 1e12
                   for label, t in ms.items()}
-            rows.append(dict(d=d, n=n, b=b, h=H, ms=ms, tflops=tf, samples_ms=samples))
+            rows.append(dict(d=d, n=n, b=b, h=h, ms=ms, tflops=tf, samples_ms=samples))
             print(f"\nd={d} N={n} B={b} (TFLOP/s; x = / p=0 of the same direction)")
             for label, t in tf.items():
                 base = tf["fwd p=0"] if label.startswith("fwd") else tf["bwd p=0"]

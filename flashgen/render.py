@@ -164,13 +164,15 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     # 16-bit variants take tanh from the special-function unit (_fastmath.py says why)
     fast = variant.dtype in ("bf16", "fp16")
 
-    def tri(e):
-        return (mods.to_triton(e, names, load, tanh_fn="_tanh" if fast else None)
+    def tri(e, extra=None):
+        return (mods.to_triton(e, {**names, **(extra or {})}, load,
+                               tanh_fn="_tanh" if fast else None)
                 if e is not None else "")
 
-    def glu(e):
+    def glu(e, extra=None):
         # the Gluon kernels make q_idx_f / kv_idx_f (fp32 index vectors) beside q_idx / kv_idx
-        return (mods.to_triton(e, names, loader("gl"), "gl", tanh_fn="_tanh" if fast else None,
+        return (mods.to_triton(e, {**names, **(extra or {})}, loader("gl"), "gl",
+                               tanh_fn="_tanh" if fast else None,
                                float_names={"q_idx": "q_idx_f", "kv_idx": "kv_idx_f"})
                 if e is not None else "")
 
@@ -210,28 +212,22 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     mask_expr = None
     for e in masks_:
         mask_expr = e if mask_expr is None else mods.Expr("and", (mask_expr, e), type="bool")
-    # a score mod that only shifts the score (mods.score_offset): the Gluon kernels add the
-    # shift in their own units, the unit factor on a per-tile factor of it (mods.scale_into)
+    # a score mod that only shifts the score (mods.score_offset): the kernels add the shift
+    # in their own units, the unit factor (the kernel's name `factor`) on a per-tile factor
+    # of it (mods.scale_into)
     offset = mods.score_offset(score)
 
-    def glu_offset(k_name, kernel_name):
+    def shift(render, factor):
         if offset is None:
             return ""
-        e = mods.scale_into(offset, mods.Expr("var", value=k_name))
-        return mods.to_triton(e, dict(names, **{k_name: kernel_name}), loader("gl"), "gl",
-                              tanh_fn="_tanh" if fast else None,
-                              float_names={"q_idx": "q_idx_f", "kv_idx": "kv_idx_f"})
-
-    def tri_offset():  # the `tl` kernels' shift, in their log2 units
-        if offset is None:
-            return ""
-        e = mods.scale_into(offset, mods.Expr("var", value="MOD_LOG2E"))
-        return mods.to_triton(e, dict(names, MOD_LOG2E="LOG2E"), load,
-                              tanh_fn="_tanh" if fast else None)
+        return render(mods.scale_into(offset, mods.Expr("var", value="MOD_UNIT")),
+                      {"MOD_UNIT": factor})
 
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
     dscore = (mods.derivative(score, mods.Expr("var", value="score"))
               if score is not None else None)
+    # the chain rule's factor d(score mod)/d(score), None where there is nothing to apply
+    grad = None if dscore is None or (dscore.op == "const" and dscore.value == 1.0) else dscore
     return {
         # the Gluon forward's: the score mod (returning a full [rows, cols] block even if
         # the expression does not read `score`) and the sink
@@ -240,11 +236,10 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "gl_sink": glu(sink),
         # the same mod as a shift when it is one: in raw units (the forward's, times
         # mod_k = 1 / the softmax scale) and in log2 units (the backward's, times LOG2E)
-        "gl_score_offset_raw": glu_offset("MOD_K", "mod_k"),
-        "gl_score_offset_log2": glu_offset("MOD_LOG2E", "LOG2E"),
+        "gl_score_offset_raw": shift(glu, "mod_k"),
+        "gl_score_offset_log2": shift(glu, "LOG2E"),
         # the Gluon backward's: d(score mod)/d(score) ("" where it is 1: nothing to apply)
-        "gl_score_grad": "" if dscore is None or (dscore.op == "const" and dscore.value == 1.0)
-                         else glu(dscore),
+        "gl_score_grad": glu(grad),
         "gl_mask_mod": glu(mask_expr),
         "sink_rows": (mods.to_triton(sink, rows, load, tanh_fn="_tanh" if fast else None)
                       if sink is not None else ""),
@@ -255,9 +250,8 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         "score_grad": tri(dscore),
         # the `tl` kernels': the mod as a shift in log2 units when it is one, and the chain
         # rule's factor where it is not 1 ("": nothing to multiply dS by)
-        "score_offset_log2": tri_offset(),
-        "score_grad_apply": "" if dscore is None or (dscore.op == "const" and dscore.value == 1.0)
-                            else tri(dscore),
+        "score_offset_log2": shift(tri, "LOG2E"),
+        "score_grad_apply": tri(grad),
         "mask_mod": tri(mask_expr),
         "sink_mod": tri(sink),
         "block_sparse": block_sparse,

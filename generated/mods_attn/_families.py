@@ -136,16 +136,25 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
     """Whether the Gluon kernel of a variant replaces the `tl` one by default on Hopper, for
     calls of length bucket n (None: the variant as a whole, where a length rule counts as
     not by default)."""
-    if dropout and kind == "fwd":
-        # (with mods as well: not measured, so `tl`)
-        if head_dim not in GLUON_DROPOUT_FWD_DIMS or mod_kinds:
-            return False
-        return head_dim > 64 or (n is not None and n >= GLUON_DROPOUT_FWD_SMALL_D_MIN_N)
+    if dropout and kind == "fwd" and (head_dim not in GLUON_DROPOUT_FWD_DIMS or mod_kinds):
+        return False  # (with mods as well: not measured, so `tl`)
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
-    if kind == "bwd" and head_dim <= 64:
-        return n is not None and n >= GLUON_BWD_SMALL_D_MIN_N
+    min_n = gluon_min_n(kind, dropout, head_dim)
+    if min_n is not None:
+        return n is not None and n >= min_n
     return kind in ("fwd", "bwd")
+
+
+def gluon_min_n(kind: str, dropout: bool, head_dim: int) -> int | None:
+    """The length bucket from which a variant's Gluon kernel is the Hopper default (`tl`
+    below it), or None where no length rule applies: the backward at d <= 64, and the
+    dropout forward at d <= 64."""
+    if head_dim > 64:
+        return None
+    if kind == "bwd":
+        return GLUON_BWD_SMALL_D_MIN_N
+    return GLUON_DROPOUT_FWD_SMALL_D_MIN_N if kind == "fwd" and dropout else None
 
 
 KEY_ROWS_PER_CONSUMER = 64  # the backward's consumers own 64 keys each (one wgmma M extent)
