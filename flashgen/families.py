@@ -214,10 +214,28 @@ GLUON_BWD_BLOCK_MS = (64, 128)
 GLUON_BWD_STAGES = (2, 3, 4)
 
 
+# The forward's tile-boundary knobs where a mask mod bounds the keys a query sees
+# (mods.key_span): such tiles are a few key blocks long, so what a tile's start and end
+# cost (its Q load, a first block with no P V behind it, the last P V) is a large share.
+# q_buffers 2 loads the next tile's Q during this one; a document's 64-key blocks also
+# cut its partial blocks (the documents' edges) in half. H100, mods bench masks (B=4
+# H=16 N=4096 d=128 bf16, benchmarks/mods_knobs_ab.py, twentieth session), knob / base:
+# document q_buffers 2 1.079-1.087, with block_n 64 1.198 (1.28x FlexAttention); 4 and 16
+# equal documents a sequence 1.117 / 1.128 (q_buffers only); sliding window + sinks
+# q_buffers 2 1.067, block_n 64 none. Where a query may see every key (prefix-LM, plain
+# causal through a document mask with one document) the knobs gain nothing or lose
+# (prefix_lm q_buffers 2: 0.949), so they follow the span.
+KEY_SPAN_FWD_KNOBS = {
+    "segment": {"q_buffers": 2, "block_n": 64},
+    "window": {"q_buffers": 2},
+}
+
+
 def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
-                  mods: tuple = ()) -> dict:
+                  mods: tuple = (), key_span: str | None = None) -> dict:
     """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
-    its mask and mods). At d <= 64 the forward's consumers run without ping-pong: a
+    its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS). At d <= 64 the forward's
+    consumers run without ping-pong: a
     block's products take half as long as at d=128 while its softmax does not, so taking
     turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
     without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
@@ -235,6 +253,7 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         cfg["pingpong"] = False
         if mask == "none" and not mods:
             cfg["diag_first"] = True
+    cfg.update(KEY_SPAN_FWD_KNOBS.get(key_span, {}))
     return cfg
 
 

@@ -255,21 +255,23 @@ def _descriptor_type(dtype, box, layout) -> str:
 def compile_package(package_dir: Path, configs=None, variants=None, log=None,
                     varlen: bool = False) -> list[GluonResources]:
     """Compile every Gluon kernel of a generated package (at each of `configs`, default
-    the untuned Gluon default); with varlen, the packed-batch (VARLEN) form of each kernel
+    each variant's own untuned Gluon default, families.gluon_default); with varlen, the packed-batch (VARLEN) form of each kernel
     without mods as well (packed batches take no mods)."""
     package_dir = Path(package_dir).resolve()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     sys.path.insert(0, str(package_dir.parent))
     registry = importlib.import_module(f"{package_dir.name}._registry")
-    configs = configs or [families.GLUON_DEFAULT, {**families.GLUON_BWD_DEFAULT, "kind": "bwd"}]
     out = []
     for name, reason in registry.GLUON.items():
         if reason is not None or (variants and name not in variants):
             continue
         facts = registry.VARIANTS[name]
         module = importlib.import_module(f"{package_dir.name}.kernels.gluon.{name}")
-        for config in configs:
+        own = [{**families.gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
+                                         tuple(facts.get("mods", ())), facts.get("key_span")),
+                "kind": facts["kind"]}]  # the variant's own untuned default
+        for config in configs or own:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
             for packed in (False, True) if varlen and not facts.get("mods") else (False,):

@@ -331,6 +331,71 @@ def heads_by_index_only(mod: "Mod") -> bool:
     return ok(mod.expr)
 
 
+def _is_var(e: Expr, name: str) -> bool:
+    return e.op == "var" and e.value == name
+
+
+def _small(e: Expr) -> bool:
+    """A bound that does not grow with the sequence: a number or a run-time param."""
+    return e.op in ("const", "param")
+
+
+def _same_segment(e: Expr) -> bool:
+    """`t[..., q_idx, ...] == t[..., kv_idx, ...]`: both sides one tensor at the same
+    indices but for q_idx on one side where kv_idx is on the other (per-token ids)."""
+    if e.op != "eq" or any(a.op != "load" for a in e.args):
+        return False
+    a, b = e.args
+    if a.value != b.value or len(a.args) != len(b.args):
+        return False
+    swapped = [(x, y) for x, y in zip(a.args, b.args) if x != y]
+    return len(swapped) == 1 and {(s.op, s.value) for s in swapped[0]} == {
+        ("var", "q_idx"), ("var", "kv_idx")}
+
+
+def _few_keys(e: Expr) -> bool:
+    """A condition that admits a bounded number of keys a query, whatever N: a window
+    behind it (`q_idx - kv_idx <= w`, `kv_idx >= q_idx - w`), the first keys
+    (`kv_idx < n`), with w and n numbers or params; or of such conditions."""
+    if e.op == "or":
+        return all(_few_keys(a) for a in e.args)
+    if e.op == "and":
+        return any(_few_keys(a) for a in e.args)
+    if e.op in ("lt", "le", "gt", "ge"):
+        lhs, rhs = e.args if e.op in ("lt", "le") else e.args[::-1]  # lhs <(=) rhs
+        if _is_var(lhs, "kv_idx") and _small(rhs):
+            return True
+        if (lhs.op == "sub" and _is_var(lhs.args[0], "q_idx") and _is_var(lhs.args[1], "kv_idx")
+                and _small(rhs)):
+            return True
+        if (_is_var(rhs, "kv_idx") and lhs.op == "sub" and _is_var(lhs.args[0], "q_idx")
+                and _small(lhs.args[1])):
+            return True
+    return False
+
+
+def key_span(mod: "Mod") -> str | None:
+    """How a mask mod bounds the keys one query sees, which bounds a forward tile's key
+    blocks (families.gluon_default picks the forward's tile boundary knobs from it):
+    "segment" where it is a conjunction with a same-segment test (documents: a query sees
+    its own document only), "window" where a conjunct admits a bounded number of keys
+    (a sliding window, sink tokens), else None (prefix-LM, padding: up to every key)."""
+    if mod.kind != "mask":
+        return None
+    parts = mod.expr.args if mod.expr.op == "and" else (mod.expr,)
+    if any(_same_segment(p) for p in parts):
+        return "segment"
+    if _few_keys(mod.expr):
+        return "window"
+    return None
+
+
+def variant_key_span(mods_: list) -> str | None:
+    """key_span of a variant's mods together (its mask mods all apply): the tightest."""
+    spans = {key_span(m) for m in mods_}
+    return next((s for s in ("segment", "window") if s in spans), None)
+
+
 def ops_of(e: Expr) -> set:
     """Every operation the tree uses (e.g. whether a kernel needs tanh)."""
     out = {e.op}

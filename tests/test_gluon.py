@@ -188,6 +188,8 @@ import json, sys
 from pathlib import Path
 from flashgen import gluon_compile, families
 configs = [families.GLUON_DEFAULT]
+if sys.argv[2] == "own":  # each variant's own default (families.gluon_default)
+    configs = None
 if sys.argv[2] == "knobs":
     configs = [dict(families.GLUON_DEFAULT, block_n=64, num_stages=3, pingpong=False,
                     regs="224/56")]
@@ -668,9 +670,13 @@ def test_gluon_forwards_with_mods_compile():
                 "fwd_causal_document_d128_bf16", "fwd_causal_document_softcap_d64_fp16",
                 "fwd_prefix_lm_d128_fp16", "fwd_window_sinks_d64_bf16",
                 "fwd_causal_softcap_key_padding_d128_bf16"]  # + alibi: tested on GPU
-    rows = _compile(pkg_dir, variants=variants)
+    rows = _compile(pkg_dir, "own", variants=variants)
     assert sorted(r["variant"] for r in rows) == sorted(variants)
     _check_mods_rows(rows)
+    # a document mask (mods.key_span "segment") compiles at its own tile: 64-key blocks and
+    # a second Q slot per consumer (families.KEY_SPAN_FWD_KNOBS)
+    doc = next(r for r in rows if r["variant"] == "fwd_causal_document_d128_bf16")
+    assert doc["config"].startswith("128x64 s2") and " q2" in doc["config"], doc
     text = (pkg_dir / "kernels" / "gluon" / "fwd_causal_softcap_d128_bf16.py").read_text()
     # a 16-bit variant takes tanh from the special-function unit (_fastmath.py)
     assert "def _score_mod(" in text and "_tanh(" in text and "tanh_approx_gl as _tanh" in text

@@ -224,6 +224,56 @@ def test_heads_by_index_only():
         assert not M.heads_by_index_only(mod), source
 
 
+KEY_SPAN_CASES = {
+    # a same-segment test anywhere in a conjunction: documents
+    "doc[b, q_idx] == doc[b, kv_idx]": "segment",
+    "kv_idx <= q_idx and seg[b, kv_idx] == seg[b, q_idx]": "segment",
+    # a bounded number of keys a query: windows, sink tokens, either
+    "q_idx - kv_idx <= w": "window",
+    "kv_idx >= q_idx - 64": "window",
+    "kv_idx <= q_idx and (kv_idx < w or q_idx - kv_idx <= 1024)": "window",
+    # up to every key: prefix-LM, padding, causal, ids compared at one position, a
+    # window bounded by a tensor (no bound known from the spec)
+    "kv_idx < plen[b] or kv_idx <= q_idx": None,
+    "keep[b, kv_idx]": None,
+    "kv_idx <= q_idx": None,
+    "seg[b, q_idx] == seg[b, q_idx]": None,
+    "doc[b, q_idx] == doc[b, kv_idx] or kv_idx < 4": None,
+    "kv_idx < plen[b]": None,
+}
+
+
+@pytest.mark.parametrize("source", sorted(KEY_SPAN_CASES))
+def test_key_span_of_a_mask(source):
+    """mods.key_span: what bounds the keys a query sees, which picks the forward's
+    tile-boundary knobs (families.KEY_SPAN_FWD_KNOBS); a variant takes its tightest."""
+    decls = {"doc": "[B, N] int32", "seg": "[B, N] int32", "plen": "[B] int32",
+             "keep": "[B, Nk] bool"}
+    tensors = {t: d for t, d in decls.items() if f"{t}[" in source}
+    mod = M.make_mod("m", "mask", source, {"w": 256} if "w" in source.split() else {},
+                     tensors)
+    assert M.key_span(mod) == KEY_SPAN_CASES[source]
+    builtins = {n: M.key_span(M.builtin_mod(n, n)) for n in M.BUILTINS}
+    assert builtins["document"] == "segment" and builtins["sliding_window_sinks"] == "window"
+    assert builtins["prefix_lm"] is None and builtins["softcap"] is None
+    assert M.variant_key_span([M.builtin_mod("w", "sliding_window_sinks"),
+                               M.builtin_mod("d", "document")]) == "segment"
+
+
+def test_key_span_picks_the_forward_tile_boundary_knobs():
+    from flashgen import families
+
+    assert families.gluon_default(128, "fwd", "causal", ("d",), "segment")["block_n"] == 64
+    assert families.gluon_default(128, "fwd", "causal", ("d",), "segment")["q_buffers"] == 2
+    assert families.gluon_default(128, "fwd", "none", ("w",), "window")["q_buffers"] == 2
+    assert families.gluon_default(128, "fwd", "none", ("p",)) == families.gluon_default(
+        128, "fwd", "none", ("p",), None)
+    assert families.gluon_default(128, "fwd", "none", ("p",))["q_buffers"] == 1
+    # the backward has no such knobs
+    assert families.gluon_default(128, "bwd", "causal", ("d",), "segment") == \
+        families.gluon_default(128, "bwd", "causal", ("d",))
+
+
 # score mods that only shift the score, and ones that do more
 OFFSET_CASES = {
     "alibi": ("score - t[h] * abs(q_idx - kv_idx)", True),

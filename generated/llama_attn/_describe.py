@@ -33,7 +33,8 @@ def describe() -> str:
         c = PLANNED[name]
         why = GLUON.get(name)
         g = gluon_default(VARIANTS[name]["head_dim"], VARIANTS[name]["kind"],
-                          VARIANTS[name]["mask"], tuple(VARIANTS[name].get("mods", ())))
+                          VARIANTS[name]["mask"], tuple(VARIANTS[name].get("mods", ())),
+                          VARIANTS[name].get("key_span"))
         v = VARIANTS[name]
         kinds = mod_kinds(name)
         if gluon_by_default(v["kind"], v["dropout"], v["head_dim"], kinds):
