@@ -6,7 +6,8 @@ so a clock drift hits every arm alike; Flex (compiled once, outside the timing) 
 same inputs last. Outputs (forward) and dQ/dK/dV (backward) are compared with the base
 arm's. `--docs K` replaces the bench's ragged documents with K equal documents a sequence
 (K=1 is plain causal through the block-mask path): how the distance to Flex moves with the
-documents' length tells per-tile costs from per-block ones.
+documents' length tells per-tile costs from per-block ones. Case `causal` is the plain
+causal variant (no mods), Flex with a causal block mask.
 
     PYTHONPATH=$PWD python benchmarks/mods_knobs_ab.py --kind fwd --cases document \\
         --knobs 'q2={"q_buffers": 2}' 'ovl={"overlap": true}' [--docs 1 4 16] [--rounds 3]
@@ -61,8 +62,11 @@ def main():
         else:
             jobs.append((case, 0))
     for case, ndocs in jobs:
-        band, mods, causal_count = bm.MOD_CASES[case]
-        kw = _equal_docs(B, N, ndocs, "cuda") if ndocs else bm.inputs(case, B, H, N, "cuda")
+        if case == "causal":
+            band, mods, causal_count, kw = True, (), True, {}
+        else:
+            band, mods, causal_count = bm.MOD_CASES[case]
+            kw = _equal_docs(B, N, ndocs, "cuda") if ndocs else bm.inputs(case, B, H, N, "cuda")
         torch.manual_seed(0)
         q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16,
                                requires_grad=args.kind == "bwd") for _ in range(3))
@@ -70,6 +74,8 @@ def main():
         label = f"{case}" + (f" docs={ndocs}" if ndocs else "")
 
         def fwd():
+            if not mods:
+                return pkg.scaled_dot_product_attention(q, k, v, is_causal=band)
             return pkg.scaled_dot_product_attention(q, k, v, is_causal=band, mods=mods, **kw)
 
         results, ms = {}, {a: [] for a in arms}
@@ -102,7 +108,11 @@ def main():
         if not args.no_flex:
             from torch.nn.attention.flex_attention import create_block_mask, flex_attention
             flex = torch.compile(flex_attention, dynamic=False)
-            if ndocs:
+            if case == "causal":
+                score_mod = None
+                block_mask = create_block_mask(lambda b_, h_, qi, ki: qi >= ki, B=None, H=None,
+                                               Q_LEN=N, KV_LEN=N, device="cuda")
+            elif ndocs:
                 doc = kw["doc"]
                 block_mask = create_block_mask(
                     lambda b_, h_, qi, ki: (doc[b_, qi] == doc[b_, ki]) & (qi >= ki),
