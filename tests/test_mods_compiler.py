@@ -274,6 +274,35 @@ def test_key_span_picks_the_forward_tile_boundary_knobs():
         families.gluon_default(128, "bwd", "causal", ("d",))
 
 
+def test_shipped_mods_package_carries_the_key_span_and_describes_its_tile():
+    """The registry of the shipped mods package records each variant's key span, and
+    describe() shows the Gluon tile it gives the forward (a document's 64-key blocks and
+    second Q slot; prefix-LM keeps the plain tile)."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parent.parent / "generated" / "mods_attn"
+    spec = importlib.util.spec_from_file_location("mods_attn_reg_ks", root / "_registry.py")
+    reg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reg)
+    v = reg.VARIANTS
+    assert v["fwd_causal_document_d128_bf16"]["key_span"] == "segment"
+    assert v["fwd_causal_document_softcap_d64_fp16"]["key_span"] == "segment"
+    assert v["fwd_window_sinks_d128_bf16"]["key_span"] == "window"
+    assert "key_span" not in v["fwd_prefix_lm_d128_bf16"]
+    sys.path.insert(0, str(root.parent))
+    try:
+        import mods_attn
+        lines = {ln.split()[0]: ln for ln in mods_attn.describe().splitlines()
+                 if ln.strip().startswith(("fwd_causal_document_d128_bf16",
+                                           "fwd_prefix_lm_d128_bf16"))}
+    finally:
+        sys.path.remove(str(root.parent))
+    assert "gluon 128x64" in lines["fwd_causal_document_d128_bf16"]
+    assert "2 Q slots" in lines["fwd_causal_document_d128_bf16"]
+    assert "gluon 128x128" in lines["fwd_prefix_lm_d128_bf16"]
+    assert "2 Q slots" not in lines["fwd_prefix_lm_d128_bf16"]
+
+
 # score mods that only shift the score, and ones that do more
 OFFSET_CASES = {
     "alibi": ("score - t[h] * abs(q_idx - kv_idx)", True),

@@ -40,7 +40,8 @@ def describe() -> str:
         else:
             opt_in = "; opt-in: tl unless tuned to it or FLASHGEN_FAMILY=gluon"
         family = (f"gluon {g['block_m']}x{g['block_n']}, {g['num_stages']}-deep ring"
-                  f"{', ping-pong' if g.get('pingpong') else ''}{opt_in}"
+                  f"{', ping-pong' if g.get('pingpong') else ''}"
+                  f"{', 2 Q slots' if g.get('q_buffers', 1) > 1 else ''}{opt_in}"
                   if why is None else f"tl ({why})")
         lines.append(f"    {name:<32} {c['block_m']}x{c['block_n']}, {c['num_warps']} warps, "
                      f"{c['num_stages']} stages; {hopper}: {family}")
