@@ -374,13 +374,17 @@ def _plot_point(r):
         return (r["suite"], "fwd", r["d"], True, r["b"]), r["n"], r["gbps"], "GB/s"
     if r["suite"] == "small" and r.get("ms") is not None:
         return (r["suite"], r["mode"], r["d"], r["causal"], 0), r["b"] * r["n"], r["ms"], "ms"
+    if r["suite"] == "mods" and r.get("tflops") is not None:
+        # a panel per mod (the last key slot names it), TFLOP/s against N
+        return (r["suite"], r["mode"], r["d"], r["causal"], r["mod"]), r["n"], r["tflops"], \
+            "TFLOP/s"
     return None
 
 
 def plot(rows, path) -> str | None:
-    """One panel per (suite, mode, d, causal[, B]) with a line per provider: TFLOP/s
-    against N (training, dropout), GB/s against the KV length (decode, a panel per batch),
-    ms against B*N tokens (small). Returns the path, or None (with a message) without
+    """One panel per (suite, mode, d, causal[, B or mod]) with a line per provider: TFLOP/s
+    against N (training, dropout; mods, a panel per mod), GB/s against the KV length
+    (decode, a panel per batch), ms against B*N tokens (small). Returns the path, or None (with a message) without
     matplotlib or without measured rows."""
     series, ylabels = {}, {}
     for r in rows:
@@ -399,8 +403,8 @@ def plot(rows, path) -> str | None:
     except ImportError:
         print("flashgen bench: matplotlib is not installed; skipping the plot", file=sys.stderr)
         return None
-    order = {"training": 0, "dropout": 1, "decode": 2, "small": 3}
-    keys = sorted(series, key=lambda k: (order.get(k[0], 9), k))
+    order = {"training": 0, "dropout": 1, "decode": 2, "small": 3, "mods": 4}
+    keys = sorted(series, key=lambda k: (order.get(k[0], 9), tuple(map(str, k))))
     cols = min(4, len(keys))
     nrows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)
@@ -410,11 +414,15 @@ def plot(rows, path) -> str | None:
             pts.sort()
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=prov)
         suite, mode, d, causal, b = key
+        last = f" {b}" if isinstance(b, str) else (f" B={b}" if b else "")
         ax.set_title(f"{'' if suite == 'training' else suite + ' '}{mode} d={d}"
-                     f"{' causal' if causal else ''}{f' B={b}' if b else ''}", fontsize=10)
+                     f"{' causal' if causal else ''}{last}", fontsize=10)
         ax.set_xscale("log", base=2)
         ax.set_xlabel({"decode": "KV length", "small": "B*N tokens"}.get(suite, "N"))
         ax.set_ylabel(ylabels[key])
+        # from zero (a panel's gap reads as its ratio), with room above the highest point
+        top = max(y for pts in series[key].values() for _, y in pts)
+        ax.set_ylim(0, top * 1.15 if top > 0 else 1)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7 if len(series[key]) <= 8 else 5)
     for ax in list(axes.flat)[len(keys):]:

@@ -126,6 +126,15 @@ def synthetic_rows():
     return meta, rows
 
 
+def mods_rows():
+    meta = {"gpu": "Fake GPU", "torch": "2.x", "triton": "3.x"}
+    return [{**meta, "suite": "mods", "mode": mode, "d": 128, "causal": True, "b": 4, "h": 16,
+             "h_kv": 16, "n": 4096, "p": 0.0, "mod": mod, "provider": prov, "status": "ok",
+             "ms": ms, "tflops": round(suite.tflops(ms, 4, 16, 4096, 128, True, mode), 1)}
+            for mode in ("fwd", "bwd") for mod in ("softcap", "document")
+            for prov, ms in (("flashgen", 0.5), ("flex", 1.0))]
+
+
 def test_markdown_tables_show_values_and_ratios():
     _, rows = synthetic_rows()
     text = suite.markdown_tables(rows)
@@ -164,10 +173,11 @@ def test_write_results_csv_json_md(tmp_path):
     assert md.startswith("# flashgen bench: Fake GPU, torch 2.x, triton 3.x")
 
 
-@pytest.mark.parametrize("only", [None, "training", "small", "decode"])
+@pytest.mark.parametrize("only", [None, "training", "small", "decode", "mods"])
 def test_plot_writes_png_or_skips(tmp_path, capsys, only):
     """Every suite's table gets a plot (not only training's) when matplotlib is there."""
     _, rows = synthetic_rows()
+    rows += mods_rows()
     if only:
         rows = [r for r in rows if r["suite"] == only]
     path = suite.plot(rows, tmp_path / "p.png")
@@ -187,6 +197,11 @@ def test_plot_points_per_suite():
     assert points[3] is None  # WRONG rows are not plotted
     assert points[4] == (("small", "fwd", 64, True, 0), 8 * 59, 0.02, "ms")
     assert points[6] == (("decode", "fwd", 128, True, 8), 4096, 2000.0, "GB/s")
+    mods = mods_rows()
+    # the mods suite: a panel per (mode, d, mod), TFLOP/s against N
+    assert suite._plot_point(mods[0]) == (("mods", "fwd", 128, True, "softcap"), 4096,
+                                          mods[0]["tflops"], "TFLOP/s")
+    assert len({suite._plot_point(r)[0] for r in mods}) == 4
 
 
 USER_SPEC = """\
