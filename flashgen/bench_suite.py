@@ -384,8 +384,8 @@ def _plot_point(r):
 def plot(rows, path) -> str | None:
     """One panel per (suite, mode, d, causal[, B or mod]) with a line per provider: TFLOP/s
     against N (training, dropout; mods, a panel per mod), GB/s against the KV length
-    (decode, a panel per batch), ms against B*N tokens (small). Returns the path, or None (with a message) without
-    matplotlib or without measured rows."""
+    (decode, a panel per batch), ms against B*N tokens (small). Returns the path, or None
+    (with a message) without matplotlib or without measured rows."""
     series, ylabels = {}, {}
     for r in rows:
         point = _plot_point(r)
@@ -404,7 +404,7 @@ def plot(rows, path) -> str | None:
         print("flashgen bench: matplotlib is not installed; skipping the plot", file=sys.stderr)
         return None
     order = {"training": 0, "dropout": 1, "decode": 2, "small": 3, "mods": 4}
-    keys = sorted(series, key=lambda k: (order.get(k[0], 9), tuple(map(str, k))))
+    keys = sorted(series, key=lambda k: (order.get(k[0], 9), k))
     cols = min(4, len(keys))
     nrows = math.ceil(len(keys) / cols)
     fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.6 * nrows), squeeze=False)

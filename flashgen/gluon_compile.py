@@ -255,8 +255,9 @@ def _descriptor_type(dtype, box, layout) -> str:
 def compile_package(package_dir: Path, configs=None, variants=None, log=None,
                     varlen: bool = False) -> list[GluonResources]:
     """Compile every Gluon kernel of a generated package (at each of `configs`, default
-    each variant's own untuned Gluon default, families.gluon_default); with varlen, the packed-batch (VARLEN) form of each kernel
-    without mods as well (packed batches take no mods)."""
+    each variant's own untuned Gluon default, families.variant_gluon_default); with varlen,
+    the packed-batch (VARLEN) form of each kernel without mods as well (packed batches
+    take no mods)."""
     package_dir = Path(package_dir).resolve()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -268,9 +269,7 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
             continue
         facts = registry.VARIANTS[name]
         module = importlib.import_module(f"{package_dir.name}.kernels.gluon.{name}")
-        own = [{**families.gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
-                                         tuple(facts.get("mods", ())), facts.get("key_span")),
-                "kind": facts["kind"]}]  # the variant's own untuned default
+        own = [{**families.variant_gluon_default(facts), "kind": facts["kind"]}]
         for config in configs or own:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue

@@ -327,12 +327,12 @@ def render_gluon_kernel(spec: Spec, variant: Variant, env: jinja2.Environment | 
 
 
 def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
+    spans = {v.name: mods.variant_key_span(variant_mods(spec, v)) for v in plans}
     variants = {
         v.name: {"kind": v.kind, "mask": v.mask, "dropout": v.dropout,
                  "head_dim": v.head_dim, "dtype": v.dtype,
                  **({"mods": list(v.mods)} if v.mods else {}),
-                 **({"key_span": mods.variant_key_span(variant_mods(spec, v))}
-                    if mods.variant_key_span(variant_mods(spec, v)) else {}),
+                 **({"key_span": spans[v.name]} if spans[v.name] else {}),
                  **({"v_head_dim": v.v_dim} if v.v_dim != v.head_dim else {}),
                  **({"score_bytes": variant_score_bytes(spec, v)}
                     if variant_score_bytes(spec, v) else {})}

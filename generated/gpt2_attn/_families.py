@@ -236,9 +236,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
                   mods: tuple = (), key_span: str | None = None) -> dict:
     """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
     its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS). At d <= 64 the forward's
-    consumers run without ping-pong: a
-    block's products take half as long as at d=128 while its softmax does not, so taking
-    turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
+    consumers run without ping-pong: a block's products take half as long as at d=128
+    while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
     without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
     the H100, see GLUON_DEFAULT)."""
     if kind == "bwd":
@@ -256,6 +255,12 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
             cfg["diag_first"] = True
     cfg.update(KEY_SPAN_FWD_KNOBS.get(key_span, {}))
     return cfg
+
+
+def variant_gluon_default(facts: dict) -> dict:
+    """gluon_default for a variant as a package's registry records it (VARIANTS[name])."""
+    return gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
+                         tuple(facts.get("mods", ())), facts.get("key_span"))
 
 
 # The persistent forward's last round, dealt by key block when whole tiles would leave

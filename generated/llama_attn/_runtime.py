@@ -479,9 +479,7 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
 
 def _gluon_default(name: str) -> dict:
     """The Gluon family's untuned config for a variant (_families.gluon_default)."""
-    v = VARIANTS[name]
-    return _families.gluon_default(v["head_dim"], v["kind"], v["mask"], tuple(v.get("mods", ())),
-                                   v.get("key_span"))
+    return _families.variant_gluon_default(VARIANTS[name])
 
 
 def mod_kinds(name: str) -> tuple:
