@@ -182,7 +182,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         strides = [f"T_{t.name}_S{k}" for k in range(len(t.dims))]
         extents = [f"T_{t.name}_D{k}" for k in range(len(t.dims))]
         tensor_args += [f"T_{t.name}", *strides, *extents]
-        sizes += strides + extents
+        # the innermost stride is left to Triton's specialisation: a contiguous tensor's 1
+        # folds the index's int64 multiply away (and it does not change with N)
+        sizes += strides[:-1] + extents
     # the piece's global start row / column (context parallelism; 0 otherwise): q_idx and
     # kv_idx are global positions, the band and the tensors' rows stay local, and dropout
     # draws its keep mask at global (row, column) so a piece drops what the whole call

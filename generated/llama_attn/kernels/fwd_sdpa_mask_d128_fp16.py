@@ -61,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
 def fwd_sdpa_mask_d128_fp16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)

@@ -139,7 +139,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_doc_S0", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_causal_document_d64_bf16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -414,7 +414,7 @@ def bwd_causal_document_d64_bf16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_doc_S0", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_causal_document_d64_bf16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)

@@ -140,7 +140,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS", "DT_bias_S0", "DT_bias_S1", "DT_bias_S2", "DT_bias_S3"])
 def bwd_sdpa_mask_d64_bf16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -496,7 +496,7 @@ def bwd_sdpa_mask_d64_bf16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_S3", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_bias_S0", "T_bias_S1", "T_bias_S2", "T_bias_D0", "T_bias_D1", "T_bias_D2", "T_bias_D3", "Q_POS", "KV_POS"])
 def bwd_sdpa_mask_d64_bf16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)

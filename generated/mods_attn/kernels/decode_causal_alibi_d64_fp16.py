@@ -90,7 +90,7 @@ SPLIT_CHUNK = tl.constexpr(8)
 # Lengths, head counts, page size, capacity and window extents change from call to call:
 # keep Triton from specialising on their values so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "LEN_ADD", "H_Q", "KV_GROUP", "WIN_LEFT", "WIN_RIGHT",
-                               "CAPACITY", "NUM_BLOCKS", "LP_OFF", "T_slope_S0", "T_slope_D0"])
+                               "CAPACITY", "NUM_BLOCKS", "LP_OFF", "T_slope_D0"])
 def decode_causal_alibi_d64_fp16_kernel(
     Q, K, V,  # Q: (B, N_Q, H_Q, d); K, V: cache (B, N_cache, H_kv, d) or pages (P, PAGE_SIZE, H_kv, d)
     O, LSE,  # one split: O like Q (written), LSE (B, H_Q, N_Q) fp32 contiguous (if STORE_LSE)

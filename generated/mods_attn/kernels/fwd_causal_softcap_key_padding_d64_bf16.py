@@ -63,7 +63,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_keep_S0", "T_keep_S1", "T_keep_D0", "T_keep_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_keep_S0", "T_keep_D0", "T_keep_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def fwd_causal_softcap_key_padding_d64_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -265,7 +265,7 @@ def fwd_causal_softcap_key_padding_d64_bf16_kernel(
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], ov0, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "LO_OFF", "HI_OFF", "H_M", "T_keep_S0", "T_keep_S1", "T_keep_D0", "T_keep_D1", "Q_POS", "KV_POS"])
+@triton.jit(do_not_specialize=["N_Q", "N_K", "LO_OFF", "HI_OFF", "H_M", "T_keep_S0", "T_keep_D0", "T_keep_D1", "Q_POS", "KV_POS"])
 def fwd_causal_softcap_key_padding_d64_bf16_block_state(
     STATE,  # [G, cdiv(N_Q, BLOCK_M), cdiv(N_K, BLOCK_N)] int8: 0 empty, 1 partial, 2 full
     N_Q, N_K, LO_OFF, HI_OFF,

@@ -61,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_S1", "T_rel_bias_D0", "T_rel_bias_D1", "Q_POS", "KV_POS", "P_max_distance"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_D0", "T_rel_bias_D1", "Q_POS", "KV_POS", "P_max_distance"])
 def fwd_relative_bias_d64_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)

@@ -535,7 +535,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_N", "VEC_ROW", "HEAD_GROUP", "T_doc_S0", "T_doc_S1", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                              "NUM_N", "VEC_ROW", "HEAD_GROUP", "T_doc_S0", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_causal_document_softcap_d128_bf16_kernel(
     # pointers, or with HOST_DESC the host's TMA descriptors over them
     Q, K, V, DO,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride

@@ -999,7 +999,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF",
                               "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SK_START", "SEED_LO", "SEED_HI",
-                              "RNG_OFFSET", "DROP_THRESHOLD", "T_slope_S0", "T_slope_D0", "Q_POS", "KV_POS"])
+                              "RNG_OFFSET", "DROP_THRESHOLD", "T_slope_D0", "Q_POS", "KV_POS"])
 def fwd_causal_alibi_d128_bf16_kernel(
     Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
     LSE,  # [B, H_Q, N_Q] fp32, contiguous (VARLEN: [H_Q, total_q])
