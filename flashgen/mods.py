@@ -411,6 +411,34 @@ def loads_of(e: Expr) -> list:
     return out
 
 
+def replace_nodes(e: Expr, by: dict) -> Expr:
+    """e with every subtree that is a key of `by` replaced by its value."""
+    if e in by:
+        return by[e]
+    if not e.args:
+        return e
+    return Expr(e.op, tuple(replace_nodes(a, by) for a in e.args), e.value, e.type)
+
+
+def split_vector_loads(e: Expr, tensors: dict) -> tuple:
+    """The loads of a mask whose indices read only one of q_idx / kv_idx (besides b, h and
+    params; no load inside an index): (q_loads, kv_loads), each a list of load nodes, in
+    first-use order, without repeats. A kernel can read such a load once per query (key)
+    vector instead of once per score: the Gluon backward stages the query ones per step in
+    shared memory and holds the key ones (no h: a program serves several query heads)
+    from its start. Only int and bool tensors (document ids, padding flags)."""
+    q_loads, kv_loads = [], []
+    for ld in loads_of(e):
+        if tensors[ld.value].type == "float" or any(loads_of(i) for i in ld.args):
+            continue
+        idx_vars = set().union(*(free_names(i) for i in ld.args)) & set(INDEX_VARS)
+        if "q_idx" in idx_vars and idx_vars <= {"b", "h", "q_idx"} and ld not in q_loads:
+            q_loads.append(ld)
+        elif "kv_idx" in idx_vars and idx_vars <= {"b", "kv_idx"} and ld not in kv_loads:
+            kv_loads.append(ld)
+    return q_loads, kv_loads
+
+
 def substitute(e: Expr, name: str, by: Expr) -> Expr:
     """e with every var `name` replaced by the tree `by` (composing score mods)."""
     if e.op == "var" and e.value == name:

@@ -225,6 +225,31 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         return render(mods.scale_into(offset, mods.Expr("var", value="MOD_UNIT")),
                       {"MOD_UNIT": factor})
 
+    # the Gluon backward's mask with its per-query / per-key loads taken out
+    # (mods.split_vector_loads): the query ones staged per step in shared memory by the
+    # producer (MQ_SMEM{k}, read as mq{k}), the key ones read once per program (mkv{k})
+    bwd_mask, mask_q, mask_kv = mask_expr, [], []
+    if mask_expr is not None:
+        decls = {t.name: t for t in tensors}
+        q_loads, kv_loads = mods.split_vector_loads(mask_expr, decls)
+        by, extra = {}, {}
+        for k, ld in enumerate(q_loads):
+            wide = decls[ld.value].dtype == "int64"
+            by[ld] = mods.Expr("var", value=f"MQ{k}", type=ld.type)
+            extra[f"MQ{k}"] = f"(mq{k} != 0)" if ld.type == "bool" else f"mq{k}"
+            mask_q.append({
+                "smem": f"MQ_SMEM{k}", "var": f"mq{k}",
+                "dtype": "gl.int64" if wide else "gl.int32",
+                # the producer's [BLOCK_M] query rows are pq_idx
+                "text": mods.to_triton(ld, {**names, "q_idx": "pq_idx"}, loader("gl"), "gl"),
+            })
+        for k, ld in enumerate(kv_loads):
+            by[ld] = mods.Expr("var", value=f"MKV{k}", type=ld.type)
+            extra[f"MKV{k}"] = f"mkv{k}"
+            mask_kv.append({"var": f"mkv{k}",
+                            "text": mods.to_triton(ld, {**names, "kv_idx": "kv_idx0"},
+                                                   loader("gl"), "gl")})
+        bwd_mask = mods.replace_nodes(mask_expr, by)
     rows = dict(names, h="q_head")  # the sink per stacked row of the decode kernel: [BLOCK_M]
     dscore = (mods.derivative(score, mods.Expr("var", value="score"))
               if score is not None else None)
@@ -243,6 +268,9 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
         # the Gluon backward's: d(score mod)/d(score) ("" where it is 1: nothing to apply)
         "gl_score_grad": glu(grad),
         "gl_mask_mod": glu(mask_expr),
+        "gl_bwd_mask_mod": glu(bwd_mask, extra) if mask_expr is not None else "",
+        "gl_bwd_mask_q": mask_q,
+        "gl_bwd_mask_kv": mask_kv,
         "sink_rows": (mods.to_triton(sink, rows, load, tanh_fn="_tanh" if fast else None)
                       if sink is not None else ""),
         # whether the kernel module imports _fastmath's tanh as `_tanh`
@@ -318,7 +346,8 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
                     "gl_score_offset_raw", "gl_score_offset_log2",
                     "gl_score_grad", "block_sparse", "gl_sparse_args", "sparse_args",
-                    "gl_bwd_sparse_args", "gl_bwd_order",
+                    "gl_bwd_sparse_args", "gl_bwd_order", "gl_bwd_mask_mod", "gl_bwd_mask_q",
+                    "gl_bwd_mask_kv",
                     "fast_tanh")},
     }
 

@@ -304,8 +304,8 @@ def _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M: gl.conste
 # ----------------------------------------------------------------------------------------
 @gluon.jit
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
-              v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K,
+              v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
+              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, CU_Q, CU_K,
               SEQS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               VARLEN: gl.constexpr):
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
@@ -319,7 +319,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                                         kv_ready, k_smem.index(c))
         tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n_start + c * SPLIT_N, 0],
                                         kv_ready, v_smem.index(c))
-    if VARLEN:
+    if VARLEN or True:
         vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         vec_rows = gl.arange(0, BLOCK_M, layout=vec_layout)
     cnt = 0  # query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
@@ -359,7 +359,14 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 # shared memory when they need them rather than hold them in registers from
                 # the start of the step (at d=128 that spilled). A box running past N_Q reads
                 # padding or the next head's rows; the consumers mask them.
+                # the mask's per-query loads of this block (a partial block's consumers read
+                # them from the slot, not from global memory after their S^T wait), issued
+                # before the wait so that their latency hides behind it
+                pq_idx = m0 + Q_POS + vec_rows  # [BLOCK_M]
+                mqv0 = (gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(pq_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)).to(gl.int32)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
+                MQ_SMEM0.index(s).store(mqv0)
+                gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_full.index(s), q_smem.index(s))
                 tma.async_copy_global_to_shared(desc_lse, [row0 + m0], q_full.index(s), lse_smem.index(s))
@@ -374,8 +381,8 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 # The consumers: one warpgroup each, SPLIT_N keys each
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-              kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
+              desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
               SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -406,6 +413,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     v_buf = v_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
     dq_buf = dq_smem.index(CID)  # [1, 1, BLOCK_M, DQ_COLS] fp32
 
+    # the mask's per-key loads: this program's keys are fixed (mods.split_vector_loads)
+    kv_idx0 = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]
+    mkv0 = gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(kv_idx0, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)
     dk = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
     dv = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
     zero_s = gl.zeros([SPLIT_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -452,7 +462,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
                     visible = visible & (kj <= qi + hi_off)
                 if MASK_LEFT:
                     visible = visible & (kj >= qi + lo_off)
-                visible = visible & ((gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(q_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1) == gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(kv_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)))
+                mq0 = gl.expand_dims(MQ_SMEM0.index(s).load(col_s), 0)  # [1, BLOCK_M]
+                visible = visible & ((mq0 == mkv0))
                 pt = gl.where(visible, pt, 0.0)
             dpt = warpgroup_mma_wait(0, deps=(dpt, ))
             delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]
@@ -625,6 +636,9 @@ def bwd_causal_document_d64_fp16_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_q.block_type.shape, desc_q.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], VEC_LAYOUT)
     delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], VEC_LAYOUT)
+    # the mask's per-query loads, a [BLOCK_M] vector per slot (the producer's plain stores)
+    MQ_SMEM0 = gl.allocate_shared_memory(gl.int32, [NUM_BUFFERS, BLOCK_M],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_do.block_type.shape, desc_do.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_v.block_type.shape, desc_v.layout)
@@ -652,19 +666,19 @@ def bwd_causal_document_d64_fp16_kernel(
 
     # the first partition runs in this kernel's 4 warps, the others in the workers below
     gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 0, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
                      desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 1, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
-                     k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
+                     k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
-                     NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, BLOCK_M,
+                     NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, CU_Q, CU_K, seqs, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

@@ -360,8 +360,8 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 # The consumers: one warpgroup each, SPLIT_N keys each
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-              kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+              desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
               SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_cap, Q_POS, KV_POS, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,

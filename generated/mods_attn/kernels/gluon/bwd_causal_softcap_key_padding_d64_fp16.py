@@ -380,8 +380,8 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 # The consumers: one warpgroup each, SPLIT_N keys each
 # ----------------------------------------------------------------------------------------
 @gluon.jit
-def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, desc_dq,
-              kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
+              desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
               SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -412,6 +412,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     v_buf = v_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
     dq_buf = dq_smem.index(CID)  # [1, 1, BLOCK_M, DQ_COLS] fp32
 
+    # the mask's per-key loads: this program's keys are fixed (mods.split_vector_loads)
+    kv_idx0 = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]
+    mkv0 = (gl.load(T_keep + gl.minimum(gl.maximum(b, 0), T_keep_D0 - 1).to(gl.int64) * T_keep_S0 + gl.minimum(gl.maximum(kv_idx0, 0), T_keep_D1 - 1).to(gl.int64) * T_keep_S1) != 0)
     dk = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
     dv = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
     zero_s = gl.zeros([SPLIT_N, BLOCK_M], gl.float32, layout=s_layout)
@@ -462,7 +465,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
                     visible = visible & (kj <= qi + hi_off)
                 if MASK_LEFT:
                     visible = visible & (kj >= qi + lo_off)
-                visible = visible & ((gl.load(T_keep + gl.minimum(gl.maximum(b, 0), T_keep_D0 - 1).to(gl.int64) * T_keep_S0 + gl.minimum(gl.maximum(kv_idx, 0), T_keep_D1 - 1).to(gl.int64) * T_keep_S1) != 0))
+                visible = visible & (mkv0)
                 pt = gl.where(visible, pt, 0.0)
             # P^T becomes the dV product's operand now and, in fp32, P^T times d(mod)/d(score)
             # (0 where P^T is, whatever the derivative), so that `score` dies here
