@@ -260,6 +260,50 @@ def test_key_span_of_a_mask(source):
                                M.builtin_mod("d", "document")]) == "segment"
 
 
+# mask source -> (sources of its per-query loads, of its per-key loads): what the Gluon
+# backward stages per step / reads once per program (mods.split_vector_loads)
+VECTOR_LOAD_CASES = {
+    "doc[b, q_idx] == doc[b, kv_idx]": (["doc[b, q_idx]"], ["doc[b, kv_idx]"]),
+    "keep[b, kv_idx]": ([], ["keep[b, kv_idx]"]),
+    # a query's rows of a per-head table are per step (h is the step's head)...
+    "hd[b, h, q_idx] >= kv_idx": (["hd[b, h, q_idx]"], []),
+    # ...a key's are not per program (a program serves a K/V head's query heads)
+    "hd[b, h, kv_idx] >= q_idx": ([], []),
+    # an index computed from both, or from another load, stays per score
+    "tab[b, q_idx - kv_idx] == 0": ([], []),
+    "tab[b, doc[b, q_idx]] == doc[b, kv_idx]": (["doc[b, q_idx]"], ["doc[b, kv_idx]"]),
+    # a float tensor (a bias) is left alone
+    "wt[b, q_idx] > 0.5": ([], []),
+    # the same load twice is staged once
+    "(doc[b, q_idx] == doc[b, kv_idx]) and (doc[b, q_idx] >= 0)": (["doc[b, q_idx]"],
+                                                                    ["doc[b, kv_idx]"]),
+}
+
+
+@pytest.mark.parametrize("source", list(VECTOR_LOAD_CASES))
+def test_split_vector_loads_of_a_mask(source):
+    decls = {"doc": "[B, N] int32", "keep": "[B, Nk] bool", "hd": "[B, H, N] int32",
+             "wt": "[B, N] fp32", "tab": "[B, S] int32"}
+    tensors = {t: d for t, d in decls.items() if f"{t}[" in source}
+    mod = M.make_mod("m", "mask", source, {}, tensors)
+    q_loads, kv_loads = M.split_vector_loads(mod.expr, {t.name: t for t in mod.tensors})
+    assert ([M.to_source(x) for x in q_loads], [M.to_source(x) for x in kv_loads]) == \
+        VECTOR_LOAD_CASES[source]
+
+
+def test_gluon_backward_reads_a_documents_ids_per_vector():
+    """The rendered document backward: the producer stages the query rows' ids in a
+    shared-memory slot, the consumers read the keys' ids once, and the partial blocks'
+    mask compares the two without a global load."""
+    root = Path(__file__).resolve().parent.parent / "generated" / "mods_attn"
+    text = (root / "kernels" / "gluon" / "bwd_causal_document_d128_bf16.py").read_text()
+    mask = next(line for line in text.splitlines() if "visible = visible & (" in line
+                and "mq0" in line)
+    assert "gl.load" not in mask and "mkv0" in mask
+    assert "MQ_SMEM0.index(s).store(mqv0)" in text
+    assert text.count("mkv0 = ") == 1
+
+
 def test_key_span_picks_the_forward_tile_boundary_knobs():
     from flashgen import families
 

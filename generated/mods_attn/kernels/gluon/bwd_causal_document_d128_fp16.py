@@ -319,9 +319,12 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                                         kv_ready, k_smem.index(c))
         tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n_start + c * SPLIT_N, 0],
                                         kv_ready, v_smem.index(c))
-    if VARLEN or True:
+    if VARLEN:
         vec_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
         vec_rows = gl.arange(0, BLOCK_M, layout=vec_layout)
+    # the mask's per-query loads (below): a lane's rows of the block
+    mq_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    mq_rows = gl.arange(0, BLOCK_M, layout=mq_layout)
     cnt = 0  # query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # GQA: the query heads that share this K/V head
@@ -362,7 +365,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 # the mask's per-query loads of this block (a partial block's consumers read
                 # them from the slot, not from global memory after their S^T wait), issued
                 # before the wait so that their latency hides behind it
-                pq_idx = m0 + Q_POS + vec_rows  # [BLOCK_M]
+                pq_idx = m0 + Q_POS + mq_rows  # [BLOCK_M]
                 mqv0 = (gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(pq_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)).to(gl.int32)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
                 MQ_SMEM0.index(s).store(mqv0)

@@ -1,7 +1,16 @@
-"""A/B: generated/mods_attn vs main's (.scratch/base/mods_base): fwd and bwd ms, interleaved."""
+"""A/B of the mods package against an earlier build of it: forward and backward ms of the
+mods bench's masks (B=4 H=16 N=4k bf16, d=128 and 64), interleaved rounds, medians, with
+the outputs and gradients compared.
+
+    git worktree add /tmp/base <commit> && mkdir -p /tmp/basepkgs && \
+        cp -r /tmp/base/generated/mods_attn /tmp/basepkgs/mods_base
+    BASE=/tmp/basepkgs PYTHONPATH=$PWD python benchmarks/mods_base_ab.py document window_sinks
+
+(twenty-first session: the mod tensors' unit stride, then the backward's per-vector mask
+loads; results in benchmarks/results/nvidia-h100-80gb-hbm3/mods_*_ab_session21.json)."""
 import sys, os, json
 import torch
-sys.path.insert(0, os.path.join(os.getcwd(), ".scratch/base"))
+sys.path.insert(0, os.environ.get("BASE", os.path.join(os.getcwd(), ".scratch/base")))
 sys.path.insert(0, os.path.join(os.getcwd(), "generated"))
 import mods_attn, mods_base
 from flashgen import bench_mods as bm
