@@ -1011,15 +1011,14 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             dq_acc = torch.empty_strided(dq.shape, acc_shape, device=q.device,
                                          dtype=torch.float32).zero_()
         if locks_shape is not None:  # the host's TMA descriptors (_gluon_bwd_descriptors)
-            tensors = _gluon_bwd_descriptors(locks_shape, q, k, v, do, lse, delta, dq_acc)
+            tensors = _gluon_bwd_descriptors(locks_shape, q, k, v, do, lse, delta, dq_acc, dk, dv)
         else:
             _descriptor_allocator()
-            tensors = (q, k, v, do, lse, delta)
+            tensors = (q, k, v, do, lse, delta, dq_acc, None, None)
         # a dropout variant takes the forward's stream as the Gluon forward does
         # (_gluon_dropout_args) and, without mods, its (Q_POS, KV_POS); with mods Call.args
         # carries them
-        dkdv(*tensors[:6], dk, dv, tensors[6] if locks_shape is not None else dq_acc,
-             *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
+        dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
              *(mods.args if mods is not None else drop_pos),
              *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1]) if tiles else ()))
         if dq_accum is None:
@@ -1238,10 +1237,11 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
     return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
 
 
-def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
+def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tuple:
     """The host-made TMA descriptors of the Gluon backward, in its argument order: Q, K, V,
     dO over (B, H, N, d) (a box past N or past d reads zeros), LSE and D as flat
-    vectors, and the dQ sum."""
+    vectors, the dQ sum, and dK, dV (stored through; None where TMA cannot write them:
+    the epilogue then stores from registers)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     (qd_box, kv_box, dq_box, vec_box), lay = boxes
@@ -1253,7 +1253,9 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc) -> tuple:
             desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
             desc(lse.view(-1), vec_box, lay["VEC_LAYOUT"]),
             desc(delta.view(-1), vec_box, lay["VEC_LAYOUT"]),
-            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]))
+            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]),
+            *((desc(dk, kv_box, lay["KV_LAYOUT"]), desc(dv, kv_box, lay["KV_LAYOUT"]))
+              if _descriptor_ready((dk, dk.stride()), (dv, dv.stride())) else (None, None)))
 
 
 # ----------------------------------------------------------------------------------------
@@ -1634,7 +1636,7 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         else:
             _descriptor_allocator()
             q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
-        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, cu_q, cu_k, *dkdv_args)
+        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args)
         dq.copy_(dq_acc)
         return delta
     if tma:

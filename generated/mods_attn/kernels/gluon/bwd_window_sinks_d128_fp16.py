@@ -375,7 +375,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 # ----------------------------------------------------------------------------------------
 @gluon.jit
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-              desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+              desc_dq, desc_dk, desc_dv, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
               SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_sinks, P_window, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -504,15 +504,30 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     # ------------------------------------------------------------------------------------
     # Epilogue: this warpgroup's rows of dK and dV
     # ------------------------------------------------------------------------------------
-    out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
-    # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
-    out_ok = gl.expand_dims(out_rows < n_k, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
-    dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
-               + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
-    gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
-    dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
-               + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
-    gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
+    if desc_dk is not None:
+        # through shared memory and TMA: this consumer's K and V slots take dK and dV once
+        # every consumer's last dQ product has read the K slots (the last step's ds_free),
+        # and the bulk stores leave the address arithmetic and the row masks to TMA (the
+        # plain stores below are a good part of a short program's ~4 us epilogue)
+        if cnt > 0:
+            mbarrier.wait(ds_free.index((cnt - 1) % 2), ((cnt - 1) // 2) & 1)
+        k_buf.store(dk.to(dtype))
+        v_buf.store(dv.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()  # the whole warpgroup has stored before the copies
+        row = k0 + n_start + CID * SPLIT_N
+        tma.async_copy_shared_to_global(desc_dk, [db, kv_h, row, 0], k_smem.index(CID))
+        tma.async_copy_shared_to_global(desc_dv, [db, kv_h, row, 0], v_smem.index(CID))
+    else:
+        out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
+        # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
+        out_ok = gl.expand_dims(out_rows < n_k, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
+        dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
+                   + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
+        gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
+        dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
+                   + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
+        gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
     tma.store_wait(0)
 
 
@@ -527,6 +542,10 @@ def bwd_window_sinks_d128_fp16_kernel(
     LSE, DELTA,  # [B * H_Q, VEC_ROW] fp32: the forward's log-sum-exp, rowsum(dO * O)
     DK, DV,  # like K and V (pointers)
     DQ_ACC,  # (B, H_Q, N_Q, HEAD_DIM) fp32 zeros: dQ (scaled) is added into it
+    # host-made TMA descriptors over DK and DV, [1, 1, SPLIT_N, HEAD_DIM_PAD] boxes, that the
+    # epilogue stores through (rows past N_K clipped); None: plain stores (VARLEN, whose
+    # rows past a sequence are the next one's)
+    DK_DESC, DV_DESC,
     # VARLEN: [B + 1] int32 cumulative sequence lengths (else None). Then Q, K, V, DO, DK, DV
     # and DQ_ACC are the packed (total, H, HEAD_DIM) tensors seen as (1, H, total,
     # HEAD_DIM) (the batch stride: any, never stepped), BATCH counts sequences, N_Q / N_K
@@ -653,12 +672,12 @@ def bwd_window_sinks_d128_fp16_kernel(
     # the first partition runs in this kernel's 4 warps, the others in the workers below
     gl.warp_specialize([
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                     desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_sinks, P_window, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 0, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem,
-                     desc_dq, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                     desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, P_sinks, P_window, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 1, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
