@@ -127,7 +127,9 @@ def _launches(kind: str, config: dict, function_names, row64: bool = False):
                                 **dense), w, s)]
     if kind == "bwd":
         dq_m, dq_n, dq_w, dq_s = planner_core.dq_tile(config)
-        return [("preprocess", dict(BLOCK_M=64, ROW64=row64), 4, 1),
+        # (the `tl` family's form; the Gluon backward's also zeroes its fp32 dQ sum)
+        return [("preprocess", dict(BLOCK_M=64, ROW64=row64, ZERO_DQ=False,
+                                    ZERO_DIM=1, ZERO_COLS=1), 4, 1),
                 ("dkdv_kernel", dict(BLOCK_M=bm, BLOCK_N=bn, FUSED_DQ=0, USE_TMA=False, **dense),
                  w, s),
                 ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False, **dense), dq_w,

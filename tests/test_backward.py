@@ -309,3 +309,24 @@ def test_torch_compile_fullgraph(pkg):
     torch.testing.assert_close(loss, f(q2.detach(), k2.detach(), v2.detach()))
     for a, b in ((q, q2), (k, k2), (v, v2)):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("b,h,n,d", [(3, 2, 59, 80), (1, 3, 1, 24), (2, 1, 130, 64)],
+                         ids=["b3-n59-d80", "n1-d24", "n130-two-blocks-d64"])
+def test_preprocess_zeroes_the_gluon_dq_sum(pkg, device, b, h, n, d):
+    """The Gluon backward's fp32 dQ sum is zeroed by the preprocess (ZERO_DQ), not by a
+    memset: every element of a NaN-filled sum in dQ's (B, N, H, d) layout becomes 0, the
+    row after it stays untouched, and D = rowsum(dO * O) is still right."""
+    rt = pkg._runtime
+    o, do = (torch.randn(b, n, h, d, device=device, dtype=torch.bfloat16).transpose(1, 2)
+             for _ in range(2))
+    guard = torch.full((b, n + 1, h, d), float("nan"), device=device)
+    acc = guard[:, :n].transpose(1, 2)  # (B, H, N, d), rows H * d apart
+    delta = torch.full((b * h, n), float("nan"), device=device)
+    pre = rt._preprocess(f"bwd_d{d}_bf16", (b * h, -(-n // rt.PREPROCESS_BLOCK)), False,
+                         zero_dim=d)
+    pre(o, do, delta, *o.stride()[:3], *do.stride()[:3], n, h, n, acc, *acc.stride()[:3])
+    assert (acc == 0).all(), "the preprocess left part of the dQ sum unzeroed"
+    assert guard[:, n].isnan().all(), "the preprocess wrote past the dQ sum's last row"
+    ref = (o.double() * do.double()).sum(-1).reshape(b * h, n)
+    torch.testing.assert_close(delta.double().cpu(), ref.cpu(), atol=1e-4, rtol=1e-4)

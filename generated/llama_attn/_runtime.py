@@ -929,6 +929,21 @@ def triton_cdiv(a: int, b: int) -> int:
 # The backward launches
 # ----------------------------------------------------------------------------------------
 PREPROCESS_BLOCK = 64
+
+
+def _preprocess(name, grid, row64: bool, zero_dim: int = 0) -> "Launcher":
+    """The preprocess launch (D = rowsum(dO * O)) of a backward plan; with zero_dim it also
+    zeroes the Gluon backward's fp32 dQ sum ([.., N, zero_dim], passed at the call)."""
+    return Launcher(kernel(name, "preprocess"), grid,
+                    dict(BLOCK_M=PREPROCESS_BLOCK, ROW64=row64, ZERO_DQ=zero_dim > 0,
+                         ZERO_DIM=max(zero_dim, 1),
+                         ZERO_COLS=1 << (max(zero_dim, 1) - 1).bit_length()))
+
+
+def _row_span_past_int32_strides(rows: int, strides, cols: int) -> bool:
+    """row_span_past_int32 for the fp32 dQ sum the preprocess zeroes before it exists:
+    `strides` its (batch, head, row) strides, `cols` its row length."""
+    return rows > 0 and (rows - 1) * strides[2] + cols - 1 >= _ROW_OFFSET_LIMIT
 # the fused_dq knob -> the dK/dV kernel's FUSED_DQ: 0 a dQ kernel of its own; 1 / 2 dQ
 # added in turns, waiting in a Triton loop (what the interpreter can run) / in inline PTX
 _FUSED_DQ_MODES = {False: 0, True: 2, "loop": 1, "ptx": 2}
@@ -974,7 +989,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         if len(_backward_plans) >= _MAX_PLANS:
             _backward_plans.clear()
         plan = _backward_plans[key] = _backward_plan(do, q, k, v, o, dq_like, dk, dv, mask,
-                                                     lo, hi, scale, widths is not None, mods)
+                                                     lo, hi, scale, widths is not None, mods,
+                                                     accumulate=dq_accum is not None)
     if plan is None:  # empty: no key, query, batch or head
         if dq is not None:
             dq.zero_()
@@ -998,18 +1014,19 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         n_pad = _vec_row(n_q)
         delta = (torch.empty if n_pad == n_q else torch.zeros)(
             delta_shape[:-1] + (n_pad,), device=q.device, dtype=torch.float32)
-        pre(o, do, delta, *pre_args, n_pad)
-        if n_pad != n_q:
-            padded = torch.empty(delta.shape, device=q.device, dtype=torch.float32)
-            padded[..., :n_q] = lse
-            lse = padded
         # dQ's fp32 sum, in dQ's own layout: the conversion below then streams in order
-        # (from a (B * H, N, d) sum into a (B, N, H, d) dQ it took 3x as long)
+        # (from a (B * H, N, d) sum into a (B, N, H, d) dQ it took 3x as long); zeroed by
+        # the preprocess (the plan's ZERO_DQ), unless the caller's sum is added into
         if dq_accum is not None:  # the plan's strides are its own (dq_like)
             dq_acc = dq_accum
         else:
             dq_acc = torch.empty_strided(dq.shape, acc_shape, device=q.device,
-                                         dtype=torch.float32).zero_()
+                                         dtype=torch.float32)
+        pre(o, do, delta, *pre_args, n_pad, dq_acc, *acc_shape[:3])
+        if n_pad != n_q:
+            padded = torch.empty(delta.shape, device=q.device, dtype=torch.float32)
+            padded[..., :n_q] = lse
+            lse = padded
         if locks_shape is not None:  # the host's TMA descriptors (_gluon_bwd_descriptors)
             tensors = _gluon_bwd_descriptors(locks_shape, q, k, v, do, lse, delta, dq_acc, dk, dv)
         else:
@@ -1025,7 +1042,7 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             dq.copy_(dq_acc)
         return delta[..., :n_q]
     delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
-    pre(o, do, delta, *pre_args, delta_shape[-1])
+    pre(o, do, delta, *pre_args, delta_shape[-1], None, 0, 0, 0)
     if fused:  # dQ accumulates in fp32 inside the dK/dV kernel, its additions in turns
         dq_acc = torch.zeros(acc_shape, device=q.device, dtype=torch.float32)
         locks = torch.zeros(locks_shape, device=q.device, dtype=torch.int32)
@@ -1047,8 +1064,10 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     return delta
 
 
-def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mods=None):
-    """The launches of a backward call signature (see backward), or None when it is empty."""
+def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mods=None,
+                   accumulate=False):
+    """The launches of a backward call signature (see backward), or None when it is empty.
+    accumulate: dQ is added into the caller's fp32 sum (backward's dq_accum)."""
     batch, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     if batch * h_q * n_q * n_k == 0:
@@ -1057,9 +1076,8 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     # the preprocess takes its block's first row in a 64-bit base: only a block's rows count
-    pre = Launcher(kernel(name, "preprocess"), (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
-                   dict(BLOCK_M=PREPROCESS_BLOCK,
-                        ROW64=row_span_past_int32(2, min(n_q, PREPROCESS_BLOCK), o, do)))
+    pre = _preprocess(name, (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
+                      row_span_past_int32(2, min(n_q, PREPROCESS_BLOCK), o, do))
     pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
                 n_q, h_q)
     if cfg.get("family") == "gluon":
@@ -1067,6 +1085,12 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
         if why is None:
             launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
                                                                    lo, hi, scale, name)
+            if not accumulate:  # the preprocess zeroes the fp32 dQ sum it allocates
+                pre = _preprocess(name, pre.grid[:2],
+                                  row_span_past_int32(2, min(n_q, PREPROCESS_BLOCK), o, do)
+                                  or _row_span_past_int32_strides(min(n_q, PREPROCESS_BLOCK),
+                                                                  acc_stride, d),
+                                  zero_dim=d)
             tiles = None
             if mods is not None and mods.block_sparse:  # the lists per key block
                 tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
@@ -1626,11 +1650,11 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         return None
     pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma = plan
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)  # (H_q, total_q)
-    pre(o, do, delta, *pre_args, q.shape[0])
     if tma == _GLUON:
         # dQ's fp32 sum in the packed (total_q, H_q, d) layout: TMA reduce-adds from every
-        # key block, exact zeros into the rows past each sequence
-        dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
+        # key block into the preprocess's zeros (exact zeros in the rows past each sequence)
+        dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        pre(o, do, delta, *pre_args, q.shape[0], dq_acc, 0, dq_acc.stride(1), dq_acc.stride(0))
         if dq_args is not None:  # the host's TMA descriptors (_gluon_varlen_bwd_descriptors)
             q_, k_, v_, do_, acc_ = _gluon_varlen_bwd_descriptors(dq_args, q, k, v, do, dq_acc)
         else:
@@ -1639,6 +1663,7 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args)
         dq.copy_(dq_acc)
         return delta
+    pre(o, do, delta, *pre_args, q.shape[0], None, 0, 0, 0)
     if tma:
         _descriptor_allocator()
     dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop, *drop_pos)
@@ -1681,12 +1706,15 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
         return None
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
     # D = rowsum(dO * O) per token: the dense preprocess over one (1, H_q, total_q) batch
-    pre = Launcher(kernel(name, "preprocess"), (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK)),
-                   dict(BLOCK_M=PREPROCESS_BLOCK,
-                        ROW64=row_span_past_int32(0, min(total_q, PREPROCESS_BLOCK), o, do)))
+    grid = (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK))
+    row64 = row_span_past_int32(0, min(total_q, PREPROCESS_BLOCK), o, do)
+    pre = _preprocess(name, grid, row64)
     pre_args = (0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0), total_q, h_q)
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) is None:
+        # the preprocess zeroes the packed (total_q, H_q, d) fp32 dQ sum (contiguous)
+        pre = _preprocess(name, grid, row64 or _row_span_past_int32_strides(
+            min(total_q, PREPROCESS_BLOCK), (0, d, h_q * d), d), zero_dim=d)
         # (the plan's dq_args field holds the descriptors' boxes: there is no dQ launch)
         launch, args, boxes = _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv,
                                                           batch, max_k, lo, hi, scale)

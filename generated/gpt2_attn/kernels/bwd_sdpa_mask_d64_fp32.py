@@ -73,8 +73,13 @@ def bwd_sdpa_mask_d64_fp32_preprocess(
     stride_dob, stride_doh, stride_dom,
     N_Q, H_Q,
     DELTA_ROW,  # N_Q for this family's kernels; the Gluon backward pads rows to 16 bytes
+    DQ_ACC,  # with ZERO_DQ: the Gluon backward's fp32 dQ sum, [B, H_Q, N_Q, ZERO_DIM]
+    stride_ab, stride_ah, stride_am,
     BLOCK_M: tl.constexpr,
     ROW64: tl.constexpr,  # BLOCK_M rows span >= 2**31 elements: 64-bit in-block row offsets
+    ZERO_DQ: tl.constexpr,  # also zero this block's rows of DQ_ACC (instead of a memset launch)
+    ZERO_DIM: tl.constexpr,  # the sum's columns (Q's head dim)
+    ZERO_COLS: tl.constexpr,  # ZERO_DIM rounded up to a power of two
 ):
     if ROW64:
         stride_om = tl.cast(stride_om, tl.int64)  # (tl.cast: a stride of 1 is a constexpr)
@@ -95,6 +100,17 @@ def bwd_sdpa_mask_d64_fp32_preprocess(
     dov0 = tl.load(do_base + offs_r[:, None] * stride_dom + offs_dv0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DV0_SIZE]
     delta += tl.sum(ov0.to(tl.float32) * dov0.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * DELTA_ROW + m0 + offs_r, delta, mask=row_ok)
+    if ZERO_DQ:
+        # the Gluon backward's TMA reduce-adds need a zeroed fp32 sum; the writes ride on
+        # this pass's reads instead of a memset of their own (FlashAttention-3's
+        # preprocess does the same)
+        if ROW64:
+            stride_am = tl.cast(stride_am, tl.int64)
+        acc_base = DQ_ACC + b.to(tl.int64) * stride_ab + h.to(tl.int64) * stride_ah + m0.to(tl.int64) * stride_am
+        offs_z = tl.arange(0, ZERO_COLS)
+        tl.store(acc_base + offs_r[:, None] * stride_am + offs_z[None, :],
+                 tl.zeros([BLOCK_M, ZERO_COLS], dtype=tl.float32),
+                 mask=row_ok[:, None] & (offs_z[None, :] < ZERO_DIM))
 
 
 
