@@ -733,7 +733,7 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
         # families.gluon_by_default says so
         gluon_cfg = space.config(families.gluon_default(
             space.facts.head_dim, kind, v.get("mask"), tuple(v.get("mods", ())),
-            v.get("key_span")))
+            v.get("key_span"), bool(v.get("dropout"))))
     gluon_runs = (gluon_cfg is not None and not v.get("mods")
                   and families.gluon_by_default(kind, bool(v.get("dropout")),
                                                 space.facts.head_dim, (), bucket))

@@ -95,6 +95,23 @@ def test_backward_dropout_variants_get_gluon_kernels(pkg):
     assert not fam.gluon_by_default("fwd", True, 64, (), fam.GLUON_DROPOUT_FWD_SMALL_D_MIN_N // 2)
 
 
+def test_dropout_forward_default_loads_the_next_tiles_q_at_d_over_64(pkg):
+    """families.DROPOUT_FWD_KNOBS: the untuned Gluon dropout forward at d = 96/128 takes a
+    second Q slot per consumer (measured +2% at causal d=128 N=1k), and that tile still
+    fits the H100's shared memory; d=64 and the p=0 forwards keep one slot."""
+    v = pkg._registry.VARIANTS
+    for name in ("fwd_causal_dropout_d128_bf16", "fwd_dropout_d96_fp16",
+                 "fwd_window_dropout_d128_fp16"):
+        cfg = families.variant_gluon_default(v[name])
+        assert cfg["q_buffers"] == 2, name
+        d = v[name]["head_dim"]
+        assert families.config_reason(cfg, d, 2, 232448) is None, name
+    for name in ("fwd_causal_dropout_d64_bf16", "fwd_causal_d128_bf16", "fwd_d96_fp16"):
+        assert families.variant_gluon_default(v[name])["q_buffers"] == 1, name
+    assert families.variant_gluon_default(v["bwd_causal_dropout_d128_bf16"]) == \
+        families.gluon_default(128, "bwd")
+
+
 def test_describe_lists_dropout_forwards_as_gluon(pkg):
     text = pkg.describe()
     line = next(ln for ln in text.splitlines() if "fwd_causal_dropout_d128_bf16" in ln)
@@ -282,8 +299,7 @@ registry = importlib.import_module(f"{pkg_dir.name}._registry")
 for name, knobs in json.loads(sys.argv[2]):
     mod = importlib.import_module(f"{pkg_dir.name}.kernels.gluon.{name}")
     facts = registry.VARIANTS[name]
-    base = (families.gluon_default(facts["head_dim"], "bwd") if facts["kind"] == "bwd"
-            else families.GLUON_DEFAULT)
+    base = families.variant_gluon_default(facts)  # what the package launches untuned
     res = gluon_compile.compile_variant(mod, name, facts["head_dim"], facts["dtype"],
                                         dict(base, **knobs))
     out.append(res.__dict__)

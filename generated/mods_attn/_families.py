@@ -232,10 +232,22 @@ KEY_SPAN_FWD_KNOBS = {
 }
 
 
+# The dropout forward at d > 64 loads a tile's Q while the tile before it runs (q_buffers
+# 2). Its consumers are issue-bound (the Philox rounds), so a tile's start, where the Q
+# wait and a first block with no P V behind it sit, costs more of the tile than without
+# dropout. H100, causal d=128 bf16 p=0.1, H=16 B*N=16k (benchmarks/dropout_fwd_knobs_ab.py,
+# 4 interleaved rounds, twenty-second session): 336.4 vs 330.0 TFLOP/s at N=1k (1.020x),
+# 409.2 vs 408.8 at 4k (1.001x); overlap, diag_first and no ping-pong 0.975-1.011x. Not
+# taken at d=64, where q_buffers 2 cost the causal forward 4% without dropout.
+DROPOUT_FWD_KNOBS = {"q_buffers": 2}
+
+
 def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
-                  mods: tuple = (), key_span: str | None = None) -> dict:
+                  mods: tuple = (), key_span: str | None = None,
+                  dropout: bool = False) -> dict:
     """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
-    its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS). At d <= 64 the forward's
+    its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS, and dropout at d > 64,
+    DROPOUT_FWD_KNOBS). At d <= 64 the forward's
     consumers run without ping-pong: a block's products take half as long as at d=128
     while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
     without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
@@ -254,13 +266,16 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         if mask == "none" and not mods:
             cfg["diag_first"] = True
     cfg.update(KEY_SPAN_FWD_KNOBS.get(key_span, {}))
+    if dropout and head_dim > 64:
+        cfg.update(DROPOUT_FWD_KNOBS)
     return cfg
 
 
 def variant_gluon_default(facts: dict) -> dict:
     """gluon_default for a variant as a package's registry records it (VARIANTS[name])."""
     return gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
-                         tuple(facts.get("mods", ())), facts.get("key_span"))
+                         tuple(facts.get("mods", ())), facts.get("key_span"),
+                         bool(facts.get("dropout")))
 
 
 # The persistent forward's last round, dealt by key block when whole tiles would leave
