@@ -148,7 +148,7 @@ def test_llama_generate_left_padded(fa, calls, device):
     assert {c[2] for c in calls} == {("key_padding",)}
 
 
-def test_llama_unpadded_and_packed(fa, calls, device):
+def test_llama_unpadded_and_packed(fa, calls, device, monkeypatch):
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(device)
     ids, _ = padded_batch(device)
@@ -156,14 +156,65 @@ def test_llama_unpadded_and_packed(fa, calls, device):
     compare(run(model, "sdpa", ids, None), run(model, "fgen", ids, None), None)
     assert calls and all(c == (True, (-1, -1), ()) for c in calls)
     calls.clear()
-    # two sequences packed in one row (position_ids restart): the document mod
-    pos = torch.cat([torch.arange(6), torch.arange(4)])[None].to(device)
-    row = ids[:1]
+    # sequences packed in rows (position_ids restart): the varlen kernels on the rows
+    # flattened, boundaries from position_ids (two rows: 6 + 4 and 3 + 1 + 6 tokens)
+    pos = torch.stack([torch.cat([torch.arange(6), torch.arange(4)]),
+                       torch.cat([torch.arange(3), torch.arange(1), torch.arange(6)])]).to(device)
+    rows = ids[:2]
+    seen = []
+    real = fa._api.flash_attn_varlen_func
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, *args, **kw):
+        seen.append((cu_q.tolist(), max_q))
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, *args, **kw)
+
+    monkeypatch.setattr(fa._api, "flash_attn_varlen_func", spy)
     # (transformers looks for packing only without a cache: use_cache=False)
     packed = dict(position_ids=pos, use_cache=False)
-    compare(run(model, "sdpa", row, None, **packed), run(model, "fgen", row, None, **packed),
+    compare(run(model, "sdpa", rows, None, **packed), run(model, "fgen", rows, None, **packed),
             None)
-    assert calls and all(c == (True, (-1, -1), ("document",)) for c in calls)
+    assert not calls, "packed rows went through the dense kernels"
+    assert seen == [([0, 6, 10, 13, 14, 20], 6)] * TINY["num_hidden_layers"], seen
+
+
+@pytest.mark.parametrize("bounds", ["tensors", "host"])
+def test_llama_flattened_batch_runs_varlen(fa, calls, device, monkeypatch, bounds):
+    """A flattened batch (DataCollatorWithFlattening(return_flash_attn_kwargs=True): one row,
+    position_ids restarting per sequence, cu_seq_lens_q/k and max_length_q/k) runs
+    flash_attn_varlen_func on views of the row, and matches SDPA on the same row (which
+    reads the packing from position_ids as a block-diagonal causal mask)."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).to(device)
+    lengths = [6, 1, 9, 4]  # a 1-token sequence among them
+    n = sum(lengths)
+    ids = torch.randint(0, TINY["vocab_size"], (1, n),
+                        generator=torch.Generator().manual_seed(2)).to(device)
+    pos = torch.cat([torch.arange(m) for m in lengths])[None].to(device)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int64)
+    if bounds == "tensors":  # int64 on the device, the max as a 0-d tensor
+        cu_q = cu_k = cu.to(device)
+        max_q = max_k = cu_q.diff().max()
+    else:  # a list and host ints, as the collator's own batch has them
+        cu_q = cu_k = cu.tolist()
+        max_q = max_k = max(lengths)
+    seen = []
+    real = fa._api.flash_attn_varlen_func
+
+    def spy(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args, **kw):
+        seen.append((tuple(q.shape), cu_seqlens_q.dtype, max_seqlen_q, q.is_contiguous()))
+        return real(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *args,
+                    **kw)
+
+    monkeypatch.setattr(fa._api, "flash_attn_varlen_func", spy)
+    ref = run(model, "sdpa", ids, None, position_ids=pos, use_cache=False)
+    got = run(model, "fgen", ids, None, position_ids=pos, use_cache=False,
+              cu_seq_lens_q=cu_q, cu_seq_lens_k=cu_k, max_length_q=max_q,
+              max_length_k=max_k)
+    compare(ref, got, None)
+    heads = TINY["num_attention_heads"]
+    assert seen == [((n, heads, TINY["head_dim"]), torch.int32, max(lengths), True)] * \
+        TINY["num_hidden_layers"], seen
+    assert not calls, "the flattened row went through the dense kernels"
 
 
 @pytest.mark.parametrize("padded", [True, False])

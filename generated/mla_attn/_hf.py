@@ -25,18 +25,26 @@ and go to the kernels through strides, never copied; GQA is native):
   on the mask tensor, by its version: every layer gets the same mask object) and
   recognized as a band (causal, or causal with the layer's sliding window, aligned
   bottom-right as with a KV cache, or none) AND a key-padding vector, optionally AND a
-  packed-sequence document mask (from `position_ids`), verified element by element. Then the
-  kernels run the band, and the padding as the `key_padding` mask mod reading one (B, N_k)
-  bool tensor (key blocks that are all padding are skipped), the packing as the `document`
-  mod, and Gemma 2's `softcap` as the `softcap` mod: one variant of the spec's `variants:`
-  must hold that combination, or the call raises a ValueError naming the entry to add;
+  packed-sequence document mask (from `position_ids`), verified element by element. Packed
+  sequences without padding or soft-capping run the varlen kernels (`flash_attn_varlen_func`
+  on the rows flattened, as views; the boundaries read off `position_ids` once per
+  forward). Otherwise the kernels run the band, and the padding as the `key_padding` mask
+  mod reading one (B, N_k) bool tensor (key blocks that are all padding are skipped), the
+  packing as the `document` mod, and Gemma 2's `softcap` as the `softcap` mod: one variant
+  of the spec's `variants:` must hold that combination, or the call raises a ValueError
+  naming the entry to add;
 * any other mask (or a combination the spec lacks, when no softcap is needed): the mask as
   an additive fp32 bias through `scaled_dot_product_attention(attn_mask=...)` (the
   `sdpa_mask` mod; converted once per forward and shared by the layers), with a warning
   once per process, since it reads a (B, 1, N_q, N_k) bias in every layer.
 
-Padding stays in the batch (the padded positions' rows are computed and ignored); a varlen
-kernel, when the package has one, will take cu_seqlens instead.
+* a flattened batch (one row of packed sequences with transformers' `cu_seq_lens_q/k` and
+  `max_length_q/k` kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+  passes them): `flash_attn_varlen_func` on views of the row, the mask (if any) only
+  checked to be the band over those sequences without padding; with soft-capping the
+  `document` mod path above serves it (the varlen kernels take no mods).
+
+Padding stays in the batch (the padded positions' rows are computed and ignored).
 """
 
 import warnings
@@ -262,6 +270,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     n_q, n_k = query.shape[2], key.shape[2]
     left = sliding_window - 1 if sliding_window else None
+    bounds = _packed_bounds(query, key, kwargs) if not softcap else None
+    if bounds is not None and (attention_mask is None or _plain_packing(
+            attention_mask, bool(causal), left, kwargs.get("position_ids"))):
+        return _varlen(query, key, value, bounds, float(dropout or 0.0), scaling, bool(causal),
+                       left), None
     if attention_mask is None:
         # as transformers' SDPA path, which is causal only with more than one query: one
         # query under the bottom-right causal band sees every key too. A causal prefill
@@ -277,6 +290,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     dropout = float(dropout or 0.0)
     if layout.bias is not None:
         return _generic(query, key, value, layout.bias, dropout, scaling, softcap), None
+    if layout.doc is not None and layout.keep is None and not softcap:
+        # packed sequences from position_ids, no padding: the varlen kernels on the rows
+        # flattened (views), the boundaries read off the documents once per forward
+        bounds = _cached(attention_mask, "bounds", lambda: _doc_bounds(layout.doc))
+        return _varlen(query, key, value, bounds, dropout, scaling, layout.causal,
+                       layout.left), None
 
     builtins = (("softcap",) if softcap else ()) + \
         (("key_padding",) if layout.keep is not None else ()) + \
@@ -317,6 +336,78 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     out = _api.flash_attn_func(q, k, v, dropout, scaling, layout.causal, window, mods=names,
                                **args)
     return out.contiguous(), None
+
+
+# ----------------------------------------------------------------------------------------
+# Flattened batches: flash_attn_varlen_func
+# ----------------------------------------------------------------------------------------
+# transformers' DataCollatorWithFlattening(return_flash_attn_kwargs=True) packs a batch's
+# sequences into one row and passes their boundaries to every attention call
+# (cu_seq_lens_q / cu_seq_lens_k, max_length_q / max_length_k), as flash-attn's integration
+# expects. The row then runs the varlen kernels: each sequence attends within itself, with
+# no (1, 1, N, N) mask read and no document mod, and q, k, v stay views of the row.
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def _packed_bounds(query, key, kwargs):
+    """(cu_q, cu_k, max_q, max_k) for flash_attn_varlen_func when the call carries a
+    flattened batch's boundaries (one row, as many keys as queries: training or prefill
+    without a cache), else None. cu_seqlens become int32 on the query's device and the
+    max lengths host ints, each once per forward (cached on the tensor every layer gets)."""
+    values = [kwargs.get(k) for k in _PACKED_KEYS]
+    if any(v is None for v in values) or query.shape[0] != 1 or query.shape[2] != key.shape[2]:
+        return None
+    cu_q, cu_k, max_q, max_k = values
+    return (_int32_on(cu_q, query.device), _int32_on(cu_k, query.device), _host_int(max_q),
+            _host_int(max_k))
+
+
+def _int32_on(cu, device):
+    if not isinstance(cu, torch.Tensor):
+        return torch.tensor(list(cu), dtype=torch.int32, device=device)
+    if cu.dtype == torch.int32 and cu.device == device:
+        return cu
+    return _cached(cu, ("int32", device), lambda: cu.to(device=device, dtype=torch.int32))
+
+
+def _host_int(value) -> int:
+    if isinstance(value, torch.Tensor):  # (prepare_fa_kwargs_from_position_ids: 0-d)
+        return _cached(value, "int", lambda: int(value.item()))
+    return int(value)
+
+
+def _plain_packing(mask, causal, left, position_ids) -> bool:
+    """Whether transformers' 4-D mask beside a flattened batch's boundaries says nothing
+    they do not: the band (with packed sequences), no padding, no other pattern."""
+    layout = _layout(mask, causal, left, position_ids)
+    return layout.bias is None and layout.keep is None
+
+
+def _doc_bounds(doc):
+    """(cu, cu, max, max) of packed rows: doc (B, N) int32 is each token's sequence index in
+    its row (_documents); the rows' sequences, flattened in order, as varlen boundaries.
+    One host sync (the sequence count and the longest one)."""
+    batch, n = doc.shape
+    starts = torch.ones_like(doc, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = starts.reshape(-1).nonzero().reshape(-1)
+    cu = torch.cat([first, first.new_tensor([batch * n])]).to(torch.int32)
+    longest = int(cu.diff().max().item())
+    return cu, cu, longest, longest
+
+
+def _varlen(query, key, value, bounds, dropout, scaling, causal, left):
+    """Packed rows through flash_attn_varlen_func: (B, H, N, d) views in, flattened to
+    (B * N, H, d) (views: transformers' tensors are (B, N, H, d) memory), and the
+    (B, N, H_q, d) output transformers expects out."""
+    cu_q, cu_k, max_q, max_k = bounds
+    batch, n = query.shape[0], query.shape[2]
+    q, k, v = (t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3])
+               for t in (query, key, value))
+    window = (left, 0) if left is not None else (-1, -1)
+    out = _api.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout, scaling,
+                                      causal, window)
+    return out.reshape(batch, n, out.shape[1], out.shape[2])
 
 
 def _generic(query, key, value, bias, dropout, scaling, softcap):
