@@ -155,8 +155,15 @@ def test_backward_launch_passes_what_the_kernel_declares(pkg, monkeypatch, case)
                 + list(pkg._registry.MODS[m]["params"])}
     kw = {a: x for a, x in kw.items() if a in accepted}
     out = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, **kw)
+    # the fp32 dQ sum starts as NaN: only the preprocess's zeroing (ZERO_DQ, at the sum's
+    # own strides) makes it 0, and the recorded kernel adds nothing to it
+    empty_strided = torch.empty_strided
+    monkeypatch.setattr(torch, "empty_strided",
+                        lambda *a, **k_: empty_strided(*a, **k_).fill_(float("nan")))
     with rt.override_config(family="gluon"):
         out.backward(torch.randn_like(out))
+    monkeypatch.setattr(torch, "empty_strided", empty_strided)
+    assert torch.equal(q.grad, torch.zeros_like(q.grad)), "the preprocess left the dQ sum unzeroed"
     name = _bwd_name(mods, causal)
     assert len(rec.calls) == 1, "the Gluon backward did not run"
     grid, args, meta = rec.calls[0]

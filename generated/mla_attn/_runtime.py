@@ -82,9 +82,14 @@ def row_span_past_int32(row_dim: int, rows: int, *tensors) -> bool:
     """Whether `rows` rows along `row_dim` of any of `tensors` span 2**31 or more elements
     (the last row's last element lies that far past the first row's first): then the row
     offsets of a launch over them must be 64-bit (ROW64)."""
-    return rows > 0 and any(
-        (rows - 1) * t.stride(row_dim) + (t.shape[-1] - 1) * t.stride(-1) >= _ROW_OFFSET_LIMIT
-        for t in tensors)
+    return any(_rows_span_past_int32(rows, t.stride(row_dim), (t.shape[-1] - 1) * t.stride(-1))
+               for t in tensors)
+
+
+def _rows_span_past_int32(rows: int, row_stride: int, row_end: int) -> bool:
+    """Whether `rows` rows `row_stride` elements apart, each ending `row_end` elements past
+    its start, reach 2**31 elements from the first row's start."""
+    return rows > 0 and (rows - 1) * row_stride + row_end >= _ROW_OFFSET_LIMIT
 
 
 def check_heads(h_q: int, h_kv: int) -> None:
@@ -939,11 +944,6 @@ def _preprocess(name, grid, row64: bool, zero_dim: int = 0) -> "Launcher":
                          ZERO_DIM=max(zero_dim, 1),
                          ZERO_COLS=1 << (max(zero_dim, 1) - 1).bit_length()))
 
-
-def _row_span_past_int32_strides(rows: int, strides, cols: int) -> bool:
-    """row_span_past_int32 for the fp32 dQ sum the preprocess zeroes before it exists:
-    `strides` its (batch, head, row) strides, `cols` its row length."""
-    return rows > 0 and (rows - 1) * strides[2] + cols - 1 >= _ROW_OFFSET_LIMIT
 # the fused_dq knob -> the dK/dV kernel's FUSED_DQ: 0 a dQ kernel of its own; 1 / 2 dQ
 # added in turns, waiting in a Triton loop (what the interpreter can run) / in inline PTX
 _FUSED_DQ_MODES = {False: 0, True: 2, "loop": 1, "ptx": 2}
@@ -1076,8 +1076,10 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(n_q, n_k))
     # the preprocess takes its block's first row in a 64-bit base: only a block's rows count
-    pre = _preprocess(name, (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK)),
-                      row_span_past_int32(2, min(n_q, PREPROCESS_BLOCK), o, do))
+    pre_grid = (batch * h_q, triton_cdiv(n_q, PREPROCESS_BLOCK))
+    pre_rows = min(n_q, PREPROCESS_BLOCK)
+    pre_row64 = row_span_past_int32(2, pre_rows, o, do)
+    pre = _preprocess(name, pre_grid, pre_row64)
     pre_args = (o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
                 n_q, h_q)
     if cfg.get("family") == "gluon":
@@ -1085,12 +1087,9 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
         if why is None:
             launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
                                                                    lo, hi, scale, name)
-            if not accumulate:  # the preprocess zeroes the fp32 dQ sum it allocates
-                pre = _preprocess(name, pre.grid[:2],
-                                  row_span_past_int32(2, min(n_q, PREPROCESS_BLOCK), o, do)
-                                  or _row_span_past_int32_strides(min(n_q, PREPROCESS_BLOCK),
-                                                                  acc_stride, d),
-                                  zero_dim=d)
+            if not accumulate:  # the preprocess zeroes the fp32 dQ sum (not yet allocated)
+                pre = _preprocess(name, pre_grid, pre_row64 or _rows_span_past_int32(
+                    pre_rows, acc_stride[2], d - 1), zero_dim=d)
             tiles = None
             if mods is not None and mods.block_sparse:  # the lists per key block
                 tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
@@ -1713,8 +1712,8 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) is None:
         # the preprocess zeroes the packed (total_q, H_q, d) fp32 dQ sum (contiguous)
-        pre = _preprocess(name, grid, row64 or _row_span_past_int32_strides(
-            min(total_q, PREPROCESS_BLOCK), (0, d, h_q * d), d), zero_dim=d)
+        pre = _preprocess(name, grid, row64 or _rows_span_past_int32(
+            min(total_q, PREPROCESS_BLOCK), h_q * d, d - 1), zero_dim=d)
         # (the plan's dq_args field holds the descriptors' boxes: there is no dQ launch)
         launch, args, boxes = _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv,
                                                           batch, max_k, lo, hi, scale)
