@@ -29,7 +29,26 @@ GLUON_CAPABILITIES = ((9, 0),)
 GLUON_HEAD_DIMS = (64, 96, 128)
 
 QUERY_ROWS_PER_CONSUMER = 64  # one wgmma M extent per warpgroup
-CONSUMERS = 2  # 3 (FA3's d=64 shape) spilled at 160 registers and ran 15% slower (PERF_NOTES)
+# Consumer warpgroups of the backward, and of the forward unless said otherwise below
+CONSUMERS = 2
+# The forward may also run three consumers (192-row tiles, FlashAttention-3's shape at head
+# dims <= 64), at 160 registers each: three 4-warp consumers and the 1-warp producer, which
+# Gluon's partitioning budgets as a warpgroup, are 3 x 128 x 160 + 128 x 24 of the 64K
+# registers. Compiled for sm_90 (gluon_compile) that fits with no spill in the key loop once
+# P leaves fp32 early (the template's EARLY_P); at 168 the first consumer, which gets what
+# the workers leave, spilled and ptxas serialised its wgmmas (C7512). On the H100
+# (benchmarks/fwd_arms_ab.py, twenty-third session, H=32 B*N=16k bf16, vs two consumers):
+# non-causal 2k / 4k / 16k +3.1 / +8.0 / +10.7% with ping-pong (+1.9 / +5.0 / +6.1%
+# without), causal -6.8 / -3.8 / +9.9%. Not with dropout or mods (not compiled or measured
+# there: the Philox words and the mods' values need registers the split does not have).
+THREE_CONSUMERS_MAX_HEAD_DIM = 64
+THREE_CONSUMER_REGS = ("160/24",)
+
+
+def fwd_consumer_counts(head_dim: int, extras: bool = False) -> tuple:
+    """The consumer counts a forward kernel is rendered for, the larger first (extras:
+    dropout or mods, which keep two)."""
+    return (3, 2) if head_dim <= THREE_CONSUMERS_MAX_HEAD_DIM and not extras else (2,)
 
 # What an untuned Gluon launch uses, measured on the H100 (docs/PERF_NOTES.md):
 # 128 x 128 tiles, a 2-deep K/V ring, ping-pong consumers at 240 registers, the producer
@@ -250,7 +269,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     consumers run without ping-pong: a block's products take half as long as at d=128
     while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
     without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
-    the H100, see GLUON_DEFAULT)."""
+    the H100, see GLUON_DEFAULT), in 192-row tiles of three consumers that do take turns
+    (THREE_CONSUMER_REGS; +3..+11% over two consumers at N = 2k-16k)."""
     if kind == "bwd":
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
@@ -264,6 +284,9 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         cfg["pingpong"] = False
         if mask == "none" and not mods:
             cfg["diag_first"] = True
+            if 3 in fwd_consumer_counts(head_dim, dropout):
+                cfg.update(block_m=3 * QUERY_ROWS_PER_CONSUMER, regs=THREE_CONSUMER_REGS[0],
+                           pingpong=True)
     cfg.update(KEY_SPAN_FWD_KNOBS.get(key_span, {}))
     if dropout and head_dim > 64:
         cfg.update(DROPOUT_FWD_KNOBS)
@@ -346,12 +369,12 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
 
 
 def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int,
-                 q_buffers: int = 1) -> int:
+                 q_buffers: int = 1, consumers: int = CONSUMERS) -> int:
     """Shared memory of a Gluon forward tile: Q (q_buffers slots) and O staging per
     consumer, the K/V ring, and the mbarriers (a few hundred bytes; 1 KiB is reserved for
     them)."""
     d = head_dim_pad(head_dim)
-    qo = (q_buffers + 1) * CONSUMERS * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
+    qo = (q_buffers + 1) * consumers * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
     kv = 2 * num_buffers * block_n * d * dtype_bytes
     return qo + kv + 1024
 
@@ -409,24 +432,43 @@ def bwd_config_reason(config: dict, head_dim: int, dtype_bytes: int,
     return None
 
 
-def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int) -> str | None:
+def consumer_reason(config: dict, consumers: tuple = (CONSUMERS,)) -> str | None:
+    """Why a Gluon forward config's tile and register split do not match the consumer
+    warpgroups the kernel has (`consumers`, fwd_consumer_counts): None when they do. The
+    runtime checks a launch config with it too, so that a forced or tuned config the kernel
+    has no partitions for is an error, not a kernel that starves its registers."""
+    rows = tuple(c * QUERY_ROWS_PER_CONSUMER for c in consumers)
+    if config.get("block_m") not in rows:
+        return (f"block_m must be {' or '.join(map(str, rows))} (consumer warpgroups x "
+                f"{QUERY_ROWS_PER_CONSUMER} rows) for this kernel")
+    n_consumers = config["block_m"] // QUERY_ROWS_PER_CONSUMER
+    splits = THREE_CONSUMER_REGS if n_consumers == 3 else REG_SPLITS
+    if str(config.get("regs", REG_SPLITS[0])) not in splits:
+        return (f"regs must be one of {', '.join(splits)} with {n_consumers} consumers "
+                "(consumer/producer per thread)")
+    return None
+
+
+def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int,
+                  consumers: tuple = (CONSUMERS,)) -> str | None:
     """Why a Gluon launch config cannot run (None when it can): the tile shape is fixed by
-    the warpgroups, and the whole tile must fit in one block's shared memory."""
-    if config.get("block_m") != CONSUMERS * QUERY_ROWS_PER_CONSUMER:
-        return f"block_m must be {CONSUMERS} consumers x {QUERY_ROWS_PER_CONSUMER} rows"
+    the warpgroups (`consumers`: the counts the variant's kernel is rendered for,
+    fwd_consumer_counts), and the whole tile must fit in one block's shared memory."""
+    reason = consumer_reason(config, consumers)
+    if reason is not None:
+        return reason
+    n_consumers = config["block_m"] // QUERY_ROWS_PER_CONSUMER
     if config.get("num_warps") != 4:
         return "num_warps must be 4 (one warpgroup per partition)"
     if config.get("block_n") not in (64, 128):
         return "block_n must be 64 or 128 (S is one wgmma N extent; 256 spills)"
     if config.get("num_stages") not in (2, 3, 4):
         return "num_stages (the K/V ring depth) must be 2, 3 or 4"
-    if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
-        return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
     q_buffers = config.get("q_buffers", GLUON_DEFAULT["q_buffers"])
     if q_buffers not in (1, 2):
         return "q_buffers (Q slots per consumer) must be 1 or 2"
     need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"],
-                        q_buffers)
+                        q_buffers, n_consumers)
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
     return None

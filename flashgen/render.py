@@ -340,6 +340,15 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         # worker, and the producer a 1-warp worker
         "worker_warps": ", ".join(["4"] * (len(consumers) - 1) + ["1"]),
         "worker_regs": ", ".join(["CONSUMER_REGS"] * (len(consumers) - 1) + ["PRODUCER_REGS"]),
+        # the forward's partitions for each consumer count it may launch with (BLOCK_M / 64)
+        "consumer_layouts": [
+            {"test": f"{'if' if i == 0 else 'elif'} NUM_CONSUMERS == {n}:",
+             "ids": list(range(n)),
+             "warps": ", ".join(["4"] * (n - 1) + ["1"]),
+             "regs": ", ".join(["CONSUMER_REGS"] * (n - 1) + ["PRODUCER_REGS"])}
+            for i, n in enumerate(families.fwd_consumer_counts(variant.head_dim, variant.dropout or bool(variant.mods)))],
+        "consumer_rows": " or ".join(str(n * families.QUERY_ROWS_PER_CONSUMER) for n in
+                                     families.fwd_consumer_counts(variant.head_dim, variant.dropout or bool(variant.mods))),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
         "philox_rounds": families.PHILOX_ROUNDS,
         **{k: v for k, v in context.items()

@@ -42,6 +42,9 @@ class Facts:
     gluon: str | None = "no Gluon kernel considered"
     mask: str | None = None         # the variant's mask (None: not said)
     block_sparse: bool = False      # a mask mod's block lists deal the forward's tiles
+    # the Gluon forward's consumer counts this variant is rendered for
+    # (families.fwd_consumer_counts; 3 runs 192-row tiles)
+    consumers: tuple = (families.CONSUMERS,)
 
 
 Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
@@ -158,8 +161,9 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
             # one program per SM walking its tiles, or one per tile (the hardware schedules)
             Knob("persistent", (True, False), True, _gluon_only("persistent", True)),
             # consumer/producer registers per thread (setmaxnreg)
-            Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
-                 _gluon_only("regs", families.REG_SPLITS[0])),
+            # (three consumers take THREE_CONSUMER_REGS: families.config_reason)
+            Knob("regs", families.REG_SPLITS + families.THREE_CONSUMER_REGS,
+                 families.REG_SPLITS[0], _gluon_only("regs", families.REG_SPLITS[0])),
             # the tile boundary (families.GLUON_DEFAULT): a second Q slot per consumer
             # (shared memory: families.config_reason), a tile's stores behind the next
             # tile's first S = Q K^T
@@ -207,6 +211,8 @@ class Space:
         return TILE_PARAMS + tuple(k.name for k in self.knobs)
 
     def choices(self, name: str) -> tuple:
+        if name == "block_m" and 3 in self.facts.consumers:
+            return TILE_CHOICES[name] + (3 * families.QUERY_ROWS_PER_CONSUMER,)
         if name in TILE_CHOICES:
             return TILE_CHOICES[name]
         return next(k.choices for k in self.knobs if k.name == name)
@@ -236,8 +242,13 @@ class Space:
         tile = TileConfig(*(int(config[n]) for n in TILE_PARAMS))
         if config.get("family") == "gluon":
             # the Gluon tile is fixed by its warpgroups; the planner's model is the tl kernel's
-            why = families.bwd_config_reason if self.facts.kind == "bwd" else families.config_reason
-            reason = why(config, self.facts.head_dim, self.facts.dtype_bytes, self.facts.sram_bytes)
+            if self.facts.kind == "bwd":
+                reason = families.bwd_config_reason(config, self.facts.head_dim,
+                                                    self.facts.dtype_bytes, self.facts.sram_bytes)
+            else:
+                reason = families.config_reason(config, self.facts.head_dim,
+                                                self.facts.dtype_bytes, self.facts.sram_bytes,
+                                                self.facts.consumers)
         else:
             reason = self.tile_reasons.get(tile, "not a planner candidate")
         if reason is not None:
@@ -291,10 +302,11 @@ class Space:
         return {n: CategoricalDistribution(self.choices(n)) for n in self.names}
 
 
-# the tiles a Gluon forward may take: 2 consumer warpgroups x 64 rows, 4 warps a partition,
-# 64- or 128-key blocks, a 2- to 4-deep K/V ring (config_reason drops what does not fit)
-GLUON_TILES = tuple(TileConfig(families.CONSUMERS * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
-                    for n in (128, 64) for s in (2, 3, 4))
+# the tiles a Gluon forward may take: 2 (or, at head dims <= 64, 3) consumer warpgroups x 64
+# rows, 4 warps a partition, 64- or 128-key blocks, a 2- to 4-deep K/V ring (config_reason
+# drops what the variant's kernel or shared memory cannot take)
+GLUON_TILES = tuple(TileConfig(c * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
+                    for c in (families.CONSUMERS, 3) for n in (128, 64) for s in (2, 3, 4))
 # the tiles a Gluon backward may take: 2 consumer warpgroups x 64 keys, 4 warps a partition,
 # 64 or 128 query rows a step, a 2- to 4-deep Q/dO ring (bwd_config_reason drops what does
 # not fit: at d=128 block_m 128 and a 4-deep ring, at d=64 block_m 128 past a 2-deep ring)
@@ -318,7 +330,8 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
               sm_count: int | None = None, capability: tuple[int, int] | None = None,
               knobs: Mapping[str, tuple[Knob, ...]] | None = None,
               gluon: str | None = "no Gluon kernel considered",
-              mask: str | None = None, block_sparse: bool = False) -> Space:
+              mask: str | None = None, block_sparse: bool = False,
+              consumers: tuple = (families.CONSUMERS,)) -> Space:
     """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
     memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
     Triton (None when it can: the space then holds the Gluon family's points too). Raises
@@ -327,7 +340,7 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
                              arch=_arch(capability))
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                   tuple(capability) if capability is not None else None, gluon, mask,
-                  block_sparse)
+                  block_sparse, tuple(consumers))
     return Space(
         facts=facts,
         knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),

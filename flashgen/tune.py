@@ -650,9 +650,13 @@ def _space(kind, facts, gpu: GpuInfo, mod_kinds=()) -> Space:
     makes the Gluon forward block-sparse: no stream-K point)."""
     from .variants import DTYPE_BYTES
 
+    consumers = (families.fwd_consumer_counts(facts["head_dim"],
+                                              bool(facts.get("dropout") or facts.get("mods")))
+                 if kind == "fwd" else (families.CONSUMERS,))
     return space_for(kind, facts["head_dim"], DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
                      gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu),
-                     mask=facts.get("mask"), block_sparse="mask" in mod_kinds)
+                     mask=facts.get("mask"), block_sparse="mask" in mod_kinds,
+                     consumers=consumers)
 
 
 

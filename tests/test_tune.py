@@ -149,6 +149,37 @@ def test_the_gluon_family_is_searched_where_it_runs():
     assert no.check({**too_deep, "num_stages": 2}) == "family='gluon': fp32: wgmma takes fp16/bf16 operands"
 
 
+def test_three_consumer_tiles_are_searched_where_the_kernel_has_them():
+    """At d=64 without dropout or mods the forward's kernel has three-consumer partitions:
+    its space adds 192-row tiles, each with the one register split that fits them, and
+    the untuned default is one of them; elsewhere there are none."""
+    two = space_for("fwd", 64, 2, **H100, gluon=None, mask="none")
+    three = space_for("fwd", 64, 2, **H100, gluon=None, mask="none", consumers=(3, 2))
+    g2 = [p for p in two.points() if p["family"] == "gluon"]
+    g3 = [p for p in three.points() if p["family"] == "gluon"]
+    assert {p["block_m"] for p in g2} == {128}
+    assert {p["block_m"] for p in g3} == {128, 192}
+    assert [p for p in g3 if p["block_m"] == 128] == g2
+    big = [p for p in g3 if p["block_m"] == 192]
+    assert {p["regs"] for p in big} == {"160/24"} and "160/24" not in {p["regs"] for p in g2}
+    # one register split instead of three: a third of the 128-row points, the same ring
+    # depths (shared memory fits every one at d=64)
+    assert len(big) * 3 == len(g2)
+    default = three.config(families.gluon_default(64, "fwd", "none"))
+    assert default["block_m"] == 192 and three.check(default) is None and default in g3
+    assert two.check(default).startswith("block_m 192 not one of")
+    assert "regs must be one of 160/24" in three.check({**default, "regs": "240/24"})
+    # what the tuner asks for per variant (tune._space): dropout and mods keep two
+    from flashgen import tune
+
+    gpu = tune.GpuInfo(FAKE_KEY, "Fake GPU", (9, 0), H100["sm_count"], H100["sram_bytes"])
+    facts = {"head_dim": 64, "dtype": "bf16", "mask": "none", "kind": "fwd"}
+    assert tune._space("fwd", facts, gpu).facts.consumers == (3, 2)
+    assert tune._space("fwd", {**facts, "dropout": True}, gpu).facts.consumers == (2,)
+    assert tune._space("fwd", {**facts, "mods": ["softcap"]}, gpu).facts.consumers == (2,)
+    assert tune._space("fwd", {**facts, "head_dim": 128}, gpu).facts.consumers == (2,)
+
+
 def test_the_gluon_backward_is_searched_where_it_runs():
     """The backward's `family` knob: Gluon points take the backward's warpgroup tile
     (2 x 64 keys, 4 warps), 64 or 128 query rows a step and a 2- to 4-deep Q/dO ring where

@@ -785,6 +785,11 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
     table, _band_tile_table; stream_k: the last rounds by key block, STREAM_K)."""
     from triton.experimental.gluon import language as gl
 
+    facts = VARIANTS[name]
+    why = _families.consumer_reason(cfg, _families.fwd_consumer_counts(
+        facts["head_dim"], bool(facts.get("dropout") or facts.get("mods"))))
+    if why is not None:
+        raise ValueError(f"{PACKAGE}: launch config {dict(cfg)} of `{name}`: {why}")
     d_pad = _families.head_dim_pad(d)
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]

@@ -9,9 +9,13 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
 * Warp specialisation. One program is three partitions. A producer warp issues every
   load: TMA copies of the Q tile and of K/V blocks into a ring of NUM_BUFFERS shared-memory
   slots, each slot guarded by a "full" mbarrier (the copy has landed) and an "empty" one
-  (every consumer is done with it). NUM_CONSUMERS = 2 consumer warpgroups each own
-  SPLIT_M = 64 rows of the BLOCK_M-row query tile and do the math. The producer gives its
-  registers to the consumers (setmaxnreg: PRODUCER_REGS vs CONSUMER_REGS per thread).
+  (every consumer is done with it). NUM_CONSUMERS = BLOCK_M / 64 consumer warpgroups each
+  own SPLIT_M = 64 rows of the BLOCK_M-row query tile and do the math. The producer gives its
+  registers to the consumers (setmaxnreg: PRODUCER_REGS vs CONSUMER_REGS per thread). Two
+  consumers (BLOCK_M = 128) take 240 registers each; three (BLOCK_M = 192, FlashAttention-3's
+  tile at head dim <= 64) share the register file at 160, and then each consumer turns a
+  block's P into the P V operand's dtype as soon as it can (EARLY_P), so that S in flight,
+  the last block's P and O fit beside it (families.FWD_CONSUMERS says when each runs).
 * wgmma. S = Q K^T reads Q and K straight from shared memory; O += P V takes P from
   registers (the accumulator layout of S is the A-operand layout of the next product, so
   P never goes through shared memory) and V from shared memory.
@@ -107,7 +111,6 @@ MASK_LEFT = gl.constexpr(False)
 MASK_RIGHT = gl.constexpr(True)
 # Hand out the most expensive query tiles first when rows see different numbers of keys.
 LONGEST_FIRST = gl.constexpr(True)
-NUM_CONSUMERS = gl.constexpr(2)
 # Dropout on P inside the kernel; False compiles no dropout code at all.
 DROPOUT = gl.constexpr(False)
 SPLIT_M = gl.constexpr(64)  # query rows per consumer warpgroup: one wgmma M extent
@@ -527,6 +530,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DIAG_FIRST: gl.constexpr,
               VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
     cnt = 0  # K/V blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     tphase = 0
     if VARLEN:
@@ -741,7 +745,7 @@ def _sk_slot(SK_WS, SK_FLAGS, slot, row_s: gl.constexpr, o_layout: gl.constexpr)
 
 @gluon.jit
 def _sk_hand_over(SK_WS, SK_FLAGS, acc, m_i, l_i, zero, CID: gl.constexpr,
-                  row_s: gl.constexpr, o_layout: gl.constexpr):
+                  NUM_CONSUMERS: gl.constexpr, row_s: gl.constexpr, o_layout: gl.constexpr):
     """STREAM_K: this program ran the end of a tile that the program before it finishes:
     leave the part in this program's slot, then release it (each thread's counter bump
     orders its own stores before it; the reader waits for all of them). `zero`: 0, as a
@@ -758,7 +762,7 @@ def _sk_hand_over(SK_WS, SK_FLAGS, acc, m_i, l_i, zero, CID: gl.constexpr,
 
 @gluon.jit
 def _sk_take_over(SK_WS, SK_FLAGS, acc, m_i, l_i, qk_scale, zero, CID: gl.constexpr,
-                  row_s: gl.constexpr, o_layout: gl.constexpr):
+                  NUM_CONSUMERS: gl.constexpr, row_s: gl.constexpr, o_layout: gl.constexpr):
     """STREAM_K: this program ran the start of a tile whose end the next program left in
     its slot: wait for it, merge it into (acc, m, l) as the split-KV decode merges its
     splits, and hand the slot back clean (`zero`: as in _sk_hand_over)."""
@@ -824,6 +828,11 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = desc_o.dtype
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
+    # three consumers hold 160 registers each: P leaves fp32 (64 a thread) for the operand's
+    # dtype (32) as soon as nothing in flight still reads the last block's P; with fp32 P
+    # carried into the next block beside its S and O, ptxas serialised the wgmmas (C7512)
+    EARLY_P: gl.constexpr = NUM_CONSUMERS > 2
     nxt: gl.constexpr = (CID + 1) % NUM_CONSUMERS
     o_buf = o_smem.index(CID)
 
@@ -923,6 +932,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 # product reads, which still feed the last block's P V here)
                 p = gl.convert_layout(
                     _dropped_p(p, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, dtype), p_layout)
+            elif EARLY_P:  # (no P V product in flight yet)
+                p = gl.convert_layout(p.to(dtype), p_layout)
             v_s = s
             v_ph = ph
             cnt += 1
@@ -962,6 +973,9 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                         _dropped_p(p, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, dtype), p_layout)
                 acc = warpgroup_mma_wait(0, deps=(acc, ))
                 mbarrier.arrive(v_empty.index(v_s), count=1)
+                if not DROPOUT:
+                    if EARLY_P:  # after the wait: the last block's P, that product's operand, is dead
+                        p = gl.convert_layout(p.to(dtype), p_layout)
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 v_s = s
                 v_ph = ph
@@ -996,11 +1010,12 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             # item) is handed over; its start (this program's last) takes the end over
             handover = u_lo > 0
             if handover:
-                _sk_hand_over(SK_WS, SK_FLAGS, acc, m_i, l_i, gl.minimum(u_hi, 0), CID, row_s,
-                              o_layout)
+                _sk_hand_over(SK_WS, SK_FLAGS, acc, m_i, l_i, gl.minimum(u_hi, 0), CID,
+                              NUM_CONSUMERS, row_s, o_layout)
             elif u_hi < n_units:
                 acc, m_i, l_i = _sk_take_over(SK_WS, SK_FLAGS, acc, m_i, l_i, qk_scale,
-                                              gl.minimum(u_lo, 0), CID, row_s, o_layout)
+                                              gl.minimum(u_lo, 0), CID, NUM_CONSUMERS, row_s,
+                                              o_layout)
         if not handover:
             # a row that saw no key at all has l_i = 0: its output is 0 and its LSE is -inf
             seen = l_i > 0.0
@@ -1128,6 +1143,7 @@ def fwd_causal_softcap_key_padding_d64_bf16_kernel(
                                         [stride_vb, stride_vh, stride_vn, 1],
                                         [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
+    NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
     # Q (Q_BUFFERS slots) and O staging per consumer ([1, 1, SPLIT_M, HEAD_DIM_PAD] boxes), the
     # K/V ring
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS] + desc_q.block_type.shape,
@@ -1158,23 +1174,26 @@ def fwd_causal_softcap_key_padding_d64_bf16_kernel(
     mbarrier.arrive(turn.index(0), count=1)  # consumer 0 takes the first turn
 
     # the first partition runs in this kernel's 4 warps, the others in the workers below
-    gl.warp_specialize([
-        (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
-                     v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
-                     SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
-                     stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
-        (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
-                     v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
-                     BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
-                     SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                     DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
-                     stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                     OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
-        (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
-                     k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
-                     NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
-                     NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if NUM_CONSUMERS == 2:
+        gl.warp_specialize([
+            (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
+                         v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
+                         BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
+                         SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                         DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
+                         stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+            (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
+                         v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
+                         BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
+                         SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
+                         DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
+                         stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+            (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
+                         k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
+                         NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
+                         NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.static_assert(False, "BLOCK_M must be 128 (64 query rows a consumer warpgroup)")
