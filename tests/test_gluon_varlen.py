@@ -190,9 +190,9 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
     with rt.override_config(family="gluon"):
         for causal in (True, False):
-            pre, pre_args, launch, args, dq_launch, boxes, family = _varlen_bwd_plan(
+            pre, pre_args, launch, args, dq_launch, boxes, tiles, family = _varlen_bwd_plan(
                 pkg, lq, lk, 8, 2, 128, causal)
-            assert family == rt._GLUON and dq_launch is None
+            assert family == rt._GLUON and dq_launch is None and tiles is None
             assert type(launch.fn).__name__ == "GluonJITFunction"
             assert launch.meta["VARLEN"] is True and launch.meta["BLOCK_N"] == 128
             blocks = sum(-(-n // 128) for n in lk)  # real key blocks of one K/V head

@@ -215,9 +215,11 @@ def test_describe_and_the_gluon_reason(pkg):
                                                              q, 8, "causal")
 
 
-def test_mods_are_not_served_yet(pkg):
+def test_mods_the_package_was_not_built_with(pkg):
+    """(Packed batches with mods: tests/test_varlen_mods.py.) A package built without a mod
+    names its spec and what to add."""
     q, k, v = packed([3], [3], 2, 2, torch.float32, "cpu", grad=False)
-    with pytest.raises(NotImplementedError, match="mods"):
+    with pytest.raises(ValueError, match=r"unknown mod 'softcap'.*built with mods.*`mods:`"):
         pkg.flash_attn_varlen_func(q, k, v, cu([3]), cu([3]), 3, 3, mods=("softcap",), cap=5.0)
 
 

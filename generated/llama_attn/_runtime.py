@@ -894,7 +894,7 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
                *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
-               *(mods.sparse(*sparse, lo, hi) if sparse else ()))
+               *(mods.tl_sparse(*sparse, lo, hi) if sparse else ()))
     else:
         launch(q, k, v, o, lse, *args, *drop, *drop_pos)
     return lse
@@ -1057,9 +1057,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         _descriptor_allocator()
     if mods is not None:
         dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop, *mods.args,
-             *mods.grad_args(), *(mods.sparse(*tiles[0], lo, hi) if tiles else ()))
+             *mods.grad_args(), *(mods.tl_sparse(*tiles[0], lo, hi) if tiles else ()))
         dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *mods.args,
-                  *(mods.sparse(*tiles[1], lo, hi) if tiles else ()))
+                  *(mods.tl_sparse(*tiles[1], lo, hi) if tiles else ()))
         return delta
     dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop, *drop_pos)
     if fused:
@@ -1297,7 +1297,7 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tu
 # What packed batches still run on `tl` only, whatever the dense call would take: dropout
 # (the Gluon varlen forward with Philox spilled; the Gluon dropout backward is written and
 # launched for dense batches only, and must draw the mask the `tl` varlen forward drew).
-# Mods are refused (NotImplementedError).
+# Mods run `tl` too (VARLEN_MODS_REASON).
 VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spills with "
                        "Philox and the Gluon dropout backward serves dense batches only; "
                        "`tl` serves it")
@@ -1308,6 +1308,10 @@ VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spil
 # of it runs `tl`.
 VARLEN_GLUON_FORWARD = True
 VARLEN_GLUON_BACKWARD = True
+# Packed batches with mods run the `tl` kernels (VARLEN with the mods rendered in, block
+# lists per sequence): the Gluon varlen walk has not been verified with them.
+VARLEN_MODS_REASON = ("mods in a packed batch: the `tl` varlen kernels serve them (the Gluon "
+                      "varlen kernels are not verified with mods)")
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
 # bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
@@ -1425,10 +1429,11 @@ def varlen_band(max_q: int, max_k: int, causal: bool, window: tuple) -> tuple:
 
 
 def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str, lo: int,
-                   hi: int, scale: float, dropout_p: float = 0.0, rng=None):
+                   hi: int, scale: float, dropout_p: float = 0.0, rng=None, mods=None):
     """The forward of a packed ragged batch (q (total_q, H_q, d), k/v (total_k, H_kv, d),
     int32 cu_seqlens of batch + 1 entries); writes o (like q) in place, returns the LSE as
-    (H_q, total_q) fp32. lo/hi from varlen_band. Cached per call signature like forward."""
+    (H_q, total_q) fp32. lo/hi from varlen_band. Cached per call signature like forward.
+    `mods`: the call's `_mods.Call` on this packed batch (Call.packed), else None."""
     check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
@@ -1439,14 +1444,15 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), o.stride(),
            q.dtype, q.device, cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
            # Triton specialises pointers on 16-byte alignment (o: a fresh allocation)
-           alignments(q, k, v, cu_q, cu_k))
+           alignments(q, k, v, cu_q, cu_k), mods.signature if mods is not None else None)
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
             _forward_plans.clear()
         plan = _forward_plans[key] = _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask,
-                                                          lo, hi, scale, widths is not None)
-    launch, args, tma = plan
+                                                          lo, hi, scale, widths is not None,
+                                                          mods)
+    launch, args, tma, sparse = plan
     lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     if launch is None:
         if lse.numel():
@@ -1462,7 +1468,11 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
                                    launch.meta["BLOCK_M"])
         slot = _arg_slot(launch, "TILE_ORDER", "stride_qb")
         args = (*args[:slot], table, *args[slot + 1:])
-        launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop), *drop_pos)
+        launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop),
+               *(mods.args if mods is not None else drop_pos))
+    elif mods is not None:
+        launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *mods.args,
+               *(mods.tl_sparse(*sparse, lo, hi) if sparse else ()))
     else:
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *drop_pos)
     return lse
@@ -1488,12 +1498,15 @@ def _varlen_config(name, device, max_q, max_k):
     return PLANNED[name]
 
 
-def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) -> "str | None":
+def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str | None":
     """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
     (None when it does): the dense rules (a Gluon config, the variant, the device, not too
-    small), TMA-readable packed tensors, some keys, and VARLEN_GLUON_FORWARD."""
+    small), TMA-readable packed tensors, some keys, no mods (VARLEN_MODS_REASON) and
+    VARLEN_GLUON_FORWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
+    if mods is not None:
+        return VARLEN_MODS_REASON
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_FORWARD and not asked:
         return "VARLEN_GLUON_FORWARD = False: the Gluon varlen forward runs when asked for"
@@ -1517,16 +1530,20 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) -> "str | None":
     return _gluon_too_small(1, h_q, total_q, max_k, d, mask)
 
 
-def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dropout):
+def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dropout,
+                         mods=None):
+    """(Launcher, arguments, tma, block-mask tile or None) of a varlen forward signature."""
     total_q, h_q, d = q.shape
     total_k, h_kv, _ = k.shape
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * max_q == 0:
-        return None, (), False
-    name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
+        return None, (), False, None
+    names = mods.names if mods is not None else ()
+    name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
-    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask) is None:
-        return _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale)
+    if (gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods) is None):
+        return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
+                None)
     cfg = _varlen_config(name, q.device, max_q, max_k)
     grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
     # batch strides 0: the kernels move each program to its sequence's first row
@@ -1540,7 +1557,10 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
                 ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return Launcher(kernel(name), grid, meta), args, tma
+    # a mask mod's block lists at this tile: one per sequence (Call.packed)
+    sparse = ((name, cfg["block_m"], cfg["block_n"], False)
+              if mods is not None and mods.block_sparse else None)
+    return Launcher(kernel(name), grid, meta), args, tma, sparse
 
 
 def _varlen_rounds(max_q: int) -> int:
@@ -1623,13 +1643,14 @@ def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scal
 
 def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max_k: int, *,
                     mask: str, lo: int, hi: int, scale: float, dropout_p: float = 0.0,
-                    rng=None):
+                    rng=None, mods=None):
     """Gradients of forward_varlen; writes dq, dk, dv (shaped like q, k, v) in place. `lse`
     is the forward's (H_q, total_q) LSE. D per token (the `tl` preprocess), then the Gluon
     backward with VARLEN=True where the dense call would take the Gluon backward
     (gluon_varlen_backward_reason): one launch, dQ summed in an fp32 buffer; else the `tl`
     kernels' two launches (a dK/dV program per key block of each sequence, a dQ program per
-    query block)."""
+    query block). `mods`: the forward's packed `_mods.Call` (with its `grad_buffers`), which
+    runs the `tl` kernels; returns D, (H_q, total_q) fp32 (None when nothing ran)."""
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
@@ -1639,20 +1660,21 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(),
            do.stride(), o.stride(), dq.stride(), dk.stride(), dv.stride(), q.dtype, q.device,
            cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
-           alignments(q, k, v, do, cu_q, cu_k), torch.are_deterministic_algorithms_enabled())
+           alignments(q, k, v, do, cu_q, cu_k), torch.are_deterministic_algorithms_enabled(),
+           mods.signature if mods is not None else None)
     plan = _backward_plans.get(key)
     if plan is None:
         if len(_backward_plans) >= _MAX_PLANS:
             _backward_plans.clear()
         plan = _backward_plans[key] = _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q,
                                                             max_q, max_k, mask, lo, hi, scale,
-                                                            widths is not None)
+                                                            widths is not None, mods)
     if plan is None:
         dq.zero_()
         dk.zero_()
         dv.zero_()
         return None
-    pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma = plan
+    pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tiles, tma = plan
     delta = torch.empty(lse.shape, device=q.device, dtype=torch.float32)  # (H_q, total_q)
     if tma == _GLUON:
         # dQ's fp32 sum in the packed (total_q, H_q, d) layout: TMA reduce-adds from every
@@ -1670,18 +1692,27 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     pre(o, do, delta, *pre_args, q.shape[0], None, 0, 0, 0)
     if tma:
         _descriptor_allocator()
+    if mods is not None:
+        dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop,
+             *mods.args, *mods.grad_args(), *(mods.tl_sparse(*tiles[0], lo, hi) if tiles else ()))
+        dq_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k, *dq_args, *drop, *mods.args,
+                  *(mods.tl_sparse(*tiles[1], lo, hi) if tiles else ()))
+        return delta
     dkdv(q, k, v, do, lse, delta, dk, dv, delta, delta, cu_q, cu_k, *dkdv_args, *drop, *drop_pos)
     dq_launch(q, k, v, do, lse, delta, dq, cu_q, cu_k, *dq_args, *drop, *drop_pos)
     return delta
 
 
-def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) -> "str | None":
+def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None) -> "str | None":
     """Why a varlen backward of `name` at config `cfg` (the dense call's, launch_config) does
     not take the Gluon backward (None when it does): the dense rules (a Gluon config, the
-    variant, the device, determinism, not too small), no dropout (VARLEN_GLUON_REASON),
-    TMA-readable packed tensors, some keys, and VARLEN_GLUON_BACKWARD."""
+    variant, the device, determinism, not too small), no dropout (VARLEN_GLUON_REASON), no
+    mods (VARLEN_MODS_REASON), TMA-readable packed tensors, some keys, and
+    VARLEN_GLUON_BACKWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
+    if mods is not None:
+        return VARLEN_MODS_REASON
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_BACKWARD and not asked:
         return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
@@ -1702,27 +1733,30 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) -> "str | 
 
 
 def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, lo, hi,
-                          scale, dropout):
+                          scale, dropout, mods=None):
+    """(pre, pre_args, dK/dV launch, args, dQ launch, args, block-mask tiles, tma) of a
+    varlen backward signature, or None when it is empty."""
     total_q, h_q, d = q.shape
     total_k, h_kv, _ = k.shape
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * total_k * max_q * max_k == 0:
         return None
-    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], (), v.shape[-1])
+    names = mods.names if mods is not None else ()
+    name = find_variant("bwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     # D = rowsum(dO * O) per token: the dense preprocess over one (1, H_q, total_q) batch
     grid = (h_q, triton_cdiv(total_q, PREPROCESS_BLOCK))
     row64 = row_span_past_int32(0, min(total_q, PREPROCESS_BLOCK), o, do)
     pre = _preprocess(name, grid, row64)
     pre_args = (0, o.stride(1), o.stride(0), 0, do.stride(1), do.stride(0), total_q, h_q)
     cfg = launch_config(name, q.device, max(max_q, max_k))
-    if gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask) is None:
+    if gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods) is None:
         # the preprocess zeroes the packed (total_q, H_q, d) fp32 dQ sum (contiguous)
         pre = _preprocess(name, grid, row64 or _rows_span_past_int32(
             min(total_q, PREPROCESS_BLOCK), h_q * d, d - 1), zero_dim=d)
         # (the plan's dq_args field holds the descriptors' boxes: there is no dQ launch)
         launch, args, boxes = _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv,
                                                           batch, max_k, lo, hi, scale)
-        return pre, pre_args, launch, args, None, boxes, _GLUON
+        return pre, pre_args, launch, args, None, boxes, None, _GLUON
     cfg = _varlen_config(name, q.device, max_q, max_k)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     group = h_q // h_kv
@@ -1734,7 +1768,8 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
     dkdv = Launcher(kernel(name, "dkdv_kernel"), (batch * h_kv, triton_cdiv(max_k, block_n)),
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, FUSED_DQ=0, USE_TMA=tma,
                          VARLEN=True, ROW64=row64, num_warps=cfg["num_warps"],
-                         num_stages=cfg["num_stages"]))
+                         num_stages=cfg["num_stages"],
+                         **(mods.grad_flags if mods is not None else {})))
     strides = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0),
                0, v.stride(1), v.stride(0), 0, do.stride(1), do.stride(0))
     dkdv_args = (*strides, 0, dk.stride(1), dk.stride(0), 0, dv.stride(1), dv.stride(0),
@@ -1745,7 +1780,11 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
                               ROW64=row64, num_warps=dq_w, num_stages=dq_s))
     dq_args = (*strides, 0, dq.stride(1), dq.stride(0),
                total_q, total_k, h_q, group, scale * LOG2E, scale, lo, hi)
-    return pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tma
+    tiles = None
+    if mods is not None and mods.block_sparse:  # the lists per sequence (Call.packed)
+        fwd = variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
+        tiles = ((fwd, block_m, block_n, True), (fwd, dq_m, dq_n, False))
+    return pre, pre_args, dkdv, dkdv_args, dq_launch, dq_args, tiles, tma
 
 
 def _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv, batch, max_k, lo, hi, scale):

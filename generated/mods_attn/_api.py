@@ -347,14 +347,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k, p)[i, :, :n_q_i, :n_k_i] (keyed by sequence and in-sequence positions).
     The forward and the backward run the Gluon (Hopper) kernels where the dense call would
     (runtime.gluon_varlen_reason / gluon_varlen_backward_reason, VARLEN_GLUON_FORWARD /
-    VARLEN_GLUON_BACKWARD), else the `tl` kernels; dropout always runs `tl`
-    (runtime.VARLEN_GLUON_REASON). Mods are not served with packed batches yet
-    (NotImplementedError)."""
-    if mods is not None or mod_args:
-        raise NotImplementedError(
-            "flash_attn_varlen_func does not take mods yet (the block-sparse lists and the "
-            "mods' [B, N] tensors are per dense batch): pad the batch and call "
-            "flash_attn_func(..., mods=...), or drop the mods")
+    VARLEN_GLUON_BACKWARD), else the `tl` kernels; dropout and mods always run `tl`
+    (runtime.VARLEN_GLUON_REASON, VARLEN_MODS_REASON).
+
+    mods: as in flash_attn_func, with each sequence a batch entry of its own: the mods see
+    b = the sequence's index and q_idx / kv_idx = in-sequence positions, and their tensors
+    are shaped as for a dense (batch, H_q, max_seqlen_q, max_seqlen_k) call (e.g. a
+    [B, N] tensor is (batch, >= max(max_seqlen_q, max_seqlen_k)), row i for sequence i). A
+    mask mod's block lists are made per sequence and cached by the mask's tensors and the
+    cu_seqlens tensors."""
+    if mods is None and mod_args:
+        raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
+                        "need mods=(...)")
     max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                        max_seqlen_q, max_seqlen_k)
     _runtime.check_dropout(dropout_p)
@@ -362,6 +366,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    else window_size)
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
     mask, lo, hi = _runtime.varlen_band(max_seqlen_q, max_seqlen_k, bool(causal), window)
+    if mods is not None:
+        out, lse = _mods.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, mods, mod_args, mask=mask, lo=lo,
+                                          hi=hi, scale=scale, dropout_p=float(dropout_p))
+        return (out, lse) if return_lse else out
     out, lse = _ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_q=max_seqlen_q,
                                      max_k=max_seqlen_k, mask=mask, lo=lo, hi=hi, scale=scale,
                                      dropout_p=float(dropout_p))
@@ -370,14 +379,15 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=None,
-                                     return_lse=False):
+                                     return_lse=False, *, mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, H, d), read
     in place through strides, one cu_seqlens / max_seqlen for queries and keys; otherwise
-    flash_attn_varlen_func."""
+    flash_attn_varlen_func (mods too)."""
     if not isinstance(qkv, torch.Tensor) or qkv.dim() != 4 or qkv.shape[1] != 3:
         shape = tuple(qkv.shape) if isinstance(qkv, torch.Tensor) else type(qkv).__name__
         raise ValueError(f"qkv must be a (total_tokens, 3, H, d) tensor, got {shape}")
     return flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens,
                                   max_seqlen, max_seqlen, dropout_p=dropout_p,
                                   softmax_scale=softmax_scale, causal=causal,
-                                  window_size=window_size, return_lse=return_lse)
+                                  window_size=window_size, return_lse=return_lse, mods=mods,
+                                  **mod_args)

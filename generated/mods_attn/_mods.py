@@ -53,7 +53,7 @@ class Call:
     # column (made once here, not on every launch)
     __slots__ = ("names", "info", "tensors", "params", "mod_args", "pos", "args", "signature",
                  "block_sparse", "grad_flags", "grad_buffers", "shape", "device", "mask_key",
-                 "mask_refs")
+                 "mask_refs", "varlen")
 
     def piece(self, n_q: int, n_k: int, q_pos: int, kv_pos: int) -> "Call":
         """This call on the piece of the score matrix of n_q rows from global row q_pos and
@@ -79,6 +79,34 @@ class Call:
             else:
                 out += (buf, *buf.stride())
         return out
+
+    def packed(self, cu_q, cu_k, total_q: int, total_k: int) -> "Call":
+        """This call on a packed ragged batch (flash_attn_varlen_func): `shape` is the
+        dense (batch, H_q, max_seqlen_q, max_seqlen_k) call the mods were validated for, b
+        the sequence and q_idx / kv_idx in-sequence positions. The block lists are then one
+        per sequence at its own lengths and band, so they are cached by the cu_seqlens
+        tensors too (their objects and versions, as the mask's tensors)."""
+        c = Call()
+        for name in Call.__slots__:
+            setattr(c, name, getattr(self, name))
+        c.varlen = (cu_q, cu_k, int(total_q), int(total_k))
+        if self.block_sparse and self.mask_key is not None:
+            try:
+                c.mask_key = self.mask_key + tuple(
+                    (t.data_ptr(), t._version, tuple(t.shape)) for t in (cu_q, cu_k)) + (
+                    c.varlen[2:],)
+            except RuntimeError:  # an inference tensor has no version counter: no caching
+                c.mask_key = None
+            c.mask_refs = self.mask_refs + (weakref.ref(cu_q), weakref.ref(cu_k))
+        return c
+
+    def tl_sparse(self, variant, block_m, block_n, transpose, lo, hi) -> tuple:
+        """The `tl` kernels' block-mask arguments: the lists (_block_lists), then their
+        extents NQB and NKB (BM_NQB, BM_NKB: at the longest sequence's lengths in a packed
+        batch, where a sequence's own lengths give no row width)."""
+        _, _, n_q, n_k = self.shape
+        return _block_lists(self, variant, block_m, block_n, transpose, lo, hi) + (
+            _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n))
 
     def sparse(self, variant, block_m, block_n, transpose, lo, hi, merged=False,
                order_heads=None) -> tuple:
@@ -203,6 +231,7 @@ def prepare(mods, kwargs: dict, batch: int, h_q: int, n_q: int, n_k: int, device
     # a freed one's address, with the same shape and version 0 (what the CUDA caching
     # allocator hands out to the next batch's mask), must not reuse them
     call.mask_refs = tuple(weakref.ref(tensors[t]) for t in mask_tensors)
+    call.varlen = None
     return call
 
 
@@ -223,24 +252,31 @@ def _block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged=Fals
     batch, h_q, n_q, n_k = call.shape
     uses = call.info["mask_uses"]
     h_m = h_q if "h" in uses else 1
-    groups = (batch if "b" in uses else 1) * h_m
+    # a packed batch's sequences differ in lengths and band: a list per sequence always
+    per_b = "b" in uses or call.varlen is not None
+    groups = (batch if per_b else 1) * h_m
     key = (variant, block_m, block_n, transpose, lo, hi, n_q, n_k, groups, call.mask_key,
-           call.device, merged)
+           call.device, merged, call.varlen is not None)
     return _memo(call, key, lambda: _make_block_lists(call, variant, block_m, block_n,
-                                                      transpose, lo, hi, merged, groups, h_m))
+                                                      transpose, lo, hi, merged, groups, h_m,
+                                                      per_b))
 
 
-def _make_block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged, groups, h_m):
+def _make_block_lists(call, variant, block_m, block_n, transpose, lo, hi, merged, groups, h_m,
+                      per_b):
     _, _, n_q, n_k = call.shape
     uses = call.info["mask_uses"]
     nqb, nkb = _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n)
     state = torch.empty((groups, nqb, nkb), device=call.device, dtype=torch.int8)
+    # (VARLEN: n_q / n_k are the longest sequence's, each program finds its own)
+    cu_q, cu_k, total_q, total_k = call.varlen or (None, None, 0, 0)
     _runtime.kernel(variant, "block_state")[(groups, nqb, nkb)](
-        state, n_q, n_k, lo, hi, h_m, *call.args, BLOCK_M=block_m, BLOCK_N=block_n)
+        state, cu_q, cu_k, total_q, total_k, n_q, n_k, lo, hi, h_m, *call.args,
+        BLOCK_M=block_m, BLOCK_N=block_n, VARLEN=call.varlen is not None)
     if transpose:
         state = state.transpose(1, 2)
     full, part = state == 2, state == 1
-    strides = (h_m if "b" in uses else 0, 1 if "h" in uses else 0)
+    strides = (h_m if per_b else 0, 1 if "h" in uses else 0)
     if merged:
         # a stable sort of 2 - state: full blocks (2) first, then partial (1), then empty
         lists = (full.sum(-1, dtype=torch.int32).contiguous(),
@@ -531,16 +567,124 @@ def attention(q, k, v, mods, mod_kwargs, *, bnhd, mask, lo, hi, scale, dropout_p
 
 
 # ----------------------------------------------------------------------------------------
+# Packed ragged batches (flash_attn_varlen_func with mods)
+# ----------------------------------------------------------------------------------------
+class _ModVarlenAttention(torch.autograd.Function):
+    """(out, lse (H_q, total_q)) of a packed batch with mods; args = (cu_q, cu_k, max_q,
+    max_k, mask, lo, hi, scale, dropout_p); tensors = the mods' tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args, call, *tensors):
+        out, lse, rng = _varlen_forward(call, q, k, v, args)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.args, ctx.rng, ctx.call = args, rng, call
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *tensors = ctx.saved_tensors
+        wanted = [ctx.needs_input_grad[5 + i] for i in range(len(ctx.call.tensors))]
+        dq, dk, dv, tgrads = _varlen_backward(ctx.call, tensors, wanted, dout, q, k, v, out, lse,
+                                              ctx.rng, ctx.args)
+        return (dq, dk, dv, None, None, *tgrads)
+
+
+def _varlen_forward(call, q, k, v, args):
+    """(out like q, lse (H_q, total_q), rng or None) of a packed batch with mods."""
+    cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p = args
+    rng = _runtime._dropout().draw_rng(q.device) if dropout_p > 0.0 else None
+    out = (torch.empty_like(q, memory_format=torch.contiguous_format)
+           if v.shape[-1] == q.shape[-1] else q.new_empty(q.shape[:-1] + v.shape[-1:]))
+    lse = _runtime.forward_varlen(q, k, v, out, cu_q, cu_k, max_q, max_k, mask=mask, lo=lo,
+                                  hi=hi, scale=scale, dropout_p=dropout_p, rng=rng,
+                                  mods=call.packed(cu_q, cu_k, q.shape[0], k.shape[0]))
+    return out, lse, rng
+
+
+def _varlen_backward(call, tensors, wanted, dout, q, k, v, out, lse, rng, args):
+    """(dq, dk, dv, [gradient or None per mod tensor]) of a packed batch with mods: as
+    _backward, with the bias gradient at (sequence, head, in-sequence row, column) -- the
+    (batch, H_q, max_seqlen_q, max_seqlen_k) call the tensors were validated for -- and the
+    sink's summed over each sequence's rows."""
+    cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p = args
+    names = list(call.tensors)
+    wanted = dict(zip(names, wanted))
+    call = call.packed(cu_q, cu_k, q.shape[0], k.shape[0])
+    batch, h_q, n_q, n_k = call.shape
+    call.grad_buffers = {
+        n: torch.zeros((batch, h_q, n_q, n_k), device=q.device, dtype=torch.float32)
+        for n in call.info["grads"] if wanted[n]}
+    call.grad_flags = {f"GRAD_{n.upper()}": n in call.grad_buffers for n in call.info["grads"]}
+    call.signature = call.signature[:2] + (tuple(call.grad_flags.values()),)
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    delta = _runtime.backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q,
+                                     max_k, mask=mask, lo=lo, hi=hi, scale=scale,
+                                     dropout_p=dropout_p, rng=rng, mods=call)
+    grads = {n: _reduce_grad(buf, call.tensors[n], call.info["grad_index"][n])
+             for n, buf in call.grad_buffers.items()}
+    sink_wanted = [n for n in call.info["sink_tensors"] if wanted[n]]
+    if sink_wanted and delta is not None:
+        # each packed row's sequence: the one whose span [cu[i], cu[i + 1]) holds it
+        rows = torch.arange(q.shape[0], device=q.device)
+        seq = torch.searchsorted(cu_q[1:].to(torch.int64), rows, right=True).clamp(max=batch - 1)
+        with torch.enable_grad():
+            leaves = {n: t.detach().requires_grad_(n in sink_wanted)
+                      for n, t in zip(names, tensors)}
+            sink = _sink_values(call, leaves)  # [B, H_q]
+            finite = torch.isfinite(lse)  # (H_q, total_q)
+            p_sink = torch.where(finite, torch.exp(sink.t()[:, seq] - lse), 0.0)
+            dsink = torch.zeros((batch, h_q), device=q.device, dtype=torch.float32).index_add(
+                0, seq, -(p_sink * delta).t())
+            got = torch.autograd.grad(sink, [leaves[n] for n in sink_wanted], dsink,
+                                      allow_unused=True)
+        for n, g in zip(sink_wanted, got):
+            grads[n] = torch.zeros_like(leaves[n]) if g is None else g
+    return dq, dk, dv, [grads.get(n) for n in names]
+
+
+def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, mods, mod_kwargs, *, mask, lo, hi,
+                     scale, dropout_p):
+    """(out like q, lse (H_q, total_q)) of a packed ragged batch with mods, its arguments
+    checked: the mods see b = the sequence and in-sequence q_idx / kv_idx, and their tensors
+    are validated as for a dense (batch, H_q, max_seqlen_q, max_seqlen_k) call. Under
+    torch.compile this is the `mod_varlen_fwd` custom operator (its backward
+    `mod_varlen_bwd`)."""
+    batch, h_q = cu_q.shape[0] - 1, q.shape[1]
+    if torch.compiler.is_compiling():
+        names = combo(mods)
+        info = MOD_COMBOS["+".join(names)]
+        unknown = set(mod_kwargs) - set(info["tensors"]) - set(info["params"])
+        if unknown or any(t not in mod_kwargs for t in info["tensors"]):
+            prepare(names, mod_kwargs, batch, h_q, max_q, max_k, q.device)  # raises the message
+        defaults = {p: v for m in names for p, v in MODS[m]["params"].items()}
+        params = ",".join(repr(float(mod_kwargs.get(p, defaults[p]))) for p in info["params"])
+        out, lse, _ = _op_varlen_fwd(q, k, v, cu_q, cu_k, [mod_kwargs[t] for t in info["tensors"]],
+                                     max_q, max_k, mask, lo, hi, scale, float(dropout_p),
+                                     "+".join(names), params)
+        return out, lse
+    call = prepare(mods, mod_kwargs, batch, h_q, max_q, max_k, q.device)
+    args = (cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, float(dropout_p))
+    return _ModVarlenAttention.apply(q, k, v, args, call, *call.tensors.values())
+
+
+# ----------------------------------------------------------------------------------------
 # The custom operators torch.compile sees
 # ----------------------------------------------------------------------------------------
-def _call_from_op(q, k, bnhd, mods, tensors, params):
-    """A Call from an operator's flat arguments (params as comma-separated floats)."""
+def _call_from_op(q, k, bnhd, mods, tensors, params, packed=None):
+    """A Call from an operator's flat arguments (params as comma-separated floats);
+    packed = (batch, max_q, max_k) for a packed batch's (varlen) operator."""
     names = tuple(mods.split("+"))
     info = MOD_COMBOS[mods]
     defaults = {p: v for m in names for p, v in MODS[m]["params"].items()}
     kw = dict(zip(info["tensors"], tensors))
     for p, value in zip(info["params"], [float(x) for x in params.split(",") if x]):
         kw[p] = int(value) if isinstance(defaults[p], int) else float(value)
+    if packed is not None:
+        batch, n_q, n_k = packed
+        return prepare(names, kw, batch, q.shape[1], n_q, n_k, q.device)
     batch, n_q, h_q = (q.shape[0], q.shape[1], q.shape[2]) if bnhd else \
         (q.shape[0], q.shape[2], q.shape[1])
     n_k = k.shape[1] if bnhd else k.shape[2]
@@ -558,7 +702,7 @@ def _register():
     try:
         torch._C._dispatch_find_schema_or_throw(name, "")
         ns = getattr(torch.ops, NAMESPACE)
-        return ns.mod_fwd, ns.mod_bwd
+        return ns.mod_fwd, ns.mod_bwd, ns.mod_varlen_fwd, ns.mod_varlen_bwd
     except RuntimeError:
         pass
 
@@ -622,7 +766,69 @@ def _register():
                 None, None, None, None, None, None, None, None)
 
     mod_fwd.register_autograd(backward, setup_context=setup_context)
-    return mod_fwd, mod_bwd
+
+    # packed ragged batches: q (total_q, H_q, d), k/v (total_k, H_kv, d), int32 cu_seqlens
+    @torch.library.custom_op(f"{NAMESPACE}::mod_varlen_fwd", mutates_args=())
+    def mod_varlen_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                       cu_k: torch.Tensor, tensors: list[torch.Tensor], max_q: int, max_k: int,
+                       mask: str, lo: int, hi: int, scale: float, dropout_p: float, mods: str,
+                       params: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            call = _call_from_op(q, k, False, mods, tensors, params,
+                                 (cu_q.shape[0] - 1, max_q, max_k))
+        out, lse, rng = _varlen_forward(call, q, k, v, (cu_q, cu_k, max_q, max_k, mask, lo,
+                                                        hi, scale, dropout_p))
+        return out, lse, rng if rng is not None else torch.zeros(2, dtype=torch.int64)
+
+    @mod_varlen_fwd.register_fake
+    def _(q, k, v, cu_q, cu_k, tensors, max_q, max_k, mask, lo, hi, scale, dropout_p, mods,
+          params):
+        return (q.new_empty(_out_shape(q, v)),
+                q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32),
+                q.new_empty((2,), dtype=torch.int64, device="cpu"))
+
+    @torch.library.custom_op(f"{NAMESPACE}::mod_varlen_bwd", mutates_args=())
+    def mod_varlen_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, lse: torch.Tensor, rng: torch.Tensor,
+                       cu_q: torch.Tensor, cu_k: torch.Tensor, tensors: list[torch.Tensor],
+                       wanted: list[bool], max_q: int, max_k: int, mask: str, lo: int, hi: int,
+                       scale: float, dropout_p: float, mods: str, params: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        with torch.no_grad():
+            call = _call_from_op(q, k, False, mods, tensors, params,
+                                 (cu_q.shape[0] - 1, max_q, max_k))
+        dq, dk, dv, tgrads = _varlen_backward(
+            call, list(tensors), wanted, do, q, k, v, out, lse,
+            rng if dropout_p > 0.0 else None,
+            (cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p))
+        return dq, dk, dv, [g if g is not None else torch.zeros_like(t)
+                            for g, t in zip(tgrads, tensors)]
+
+    @mod_varlen_bwd.register_fake
+    def _(do, q, k, v, out, lse, rng, cu_q, cu_k, tensors, wanted, max_q, max_k, mask, lo, hi,
+          scale, dropout_p, mods, params):
+        return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+                [torch.empty_like(t) for t in tensors])
+
+    def varlen_setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, tensors, *args = inputs
+        out, lse, rng = output
+        ctx.save_for_backward(q, k, v, out, lse, rng, cu_q, cu_k, *tensors)
+        ctx.args = tuple(args)
+        ctx.mark_non_differentiable(lse, rng)
+
+    def varlen_backward(ctx, dout, _dlse, _drng):
+        q, k, v, out, lse, rng, cu_q, cu_k, *tensors = ctx.saved_tensors
+        flags = ctx.needs_input_grad[5]
+        wanted = ([bool(x) for x in flags] if isinstance(flags, (list, tuple))
+                  else [bool(flags)] * len(tensors))
+        dq, dk, dv, tgrads = mod_varlen_bwd(dout, q, k, v, out, lse, rng, cu_q, cu_k, tensors,
+                                            wanted, *ctx.args)
+        return (dq, dk, dv, None, None, [g if w else None for g, w in zip(tgrads, wanted)],
+                *(None,) * len(ctx.args))
+
+    mod_varlen_fwd.register_autograd(varlen_backward, setup_context=varlen_setup_context)
+    return mod_fwd, mod_bwd, mod_varlen_fwd, mod_varlen_bwd
 
 
 def block_mask(mods, *, n_q: int, n_k: int, batch: int = 1, heads: int = 1, **mod_kwargs):
@@ -666,4 +872,4 @@ def sdpa_mask(attn_mask, query, key) -> torch.Tensor:
     return m.float()
 
 
-_op_fwd, _op_bwd = _register()
+_op_fwd, _op_bwd, _op_varlen_fwd, _op_varlen_bwd = _register()

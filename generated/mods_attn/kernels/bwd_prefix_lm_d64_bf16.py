@@ -155,7 +155,7 @@ def first_key_block(m0, LO_OFF, BLOCK_N: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_prefix_len_D0", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "BM_NQB", "BM_NKB", "T_prefix_len_D0", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_prefix_lm_d64_bf16_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,  # LSE, DELTA: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     DQ_ACC, LOCKS,  # FUSED_DQ: [B * H_Q, N_Q, HEAD_DIM] fp32 zeros; [B * H_Q, cdiv(N_Q, BLOCK_M)] int32 zeros
@@ -177,8 +177,9 @@ def bwd_prefix_lm_d64_bf16_dkdv_kernel(
     # row / column of the call's first query / key (mods and dropout; 0 but in a piece)
     T_prefix_len, T_prefix_len_S0, T_prefix_len_D0, Q_POS, KV_POS,
     # the block mask at this kernel's tile, transposed: per key block, the query blocks
-    # that see it fully / partly ([G, NKB] counts, [G, NKB, NQB] indices)
-    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH,
+    # that see it fully / partly ([G, NKB] counts, [G, NKB, NQB] indices; NQB = BM_NQB,
+    # NKB = BM_NKB: a packed batch's lists are laid out at its longest sequence's)
+    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BM_NQB, BM_NKB,
     BLOCK_M: tl.constexpr,  # query rows per step
     BLOCK_N: tl.constexpr,  # key rows owned by this program
     FUSED_DQ: tl.constexpr,  # 1 / 2: dQ here, in turns (waiting in Triton / in PTX), not in a dQ kernel
@@ -279,11 +280,11 @@ def bwd_prefix_lm_d64_bf16_dkdv_kernel(
             do_descv0 = tl.make_tensor_descriptor(do_base, shape=[N_Q, V_DIM], strides=[stride_dom, 1], block_shape=[BLOCK_M, DV0_SIZE])
 
         # the query blocks that see this key block, from the block mask's lists
-        bm_row = (b * BM_SB + h * BM_SH).to(tl.int64) * tl.cdiv(N_K, BLOCK_N) + pid_n
+        bm_row = (b * BM_SB + h * BM_SH).to(tl.int64) * BM_NKB + pid_n
         n_full = tl.load(FULL_CNT + bm_row)
         n_part = tl.load(PART_CNT + bm_row)
-        full_list = FULL_IDX + bm_row * tl.cdiv(N_Q, BLOCK_M)
-        part_list = PART_IDX + bm_row * tl.cdiv(N_Q, BLOCK_M)
+        full_list = FULL_IDX + bm_row * BM_NQB
+        part_list = PART_IDX + bm_row * BM_NQB
         for i in range(0, n_full):
             m0 = tl.load(full_list + i) * BLOCK_M
             if USE_TMA:
@@ -430,7 +431,7 @@ def bwd_prefix_lm_d64_bf16_dkdv_kernel(
 
 
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "T_prefix_len_D0", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "BM_NQB", "BM_NKB", "T_prefix_len_D0", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_prefix_lm_d64_bf16_dq_kernel(
     Q, K, V, DO, LSE, DELTA, DQ,
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -447,7 +448,7 @@ def bwd_prefix_lm_d64_bf16_dq_kernel(
     LO_OFF, HI_OFF,
     SEED, RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE,
     T_prefix_len, T_prefix_len_S0, T_prefix_len_D0, Q_POS, KV_POS,
-    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH,  # the block mask (as the forward's)
+    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BM_NQB, BM_NKB,  # the block mask (as the forward's)
     BLOCK_M: tl.constexpr,  # query rows owned by this program
     BLOCK_N: tl.constexpr,  # key rows per step
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -509,11 +510,11 @@ def bwd_prefix_lm_d64_bf16_dq_kernel(
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # [BLOCK_M]
     delta = tl.load(DELTA + row_base + offs_m, mask=row_ok, other=0.0)  # [BLOCK_M]
 
-    bm_row = (b * BM_SB + h * BM_SH).to(tl.int64) * tl.cdiv(N_Q, BLOCK_M) + tl.program_id(1)
+    bm_row = (b * BM_SB + h * BM_SH).to(tl.int64) * BM_NQB + pid_m
     n_full = tl.load(FULL_CNT + bm_row)
     n_part = tl.load(PART_CNT + bm_row)
-    full_list = FULL_IDX + bm_row * tl.cdiv(N_K, BLOCK_N)
-    part_list = PART_IDX + bm_row * tl.cdiv(N_K, BLOCK_N)
+    full_list = FULL_IDX + bm_row * BM_NKB
+    part_list = PART_IDX + bm_row * BM_NKB
     for i in range(0, n_full):
         n0 = tl.load(full_list + i) * BLOCK_N
         if USE_TMA:

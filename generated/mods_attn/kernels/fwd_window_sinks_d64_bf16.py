@@ -61,7 +61,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
-                               "RNG_OFFSET", "DROP_THRESHOLD", "Q_POS", "KV_POS", "P_sinks", "P_window", "BM_SB", "BM_SH"])
+                               "RNG_OFFSET", "DROP_THRESHOLD", "BM_NQB", "BM_NKB", "Q_POS", "KV_POS", "P_sinks", "P_window", "BM_SB", "BM_SH"])
 def fwd_window_sinks_d64_bf16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
     CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
@@ -82,8 +82,9 @@ def fwd_window_sinks_d64_bf16_kernel(
     P_sinks, P_window, Q_POS, KV_POS,
     # the block mask at this kernel's tile: per query block, how many key blocks are
     # fully visible / partly visible, and which ([G, NQB] counts, [G, NQB, NKB] indices;
-    # G = the mask's batch x head groups, BM_SB / BM_SH their strides, 0 when shared)
-    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH,
+    # G = the mask's batch x head groups, BM_SB / BM_SH their strides, 0 when shared;
+    # BM_NQB / BM_NKB: NQB and NKB, the query and key blocks of the longest sequence)
+    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, BM_NQB, BM_NKB,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
@@ -167,11 +168,12 @@ def fwd_window_sinks_d64_bf16_kernel(
     # Which key blocks this query block must visit: the block mask's lists (computed at
     # call time from the mask mod and the band, cached by their inputs)
     # ------------------------------------------------------------------------------------
-    bm_row = (b * BM_SB + h * BM_SH).to(tl.int64) * tl.cdiv(N_Q, BLOCK_M) + pid_m
+    # (VARLEN: the lists of sequence b, laid out at the longest sequence's block counts)
+    bm_row = (b * BM_SB + h * BM_SH).to(tl.int64) * BM_NQB + pid_m
     n_full = tl.load(FULL_CNT + bm_row)
     n_part = tl.load(PART_CNT + bm_row)
-    full_list = FULL_IDX + bm_row * tl.cdiv(N_K, BLOCK_N)
-    part_list = PART_IDX + bm_row * tl.cdiv(N_K, BLOCK_N)
+    full_list = FULL_IDX + bm_row * BM_NKB
+    part_list = PART_IDX + bm_row * BM_NKB
 
     # key blocks every row sees in full: no mask arithmetic
     for i in range(0, n_full):
@@ -259,24 +261,38 @@ def fwd_window_sinks_d64_bf16_kernel(
     tl.store(o_base + offs_m[:, None] * stride_om + offs_dv0[None, :], ov0, mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N_Q", "N_K", "LO_OFF", "HI_OFF", "H_M", "Q_POS", "KV_POS", "P_sinks", "P_window"])
+@triton.jit(do_not_specialize=["TOTAL_Q", "TOTAL_K", "N_Q", "N_K", "LO_OFF", "HI_OFF", "H_M", "Q_POS", "KV_POS", "P_sinks", "P_window"])
 def fwd_window_sinks_d64_bf16_block_state(
     STATE,  # [G, cdiv(N_Q, BLOCK_M), cdiv(N_K, BLOCK_N)] int8: 0 empty, 1 partial, 2 full
-    N_Q, N_K, LO_OFF, HI_OFF,
+    CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
+    TOTAL_Q, TOTAL_K,  # VARLEN: the packed rows of queries and keys (else unused)
+    N_Q, N_K,  # the lengths; VARLEN: the longest sequence's (the lists' extents)
+    LO_OFF, HI_OFF,  # the band; VARLEN: relative to each sequence's bottom-right diagonal
     H_M,  # head groups of the mask: H_Q when it depends on h, else 1
     P_sinks, P_window, Q_POS, KV_POS,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr,  # a packed ragged batch: G runs over (sequence, head group)
 ):
     """Classify one [BLOCK_M, BLOCK_N] tile of the score matrix under the band and the
     mask mod: no visible key (skipped), every key visible to every row (run without a
     mask), or partly visible. Keys past N_K are not visible, and a tile with rows past N_Q
-    is at most partly visible."""
+    is at most partly visible. With VARLEN the tile is one of sequence b's, at its own
+    lengths and band (the attention kernels' in-sequence positions); a tile past them is
+    empty."""
     g = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_n = tl.program_id(2)
     b = g // H_M
     h = g % H_M
+    n_m = tl.cdiv(N_Q, BLOCK_M)
+    n_n = tl.cdiv(N_K, BLOCK_N)
+    if VARLEN:
+        # sequence b's lengths, clamped as the attention kernels clamp them, and its band
+        _, N_Q = seq_span(CU_Q, b, TOTAL_Q)
+        _, N_K = seq_span(CU_K, b, TOTAL_K)
+        LO_OFF = LO_OFF + (N_K - N_Q)
+        HI_OFF = HI_OFF + (N_K - N_Q)
     rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M))[:, None]  # [BLOCK_M, 1] local
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]  # [1, BLOCK_N] local
     row_ok = rows < N_Q
@@ -294,6 +310,4 @@ def fwd_window_sinks_d64_bf16_block_state(
     # without a bounds check in full blocks
     whole = tl.min(tl.min((visible & row_ok).to(tl.int32), 1), 0)
     state = tl.where(seen == 0, 0, tl.where(whole == 1, 2, 1)).to(tl.int8)
-    n_m = tl.cdiv(N_Q, BLOCK_M)
-    n_n = tl.cdiv(N_K, BLOCK_N)
     tl.store(STATE + (g.to(tl.int64) * n_m + pid_m) * n_n + pid_n, state)

@@ -1,0 +1,330 @@
+"""flash_attn_varlen_func with mods: a packed ragged batch where each sequence is a batch
+entry of its own, against a float64 reference that runs each sequence alone with the mod
+written out in PyTorch (b = the sequence's index, q_idx / kv_idx in-sequence positions,
+causal bottom-right per sequence), forward, LSE and every gradient.
+
+The package is specs/mods.yaml at a test size (head dim 32, fp32 and bf16), so every
+built-in combination the spec ships is available. Lengths are ragged on purpose (an empty
+sequence, one-token ones, N_q != N_k both ways, lengths off the 16 x 16 test tiles), so a
+mask mod's block lists see sequences whose blocks are full, partial, empty and missing.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
+from packages import build_and_import
+
+ROOT = Path(__file__).resolve().parent.parent
+TILE = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
+D = 32
+# an empty sequence, a one-token one, N_q < N_k, N_q > N_k, multi-block ones
+LQ = [5, 0, 17, 1, 33, 20]
+LK = [9, 3, 17, 1, 20, 0]
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    body = re.sub(r"head_dims: \[.*\]", f"head_dims: [{D}]", body)
+    body = re.sub(r"dtypes: \[.*\]", "dtypes: [fp32, bf16]", body)
+    body = body.replace("decode: true", "decode: false")
+    return build_and_import(tmp_path_factory.mktemp("varlen_mods"), "varlen_mods_t", body)
+
+
+def cu(lengths, device="cpu"):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+
+
+# ----------------------------------------------------------------------------------------
+# The reference: float64, one sequence at a time, each mod written out
+# ----------------------------------------------------------------------------------------
+def reference(q, k, v, lq, lk, *, causal=False, score=None, mask=None, sink=None):
+    """Packed q (total_q, H, d), k/v (total_k, Hkv, d) float64 leaves -> out (total_q, H,
+    d), lse (H, total_q). score(s, b, h, i, j) / mask(b, h, i, j) see b = the sequence;
+    sink: [H] logits (sink_logits'). A row that sees nothing gives 0 and LSE -inf."""
+    cq, ck = cu(lq), cu(lk)
+    outs, lses = [], []
+    for seq, (n_q, n_k) in enumerate(zip(lq, lk)):
+        qs = q[cq[seq]:cq[seq + 1]].transpose(0, 1)
+        ks = k[ck[seq]:ck[seq + 1]].transpose(0, 1)
+        vs = v[ck[seq]:ck[seq + 1]].transpose(0, 1)
+        group = qs.shape[0] // ks.shape[0]
+        ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+        s = qs @ ks.transpose(-1, -2) / math.sqrt(q.shape[-1])  # (H, n_q, n_k)
+        b = torch.tensor(seq)
+        h = torch.arange(qs.shape[0])[:, None, None]
+        i, j = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+        if score is not None:
+            s = score(s, b, h, i, j)
+        visible = torch.ones_like(s, dtype=torch.bool)
+        if causal:
+            visible = visible & (j <= i + n_k - n_q)
+        if mask is not None:
+            visible = visible & mask(b, h, i, j)
+        s = s.masked_fill(~visible, float("-inf"))
+        if sink is not None:
+            s = torch.cat([s, sink[:, None, None].double().expand(-1, n_q, 1)], -1)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
+        if sink is not None:
+            p = p[..., :-1]
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def packed(lq, lk, h, h_kv, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    make = lambda n, heads: torch.randn(n, heads, D, generator=g).to(device=device, dtype=dtype).requires_grad_()
+    return make(sum(lq), h), make(sum(lk), h_kv), make(sum(lk), h_kv)
+
+
+def check(pkg, device, dtype, *, causal=False, mods, kw, score=None, mask=None, sink=None,
+          lq=LQ, lk=LK, h=2, h_kv=2, grads=()):
+    """The packed call's out, LSE and gradients (of q, k, v and of the mod tensors named in
+    `grads`) against the per-sequence reference; NaN fails. `sink` names the [H] sink
+    tensor in kw; `score` takes the reference's copies of the tensors in `grads` as
+    keyword arguments."""
+    q, k, v = packed(lq, lk, h, h_kv, dtype, device)
+    with pkg._runtime.override_config(**TILE):
+        out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, device), cu(lk, device),
+                                              max(lq), max(lk), causal=causal, mods=mods,
+                                              return_lse=True, **kw)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    extra = [kw[t] for t in grads]
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, *extra)]
+    ref_kw = {name: leaves[3 + n] for n, name in enumerate(grads)}
+    sink_ref = None
+    if sink is not None:
+        sink_ref = ref_kw.get(sink, kw[sink].detach().cpu().double())
+    ref, ref_lse = reference(*leaves[:3], lq, lk, causal=causal, mask=mask, sink=sink_ref,
+                             score=None if score is None else (lambda *a: score(*a, **ref_kw)))
+    want = torch.autograd.grad(ref, leaves, dout.detach().cpu().double(), allow_unused=True)
+    assert out.shape == q.shape and lse.shape == (h, sum(lq)), "LSE is (H_q, total_q)"
+    assert not torch.isnan(out).any(), "NaN in the output (or a row never written)"
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=atol, rtol=rtol)
+    finite = torch.isfinite(ref_lse.detach())
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), "LSE -inf rows differ"
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse.detach()[finite],
+                               atol=LSE_TOL[0], rtol=LSE_TOL[1])
+    gatol, grtol = GRAD_TOL[dtype]
+    for got, exp, name in zip((q.grad, k.grad, v.grad, *(t.grad for t in extra)), want,
+                              ("dq", "dk", "dv", *(f"d{t}" for t in grads))):
+        assert got is not None and not torch.isnan(got).any(), name
+        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol, msg=name)
+
+
+def documents(batch, n, device, seed=1):
+    """Each sequence split into ragged documents: sorted ids, random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.sort(torch.randint(0, 4, (batch, n), generator=g), -1).values
+    return ids.to(torch.int32).to(device)
+
+
+# ----------------------------------------------------------------------------------------
+# Score, mask and sink mods on packed batches
+# ----------------------------------------------------------------------------------------
+def test_softcap_causal_gqa(pkg, device, poison):
+    check(pkg, device, torch.float32, causal=True, mods=("softcap",), kw={"cap": 2.0},
+          score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0), h=4, h_kv=1)
+
+
+def test_alibi_bf16(pkg, device, poison):
+    slope = torch.tensor([0.5, 0.125], device=device)
+    check(pkg, device, torch.bfloat16, causal=True, mods=("alibi",), kw={"slope": slope},
+          score=lambda s, b, h, i, j: s - slope.cpu().double()[h] * (i - j).abs())
+
+
+def test_document_causal(pkg, device, poison):
+    """A mask mod on a packed batch: block lists per sequence at its own lengths and band;
+    the doc tensor is (batch, max_seqlen), row i for sequence i."""
+    doc = documents(len(LQ), max(LQ + LK), device)
+    d = doc.cpu().long()
+    check(pkg, device, torch.float32, causal=True, mods=("document",), kw={"doc": doc},
+          mask=lambda b, h, i, j: d[b, i] == d[b, j])
+
+
+def test_document_softcap_bf16_gqa(pkg, device, poison):
+    lq, lk = [40, 1, 23, 16], [40, 7, 23, 33]
+    doc = documents(len(lq), 40, device, seed=5)
+    d = doc.cpu().long()
+    check(pkg, device, torch.bfloat16, causal=True, mods=("document", "softcap"),
+          kw={"doc": doc, "cap": 2.0}, score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+          mask=lambda b, h, i, j: d[b, i] == d[b, j], lq=lq, lk=lk, h=4, h_kv=1)
+
+
+def test_prefix_lm(pkg, device, poison):
+    prefix = torch.tensor([2, 0, 30, 1, 7, 3], dtype=torch.int32, device=device)
+    p = prefix.cpu().long()
+    check(pkg, device, torch.float32, mods=("prefix_lm",), kw={"prefix_len": prefix},
+          mask=lambda b, h, i, j: (j < p[b]) | (j <= i))
+
+
+def test_window_sinks(pkg, device, poison):
+    lq = lk = [59, 3, 33]
+    check(pkg, device, torch.float32, mods=("window_sinks",), kw={"sinks": 3, "window": 9},
+          mask=lambda b, h, i, j: (j <= i) & ((j < 3) | (i - j <= 9)), lq=lq, lk=lk)
+
+
+def test_softcap_key_padding_gqa(pkg, device, poison):
+    # keep[b, kv_idx]: (batch, >= max_seqlen_k); sequence 0 loses its first keys, so some
+    # of its rows see none (0 and LSE -inf)
+    keep = torch.ones(len(LK), max(LK), dtype=torch.bool)
+    keep[0, :6] = False
+    keep[4, 11:] = False
+    check(pkg, device, torch.float32, causal=True, mods=("softcap", "key_padding"),
+          kw={"keep": keep.to(device), "cap": 2.0},
+          score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+          mask=lambda b, h, i, j: keep[b, j], h=4, h_kv=2)
+
+
+def test_sink_logits_with_gradient(pkg, device, poison):
+    """The sink's gradient sums over each sequence's own rows."""
+    sinks = torch.tensor([0.7, -1.5], device=device).requires_grad_()
+    check(pkg, device, torch.float32, causal=True, mods=("sink_logits",), kw={"sinks": sinks},
+          sink="sinks", grads=("sinks",))
+
+
+def test_relative_bias(pkg, device, poison):
+    rel = torch.randn(2, 2 * 6 + 1, generator=torch.Generator().manual_seed(3)).to(device)
+    r = rel.cpu().double()
+    check(pkg, device, torch.float32, mods=("relative_bias",),
+          kw={"rel_bias": rel, "max_distance": 6},
+          score=lambda s, b, h, i, j: s + r[h, (j - i + 6).clamp(0, 12)])
+
+
+def test_bias_gradient(pkg, device, poison):
+    """A score mod read at every (b, h, q_idx, kv_idx) (sdpa_mask's additive bias) gets its
+    gradient at (sequence, head, in-sequence row, column) of a (batch, H, max_q, max_k)
+    tensor, zero where no sequence reaches; a broadcast head extent is summed."""
+    g = torch.Generator().manual_seed(4)
+    bias = torch.randn(len(LQ), 1, max(LQ), max(LK), generator=g).to(device).requires_grad_()
+    check(pkg, device, torch.float32, mods=("softcap", "sdpa_mask"), kw={"cap": 2.0, "bias": bias},
+          score=lambda s, b, h, i, j, bias: 2.0 * torch.tanh(s / 2.0) + bias[b, 0, i, j],
+          grads=("bias",))
+    # rows and columns past each sequence's lengths get exactly zero
+    for seq, (n_q, n_k) in enumerate(zip(LQ, LK)):
+        assert bias.grad[seq, :, n_q:].abs().sum() == 0
+        assert bias.grad[seq, :, :, n_k:].abs().sum() == 0
+
+
+def test_qkvpacked_with_mods(pkg, device):
+    lengths = [12, 1, 30]
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(sum(lengths), 3, 2, D, generator=g).to(device)
+    doc = documents(len(lengths), 30, device)
+    with pkg._runtime.override_config(**TILE):
+        got = pkg.flash_attn_varlen_qkvpacked_func(qkv, cu(lengths, device), 30, causal=True,
+                                                   mods=("document",), doc=doc)
+        want = pkg.flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu(lengths, device),
+                                          cu(lengths, device), 30, 30, causal=True,
+                                          mods=("document",), doc=doc)
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# ----------------------------------------------------------------------------------------
+# Block lists, caching, torch.compile, errors
+# ----------------------------------------------------------------------------------------
+def test_block_lists_are_per_sequence_and_follow_cu_seqlens(pkg):
+    """The lists of a packed call classify every sequence's tiles at its own lengths and
+    band (brute force over the mask), are cached by the mask's and cu_seqlens' tensors, and
+    are made again after cu_seqlens changes in place."""
+    rt, mods = pkg._runtime, pkg._mods
+    lq, lk = [20, 0, 35], [20, 9, 35]
+    cq, ck = cu(lq), cu(lk)
+    # two documents a sequence at most: full, partial and empty tiles all occur
+    doc = (torch.arange(35)[None, :] >= torch.tensor([[20], [4], [33]])).to(torch.int32)
+    mask, lo, hi = rt.varlen_band(35, 35, True, (-1, -1))
+    base = mods.prepare(("document",), {"doc": doc}, 3, 2, 35, 35, torch.device("cpu"))
+    call = base.packed(cq, ck, sum(lq), sum(lk))
+    name = "fwd_causal_document_d32_fp32"
+    bm, bn = 16, 16
+    lists = call.tl_sparse(name, bm, bn, False, lo, hi)
+    full_cnt, full_idx, part_cnt, part_idx, sb, sh, nqb, nkb = lists
+    assert (nqb, nkb) == (3, 3) and (sb, sh) == (1, 0)  # a list per sequence, heads shared
+    first = full_cnt
+    full_cnt, part_cnt = full_cnt.view(-1), part_cnt.view(-1)
+    full_idx, part_idx = full_idx.view(-1, nkb), part_idx.view(-1, nkb)
+    seen_states = set()
+    for seq, (n_q, n_k) in enumerate(zip(lq, lk)):
+        i = torch.arange(nqb * bm)[:, None]
+        j = torch.arange(nkb * bn)[None, :]
+        d = doc[seq].long()
+        vis = (j <= i + n_k - n_q) & (j < n_k) & (d[i.clamp(max=34)] == d[j.clamp(max=34)])
+        rows = i < n_q
+        for m in range(nqb):
+            tile = slice(m * bm, (m + 1) * bm)
+            states = []
+            for n in range(nkb):
+                block = (vis & rows)[tile, n * bn:(n + 1) * bn]
+                states.append(2 if block.all() else 1 if block.any() else 0)
+            row = seq * nqb + m
+            seen_states.update(states)
+            assert full_cnt[row] == states.count(2) and part_cnt[row] == states.count(1)
+            assert sorted(full_idx[row, :states.count(2)].tolist()) == \
+                [n for n, s in enumerate(states) if s == 2]
+            assert sorted(part_idx[row, :states.count(1)].tolist()) == \
+                [n for n, s in enumerate(states) if s == 1]
+    assert seen_states == {0, 1, 2}
+    again = base.packed(cq, ck, sum(lq), sum(lk)).tl_sparse(name, bm, bn, False, lo, hi)
+    assert again[0] is first, "cached by the mask's and cu_seqlens' tensors"
+    cq[1:] = cu([20, 9, 26])[1:]  # in place: a new version of the same tensor
+    changed = base.packed(cq, ck, 55, sum(lk)).tl_sparse(name, bm, bn, False, lo, hi)
+    assert changed[0] is not first
+    # sequence 1 had no queries (no tile of it visited); now its 9 x 9 causal tile is partial
+    assert part_cnt[3:6].tolist() == [0, 0, 0] and changed[2].view(-1)[3:6].tolist() == [1, 0, 0]
+
+
+def test_torch_compile_fullgraph(pkg):
+    """Packed calls with mods are the mod_varlen_fwd / mod_varlen_bwd operators under
+    torch.compile: fullgraph traces them; output and gradients (the bias's too) equal
+    eager."""
+    lq, lk = [9, 1, 20], [9, 4, 20]
+    cq, ck = cu(lq), cu(lk)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(lq), 2, D, generator=g).requires_grad_()
+    k = torch.randn(sum(lk), 2, D, generator=g).requires_grad_()
+    v = torch.randn(sum(lk), 2, D, generator=g).requires_grad_()
+    bias = torch.randn(3, 2, 20, 20, generator=g).requires_grad_()
+    doc = documents(3, 20, "cpu")
+
+    def f(q, k, v, bias):
+        a = pkg.flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, causal=True,
+                                       mods=("document", "softcap"), doc=doc, cap=3.0)
+        b = pkg.flash_attn_varlen_func(q, k, v, cq, ck, 20, 20, mods=("softcap", "sdpa_mask"),
+                                       bias=bias, cap=3.0)
+        return (a * a).sum() + (b * b).sum()
+
+    with pkg._runtime.override_config(**TILE):
+        eager = torch.autograd.grad(f(q, k, v, bias), (q, k, v, bias))
+        compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+        got = torch.autograd.grad(compiled(q, k, v, bias), (q, k, v, bias))
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_mod_arguments(pkg):
+    lq = [4, 6]
+    q = torch.randn(10, 2, D)
+    c = cu(lq)
+    with pytest.raises(ValueError, match=r"mod `document`.*shape \(2, 5\).*N>=6"):
+        pkg.flash_attn_varlen_func(q, q, q, c, c, 6, 6, mods=("document",),
+                                   doc=torch.zeros(2, 5, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"mod `document`.*shape \(3, 6\).*B=2"):
+        pkg.flash_attn_varlen_func(q, q, q, c, c, 6, 6, mods=("document",),
+                                   doc=torch.zeros(3, 6, dtype=torch.int32))
+    with pytest.raises(TypeError, match="need mods="):
+        pkg.flash_attn_varlen_func(q, q, q, c, c, 6, 6, cap=2.0)
+    with pytest.raises(ValueError, match=r"no kernel `fwd_alibi_d32_fp32` \(mask `none` with mods alibi\)"):
+        pkg.flash_attn_varlen_func(q, q, q, c, c, 6, 6, mods=("alibi",),
+                                   slope=torch.ones(2))
