@@ -261,8 +261,8 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
                     varlen: bool = False) -> list[GluonResources]:
     """Compile every Gluon kernel of a generated package (at each of `configs`, default
     each variant's own untuned Gluon default, families.variant_gluon_default); with varlen,
-    the packed-batch (VARLEN) form of each kernel without mods as well (packed batches
-    take no mods)."""
+    the packed-batch (VARLEN) form of each kernel without a mask mod as well (packed
+    batches with a mask mod run `tl`: the runtime's VARLEN_MODS_REASON)."""
     package_dir = Path(package_dir).resolve()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -278,7 +278,8 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
         for config in configs or own:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
-            for packed in (False, True) if varlen and not facts.get("mods") else (False,):
+            combo = registry.MOD_COMBOS.get("+".join(facts.get("mods") or ()), {})
+            for packed in (False, True) if varlen and not combo.get("block_sparse") else (False,):
                 res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
                                       mod_arg_types(registry, name)[0], varlen=packed)
                 if log:

@@ -240,6 +240,48 @@ def test_gemma2_softcap_sliding_window(fa, calls, device, padded):
     assert (capless[0] - ref[0]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("how", ["position_ids", "flattened"])
+def test_gemma2_packed_rows_run_varlen_with_softcap(fa, calls, device, monkeypatch, how):
+    """Gemma 2 on packed sequences (position_ids restarting in two rows, or one flattened
+    row with cu_seq_lens_q/k): every layer runs flash_attn_varlen_func with the softcap mod
+    (the spec's {mask: causal / sliding_window, mods: [softcap]}), none the dense kernels,
+    and logits and gradients match eager on the same rows."""
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(
+        **TINY, sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+        query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])
+    model = transformers.Gemma2ForCausalLM(config).to(device)
+    ids, _ = padded_batch(device)
+    extra = {}
+    if how == "position_ids":
+        rows = ids[:2]
+        pos = torch.stack([torch.cat([torch.arange(6), torch.arange(4)]),
+                           torch.cat([torch.arange(3), torch.arange(1), torch.arange(6)])])
+        want_cu = [0, 6, 10, 13, 14, 20]
+    else:
+        rows = ids[:1]
+        pos = torch.cat([torch.arange(3), torch.arange(1), torch.arange(6)])[None]
+        want_cu = [0, 3, 4, 10]
+        cu = torch.tensor(want_cu, dtype=torch.int32, device=device)
+        extra = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    pos = pos.to(device)
+    seen = []
+    real = fa._api.flash_attn_varlen_func
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, *args, mods=None, **kw):
+        seen.append((cu_q.tolist(), tuple(args[3]) if len(args) > 3 else None,
+                     tuple(mods or ())))
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, *args, mods=mods, **kw)
+
+    monkeypatch.setattr(fa._api, "flash_attn_varlen_func", spy)
+    packed = dict(position_ids=pos, use_cache=False)
+    ref = run(model, "eager", rows, None, **packed)
+    got = run(model, "fgen", rows, None, **packed, **extra)
+    compare(ref, got, None)
+    assert not calls, "packed rows went through the dense kernels"
+    assert seen == [(want_cu, (3, 0), ("softcap",)), (want_cu, (-1, -1), ("softcap",))], seen
+
+
 class _Layer(torch.nn.Module):
     is_causal = True
 

@@ -328,3 +328,180 @@ def test_bad_mod_arguments(pkg):
     with pytest.raises(ValueError, match=r"no kernel `fwd_alibi_d32_fp32` \(mask `none` with mods alibi\)"):
         pkg.flash_attn_varlen_func(q, q, q, c, c, 6, 6, mods=("alibi",),
                                    slope=torch.ones(2))
+
+
+# ----------------------------------------------------------------------------------------
+# On the GPU at the spec's own sizes: the Gluon varlen kernels with score and sink mods,
+# the `tl` ones with a mask mod
+# ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def full_pkg(tmp_path_factory):
+    """specs/mods.yaml at its own head dims and dtypes (64 / 128, bf16 / fp16)."""
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    body = body.replace("decode: true", "decode: false")
+    return build_and_import(tmp_path_factory.mktemp("varlen_mods_gpu"), "varlen_mods_gpu_t", body)
+
+
+GPU_LQ = [127, 0, 1, 59, 257, 300, 1000, 64]
+GPU_LK = [127, 3, 1, 300, 100, 300, 1000, 64]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    # (mods, causal, Hq, Hkv, d, dtype, family the forward and backward must run)
+    (("softcap",), True, 8, 2, 128, torch.bfloat16, "gluon"),
+    (("alibi",), True, 4, 4, 64, torch.float16, "gluon"),
+    (("sink_logits",), True, 4, 1, 128, torch.bfloat16, "gluon"),
+    (("document", "softcap"), True, 8, 2, 128, torch.bfloat16, "tl"),
+    (("prefix_lm",), False, 4, 4, 64, torch.bfloat16, "tl"),
+], ids=["softcap-gqa4-d128", "alibi-d64-fp16", "sink-logits-gqa4", "document-softcap",
+        "prefix-lm-d64"])
+def test_varlen_mods_on_the_gpu(full_pkg, poison, case):
+    """Packed batches with mods at the kernels' real sizes against float64, forward, LSE
+    and gradients (the sink's too): on Hopper the Gluon varlen kernels serve score and sink
+    mods (VARLEN_GLUON_MODS) and `tl` the mask mods (VARLEN_MODS_REASON)."""
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    pkg, rt = full_pkg, full_pkg._runtime
+    mods, causal, h, h_kv, d, dtype, family = case
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    g = torch.Generator().manual_seed(3)
+    lq, lk = GPU_LQ, GPU_LK if not mods[0] in ("document", "prefix_lm") else GPU_LQ
+    kw, score, mask, sink, grads = {}, None, None, None, ()
+    if "softcap" in mods:
+        kw["cap"] = 5.0
+        score = lambda s, b, h_, i, j: 5.0 * torch.tanh(s / 5.0)  # noqa: E731
+    if "alibi" in mods:
+        slope = torch.rand(h, generator=g) * 0.1
+        kw["slope"] = slope.cuda()
+        score = lambda s, b, h_, i, j: s - slope.double()[h_] * (i - j).abs()  # noqa: E731
+    if "sink_logits" in mods:
+        kw["sinks"] = torch.randn(h, generator=g).cuda().requires_grad_()
+        sink, grads = "sinks", ("sinks",)
+    if "document" in mods:
+        doc = documents(len(lq), max(lq), "cuda", seed=4)
+        kw["doc"] = doc
+        d_ids = doc.cpu().long()
+        mask = lambda b, h_, i, j: d_ids[b, i] == d_ids[b, j]  # noqa: E731
+    if "prefix_lm" in mods:
+        prefix = torch.randint(0, 300, (len(lq),), generator=g, dtype=torch.int32)
+        kw["prefix_len"] = prefix.cuda()
+        mask = lambda b, h_, i, j: (j < prefix.long()[b]) | (j <= i)  # noqa: E731
+    make = lambda n, heads: torch.randn(n, heads, d, generator=g).to("cuda", dtype).requires_grad_()  # noqa: E731
+    q, k, v = make(sum(lq), h), make(sum(lk), h_kv), make(sum(lk), h_kv)
+    rt._forward_plans.clear()
+    rt._backward_plans.clear()
+    # (family asked for: a call this small would take `tl` for the Gluon kernels' fixed cost)
+    with rt.override_config(family="gluon"):
+        out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, "cuda"), cu(lk, "cuda"), max(lq),
+                                              max(lk), causal=causal, mods=mods,
+                                              return_lse=True, **kw)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+        torch.cuda.synchronize()
+        (fplan,) = [p for p in rt._forward_plans.values() if p[0] is not None]
+        (bplan,) = [p for p in rt._backward_plans.values() if p is not None]
+    if hopper:
+        assert (fplan[2] == rt._GLUON) == (family == "gluon")
+        assert (bplan[-1] == rt._GLUON) == (family == "gluon")
+    extra = [kw[t] for t in grads]
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, *extra)]
+    sink_ref = leaves[3] if sink else None
+    ref, ref_lse = reference(*leaves[:3], lq, lk, causal=causal, score=score, mask=mask,
+                             sink=sink_ref)
+    want = torch.autograd.grad(ref, leaves, dout.detach().cpu().double())
+    assert not torch.isnan(out).any()
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(), atol=atol, rtol=rtol)
+    finite = torch.isfinite(ref_lse.detach())
+    assert torch.equal(torch.isfinite(lse.cpu()), finite)
+    torch.testing.assert_close(lse.cpu().double()[finite], ref_lse.detach()[finite], atol=1e-4,
+                               rtol=1e-4)
+    gatol, grtol = GRAD_TOL[dtype]
+    for got, exp, name in zip((q.grad, k.grad, v.grad, *(t.grad for t in extra)), want,
+                              ("dq", "dk", "dv", "dsinks")):
+        assert got is not None and not torch.isnan(got).any(), name
+        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol, msg=name)
+
+
+def test_which_family_a_packed_call_with_mods_takes(full_pkg, monkeypatch):
+    """The reasons behind the family choice (no GPU needed: the device checks patched to an
+    H100's): score and sink mods may take the Gluon varlen kernels, unless
+    VARLEN_GLUON_MODS is off and the family not asked for; a mask mod always runs `tl`."""
+    rt, mods = full_pkg._runtime, full_pkg._mods
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
+    q = torch.randn(4096, 16, 128, dtype=torch.bfloat16)
+    cfg = {"family": "gluon"}
+
+    def call(names, **kw):
+        return mods.prepare(names, kw, 2, 16, 2048, 2048, torch.device("cpu"))
+
+    softcap = call(("softcap",), cap=5.0)
+    document = call(("document",), doc=torch.zeros(2, 2048, dtype=torch.int32))
+    fwd, bwd = rt.gluon_varlen_reason, rt.gluon_varlen_backward_reason
+    assert fwd("fwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048, "causal", softcap) is None
+    assert bwd("bwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048, "causal", softcap) is None
+    for why in (fwd("fwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal", document),
+                bwd("bwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal", document)):
+        assert why == rt.VARLEN_MODS_REASON
+    monkeypatch.setattr(rt, "VARLEN_GLUON_MODS", False)
+    assert "VARLEN_GLUON_MODS" in fwd("fwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048,
+                                      "causal", softcap)
+    with rt.override_config(family="gluon"):
+        assert fwd("fwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048, "causal",
+                   softcap) is None
+
+
+_COMPILE = r"""
+import json, sys
+from pathlib import Path
+from flashgen import gluon_compile
+res = gluon_compile.compile_package(Path(sys.argv[1]), variants=sys.argv[2].split(","),
+                                    varlen=True)
+print(json.dumps([r.__dict__ for r in res]))
+"""
+
+
+def _gluon_compiles():
+    import triton
+
+    from flashgen import families
+    return families.triton_ok(triton.__version__)
+
+
+@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton "
+                    "3.6 (CI pins it); another Triton runs the `tl` kernels only")
+def test_gluon_varlen_kernels_with_score_and_sink_mods_compile_for_sm90():
+    """The packed (VARLEN) forms of the shipped Gluon kernels with a score mod and with a
+    sink compile for sm_90 beside their dense forms, with the same wgmma products, register
+    split and shared memory; the forward's key loops keep no spill. Measured when written
+    (d=128 bf16, stack bytes / key-loop LDL+STL, dense -> packed): forward softcap 104 / 0
+    -> 112 / 0, sink_logits 136 / 0 -> 112 / 0; backward softcap 184 / 80 -> 232 / 113 (the
+    dense softcap backward already spills in its loop: docs/PERF_NOTES.md)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    names = ["fwd_causal_softcap_d128_bf16", "fwd_causal_sink_logits_d128_bf16",
+             "bwd_causal_softcap_d128_bf16", "bwd_causal_sink_logits_d128_bf16"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "generated" / "mods_attn"),
+                          ",".join(names)], capture_output=True, text=True, env=env,
+                         cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    pairs = {}
+    for r in rows:
+        pairs.setdefault(r["variant"], [None, None])[r["config"].startswith("varlen")] = r
+    assert set(pairs) == set(names) and all(None not in p for p in pairs.values())
+    for name, (dense, packed) in pairs.items():
+        assert packed["shared"] <= 232448 and packed["shared"] <= dense["shared"] + 256, packed
+        assert packed["wgmma"] == dense["wgmma"] > 0, packed
+        assert packed["setmaxnreg"] == dense["setmaxnreg"], packed
+        if name.startswith("fwd"):
+            assert packed["loop_spills"] == 0 and packed["spill_bytes"] <= 160, packed
+        else:
+            assert packed["loop_spills"] is not None, packed
+            assert packed["loop_spills"] <= dense["loop_spills"] + 48, packed

@@ -26,9 +26,10 @@ and go to the kernels through strides, never copied; GQA is native):
   recognized as a band (causal, or causal with the layer's sliding window, aligned
   bottom-right as with a KV cache, or none) AND a key-padding vector, optionally AND a
   packed-sequence document mask (from `position_ids`), verified element by element. Packed
-  sequences without padding or soft-capping run the varlen kernels (`flash_attn_varlen_func`
-  on the rows flattened, as views; the boundaries read off `position_ids` once per
-  forward). Otherwise the kernels run the band, and the padding as the `key_padding` mask
+  sequences without padding run the varlen kernels (`flash_attn_varlen_func` on the rows
+  flattened, as views; the boundaries read off `position_ids` once per forward), with
+  Gemma 2's soft-capping as the `softcap` mod where the spec has {mask: <band>, mods:
+  [softcap]}. Otherwise the kernels run the band, and the padding as the `key_padding` mask
   mod reading one (B, N_k) bool tensor (key blocks that are all padding are skipped), the
   packing as the `document` mod, and Gemma 2's `softcap` as the `softcap` mod: one variant
   of the spec's `variants:` must hold that combination, or the call raises a ValueError
@@ -41,8 +42,9 @@ and go to the kernels through strides, never copied; GQA is native):
 * a flattened batch (one row of packed sequences with transformers' `cu_seq_lens_q/k` and
   `max_length_q/k` kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
   passes them): `flash_attn_varlen_func` on views of the row, the mask (if any) only
-  checked to be the band over those sequences without padding; with soft-capping the
-  `document` mod path above serves it (the varlen kernels take no mods).
+  checked to be the band over those sequences without padding; soft-capping as above
+  (the `softcap` mod of the packed call; the `document` mod path when the spec has no
+  {mask: <band>, mods: [softcap]}).
 
 Padding stays in the batch (the padded positions' rows are computed and ignored).
 """
@@ -270,11 +272,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     n_q, n_k = query.shape[2], key.shape[2]
     left = sliding_window - 1 if sliding_window else None
-    bounds = _packed_bounds(query, key, kwargs) if not softcap else None
-    if bounds is not None and (attention_mask is None or _plain_packing(
-            attention_mask, bool(causal), left, kwargs.get("position_ids"))):
+    bounds = _packed_bounds(query, key, kwargs)
+    if bounds is not None and _varlen_mods(bool(causal), left, softcap) is not None and (
+            attention_mask is None or _plain_packing(attention_mask, bool(causal), left,
+                                                     kwargs.get("position_ids"))):
         return _varlen(query, key, value, bounds, float(dropout or 0.0), scaling, bool(causal),
-                       left), None
+                       left, softcap), None
     if attention_mask is None:
         # as transformers' SDPA path, which is causal only with more than one query: one
         # query under the bottom-right causal band sees every key too. A causal prefill
@@ -290,12 +293,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     dropout = float(dropout or 0.0)
     if layout.bias is not None:
         return _generic(query, key, value, layout.bias, dropout, scaling, softcap), None
-    if layout.doc is not None and layout.keep is None and not softcap:
+    if layout.doc is not None and layout.keep is None and \
+            _varlen_mods(layout.causal, layout.left, softcap) is not None:
         # packed sequences from position_ids, no padding: the varlen kernels on the rows
         # flattened (views), the boundaries read off the documents once per forward
         bounds = _cached(attention_mask, "bounds", lambda: _doc_bounds(layout.doc))
         return _varlen(query, key, value, bounds, dropout, scaling, layout.causal,
-                       layout.left), None
+                       layout.left, softcap), None
 
     builtins = (("softcap",) if softcap else ()) + \
         (("key_padding",) if layout.keep is not None else ()) + \
@@ -396,17 +400,30 @@ def _doc_bounds(doc):
     return cu, cu, longest, longest
 
 
-def _varlen(query, key, value, bounds, dropout, scaling, causal, left):
+def _varlen_mods(causal, left, softcap):
+    """The mods of a packed call: () without soft-capping; with it, the spec's softcap mod
+    where a variant {mask: <this band>, mods: [softcap]} exists, else None (the packed rows
+    then take the dense kernels with the `document` mod, which has its own variants)."""
+    if not softcap:
+        return ()
+    band = "sliding_window" if left is not None else "causal" if causal else "none"
+    return _combo(band, ("softcap",))
+
+
+def _varlen(query, key, value, bounds, dropout, scaling, causal, left, softcap=None):
     """Packed rows through flash_attn_varlen_func: (B, H, N, d) views in, flattened to
     (B * N, H, d) (views: transformers' tensors are (B, N, H, d) memory), and the
-    (B, N, H_q, d) output transformers expects out."""
+    (B, N, H_q, d) output transformers expects out; soft-capping as the spec's softcap mod
+    (_varlen_mods)."""
     cu_q, cu_k, max_q, max_k = bounds
     batch, n = query.shape[0], query.shape[2]
     q, k, v = (t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3])
                for t in (query, key, value))
     window = (left, 0) if left is not None else (-1, -1)
+    mods = _varlen_mods(causal, left, softcap)
+    extra = {"mods": mods, "cap": float(softcap)} if mods else {}
     out = _api.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout, scaling,
-                                      causal, window)
+                                      causal, window, **extra)
     return out.reshape(batch, n, out.shape[1], out.shape[2])
 
 

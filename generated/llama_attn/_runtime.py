@@ -1308,10 +1308,25 @@ VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spil
 # of it runs `tl`.
 VARLEN_GLUON_FORWARD = True
 VARLEN_GLUON_BACKWARD = True
-# Packed batches with mods run the `tl` kernels (VARLEN with the mods rendered in, block
-# lists per sequence): the Gluon varlen walk has not been verified with them.
-VARLEN_MODS_REASON = ("mods in a packed batch: the `tl` varlen kernels serve them (the Gluon "
-                      "varlen kernels are not verified with mods)")
+# Packed batches with score and sink mods take the Gluon varlen kernels where the dense
+# call would (VARLEN_GLUON_MODS; False: `tl` unless the family is asked for); with a mask
+# mod they run the `tl` kernels (VARLEN with the mods rendered in, block lists per
+# sequence): the Gluon varlen walk reads no block lists.
+VARLEN_GLUON_MODS = True
+VARLEN_MODS_REASON = ("a mask mod in a packed batch: the `tl` varlen kernels walk its block "
+                      "lists per sequence (the Gluon varlen walk reads none)")
+
+
+def _varlen_mods_reason(mods) -> "str | None":
+    """Why a packed batch with these mods (a _mods.Call or None) stays on `tl`."""
+    if mods is None:
+        return None
+    if mods.block_sparse:
+        return VARLEN_MODS_REASON
+    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if not VARLEN_GLUON_MODS and not asked:
+        return "VARLEN_GLUON_MODS = False: the Gluon varlen kernels take mods when asked for"
+    return None
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
 # bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
@@ -1505,8 +1520,8 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str |
     VARLEN_GLUON_FORWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
-    if mods is not None:
-        return VARLEN_MODS_REASON
+    if _varlen_mods_reason(mods) is not None:
+        return _varlen_mods_reason(mods)
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_FORWARD and not asked:
         return "VARLEN_GLUON_FORWARD = False: the Gluon varlen forward runs when asked for"
@@ -1686,7 +1701,8 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         else:
             _descriptor_allocator()
             q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
-        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args)
+        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args,
+             *(mods.args if mods is not None else ()))
         dq.copy_(dq_acc)
         return delta
     pre(o, do, delta, *pre_args, q.shape[0], None, 0, 0, 0)
@@ -1711,8 +1727,8 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
     VARLEN_GLUON_BACKWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
-    if mods is not None:
-        return VARLEN_MODS_REASON
+    if _varlen_mods_reason(mods) is not None:
+        return _varlen_mods_reason(mods)
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_BACKWARD and not asked:
         return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
