@@ -186,6 +186,7 @@ def dec_reference(q, k_cache, v_cache, table, lengths, *, causal=False, window=(
     first L cache rows of each element (through the block table one row at a time), query
     i at position L - N_q + i."""
     q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    table = None if table is None else table.cpu()
     outs, lses = [], []
     for b, n in enumerate(lengths):
         def rows(cache):
