@@ -372,7 +372,9 @@ def test_decode_only_entry_builds_no_forward(dec):
     with pytest.raises(ValueError, match=r"\{qk: 40, v: 24\}"):
         dec.flash_attn_func(torch.zeros(1, 4, 2, 40), torch.zeros(1, 4, 2, 40),
                             torch.zeros(1, 4, 2, 24))
-    assert "decode_causal_d48v32_bf16" in dec.describe()
+    text = dec.describe()
+    assert "decode_causal_d48v32_bf16" in text and "decode_causal_d40v24_fp32" in text
+    assert "decode kernels for (q/k, v) head dims [(24, 40), (40, 24), (48, 32)]" in text
 
 
 def test_decode_only_spec_rules():
