@@ -63,9 +63,10 @@ def _check_training(pkg, spec, variant, label, b, n_q, n_k, h_q, h_kv, device, d
     window = _window(spec, variant)
     p = _DROPOUT_P if variant.dropout else 0.0
     q = torch.randn(b, n_q, h_q, variant.head_dim, dtype=dtype, device=device, requires_grad=True)
-    k, v = (torch.randn(b, n_k, h_kv, variant.head_dim, dtype=dtype, device=device,
-                        requires_grad=True) for _ in range(2))
-    do = torch.randn(b, n_q, h_q, variant.head_dim, dtype=dtype, device=device)
+    k = torch.randn(b, n_k, h_kv, variant.head_dim, dtype=dtype, device=device, requires_grad=True)
+    # (V and the output have V's head dim: an MLA pair's own)
+    v = torch.randn(b, n_k, h_kv, variant.v_dim, dtype=dtype, device=device, requires_grad=True)
+    do = torch.randn(b, n_q, h_q, variant.v_dim, dtype=dtype, device=device)
     mod_kw, score_mod, mod_mask, sink = _mod_inputs(spec, variant, b, n_q, n_k, h_q, device)
     state = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
     out = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window, **mod_kw)
@@ -137,8 +138,8 @@ def _check_decode(pkg, spec, variant, device, dtype):
 
     b, h_kv, page, pages = 3, 1 if spec.gqa else 2, 16, 6
     h_q, d = 2 * h_kv if spec.gqa else h_kv, variant.head_dim
-    k_cache, v_cache = (torch.randn(b * pages, page, h_kv, d, dtype=dtype, device=device)
-                        for _ in range(2))
+    k_cache = torch.randn(b * pages, page, h_kv, d, dtype=dtype, device=device)
+    v_cache = torch.randn(b * pages, page, h_kv, variant.v_dim, dtype=dtype, device=device)
     table = torch.randperm(b * pages, device=device).view(b, pages).to(torch.int32)
     lengths = [0, 37, page * pages]
     q = torch.randn(b, 1, h_q, d, dtype=dtype, device=device)

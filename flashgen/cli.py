@@ -75,12 +75,15 @@ def _cmd_plan(args) -> int:
         # mods that read a [q, kv] tile per score (an attn_mask, a bias) plan their own
         # tile: a section of their own, or their choice would go unseen
         score_bytes = variant_score_bytes(spec, variant)
-        key = (variant.kind, variant.head_dim, variant.dtype_bytes, score_bytes)
+        key = (variant.kind, variant.head_dim, variant.v_dim, variant.dtype_bytes, score_bytes)
         if key in seen:
             continue
         seen.add(key)
         reads = f", mods reading {score_bytes} B a score" if score_bytes else ""
-        print(f"== {variant.kind} d={variant.head_dim} {variant.dtype_bytes}-byte dtypes"
+        # (a V head dim of its own: planned for the larger of the two)
+        dims = (f"d={variant.head_dim}" if variant.v_dim == variant.head_dim else
+                f"d={variant.head_dim} dv={variant.v_dim}")
+        print(f"== {variant.kind} {dims} {variant.dtype_bytes}-byte dtypes"
               f"{reads} (e.g. {variant.name}) on {spec.gpu.name}")
         print(planner_core.format_plan(plan) if args.all else format_summary(plan))
         print()

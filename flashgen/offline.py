@@ -36,6 +36,11 @@ _FLOATS = {"QK_SCALE_LOG2", "SCALE", "DROP_SCALE", "SM_SCALE"}
 _WIDE_INTS = {"SEED"}
 # a context-parallel piece's global start row / column (variants with mods or dropout)
 _POSITIONS = {"Q_POS", "KV_POS"}
+# the decode kernels' pointers (templates/decode.py.j2): everything else there is an int
+# (lengths, page size, capacity, the workspace offset) or the fp32 scale
+_DECODE_POINTERS = {"Q": None, "K": None, "V": None, "O": None, "KN": None, "VN": None,
+                    "LSE": "*fp32", "OP": "*fp32", "CNT": "*i32", "SEQLENS": "*i32",
+                    "BT": "*i32"}
 
 
 @dataclass
@@ -84,7 +89,7 @@ def mod_arg_types(registry, name: str) -> tuple[dict, dict]:
     return types, {f"GRAD_{t.upper()}": True for t in grads}
 
 
-def _signature(fn, dtype: str, extra: dict | None = None):
+def _signature(fn, dtype: str, extra: dict | None = None, decode: bool = False):
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         name = p.name
@@ -93,6 +98,11 @@ def _signature(fn, dtype: str, extra: dict | None = None):
             continue
         if extra and name in extra:  # a mod's argument (mod_arg_types)
             sig[name] = extra[name]
+        elif decode:
+            if name in _DECODE_POINTERS:
+                sig[name] = _DECODE_POINTERS[name] or "*" + _TRITON_DTYPES[dtype]
+            else:
+                sig[name] = "fp32" if name in _FLOATS else "i32"
         elif name in _FP32_POINTERS:
             sig[name] = "*fp32"
         elif name in _INT_POINTERS:
@@ -116,9 +126,10 @@ def _signature(fn, dtype: str, extra: dict | None = None):
     return sig, attrs
 
 
-def _launches(kind: str, config: dict, function_names, row64: bool = False):
+def _launches(kind: str, config: dict, function_names, row64: bool = False, dims=None):
     """(function, constexprs, num_warps, num_stages) the runtime launches for a config;
-    row64: the form a call whose (batch, head) slices span 2**31 elements gets (ROW64)."""
+    row64: the form a call whose (batch, head) slices span 2**31 elements gets (ROW64).
+    dims: (Q/K head dim, V head dim) of a decode variant."""
     from . import planner_core
     bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
     dense = dict(_DENSE, ROW64=row64)
@@ -134,7 +145,23 @@ def _launches(kind: str, config: dict, function_names, row64: bool = False):
                  w, s),
                 ("dq_kernel", dict(BLOCK_M=dq_m, BLOCK_N=dq_n, USE_TMA=False, **dense), dq_w,
                  dq_s)]
-    raise ValueError(f"offline compilation covers fwd and bwd kernels, not {kind}")
+    if kind == "decode":
+        # a server's call: paged (pages of whole key blocks), a length per sequence, split
+        # KV with the in-launch reduction (the costliest form: the reduction's registers
+        # come on top of the key loop's), the LSE stored; and where V may be read as a view
+        # of K (a latent cache: V_IS_K), that form too. The append: the runtime's default
+        # 4 warps, 8 KV heads at once.
+        d, dv = dims
+        form = dict(PAGED=True, PAGE_BLOCKS=True, PER_ROW_LENS=True, SPLIT=True,
+                    STORE_LSE=True, V_IS_K=False, BLOCK_M=bm, BLOCK_N=bn)
+        out = [("kernel", form, w, s)]
+        if dv <= d:
+            out.append(("kernel", dict(form, V_IS_K=True), w, s))
+        next_pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
+        out.append(("append", dict(PAGED=True, PER_ROW_LENS=True, BLOCK_H=8,
+                                   BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv)), 4, 3))
+        return out
+    raise ValueError(f"offline compilation covers fwd, bwd and decode kernels, not {kind}")
 
 
 def _ptxas_numbers(log: str) -> tuple[int, int, int]:
@@ -146,7 +173,8 @@ def _ptxas_numbers(log: str) -> tuple[int, int, int]:
 
 
 def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
-                   capability: int, extra: dict | None = None) -> tuple[int, int, int, int]:
+                   capability: int, extra: dict | None = None,
+                   decode: bool = False) -> tuple[int, int, int, int]:
     """(shared bytes, registers, spill store bytes, spill load bytes) of one @triton.jit
     function compiled for sm_<capability>."""
     import triton
@@ -156,7 +184,7 @@ def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
 
     knobs.nvidia.dump_ptxas_log = True
     knobs.compilation.always_compile = True  # a cached binary would skip ptxas and its log
-    sig, attrs = _signature(fn, dtype, extra)
+    sig, attrs = _signature(fn, dtype, extra, decode)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs),
@@ -167,7 +195,7 @@ def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
 
 def compile_spec(spec_path, capability: int | None = None, variants=None, log=None,
                  row64: bool = False):
-    """KernelResources for every fwd/bwd kernel of the spec's package, with the tiles the
+    """KernelResources for every fwd/bwd/decode kernel of the spec's package, with the tiles the
     planner chose for the spec's GPU, compiled for sm_<capability> (default: the spec's
     gpu.arch, else sm_90). `variants`: names to restrict to; row64: compile the kernels'
     64-bit row offset form (ROW64) instead of the usual one."""
@@ -186,20 +214,23 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
     registry = importlib.import_module(f"{spec.package}._registry")
     results = []
     for variant, plan in plans.items():
-        if variant.kind not in ("fwd", "bwd") or (variants and variant.name not in variants):
+        if variants and variant.name not in variants:
             continue
         module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
         config = plan.chosen.as_dict()
         types, flags = mod_arg_types(registry, variant.name)
-        for function, constexprs, warps, stages in _launches(variant.kind, config, (), row64):
+        for function, constexprs, warps, stages in _launches(
+                variant.kind, config, (), row64, (variant.head_dim, variant.v_dim)):
             fn = getattr(module, f"{variant.name}_{function}")
             if function == "dkdv_kernel":  # a tensor's gradient stored: the costlier build
                 constexprs = {**constexprs, **flags}
             shared, regs, stores, loads = compile_kernel(fn, variant.dtype, constexprs, warps,
-                                                         stages, capability, types)
+                                                         stages, capability, types,
+                                                         variant.kind == "decode")
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
-            cfg = f"{tile}w{warps}s{stages}"
-            warning = "" if function == "preprocess" else planner_core.spill_warning(plan) or ""
+            cfg = f"{tile}w{warps}s{stages}" + (" V_IS_K" if constexprs.get("V_IS_K") else "")
+            warning = ("" if function in ("preprocess", "append")
+                       else planner_core.spill_warning(plan) or "")
             r = KernelResources(variant.name, function, cfg, shared, regs,
                                 stores, loads, spec.gpu.sram_bytes, warning)
             results.append(r)
@@ -213,7 +244,7 @@ HEADER = ("| kernel | config | smem (compiler) | budget | regs | spill stores B 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Compile a spec's fwd/bwd kernels offline for "
+    ap = argparse.ArgumentParser(description="Compile a spec's fwd/bwd/decode kernels offline for "
                                  "an sm_XY target and print their resources.")
     ap.add_argument("spec")
     ap.add_argument("--arch", type=int, help="compute capability, e.g. 80, 89, 90 (default: "

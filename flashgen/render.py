@@ -73,14 +73,24 @@ def kernel_context(spec: Spec, variant: Variant) -> dict:
         for i, (off, size) in enumerate(planner_core.head_dim_chunks(d))
     ]
     dv = variant.v_dim
-    # V's chunks get names of their own (DV0_SIZE, accv0, ...) even when V's head dim is Q's
+    # V's chunks get names of their own (DV0_SIZE, accv0, ...) even when V's head dim is Q's.
+    # in_k: the key chunk holding the same columns, when V is read as a view of K's first
+    # columns (decode's V_IS_K: a latent cache) -- then that chunk is the value chunk
+    k_spans = {(c["offset"], c["size"]): f"k{c['idx']}" for c in chunks}
     vchunks = [
-        {"idx": f"v{i}", "const": f"DV{i}", "offset": off, "size": size, "pad": off + size > dv}
+        {"idx": f"v{i}", "const": f"DV{i}", "offset": off, "size": size, "pad": off + size > dv,
+         "in_k": k_spans.get((off, size))}
         for i, (off, size) in enumerate(planner_core.head_dim_chunks(dv))
     ]
+    # decode's split reduction loads SPLIT_CHUNK partial outputs at once: 8 up to V dim 128,
+    # past it 512 // V dim (a power of two): at V 512, 2 spilled 52 B a thread at 16 x 32,
+    # 4 warps and 1 did not (sm_90 offline)
+    padded_v = planner_core.padded_head_dim(dv)
+    split_chunk = 8 if padded_v <= 128 else 1 << (max(1, 512 // padded_v).bit_length() - 1)
     return {
         "header": header(f"templates/{variant.template}", spec),
         "name": variant.name,
+        "split_chunk": split_chunk,
         "head_dim": d,
         "v_dim": dv,
         "vchunks": vchunks,
@@ -316,7 +326,7 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
         return ("a mod reading a [q, kv] tile (a bias) is staged through shared memory by "
                 "the `tl` kernel; the Gluon kernels would gather it in registers")
-    if variant.v_dim != variant.head_dim:
+    if variant.v_dim != variant.head_dim and variant.kind in ("fwd", "bwd"):
         return "V's head dim differs from Q's: the `tl` kernels only so far"
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
 
@@ -388,6 +398,10 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
         "head_dims": spec.head_dims, "dtypes": spec.dtypes, "masks": spec.masks,
         **({"head_dim_pairs": [list(p) for p in spec.head_dim_pairs]}
            if any(qk != v for qk, v in spec.head_dim_pairs) else {}),
+        # the (q/k, v) pairs with decode kernels, where they are not the pairs above
+        **({"decode_head_dim_pairs": [list(p) for p in spec.decode_pairs]}
+           if spec.decode and (spec.decode_only_pairs
+                               or any(qk != v for qk, v in spec.decode_pairs)) else {}),
         "dropout": spec.dropout, "gqa": spec.gqa,
     }
     target = {"name": spec.gpu.name, "sram_bytes": spec.gpu.sram_bytes,

@@ -13,7 +13,9 @@ YAML format
 ::
 
     package: gpt2_attn          # required; Python identifier, not a keyword
-    head_dims: [64]             # required; multiples of 8 in 16..256
+    head_dims: [64]             # required; multiples of 8 in 16..256, or {qk: D, v: DV}
+                                # (V's own head dim); {qk, v, decode_only: true} builds
+                                # decode kernels alone (then up to 576, DeepSeek's MLA)
     dtypes: [fp16, bf16]        # required; subset of fp16, bf16, fp32
     masks: [none, causal]       # required; subset of none, causal, sliding_window
     dropout: true               # optional, default false
@@ -86,6 +88,11 @@ BLOCK_STAGES = ("forward", "backward", "decode")
 # the planner's candidate sets: a value it would never consider is refused here, at its line
 NUM_WARPS = WARP_COUNTS
 SRAM_MIN, SRAM_MAX = 16384, 1 << 20
+# head dims: up to 256 for every kernel; a `decode_only` entry up to DeepSeek's latent cache
+# (576 for Q/K, 512 for V), whose forward and backward no tile fits (16 rows per warp x 576
+# fp32 accumulator columns is 288 registers a thread) but whose decode tile does
+HEAD_DIM_MAX = 256
+DECODE_HEAD_DIM_MAX = 576
 
 
 # --------------------------------------------------------------------------
@@ -170,6 +177,8 @@ class Spec:
     # (Q/K head dim, V head dim) of every head_dims entry, sorted; a plain entry d is (d, d),
     # {qk: 192, v: 128} an MLA-style pair. head_dims holds the Q/K dims.
     head_dim_pairs: tuple[tuple[int, int], ...] = ()
+    # (Q/K, V) head dims of the `decode_only: true` entries: decode kernels only
+    decode_only_pairs: tuple[tuple[int, int], ...] = ()
     # Dotted key path -> Loc for every mapping key in the file.  Excluded from
     # ==/hash (it is derived from the same bytes as `sha`, and a mapping proxy
     # is unhashable) so that Spec can be used as a cache key.
@@ -180,6 +189,12 @@ class Spec:
     def __post_init__(self):
         if not self.head_dim_pairs:
             object.__setattr__(self, "head_dim_pairs", tuple((d, d) for d in self.head_dims))
+
+    @property
+    def decode_pairs(self) -> tuple[tuple[int, int], ...]:
+        """The (Q/K, V) head dims that get decode kernels (with `decode: true`): every
+        head_dims entry, the decode-only ones included."""
+        return tuple(sorted(self.head_dim_pairs + self.decode_only_pairs))
 
     def loc(self, key: str) -> Loc:
         """Loc of ``key``, else of its nearest present parent, else line 1."""
@@ -241,7 +256,8 @@ _HELP: dict[str, tuple[str, str]] = {
     "package": ("a Python identifier that is not a keyword, lower-case recommended",
                 "write e.g. package: gpt2_attn"),
     "head_dims": ("a list of head dimensions, each a multiple of 8 from 16 to 256, or "
-                  "{qk: D, v: D} for a V head dim apart from Q's and K's (MLA)",
+                  "{qk: D, v: D} for a V head dim apart from Q's and K's (MLA), with "
+                  "decode_only: true for decode kernels alone (up to 576)",
                   "write e.g. head_dims: [64, 128] or head_dims: [{qk: 192, v: 128}]"),
     "dtypes": (f"a non-empty list of distinct dtypes from {', '.join(DTYPES)}",
                "write e.g. dtypes: [fp16, bf16]"),
@@ -254,10 +270,15 @@ _HELP: dict[str, tuple[str, str]] = {
                     "write e.g. left: 4096"),
     "window.right": ("an integer >= -1 (tokens to the right; -1 = unbounded)",
                      "write e.g. right: 0"),
-    "head_dims.qk": ("the head dim of Q and K: a multiple of 8 from 16 to 256",
+    "head_dims.qk": ("the head dim of Q and K: a multiple of 8 from 16 to 256 (576 with "
+                     "decode_only: true)",
                      "write e.g. {qk: 192, v: 128}"),
-    "head_dims.v": ("the head dim of V and the output: a multiple of 8 from 16 to 256",
+    "head_dims.v": ("the head dim of V and the output: a multiple of 8 from 16 to 256 (576 "
+                    "with decode_only: true)",
                     "write e.g. {qk: 192, v: 128}"),
+    "head_dims.decode_only": ("a boolean: true builds decode kernels alone for the entry "
+                              "(head dims up to 576 then)",
+                              "write e.g. {qk: 576, v: 512, decode_only: true}"),
     "dropout": ("a boolean: true or false", "write dropout: true or dropout: false"),
     "gqa": ("a boolean: true or false", "write gqa: true or gqa: false"),
     "decode": ("a boolean: true or false", "write decode: true or decode: false"),
@@ -375,13 +396,15 @@ class _Parser:
         root = self.compose(text)
         top = self.mapping(root, "", _TOP_SCHEMA, _TOP_REQUIRED, owner="<document>")
         self.check_window(top)
+        self.check_decode_only(top)
         mods, mod_variants = self.check_mods(top)
         return Spec(
             path=self.path,
             sha=self.sha,
             package=top["package"],
-            head_dims=tuple(sorted({qk for qk, _ in top["head_dims"]})),
-            head_dim_pairs=top["head_dims"],
+            head_dims=tuple(sorted({qk for qk, _, only in top["head_dims"] if not only})),
+            head_dim_pairs=tuple((qk, v) for qk, v, only in top["head_dims"] if not only),
+            decode_only_pairs=tuple((qk, v) for qk, v, only in top["head_dims"] if only),
             dtypes=top["dtypes"],
             masks=top["masks"],
             window=top.get("window"),
@@ -431,6 +454,25 @@ class _Parser:
                             "masks include sliding_window but no window is given",
                             fix="add e.g. window: {left: 4096, right: 0}, or drop "
                                 "sliding_window from masks")
+
+    def check_decode_only(self, top: dict[str, Any]) -> None:
+        """A decode_only entry needs decode: true, and must not repeat a full entry (whose
+        decode kernels are built anyway)."""
+        full = {(qk, v) for qk, v, only in top["head_dims"] if not only}
+        for qk, v, only in top["head_dims"]:
+            if not only:
+                continue
+            dims = "{qk: %d, v: %d}" % (qk, v)
+            if not top.get("decode", False):
+                raise self.fail(self.key_line("head_dims"), "head_dims",
+                                f"the entry {dims} is decode_only but the spec builds no "
+                                "decode kernels",
+                                fix="add decode: true, or drop the entry")
+            if (qk, v) in full:
+                raise self.fail(self.key_line("head_dims"), "head_dims",
+                                f"{dims} is listed both with and without decode_only; with "
+                                "decode: true every entry gets decode kernels",
+                                fix="drop the decode_only entry")
 
     def check_mods(self, top: dict[str, Any]) -> tuple:
         """Every variant names mods that exist, at most one sink, no name clashes between
@@ -583,24 +625,41 @@ def _package(p: _Parser, key: str, node: Node) -> str:
     return name
 
 
-def _head_dims(p: _Parser, key: str, node: Node) -> tuple[tuple[int, int], ...]:
-    """(Q/K dim, V dim) pairs: an entry d is (d, d); {qk: 192, v: 128} gives V (and the
-    output) a head dim of its own (DeepSeek MLA's 192/128)."""
-    def one(key: str, entry: Node) -> int:
+def _head_dims(p: _Parser, key: str, node: Node) -> tuple[tuple[int, int, bool], ...]:
+    """(Q/K dim, V dim, decode only) triples: an entry d is (d, d, False); {qk: 192, v: 128}
+    gives V (and the output) a head dim of its own (DeepSeek MLA's 192/128); with
+    `decode_only: true` the entry builds decode kernels alone, and may then be as wide as
+    DeepSeek's latent cache (576/512), which no forward or backward tile fits."""
+    def one(key: str, entry: Node, top: int = HEAD_DIM_MAX) -> int:
         d = p.integer(key, entry)
-        if not 16 <= d <= 256:
-            raise p.fail(_line(entry), key, f"{d} is outside 16..256")
+        if not 16 <= d <= top:
+            raise p.fail(_line(entry), key, f"{d} is outside 16..{top}")
         if d % 8:
             raise p.fail(_line(entry), key, f"{d} is not a multiple of 8")
         return d
 
-    def head_dim(key: str, entry: Node) -> tuple[int, int]:
+    def head_dim(key: str, entry: Node) -> tuple[int, int, bool]:
         if isinstance(entry, MappingNode):
-            handler = lambda _p, k, n: one(k, n)  # noqa: E731 (schema handlers take the parser)
-            pair = p.mapping(entry, key, {"qk": handler, "v": handler}, ("qk", "v"), key)
-            return pair["qk"], pair["v"]
+            # the dims are range-checked once decode_only is known (it may come last)
+            handler = lambda _p, k, n: one(k, n, DECODE_HEAD_DIM_MAX)  # noqa: E731
+            pair = p.mapping(entry, key, {"qk": handler, "v": handler,
+                                          "decode_only": lambda _p, k, n: p.boolean(k, n)},
+                             ("qk", "v"), key)
+            only = pair.get("decode_only", False)
+            if not only:
+                for key_node, value_node in entry.value:
+                    name = key_node.value
+                    if name in ("qk", "v") and pair[name] > HEAD_DIM_MAX:
+                        raise p.fail(
+                            _line(value_node), f"{key}.{name}",
+                            f"{pair[name]} is outside 16..{HEAD_DIM_MAX}, the widest head dim "
+                            "a forward or backward tile fits",
+                            fix="add decode_only: true to build decode kernels alone at this "
+                                "head dim (e.g. {qk: 576, v: 512, decode_only: true}), or use "
+                                f"head dims up to {HEAD_DIM_MAX}")
+            return pair["qk"], pair["v"], only
         d = one(key, entry)
-        return d, d
+        return d, d, False
     return tuple(sorted(p.items(key, node, head_dim)))
 
 

@@ -73,11 +73,12 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for d, dv in spec.head_dim_pairs
         for dtype in spec.dtypes
     ]
-    # decoding (KV cache, split-KV): forward only, no dropout
+    # decoding (KV cache, split-KV): forward only, no dropout; every head_dims entry,
+    # `decode_only` ones (DeepSeek's 576/512 latent cache) included
     decoding = [
-        Variant("decode", mask, False, d, dtype)
+        Variant("decode", mask, False, d, dtype, (), dv if dv != d else None)
         for mask in spec.masks
-        for d, dv in spec.head_dim_pairs if dv == d  # (decode with V's dim apart: not yet)
+        for d, dv in spec.decode_pairs
         for dtype in spec.dtypes
     ] if spec.decode else []
     # the spec's `variants:` (mods on top of a band mask): forward and backward, and
@@ -91,9 +92,9 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for d, dv in spec.head_dim_pairs
         for dtype in spec.dtypes
     ] + ([
-        Variant("decode", mv.mask, False, d, dtype, mv.mods)
+        Variant("decode", mv.mask, False, d, dtype, mv.mods, dv if dv != d else None)
         for mv in spec.mod_variants if mv.mods != ("sdpa_mask",)
-        for d, dv in spec.head_dim_pairs if dv == d
+        for d, dv in spec.decode_pairs
         for dtype in spec.dtypes
     ] if spec.decode else [])
     out = tuple(training + decoding + modded)

@@ -1,21 +1,27 @@
 """Different head dims for Q/K and for V (DeepSeek MLA's 192/128): a spec entry
-{qk: D, v: DV} builds kernels whose output and V have their own head dim, forward and
-backward, with masks, dropout, GQA and mods; compared with the float64 reference.
+{qk: D, v: DV} builds kernels whose output and V have their own head dim, forward,
+backward and decode (flash_attn_with_kvcache: paged, appended, split, the latent cache's
+v_cache = k_cache[..., :DV] view), with masks, dropout, GQA and mods; compared with the
+float64 reference. The GPU group runs DeepSeek's real 576/512 latent decode.
 
 The test sizes keep the MLA ratio's shape (a Q/K dim that is not a power of two, larger
 than V's) at interpreter scale: {qk: 48, v: 32}, and {qk: 24, v: 40} the other way round."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import GRAD_TOL, OUT_TOL
+from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
 from flashgen.errors import SpecError
+from flashgen.reference import attention_ref, visible_mask
 from flashgen.spec import parse_spec
 from flashgen.variants import variants_for
 from packages import build_and_import
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TILE = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
@@ -119,3 +125,341 @@ def test_spec_pairs_and_names():
     with pytest.raises(SpecError, match=r"p\.yaml:2.*head_dims\.v.*not a multiple of 8"):
         parse_spec("package: p\nhead_dims: [{qk: 192, v: 100}]\ndtypes: [bf16]\n"
                    "masks: [causal]\ngpu: {name: H100, sram_bytes: 232448}\n", "p.yaml")
+
+
+# ---------------------------------------------------------------------------------------
+# decode: flash_attn_with_kvcache with V's head dim apart from Q's and K's
+# ---------------------------------------------------------------------------------------
+# The interpreter-scale stand-ins for DeepSeek's latent decode (576 / 512): 48 / 32 (V
+# narrower, so v_cache can be a view of k_cache's first 32 dims), 24 / 40 (V wider), and a
+# decode_only entry 40 / 24 (decode kernels alone). Small tiles force many key blocks per
+# split, every split several blocks, and the masked / unmasked loop phases all to run.
+DEC_TILE = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+DEC_H_KV = 2
+
+
+@pytest.fixture(scope="module")
+def dec(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("mla_decode"), "fg_test_mla_decode", """
+        head_dims: [{qk: 48, v: 32}, {qk: 24, v: 40}, {qk: 40, v: 24, decode_only: true}]
+        dtypes: [fp32, bf16]
+        masks: [none, causal, sliding_window]
+        window: {left: 20, right: 0}
+        gqa: true
+        decode: true
+        attn_mask: false
+        mods:
+          softcap: {builtin: softcap, params: {cap: 2.0}}
+        variants:
+          - {mask: causal, mods: [softcap]}
+        """)
+
+
+def dec_cache(batch, capacity, d, dv, *, page_size=None, latent=None, dtype=torch.float32,
+              device="cpu", seed=0):
+    """(k_cache, v_cache, block_table). latent "prefix": v_cache = k_cache[..., :dv] (DeepSeek's
+    latent cache, V_IS_K); "offset": k_cache[..., 16:16 + dv], a strided view that is not a
+    prefix (V read on its own). Paged: every element's pages shuffled through the pool, with
+    spare pages no one uses."""
+    g = torch.Generator().manual_seed(seed)
+    if page_size is None:
+        lead = (batch, capacity)
+        table = None
+    else:
+        pages = -(-capacity // page_size)
+        lead = (batch * pages + 3, page_size)
+        table = torch.randperm(lead[0], generator=g)[:batch * pages].view(batch, pages)
+        table = table.to(torch.int32).to(device)
+    k = torch.randn(*lead, DEC_H_KV, d, generator=g).to(dtype).to(device)
+    if latent == "prefix":
+        v = k[..., :dv]
+    elif latent == "offset":
+        v = k[..., 16:16 + dv]
+    else:
+        v = torch.randn(*lead, DEC_H_KV, dv, generator=g).to(dtype).to(device)
+    return k, v, table
+
+
+def dec_reference(q, k_cache, v_cache, table, lengths, *, causal=False, window=(-1, -1),
+                  score=None):
+    """(out (B, N_q, H_q, dv), lse (B, H_q, N_q)) in float64 on the CPU, by definition: the
+    first L cache rows of each element (through the block table one row at a time), query
+    i at position L - N_q + i."""
+    q, k_cache, v_cache = q.cpu(), k_cache.cpu(), v_cache.cpu()
+    table = None if table is None else table.cpu()
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        def rows(cache):
+            if table is None:
+                return cache[b, :n]
+            size = cache.shape[1]
+            picked = [cache[int(table[b, j // size]), j % size] for j in range(n)]
+            return torch.stack(picked) if picked else cache.new_zeros((0,) + cache.shape[2:])
+        k, v = (rows(c)[None].transpose(1, 2) for c in (k_cache, v_cache))
+        vis = visible_mask(q.shape[1], n, causal=causal, window=window, bottom_right=True)
+        o, lse = attention_ref(q[b:b + 1].transpose(1, 2), k, v, vis, score_mod=score)
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def assert_decode_matches(out, lse, ref_out, ref_lse, dtype):
+    assert not torch.isnan(out).any(), "NaN in the output (or an element never written)"
+    assert not torch.isnan(lse).any(), "NaN in the LSE (or an element never written)"
+    atol, rtol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=atol, rtol=rtol)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), seen), "LSE -inf rows differ"
+    assert (out.cpu().transpose(1, 2)[~seen] == 0).all(), "a row that sees no key must be 0"
+    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse[seen], atol=LSE_TOL[0],
+                               rtol=LSE_TOL[1])
+
+
+DEC_CASES = [
+    # (id, d, dv, dtype, page_size, latent, n_q, group, mask, splits)
+    ("48v32-causal", 48, 32, torch.float32, None, None, 1, 4, "causal", 1),
+    ("48v32-bf16-paged16-split3", 48, 32, torch.bfloat16, 16, None, 2, 4, "causal", 3),
+    ("48v32-latent-paged16-split3", 48, 32, torch.bfloat16, 16, "prefix", 1, 4, "causal", 3),
+    ("48v32-latent-contiguous", 48, 32, torch.float32, None, "prefix", 3, 4, "none", 2),
+    ("48v32-offset-view", 48, 32, torch.float32, None, "offset", 1, 1, "causal", 2),
+    ("24v40-window-paged16", 24, 40, torch.float32, 16, None, 1, 4, "window", 2),
+    ("24v40-none-auto-splits", 24, 40, torch.bfloat16, None, None, 1, 2, "none", 0),
+    ("40v24-decode-only", 40, 24, torch.float32, 16, "prefix", 2, 4, "causal", 4),
+]
+
+
+@pytest.mark.parametrize("case", DEC_CASES, ids=[c[0] for c in DEC_CASES])
+def test_decode_matches_reference(dec, device, poison, case):
+    """Ragged lengths 1, 59 and 127 (the whole cache) over a batch of 3, GQA (4:1 and
+    2:1), causal / window / none, one split and several (the in-launch LSE reduction),
+    contiguous and paged (16-row pages, shuffled table), V apart, V as a view of K's first
+    dims (the latent cache: V_IS_K) and as a strided view elsewhere in K."""
+    _, d, dv, dtype, page, latent, n_q, group, mask, splits = case
+    lengths = [1, 59, 127]
+    k_cache, v_cache, table = dec_cache(3, 127, d, dv, page_size=page, latent=latent,
+                                        dtype=dtype, device=device, seed=d + dv)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(3, n_q, DEC_H_KV * group, d, generator=g).to(dtype).to(device)
+    causal = mask == "causal"
+    window = (20, 0) if mask == "window" else (-1, -1)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with dec._runtime.override_config(**DEC_TILE):
+        out, lse = dec.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               block_table=table, causal=causal,
+                                               window_size=window, num_splits=splits,
+                                               return_lse=True)
+    assert out.shape == (3, n_q, DEC_H_KV * group, dv) and out.dtype == dtype
+    assert_decode_matches(out, lse, *dec_reference(q, k_cache, v_cache, table, lengths,
+                                                   causal=causal, window=window), dtype)
+
+
+def test_decode_reads_a_latent_view_once(dec):
+    """v_cache = k_cache[..., :dv] launches the V_IS_K form (no second load of those
+    bytes), a separate v_cache or a view that is not a prefix of K does not; the same
+    shapes and strides with and without the aliasing get plans of their own."""
+    k_cache, _, _ = dec_cache(2, 32, 48, 32)
+    q = torch.zeros(2, 1, 2, 48)
+    other = torch.randn(2, 32, DEC_H_KV, 48)
+
+    def v_is_k(v_cache):
+        with dec._runtime.override_config(**DEC_TILE):
+            plan = dec._decode._make_plan(q, k_cache, v_cache, None, None, 5, None, None,
+                                          True, (-1, -1), 1)
+        return plan.kernel.meta["V_IS_K"]
+
+    assert v_is_k(k_cache[..., :32])
+    assert not v_is_k(k_cache[..., 16:])
+    assert not v_is_k(other[..., :32])  # same shape and strides, another tensor
+    key = dec._decode._plan_key
+    assert (key(q, k_cache, k_cache[..., :32], None, None, 5, None, None, True, (-1, -1), 1)
+            != key(q, k_cache, other[..., :32], None, None, 5, None, None, True, (-1, -1), 1))
+
+
+@pytest.mark.parametrize("page_size,latent", [(None, None), (16, None), (16, "prefix")],
+                         ids=["contiguous", "paged16", "latent-paged16"])
+def test_decode_appends_new_keys_and_values(dec, device, poison, page_size, latent):
+    """New k (d = 48 dims) and v (dv = 32) are written in place at cache_seqlens.. (through
+    the shuffled block table when paged) and attended to; with the latent cache the new
+    values are the new keys' first dims (v = k[..., :dv], a view) and v_cache reads them
+    back out of k_cache."""
+    d, dv, n_new = 48, 32, 2
+    lengths = [0, 57, 125]  # the last one fills the 127-row cache exactly
+    k_cache, v_cache, table = dec_cache(3, 127, d, dv, page_size=page_size, latent=latent,
+                                        device=device, seed=3)
+    g = torch.Generator().manual_seed(4)
+    k_new = torch.randn(3, n_new, DEC_H_KV, d, generator=g).to(device)
+    v_new = (k_new[..., :dv] if latent else
+             torch.randn(3, n_new, DEC_H_KV, dv, generator=g).to(device))
+    q = torch.randn(3, 2, DEC_H_KV * 4, d, generator=g).to(device)
+    k_want = k_cache.clone()
+    v_want = k_want[..., :dv] if latent else v_cache.clone()
+    for b, n in enumerate(lengths):
+        for t in range(n_new):
+            j = n + t
+            page, row = (b, j) if table is None else (int(table[b, j // page_size]), j % page_size)
+            k_want[page, row] = k_new[b, t]
+            v_want[page, row] = v_new[b, t]
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with dec._runtime.override_config(**DEC_TILE):
+        out, lse = dec.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                               cache_seqlens=seqlens, block_table=table,
+                                               causal=True, num_splits=3, return_lse=True)
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want), \
+        "the caches must hold the new rows at cache_seqlens.. and nothing else may change"
+    total = [n + n_new for n in lengths]
+    assert_decode_matches(out, lse, *dec_reference(q, k_want, v_want, table, total,
+                                                   causal=True), torch.float32)
+
+
+@pytest.mark.parametrize("splits", [1, 3], ids=["one-split", "three-splits"])
+def test_decode_softcap_mod(dec, device, poison, splits):
+    """A score mod (softcap, its cap passed at the call) on the latent cache."""
+    lengths = [1, 59, 127]
+    k_cache, v_cache, table = dec_cache(3, 127, 48, 32, page_size=16, latent="prefix",
+                                        device=device, seed=11)
+    q = torch.randn(3, 1, DEC_H_KV * 4, 48, generator=torch.Generator().manual_seed(12))
+    q = q.to(device)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with dec._runtime.override_config(**DEC_TILE):
+        out, lse = dec.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens,
+                                               block_table=table, causal=True,
+                                               num_splits=splits, return_lse=True,
+                                               mods=("softcap",), cap=1.5)
+    ref = dec_reference(q, k_cache, v_cache, table, lengths, causal=True,
+                        score=lambda s: 1.5 * torch.tanh(s / 1.5))
+    assert_decode_matches(out, lse, *ref, torch.float32)
+
+
+def _dec_call(dec, **over):
+    """A valid paged call with new keys at 48 / 32, with some arguments replaced."""
+    k_cache, v_cache, table = dec_cache(2, 64, 48, 32, page_size=16, seed=20)
+    args = dict(q=torch.zeros(2, 1, 8, 48), k_cache=k_cache, v_cache=v_cache,
+                k=torch.zeros(2, 1, DEC_H_KV, 48), v=torch.zeros(2, 1, DEC_H_KV, 32),
+                cache_seqlens=torch.tensor([3, 10], dtype=torch.int32), block_table=table)
+    args.update(over)
+    return dec.flash_attn_with_kvcache(**args)
+
+
+def test_decode_valid_call_runs(dec):
+    with dec._runtime.override_config(**DEC_TILE):
+        assert _dec_call(dec).shape == (2, 1, 8, 32)
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(v_cache=torch.zeros(11, 16, DEC_H_KV, 16)), r"\{qk: 48, v: 16\}.*decode_only"),
+    (dict(v_cache=torch.zeros(11, 8, DEC_H_KV, 32)), "one shape"),
+    (dict(v_cache=torch.zeros(11, 16, 1, 32)), "one shape"),
+    (dict(v=torch.zeros(2, 1, DEC_H_KV, 48)), r"new v has head dim 48 but v_cache has 32.*k\[\.\.\., :32\]"),
+    (dict(k=torch.zeros(2, 1, DEC_H_KV, 32)), "new k must be"),
+    (dict(v=torch.zeros(2, 2, DEC_H_KV, 32)), "k and v must have one shape"),
+    (dict(q=torch.zeros(2, 1, 8, 32)), "q has head dim 32 but the cache has 48"),
+    (dict(v_cache=torch.zeros(11, 16, DEC_H_KV, 32, dtype=torch.bfloat16)), "share a dtype"),
+], ids=["v_dim_not_built", "v_pages", "v_heads", "new_v_dim", "new_k_dim", "new_kv_tokens",
+        "q_dim", "v_dtype"])
+def test_decode_bad_tensors_raise_before_any_write(dec, over, match):
+    k_cache, v_cache, table = dec_cache(2, 64, 48, 32, page_size=16, seed=20)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match=match):
+        _dec_call(dec, k_cache=k_cache, **({"v_cache": v_cache} | over))
+    assert torch.equal(k_cache, before), "a rejected call must not write the cache"
+
+
+def test_decode_only_entry_builds_no_forward(dec):
+    """{qk: 40, v: 24, decode_only: true}: decode kernels, no forward or backward."""
+    names = set(dec._registry.VARIANTS)
+    assert {"decode_causal_d40v24_fp32", "decode_causal_softcap_d40v24_bf16"} <= names
+    assert not any("d40v24" in n for n in names if not n.startswith("decode"))
+    with pytest.raises(ValueError, match=r"\{qk: 40, v: 24\}"):
+        dec.flash_attn_func(torch.zeros(1, 4, 2, 40), torch.zeros(1, 4, 2, 40),
+                            torch.zeros(1, 4, 2, 24))
+    text = dec.describe()
+    assert "decode_causal_d48v32_bf16" in text and "decode_causal_d40v24_fp32" in text
+    assert "decode kernels for (q/k, v) head dims [(24, 40), (40, 24), (48, 32)]" in text
+
+
+def test_decode_only_spec_rules():
+    gpu = "gpu: {name: H100, sram_bytes: 232448}\n"
+    base = "package: p\ndtypes: [bf16]\nmasks: [causal]\n"
+    spec = parse_spec(base + "decode: true\nhead_dims: [{qk: 192, v: 128}, "
+                      "{qk: 576, v: 512, decode_only: true}]\n" + gpu, "p.yaml")
+    assert spec.head_dims == (192,) and spec.head_dim_pairs == ((192, 128),)
+    assert spec.decode_pairs == ((192, 128), (576, 512))
+    names = {v.name for v in variants_for(spec)}
+    assert {"decode_causal_d576v512_bf16", "decode_causal_d192v128_bf16",
+            "fwd_causal_d192v128_bf16"} <= names
+    assert not any("d576" in n for n in names if not n.startswith("decode"))
+    with pytest.raises(SpecError, match=r"head_dims\.qk.*576 is outside 16\.\.256.*decode_only: true"):
+        parse_spec(base + "decode: true\nhead_dims: [{qk: 576, v: 512}]\n" + gpu, "p.yaml")
+    with pytest.raises(SpecError, match=r"decode_only but the spec builds no decode kernels"):
+        parse_spec(base + "head_dims: [{qk: 576, v: 512, decode_only: true}]\n" + gpu, "p.yaml")
+    with pytest.raises(SpecError, match=r"outside 16\.\.576"):
+        parse_spec(base + "decode: true\nhead_dims: [{qk: 584, v: 512, decode_only: true}]\n"
+                   + gpu, "p.yaml")
+
+
+def test_shipped_mla_spec_plans_the_latent_decode():
+    """specs/mla.yaml builds DeepSeek's 576 / 512 decode: its tile fits the H100's shared
+    memory in the planner's model, takes the 4 warps it compiled with without a spill
+    (sm_90 offline: MMA_COLS_PER_WARP), and a query group of 128 heads stays in 16-row
+    blocks (a 32-row tile spilled)."""
+    from flashgen.plan import plan_spec
+    from flashgen.spec import load_spec
+    from generated.mla_attn import _decode, _registry
+
+    spec = load_spec(ROOT / "specs" / "mla.yaml")
+    plans = {v.name: p for v, p in plan_spec(spec).items()}
+    plan = plans["decode_causal_d576v512_bf16"]
+    chosen = next(c for c in plan.candidates if c.config == plan.chosen)
+    assert chosen.smem_bytes <= spec.gpu.sram_bytes == 232448
+    assert (plan.chosen.block_m, plan.chosen.block_n, plan.chosen.num_warps) == (16, 32, 4)
+    cfg = _registry.PLANNED["decode_causal_d576v512_bf16"]
+    assert _decode.stacked_rows(cfg, 128, 576) == 16
+    assert _decode.stacked_rows(_registry.PLANNED["decode_causal_d192v128_bf16"], 8, 192) == 16
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: DeepSeek's real latent decode (run on the H100 with -m gpu)
+# ---------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("latent", [True, False], ids=["latent-view", "separate-v"])
+@pytest.mark.parametrize("paged", [True, False], ids=["paged64", "contiguous"])
+def test_gpu_deepseek_latent_decode_576_512(latent, paged):
+    """generated/mla_attn's decode_causal_d576v512_bf16 on CUDA: 16 query heads on one
+    latent head (MQA), q 576 dims, v_cache = k_cache[..., :512] (or a cache of its own),
+    ragged lengths up to 4096 with one appended token, paged (64-row pages, shuffled) or
+    not, split-KV chosen by the heuristic, the LSE returned; against float64."""
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    import generated.mla_attn as mla
+
+    d, dv, h_q, n_new, batch, cap = 576, 512, 16, 1, 4, 4096
+    lengths = [0, 1, 1000, cap - n_new]
+    g = torch.Generator().manual_seed(0)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    if paged:
+        page = 64
+        pages = cap // page
+        k_cache = torch.randn(batch * pages + 5, page, 1, d, generator=g).to(**bf)
+        table = torch.randperm(batch * pages + 5, generator=g)[:batch * pages]
+        table = table.view(batch, pages).to(torch.int32).cuda()
+    else:
+        k_cache = torch.randn(batch, cap, 1, d, generator=g).to(**bf)
+        table = None
+    v_cache = (k_cache[..., :dv] if latent else
+               torch.randn(*k_cache.shape[:3], dv, generator=g).to(**bf))
+    k_new = torch.randn(batch, n_new, 1, d, generator=g).to(**bf)
+    v_new = k_new[..., :dv] if latent else torch.randn(batch, n_new, 1, dv, generator=g).to(**bf)
+    q = torch.randn(batch, 1, h_q, d, generator=g).to(**bf)
+    scale = 1.0 / math.sqrt(192)  # DeepSeek scales by the unabsorbed q/k head dim
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    with torch.inference_mode():
+        out, lse = mla.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new,
+                                               cache_seqlens=seqlens, block_table=table,
+                                               softmax_scale=scale, causal=True,
+                                               return_lse=True)
+    torch.cuda.synchronize()
+    assert out.shape == (batch, 1, h_q, dv)
+    total = [n + n_new for n in lengths]
+    ref_out, ref_lse = dec_reference(q, k_cache, v_cache, table, total, causal=True,
+                                     score=lambda s: s * (scale * math.sqrt(d)))
+    assert_decode_matches(out, lse, ref_out, ref_lse, torch.bfloat16)

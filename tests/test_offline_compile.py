@@ -64,3 +64,33 @@ def test_kernels_fit_the_budget_offline_without_spills(tmp_path, spec, arch):
               for r in rows if (r["spill_stores"] or r["spill_loads"]) and not r["may_spill"]]
     assert not spills, (f"register spills on sm_{arch} (the planner's register model for it "
                         "is off; see docs/OTHER_GPUS.md): " + "; ".join(spills))
+
+
+@pytest.mark.slow
+def test_mla_latent_decode_fits_sm90_without_spills(tmp_path):
+    """specs/mla.yaml's decode kernels -- DeepSeek's 576 / 512 latent decode among them --
+    compiled for sm_90 at the planner's tiles, in the serving form (paged, split with the
+    in-launch reduction, LSE stored), with V read on its own and as K's view (V_IS_K): the
+    compiler's shared memory within the spec's budget and no register spill (the 576 / 512
+    tile compiled to 255 registers and 89088 / 56320 B, Triton 3.6)."""
+    path = ROOT / "specs" / "mla.yaml"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    out = tmp_path / "resources.json"
+    names = ["decode_causal_d576v512_bf16", "decode_causal_d192v128_bf16"]
+    res = subprocess.run([sys.executable, "-m", "flashgen.offline", str(path), "--arch", "90",
+                          "--variants", *names, "--json", str(out)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    forms = sorted((r["variant"], r["function"], "V_IS_K" in r["config"]) for r in rows)
+    assert forms == sorted((n, f, vk) for n in names
+                           for f, vk in (("kernel", False), ("kernel", True), ("append", False)))
+    assert all(r["registers"] > 0 for r in rows), "ptxas reported no register count"
+    latent = [r for r in rows if r["variant"] == names[0] and r["function"] == "kernel"]
+    assert {r["config"].split()[0] for r in latent} == {"16x32w4s2"}
+    problems = [f"{r['variant']}.{r['function']} {r['config']}: {r['shared']} B, "
+                f"{r['spill_stores']} / {r['spill_loads']} B spilled" for r in rows
+                if r["shared"] > r["budget"] or r["spill_stores"] or r["spill_loads"]]
+    assert not problems, "; ".join(problems)

@@ -104,6 +104,28 @@ def num_splits_heuristic(programs: int, n_blocks: int, sm_count: int) -> int:
     return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
+# The stacked query tile stays within this many elements (64 rows at d = 128, the most it
+# held before wider heads): the decode tile's warps split the columns of its products, so
+# every warp holds the whole BLOCK_M x d query operand in registers.
+MAX_STACKED_Q = 64 * 128
+
+
+def stacked_rows(cfg: dict, rows: int, dim: int) -> int:
+    """BLOCK_M of a launch: the config's, grown by doubling towards the stacked rows (KV_GROUP
+    x N_q, at most MAX_BLOCK_M) while the query tile stays within MAX_STACKED_Q elements and
+    the planner's register estimate within its cap (`dim`: the larger of Q's and V's head
+    dims). At d <= 128 that is always up to 64 rows; at DeepSeek's latent dims (576 / 512)
+    it stays at the planned 16: a 32-row tile spilled 1.1 KB a thread (sm_90, offline), so
+    a group of 32 heads or more takes several row blocks."""
+    block_m, want = cfg["block_m"], min(_next_pow2(rows), MAX_BLOCK_M)
+    padded = _planner.padded_head_dim(dim)
+    while (block_m < want and 2 * block_m * padded <= MAX_STACKED_Q
+           and _planner.regs_estimate("decode", 2 * block_m, cfg["block_n"], padded,
+                                      cfg["num_warps"]) <= _planner.MAX_ACC_REGS):
+        block_m *= 2
+    return block_m
+
+
 # ----------------------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------------------
@@ -137,14 +159,14 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
             "q, k_cache, v_cache (and k, v) must share a dtype, got "
             + ", ".join(f"{n} {t.dtype}" for n, t in named))
     _runtime.check_dtype_built(q.dtype)
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {_shape(k_cache)} "
-                         f"and {_shape(v_cache)}")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise ValueError(f"k_cache and v_cache must have one shape (but for the head dim), got "
+                         f"{_shape(k_cache)} and {_shape(v_cache)}")
     batch, n_q, h_q, d = q.shape
-    h_kv, d_cache = k_cache.shape[2], k_cache.shape[3]
+    h_kv, d_cache, dv = k_cache.shape[2], k_cache.shape[3], v_cache.shape[3]
     if d_cache != d:
         raise ValueError(f"q has head dim {d} but the cache has {d_cache}")
-    _runtime.check_head_dim_built(d)
+    check_head_dims_built(d, dv)
     _runtime.check_heads(h_q, h_kv)
     _runtime.check_unit_stride(named)
 
@@ -176,11 +198,16 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
 
     n_new = 0
     if k is not None:
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have one shape, got {_shape(k)} and {_shape(v)}")
+        if k.shape[:3] != v.shape[:3]:
+            raise ValueError(f"k and v must have one shape (but for the head dim), got "
+                             f"{_shape(k)} and {_shape(v)}")
         if k.shape[0] != batch or k.shape[2] != h_kv or k.shape[3] != d:
-            raise ValueError(f"new k, v must be (batch={batch}, N_new, H_kv={h_kv}, d={d}), got "
-                             f"{_shape(k)}")
+            raise ValueError(f"new k must be (batch={batch}, N_new, H_kv={h_kv}, d={d}), like "
+                             f"k_cache's rows, got {_shape(k)}")
+        if v.shape[3] != dv:
+            raise ValueError(f"new v has head dim {v.shape[3]} but v_cache has {dv}: pass v "
+                             f"(batch, N_new, H_kv, {dv})"
+                             + (f", e.g. k[..., :{dv}] for a latent cache" if dv < d else ""))
         n_new = k.shape[1]
 
     if isinstance(cache_seqlens, torch.Tensor):
@@ -207,6 +234,22 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
         raise ValueError(f"num_splits must be an int >= 0 (0 = choose automatically), got "
                          f"{num_splits!r}")
     return paged, page_size, capacity, n_new
+
+
+def check_head_dims_built(d: int, dv: int) -> None:
+    """A decode kernel exists for Q/K head dim d and V head dim dv (its `head_dims` entry,
+    a `decode_only` one included)."""
+    pairs = BUILT_FOR.get("decode_head_dim_pairs")
+    if pairs is None:  # the decode pairs are the training ones
+        _runtime.check_head_dim_built(d, dv)
+        return
+    pairs = [tuple(p) for p in pairs]
+    if (d, dv) not in pairs:
+        raise ValueError(
+            f"q/k_cache have head dim {d} and v_cache {dv}: {PACKAGE} was built with decode "
+            f"kernels for (q/k, v) head dims {pairs}; add " + "{qk: %d, v: %d}" % (d, dv)
+            + f" to `head_dims` in {BUILT_FOR['spec']} (with decode_only: true for decode "
+            "kernels alone) and rebuild")
 
 
 def _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
@@ -295,6 +338,8 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
         v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device,
         None if k is None else (k.shape, k.stride(), k.dtype, k.device),
         None if v is None else (v.shape, v.stride(), v.dtype, v.device),
+        # V read out of K's memory (V_IS_K) or not: the same shapes and strides may be either
+        k_cache.data_ptr() == v_cache.data_ptr(),
         lens,
         None if block_table is None else (block_table.shape, block_table.stride(),
                                           block_table.dtype, block_table.device),
@@ -318,11 +363,17 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     window = _runtime.check_window(window_size)
     causal = bool(causal)
     batch, n_q, h_q, d = q.shape
-    h_kv = k_cache.shape[2]
+    h_kv, dv = k_cache.shape[2], v_cache.shape[3]
     num_blocks = k_cache.shape[0] if paged else 1
     scale = _runtime.softmax_scale(softmax_scale, d)
     mask, _, _ = _runtime.band(n_q, n_q, causal, window, True)
-    name = _runtime.find_variant("decode", mask, False, d, _runtime._DTYPE_NAMES[q.dtype], mods)
+    name = _runtime.find_variant("decode", mask, False, d, _runtime._DTYPE_NAMES[q.dtype], mods,
+                                 dv)
+    # V_IS_K: v_cache is a view of k_cache's first dv columns (DeepSeek's latent cache:
+    # v_cache = k_cache[..., :dv]), so the kernel takes each value block out of the key
+    # block it has loaded instead of reading those bytes again
+    v_is_k = (v_cache.data_ptr() == k_cache.data_ptr() and dv <= d
+              and v_cache.stride()[:3] == k_cache.stride()[:3])
     per_row = isinstance(cache_seqlens, torch.Tensor)
 
     plan = _Plan()
@@ -331,7 +382,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     plan.device_values = per_row or paged
     plan.on_cpu = q.device.type == "cpu"
     plan.empty = batch * n_q * h_q == 0
-    plan.out_shape, plan.lse_shape = q.shape, (batch, h_q, n_q)
+    plan.out_shape, plan.lse_shape = (batch, n_q, h_q, dv), (batch, h_q, n_q)
     plan.dtype, plan.device = q.dtype, q.device
 
     # ---- the append: one program per (batch element, new token), all KV heads at once
@@ -347,13 +398,13 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         plan.append = _runtime.Launcher(
             _runtime.kernel(name, "append"), append_grid,
             dict(PAGED=paged, PER_ROW_LENS=per_row, BLOCK_H=_next_pow2(h_kv),
-                 BLOCK_D=_next_pow2(d)))
+                 BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv)))
 
     # ---- launch config and the split factor, from the capacity
     cfg = _runtime.launch_config(name, q.device, max(capacity, 1))
     group = h_q // h_kv
     block_n = cfg["block_n"]
-    block_m = max(cfg["block_m"], min(_next_pow2(group * n_q), MAX_BLOCK_M))
+    block_m = stacked_rows(cfg, group * n_q, max(d, dv))
     row_blocks = _cdiv(group * n_q, block_m)
     left, right = window
     keys = capacity if left < 0 else min(capacity, left + n_q + max(right, 0))
@@ -378,8 +429,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         splits = max(splits, num_splits_heuristic(programs, n_blocks, sms))
     plan.split = splits > 1
     rows = batch * h_q * n_q
-    plan.ws_numel = rows * splits * (d + 1)  # partial outputs, then their LSEs
-    lp_off = rows * splits * d
+    plan.ws_numel = rows * splits * (dv + 1)  # partial outputs, then their LSEs
+    lp_off = rows * splits * dv
 
     # band extents relative to a query's cache position; an unbounded side gets a
     # sentinel larger than any distance in the cache
@@ -387,7 +438,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     win_right = 0 if causal else (right if right >= 0 else unbounded)
     win_left = left if left >= 0 else unbounded
 
-    out_strides = (h_q * d * n_q, h_q * d, d)  # out is allocated contiguous like q's shape
+    out_strides = (h_q * dv * n_q, h_q * dv, dv)  # out is allocated contiguous, (B, N_q, H_q, dv)
     grid = (batch * h_kv, row_blocks, splits)
     plan.strides = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -401,7 +452,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     # (a paged cache of capacity 0 has an empty table: nothing to read, take the plain path)
     paged_reads = paged and capacity > 0
     kw = dict(PAGED=paged_reads, PAGE_BLOCKS=paged_reads and page_size % block_n == 0,
-              PER_ROW_LENS=per_row, SPLIT=plan.split, BLOCK_M=block_m, BLOCK_N=block_n,
+              PER_ROW_LENS=per_row, SPLIT=plan.split, V_IS_K=v_is_k, BLOCK_M=block_m,
+              BLOCK_N=block_n,
               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # one launcher per value of STORE_LSE (return_lse) -- each is its own compiled kernel
     fn = _runtime.kernel(name)
@@ -438,15 +490,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_with_kvcache (decoding with a KV cache).
 
-    q (B, N_q, H_q, d); k_cache, v_cache (B, N_cache, H_kv, d), or with `block_table`
-    (B, max_pages) int32 a paged cache (num_blocks, page_size, H_kv, d). cache_seqlens
-    (int32 (B,) tensor or int; None = the cache is full) counts the tokens already cached.
-    New k, v (B, N_new, H_kv, d) are written into the cache in place at positions
-    cache_seqlens .. cache_seqlens + N_new - 1 and attended to. Query i sits at cache
-    position L - N_q + i (L = cache_seqlens + N_new): `causal` and `window_size=(left,
-    right)` are relative to it. num_splits = 0 picks the split-KV factor; 1 means no split.
-    Returns out (B, N_q, H_q, d), and with return_lse also lse (B, H_q, N_q) fp32 (natural
-    log, -inf for a row that sees no key).
+    q (B, N_q, H_q, d); k_cache (B, N_cache, H_kv, d) and v_cache (B, N_cache, H_kv, dv),
+    or with `block_table` (B, max_pages) int32 a paged cache (num_blocks, page_size, H_kv,
+    d / dv). dv is d, or V's own head dim where the spec has a {qk: d, v: dv} entry (MLA;
+    DeepSeek's latent cache passes v_cache = k_cache[..., :dv], a view the kernel reads
+    once). cache_seqlens (int32 (B,) tensor or int; None = the cache is full) counts the
+    tokens already cached. New k (B, N_new, H_kv, d) and v (B, N_new, H_kv, dv) are written
+    into the caches in place at positions cache_seqlens .. cache_seqlens + N_new - 1 (k
+    first, then v: where v_cache is a view of k_cache, v's columns are what it holds) and
+    attended to. Query i sits at cache position L - N_q + i (L = cache_seqlens + N_new):
+    `causal` and `window_size=(left, right)` are relative to it. num_splits = 0 picks the
+    split-KV factor; 1 means no split. Returns out (B, N_q, H_q, dv), and with return_lse
+    also lse (B, H_q, N_q) fp32 (natural log, -inf for a row that sees no key).
 
     No device->host sync: cache_seqlens and block-table values are checked on the host
     only when that is free or FLASHGEN_CHECK_VALUES=1 asks for it; otherwise the kernels

@@ -22,6 +22,11 @@ def describe() -> str:
         f"{PACKAGE}: built by flashgen from {BUILT_FOR['spec']} (sha {BUILT_FOR['sha']})",
         f"  head dims {list(BUILT_FOR['head_dims'])}, dtypes {list(BUILT_FOR['dtypes'])}, "
         f"masks {list(BUILT_FOR['masks'])}, dropout {BUILT_FOR['dropout']}, gqa {BUILT_FOR['gqa']}",
+        *([f"  (q/k, v) head dims {[tuple(p) for p in BUILT_FOR['head_dim_pairs']]}"]
+          if BUILT_FOR.get("head_dim_pairs") else []),
+        *([f"  decode kernels for (q/k, v) head dims "
+           f"{[tuple(p) for p in BUILT_FOR['decode_head_dim_pairs']]}"]
+          if BUILT_FOR.get("decode_head_dim_pairs") else []),
         f"  target GPU {TARGET_GPU['name']} ({TARGET_GPU['sram_bytes']} B shared memory per block"
         f"{', ' + TARGET_GPU['arch'] if TARGET_GPU.get('arch') else ''}), "
         f"length buckets {list(BUCKETS)}",

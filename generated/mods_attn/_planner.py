@@ -96,6 +96,14 @@ MMA_SYNC_MAX_HEAD_DIM = 128  # the widest (padded) head dim that cap was measure
 FP32_FWD_MAX_REGS = 260
 REG_OVERHEAD = 4          # loop counters, scale, row bases... (most addressing is in uniform regs)
 ROWS_PER_WARP = 16        # an MMA tile has 16 rows: fewer rows per warp leaves warps idle
+# decode's 16 query rows are one MMA tile (mma.sync m16n8k16: its BLOCK_M < 64 takes no
+# wgmma, on Hopper either), so its warps split the columns of each product -- the score
+# tile's block_n keys, and V's head dim -- 8 columns an MMA. DeepSeek's latent decode
+# (d 576 / v 512) needs 4 warps at a 32-key block: its 16 x 576 Q operand sits in every
+# warp's registers (144 a thread) beside the 16 x 512 fp32 output, which at 2 warps
+# spilled 1.7 KB a thread and at 4 compiled to 255 registers without a spill (sm_90,
+# Triton 3.6 offline; docs/MODS.md)
+MMA_COLS_PER_WARP = 8
 MAX_TARGET_TILE = 128     # cap on the FA-1-derived target tile, see _targets()
 
 # Score weights (cost: lower is better).  One unit = one "octave" (factor 2) or one stage.
@@ -261,7 +269,8 @@ def regs_estimate(kind, block_m, block_n, head_dim_padded, num_warps) -> int:
 
 def _warp_dim(kind: str) -> str:
     # The tile dimension the warps split: query rows in fwd; the resident K/V rows in bwd; the K/V
-    # block in decode (its query side is a single 16-row MMA tile, too small to split).
+    # block's columns of the score tile in decode (its query side is a single 16-row MMA tile,
+    # too small to split; MMA_COLS_PER_WARP).
     return "block_m" if kind == "fwd" else "block_n"
 
 
@@ -336,9 +345,15 @@ def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: i
     # K and V tiles are in registers too, past d = 64 (16 rows per warp would hold d
     # accumulator registers a thread, over the cap with the score tiles from d = 80 on).
     warps_across_d = 2 if kind == "bwd" and (d > 128 or (in_regs and d > 64)) else 1
-    need = ROWS_PER_WARP * cfg.num_warps // warps_across_d
-    if getattr(cfg, dim) < need:
-        reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
+    if kind == "decode":
+        need = MMA_COLS_PER_WARP * cfg.num_warps
+        if getattr(cfg, dim) < need:
+            reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} "
+                           f"({MMA_COLS_PER_WARP} key columns per warp)")
+    else:
+        need = ROWS_PER_WARP * cfg.num_warps // warps_across_d
+        if getattr(cfg, dim) < need:
+            reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
     cap = max_acc_regs(arch, d)
     if regs > cap:
         where = f" on {arch_name(arch)}" if in_regs else ""
