@@ -502,18 +502,54 @@ class _ModAttention(torch.autograd.Function):
         return (dq, dk, dv, None, None, *tgrads)
 
 
+def _want_grads(call, wanted: dict, device) -> None:
+    """Set up the backward's mod-tensor gradients: a zeroed [B, H_q, N_q, N_k] fp32 buffer
+    per wanted tensor read once per score element (the dK/dV kernel stores its gradient
+    exactly when it is wanted: GRAD_<NAME>, part of the launch signature)."""
+    batch, h_q, n_q, n_k = call.shape
+    call.grad_buffers = {
+        n: torch.zeros((batch, h_q, n_q, n_k), device=device, dtype=torch.float32)
+        for n in call.info["grads"] if wanted[n]}
+    call.grad_flags = {f"GRAD_{n.upper()}": n in call.grad_buffers for n in call.info["grads"]}
+    call.signature = call.signature[:2] + (tuple(call.grad_flags.values()),)
+
+
+def _tensor_grads(call, tensors, wanted: dict, lse, delta, rows_of=None) -> list:
+    """The mod tensors' gradients after the kernels ran (None where not wanted or none):
+    the buffers of _want_grads reduced to each tensor's shape, and a sink's through
+    autograd on its expression, d sink[b, h] = -sum_i exp(sink - LSE_i) * D_i over b's rows.
+    lse, delta: (B, H_q, N_q); or, with rows_of (a packed batch: the sequence of each of
+    its rows), (H_q, total_q)."""
+    names = list(call.tensors)
+    grads = {n: _reduce_grad(buf, call.tensors[n], call.info["grad_index"][n])
+             for n, buf in call.grad_buffers.items()}
+    call.grad_buffers = None
+    sink_wanted = [n for n in call.info["sink_tensors"] if wanted[n]]
+    if sink_wanted and delta is not None:
+        with torch.enable_grad():
+            leaves = {n: t.detach().requires_grad_(n in sink_wanted)
+                      for n, t in zip(names, tensors)}
+            sink = _sink_values(call, leaves)  # [B, H_q]
+            finite = torch.isfinite(lse)
+            if rows_of is None:
+                p_sink = torch.where(finite, torch.exp(sink[..., None] - lse), 0.0)
+                dsink = -(p_sink * delta).sum(-1)
+            else:
+                p_sink = torch.where(finite, torch.exp(sink.t()[:, rows_of] - lse), 0.0)
+                dsink = torch.zeros(sink.shape, device=lse.device, dtype=torch.float32).index_add(
+                    0, rows_of, -(p_sink * delta).t())
+            got = torch.autograd.grad(sink, [leaves[n] for n in sink_wanted], dsink,
+                                      allow_unused=True)
+        for n, g in zip(sink_wanted, got):
+            grads[n] = torch.zeros_like(leaves[n]) if g is None else g
+    return [grads.get(n) for n in names]
+
+
 def _backward(call, tensors, wanted, dout, q, k, v, out, lse, rng, args):
     """(dq, dk, dv, [gradient or None per mod tensor]) of a call with mods."""
     bnhd, mask, lo, hi, scale, dropout_p = args[:6]
-    names = list(call.tensors)
-    wanted = dict(zip(names, wanted))
-    batch, h_q, n_q, n_k = call.shape
-    call.grad_buffers = {
-        n: torch.zeros((batch, h_q, n_q, n_k), device=q.device, dtype=torch.float32)
-        for n in call.info["grads"] if wanted[n]}
-    # the dK/dV kernel stores a tensor's gradient exactly when it is wanted (GRAD_<NAME>)
-    call.grad_flags = {f"GRAD_{n.upper()}": n in call.grad_buffers for n in call.info["grads"]}
-    call.signature = call.signature[:2] + (tuple(call.grad_flags.values()),)
+    wanted = dict(zip(call.tensors, wanted))
+    _want_grads(call, wanted, q.device)
     view = (lambda t: t.transpose(1, 2)) if bnhd else (lambda t: t)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
@@ -521,24 +557,7 @@ def _backward(call, tensors, wanted, dout, q, k, v, out, lse, rng, args):
     delta = _runtime.backward(view(dout), view(q), view(k), view(v), view(out), lse,
                               view(dq), view(dk), view(dv), mask=mask, lo=lo, hi=hi,
                               scale=scale, dropout_p=dropout_p, rng=rng, mods=call)
-    grads = {}
-    for n, buf in call.grad_buffers.items():
-        grads[n] = _reduce_grad(buf, call.tensors[n], call.info["grad_index"][n])
-    call.grad_buffers = None
-    sink_wanted = [n for n in call.info["sink_tensors"] if wanted[n]]
-    if sink_wanted and delta is not None:
-        with torch.enable_grad():
-            leaves = {n: t.detach().requires_grad_(n in sink_wanted)
-                      for n, t in zip(names, tensors)}
-            sink = _sink_values(call, leaves)
-            finite = torch.isfinite(lse)
-            p_sink = torch.where(finite, torch.exp(sink[..., None] - lse), 0.0)
-            dsink = -(p_sink * delta).sum(-1)
-            got = torch.autograd.grad(sink, [leaves[n] for n in sink_wanted], dsink,
-                                      allow_unused=True)
-        for n, g in zip(sink_wanted, got):
-            grads[n] = torch.zeros_like(leaves[n]) if g is None else g
-    return dq, dk, dv, [grads.get(n) for n in names]
+    return dq, dk, dv, _tensor_grads(call, tensors, wanted, lse, delta)
 
 
 def attention(q, k, v, mods, mod_kwargs, *, bnhd, mask, lo, hi, scale, dropout_p):
@@ -608,41 +627,22 @@ def _varlen_backward(call, tensors, wanted, dout, q, k, v, out, lse, rng, args):
     (batch, H_q, max_seqlen_q, max_seqlen_k) call the tensors were validated for -- and the
     sink's summed over each sequence's rows."""
     cu_q, cu_k, max_q, max_k, mask, lo, hi, scale, dropout_p = args
-    names = list(call.tensors)
-    wanted = dict(zip(names, wanted))
+    wanted = dict(zip(call.tensors, wanted))
     call = call.packed(cu_q, cu_k, q.shape[0], k.shape[0])
-    batch, h_q, n_q, n_k = call.shape
-    call.grad_buffers = {
-        n: torch.zeros((batch, h_q, n_q, n_k), device=q.device, dtype=torch.float32)
-        for n in call.info["grads"] if wanted[n]}
-    call.grad_flags = {f"GRAD_{n.upper()}": n in call.grad_buffers for n in call.info["grads"]}
-    call.signature = call.signature[:2] + (tuple(call.grad_flags.values()),)
+    _want_grads(call, wanted, q.device)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     delta = _runtime.backward_varlen(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q,
                                      max_k, mask=mask, lo=lo, hi=hi, scale=scale,
                                      dropout_p=dropout_p, rng=rng, mods=call)
-    grads = {n: _reduce_grad(buf, call.tensors[n], call.info["grad_index"][n])
-             for n, buf in call.grad_buffers.items()}
-    sink_wanted = [n for n in call.info["sink_tensors"] if wanted[n]]
-    if sink_wanted and delta is not None:
+    rows_of = None
+    if call.info["sink_tensors"]:
         # each packed row's sequence: the one whose span [cu[i], cu[i + 1]) holds it
         rows = torch.arange(q.shape[0], device=q.device)
-        seq = torch.searchsorted(cu_q[1:].to(torch.int64), rows, right=True).clamp(max=batch - 1)
-        with torch.enable_grad():
-            leaves = {n: t.detach().requires_grad_(n in sink_wanted)
-                      for n, t in zip(names, tensors)}
-            sink = _sink_values(call, leaves)  # [B, H_q]
-            finite = torch.isfinite(lse)  # (H_q, total_q)
-            p_sink = torch.where(finite, torch.exp(sink.t()[:, seq] - lse), 0.0)
-            dsink = torch.zeros((batch, h_q), device=q.device, dtype=torch.float32).index_add(
-                0, seq, -(p_sink * delta).t())
-            got = torch.autograd.grad(sink, [leaves[n] for n in sink_wanted], dsink,
-                                      allow_unused=True)
-        for n, g in zip(sink_wanted, got):
-            grads[n] = torch.zeros_like(leaves[n]) if g is None else g
-    return dq, dk, dv, [grads.get(n) for n in names]
+        rows_of = torch.searchsorted(cu_q[1:].to(torch.int64), rows, right=True).clamp(
+            max=call.shape[0] - 1)
+    return dq, dk, dv, _tensor_grads(call, tensors, wanted, lse, delta, rows_of)
 
 
 def varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, mods, mod_kwargs, *, mask, lo, hi,
