@@ -46,10 +46,12 @@ def cu(lengths, device="cpu"):
 # ----------------------------------------------------------------------------------------
 # The reference: float64, one sequence at a time, each mod written out
 # ----------------------------------------------------------------------------------------
-def reference(q, k, v, lq, lk, *, causal=False, score=None, mask=None, sink=None):
+def reference(q, k, v, lq, lk, *, causal=False, score=None, mask=None, sink=None, keep=None,
+              drop_scale=1.0):
     """Packed q (total_q, H, d), k/v (total_k, Hkv, d) float64 leaves -> out (total_q, H,
     d), lse (H, total_q). score(s, b, h, i, j) / mask(b, h, i, j) see b = the sequence;
-    sink: [H] logits (sink_logits'). A row that sees nothing gives 0 and LSE -inf."""
+    sink: [H] logits (sink_logits'); keep: the (batch, H, max_q, max_k) dropout keep mask,
+    kept weights times drop_scale. A row that sees nothing gives 0 and LSE -inf."""
     cq, ck = cu(lq), cu(lk)
     outs, lses = [], []
     for seq, (n_q, n_k) in enumerate(zip(lq, lk)):
@@ -76,6 +78,8 @@ def reference(q, k, v, lq, lk, *, causal=False, score=None, mask=None, sink=None
         p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None])
         if sink is not None:
             p = p[..., :-1]
+        if keep is not None:
+            p = p * keep[seq, :, :n_q, :n_k].double() * drop_scale
         outs.append((p @ vs).transpose(0, 1))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses, 1)
@@ -216,6 +220,57 @@ def test_bias_gradient(pkg, device, poison):
     for seq, (n_q, n_k) in enumerate(zip(LQ, LK)):
         assert bias.grad[seq, :, n_q:].abs().sum() == 0
         assert bias.grad[seq, :, :, n_k:].abs().sum() == 0
+
+
+def test_dropout_with_mods(tmp_path, device, poison):
+    """Dropout beside a mask and a score mod on a packed batch: the keep mask is the dense
+    (batch, H, max_q, max_k) call's cut to each sequence, as without mods, forward and
+    gradients; and an empty batch returns empty results."""
+    pkg = build_and_import(tmp_path, "varlen_mods_drop_t", """
+        head_dims: [32]
+        dtypes: [fp32]
+        masks: [causal]
+        dropout: true
+        gqa: true
+        mods:
+          softcap: {builtin: softcap}
+          document: {builtin: document}
+        variants:
+          - {mask: causal, mods: [document, softcap]}
+        """)
+    lq, lk, p = [21, 3, 0, 18], [21, 40, 2, 9], 0.25
+    doc = documents(len(lq), 40, device, seed=6)
+    d_ids = doc.cpu().long()
+    q, k, v = packed(lq, lk, 2, 1, torch.float32, device)
+    torch.manual_seed(7)
+    with pkg._runtime.override_config(**TILE):
+        out = pkg.flash_attn_varlen_func(q, k, v, cu(lq, device), cu(lk, device), max(lq),
+                                         max(lk), dropout_p=p, causal=True,
+                                         mods=("document", "softcap"), doc=doc, cap=2.0)
+        dout = torch.randn_like(out)
+        out.backward(dout)
+    torch.manual_seed(7)
+    keep = pkg.dropout_mask(len(lq), 2, max(lq), max(lk), p, device=device).cpu()
+    assert 0 < keep.float().mean() < 1
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*leaves, lq, lk, causal=True, keep=keep, drop_scale=pkg.dropout_scale(p),
+                       score=lambda s, b, h, i, j: 2.0 * torch.tanh(s / 2.0),
+                       mask=lambda b, h, i, j: d_ids[b, i] == d_ids[b, j])
+    want = torch.autograd.grad(ref, leaves, dout.detach().cpu().double())
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.detach().cpu().double(), ref.detach(),
+                               atol=OUT_TOL[torch.float32][0], rtol=OUT_TOL[torch.float32][1])
+    for got, exp, name in zip((q.grad, k.grad, v.grad), want, ("dq", "dk", "dv")):
+        torch.testing.assert_close(got.cpu().double(), exp, atol=GRAD_TOL[torch.float32][0],
+                                   rtol=GRAD_TOL[torch.float32][1], msg=name)
+    # no sequences at all: nothing launches, nothing is read
+    empty = torch.zeros(0, 2, 32, device=device)
+    none = torch.zeros(1, dtype=torch.int32, device=device)
+    out, lse = pkg.flash_attn_varlen_func(empty, empty[:, :1], empty[:, :1], none, none, 0, 0,
+                                          causal=True, mods=("document", "softcap"),
+                                          doc=torch.zeros(0, 1, dtype=torch.int32, device=device),
+                                          return_lse=True)
+    assert out.shape == (0, 2, 32) and lse.shape == (2, 0)
 
 
 def test_qkvpacked_with_mods(pkg, device):
