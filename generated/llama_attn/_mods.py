@@ -55,14 +55,18 @@ class Call:
                  "block_sparse", "grad_flags", "grad_buffers", "shape", "device", "mask_key",
                  "mask_refs", "varlen")
 
+    def _copy(self) -> "Call":
+        c = Call()
+        for name in Call.__slots__:
+            setattr(c, name, getattr(self, name))
+        return c
+
     def piece(self, n_q: int, n_k: int, q_pos: int, kv_pos: int) -> "Call":
         """This call on the piece of the score matrix of n_q rows from global row q_pos and
         n_k columns from global column kv_pos (a context-parallel shard's kernel call): the
         mods see global q_idx / kv_idx; the block lists are the piece's own. The tensors
         were validated for the whole sequence by `prepare`."""
-        c = Call()
-        for name in Call.__slots__:
-            setattr(c, name, getattr(self, name))
+        c = self._copy()
         c.shape = self.shape[:2] + (n_q, n_k)
         c.pos = (int(q_pos), int(kv_pos))
         c.args = c.mod_args + c.pos
@@ -86,9 +90,7 @@ class Call:
         the sequence and q_idx / kv_idx in-sequence positions. The block lists are then one
         per sequence at its own lengths and band, so they are cached by the cu_seqlens
         tensors too (their objects and versions, as the mask's tensors)."""
-        c = Call()
-        for name in Call.__slots__:
-            setattr(c, name, getattr(self, name))
+        c = self._copy()
         c.varlen = (cu_q, cu_k, int(total_q), int(total_k))
         if self.block_sparse and self.mask_key is not None:
             try:

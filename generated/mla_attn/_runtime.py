@@ -1297,7 +1297,7 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tu
 # What packed batches still run on `tl` only, whatever the dense call would take: dropout
 # (the Gluon varlen forward with Philox spilled; the Gluon dropout backward is written and
 # launched for dense batches only, and must draw the mask the `tl` varlen forward drew).
-# Mods run `tl` too (VARLEN_MODS_REASON).
+# A mask mod runs `tl` too (VARLEN_MODS_REASON, below).
 VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spills with "
                        "Philox and the Gluon dropout backward serves dense batches only; "
                        "`tl` serves it")
@@ -1316,17 +1316,6 @@ VARLEN_GLUON_MODS = True
 VARLEN_MODS_REASON = ("a mask mod in a packed batch: the `tl` varlen kernels walk its block "
                       "lists per sequence (the Gluon varlen walk reads none)")
 
-
-def _varlen_mods_reason(mods) -> "str | None":
-    """Why a packed batch with these mods (a _mods.Call or None) stays on `tl`."""
-    if mods is None:
-        return None
-    if mods.block_sparse:
-        return VARLEN_MODS_REASON
-    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
-    if not VARLEN_GLUON_MODS and not asked:
-        return "VARLEN_GLUON_MODS = False: the Gluon varlen kernels take mods when asked for"
-    return None
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
 # bench put the busiest program at 1.09x the mean with 8 rounds, 1.03x with every head in
@@ -1513,15 +1502,28 @@ def _varlen_config(name, device, max_q, max_k):
     return PLANNED[name]
 
 
+def _varlen_mods_reason(mods) -> "str | None":
+    """Why a packed batch with these mods (a _mods.Call or None) stays on `tl`."""
+    if mods is None:
+        return None
+    if mods.block_sparse:
+        return VARLEN_MODS_REASON
+    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if not VARLEN_GLUON_MODS and not asked:
+        return "VARLEN_GLUON_MODS = False: the Gluon varlen kernels take mods when asked for"
+    return None
+
+
 def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str | None":
     """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
     (None when it does): the dense rules (a Gluon config, the variant, the device, not too
-    small), TMA-readable packed tensors, some keys, no mods (VARLEN_MODS_REASON) and
+    small), TMA-readable packed tensors, some keys, no mask mod (_varlen_mods_reason) and
     VARLEN_GLUON_FORWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
-    if _varlen_mods_reason(mods) is not None:
-        return _varlen_mods_reason(mods)
+    reason = _varlen_mods_reason(mods)
+    if reason is not None:
+        return reason
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_FORWARD and not asked:
         return "VARLEN_GLUON_FORWARD = False: the Gluon varlen forward runs when asked for"
@@ -1556,7 +1558,7 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     names = mods.names if mods is not None else ()
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
-    if (gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods) is None):
+    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods) is None:
         return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
                 None)
     cfg = _varlen_config(name, q.device, max_q, max_k)
@@ -1723,12 +1725,13 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
     """Why a varlen backward of `name` at config `cfg` (the dense call's, launch_config) does
     not take the Gluon backward (None when it does): the dense rules (a Gluon config, the
     variant, the device, determinism, not too small), no dropout (VARLEN_GLUON_REASON), no
-    mods (VARLEN_MODS_REASON), TMA-readable packed tensors, some keys, and
+    mask mod (_varlen_mods_reason), TMA-readable packed tensors, some keys, and
     VARLEN_GLUON_BACKWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
-    if _varlen_mods_reason(mods) is not None:
-        return _varlen_mods_reason(mods)
+    reason = _varlen_mods_reason(mods)
+    if reason is not None:
+        return reason
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_BACKWARD and not asked:
         return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
