@@ -19,6 +19,7 @@ import torch
 
 from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
 from packages import build_and_import
+from test_gluon import needs_gluon_triton
 
 ROOT = Path(__file__).resolve().parent.parent
 TILE = dict(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -518,15 +519,7 @@ print(json.dumps([r.__dict__ for r in res]))
 """
 
 
-def _gluon_compiles():
-    import triton
-
-    from flashgen import families
-    return families.triton_ok(triton.__version__)
-
-
-@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton "
-                    "3.6 (CI pins it); another Triton runs the `tl` kernels only")
+@needs_gluon_triton
 def test_gluon_varlen_kernels_with_score_and_sink_mods_compile_for_sm90():
     """The packed (VARLEN) forms of the shipped Gluon kernels with a score mod and with a
     sink compile for sm_90 beside their dense forms, with the same wgmma products, register
