@@ -49,6 +49,7 @@ and go to the kernels through strides, never copied; GQA is native):
 Padding stays in the batch (the padded positions' rows are computed and ignored).
 """
 
+import functools
 import warnings
 
 import torch
@@ -101,6 +102,7 @@ def _mod(builtin: str):
     return None
 
 
+@functools.lru_cache(maxsize=None)  # VARIANTS and MODS are fixed when the package is built
 def _combo(band: str, builtins: tuple):
     """The mods (spec order) of a variant with this band mask whose mods are exactly these
     built-ins, or None."""
@@ -273,11 +275,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     n_q, n_k = query.shape[2], key.shape[2]
     left = sliding_window - 1 if sliding_window else None
     bounds = _packed_bounds(query, key, kwargs)
-    if bounds is not None and _varlen_mods(bool(causal), left, softcap) is not None and (
+    packed_mods = _varlen_mods(bool(causal), left, softcap) if bounds is not None else None
+    if packed_mods is not None and (
             attention_mask is None or _plain_packing(attention_mask, bool(causal), left,
                                                      kwargs.get("position_ids"))):
         return _varlen(query, key, value, bounds, float(dropout or 0.0), scaling, bool(causal),
-                       left, softcap), None
+                       left, packed_mods, softcap), None
     if attention_mask is None:
         # as transformers' SDPA path, which is causal only with more than one query: one
         # query under the bottom-right causal band sees every key too. A causal prefill
@@ -293,13 +296,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     dropout = float(dropout or 0.0)
     if layout.bias is not None:
         return _generic(query, key, value, layout.bias, dropout, scaling, softcap), None
-    if layout.doc is not None and layout.keep is None and \
-            _varlen_mods(layout.causal, layout.left, softcap) is not None:
+    packed_mods = (_varlen_mods(layout.causal, layout.left, softcap)
+                   if layout.doc is not None and layout.keep is None else None)
+    if packed_mods is not None:
         # packed sequences from position_ids, no padding: the varlen kernels on the rows
         # flattened (views), the boundaries read off the documents once per forward
         bounds = _cached(attention_mask, "bounds", lambda: _doc_bounds(layout.doc))
         return _varlen(query, key, value, bounds, dropout, scaling, layout.causal,
-                       layout.left, softcap), None
+                       layout.left, packed_mods, softcap), None
 
     builtins = (("softcap",) if softcap else ()) + \
         (("key_padding",) if layout.keep is not None else ()) + \
@@ -410,17 +414,16 @@ def _varlen_mods(causal, left, softcap):
     return _combo(band, ("softcap",))
 
 
-def _varlen(query, key, value, bounds, dropout, scaling, causal, left, softcap=None):
+def _varlen(query, key, value, bounds, dropout, scaling, causal, left, mods=(), softcap=None):
     """Packed rows through flash_attn_varlen_func: (B, H, N, d) views in, flattened to
     (B * N, H, d) (views: transformers' tensors are (B, N, H, d) memory), and the
-    (B, N, H_q, d) output transformers expects out; soft-capping as the spec's softcap mod
-    (_varlen_mods)."""
+    (B, N, H_q, d) output transformers expects out; `mods` (_varlen_mods): the spec's
+    softcap mod, with `softcap` its cap, or ()."""
     cu_q, cu_k, max_q, max_k = bounds
     batch, n = query.shape[0], query.shape[2]
     q, k, v = (t.transpose(1, 2).reshape(batch * n, t.shape[1], t.shape[3])
                for t in (query, key, value))
     window = (left, 0) if left is not None else (-1, -1)
-    mods = _varlen_mods(causal, left, softcap)
     extra = {"mods": mods, "cap": float(softcap)} if mods else {}
     out = _api.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout, scaling,
                                       causal, window, **extra)
