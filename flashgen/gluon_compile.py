@@ -143,6 +143,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
                                                                      gl.float32),
                      HOST_DESC=True, VARLEN=varlen)
+        if varlen and "PROG_ORDER" in fn.arg_names:  # a packed batch's walk is its own
+            const["PROG_ORDER"] = None
         if "PHILOX_SPLIT" in fn.arg_names:  # a dropout variant
             const["PHILOX_SPLIT"] = bool(config.get("philox_split", families.GLUON_BWD_PHILOX_SPLIT))
         # what the runtime launches: TMA descriptors made on the host (VARLEN: LSE and D
@@ -261,8 +263,7 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
                     varlen: bool = False) -> list[GluonResources]:
     """Compile every Gluon kernel of a generated package (at each of `configs`, default
     each variant's own untuned Gluon default, families.variant_gluon_default); with varlen,
-    the packed-batch (VARLEN) form of each kernel without a mask mod as well (packed
-    batches with a mask mod run `tl`: the runtime's VARLEN_MODS_REASON)."""
+    the packed-batch (VARLEN) form of each kernel as well."""
     package_dir = Path(package_dir).resolve()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
@@ -278,8 +279,7 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
         for config in configs or own:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
-            combo = registry.MOD_COMBOS.get("+".join(facts.get("mods") or ()), {})
-            for packed in (False, True) if varlen and not combo.get("block_sparse") else (False,):
+            for packed in (False, True) if varlen else (False,):
                 res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
                                       mod_arg_types(registry, name)[0], varlen=packed)
                 if log:
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                                  description=__doc__.splitlines()[0])
     ap.add_argument("spec", help="a spec file; its package is built into a temp folder")
     ap.add_argument("--no-varlen", action="store_true",
-                    help="the dense kernels only (by default each kernel without mods is "
+                    help="the dense kernels only (by default each kernel is "
                          "compiled in its packed-batch form too, a `varlen` row)")
     args = ap.parse_args(argv)
     from .build import build

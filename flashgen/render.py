@@ -216,11 +216,15 @@ def mod_context(spec: Spec, variant: Variant) -> dict:
     # the `tl` kernels': the lists, then their extents (NQB, NKB: a packed batch's lists
     # are laid out at its longest sequence's block counts, not at the sequence's own)
     sparse_args = lists + ["BM_NQB", "BM_NKB"] if block_sparse else []
-    # the Gluon forward's: one list per query block in walk order (_mods._block_lists, merged)
-    gl_sparse_args = ["FULL_CNT", "PART_CNT", "BLOCK_IDX", "BM_SB", "BM_SH"] if block_sparse else []
-    # the Gluon backward's: the transposed lists, then the order its programs take the key
-    # blocks in (_mods._program_order: the longest lists first, head-major among equals)
-    gl_bwd_sparse_args = lists + ["PROG_ORDER"] if block_sparse else []
+    # the Gluon forward's: one list per query block in walk order (_mods._block_lists,
+    # merged), then the lists' row width (BM_NKB: a packed batch's rows are its longest
+    # sequence's key blocks wide, where the kernel only knows the total)
+    gl_sparse_args = (["FULL_CNT", "PART_CNT", "BLOCK_IDX", "BM_SB", "BM_SH", "BM_NKB"]
+                      if block_sparse else [])
+    # the Gluon backward's: the transposed lists, the order its programs take the key
+    # blocks in (_mods._program_order: the longest lists first, head-major among equals;
+    # None for a packed batch, whose walk is the kernel's own), then the rows' width
+    gl_bwd_sparse_args = lists + ["PROG_ORDER", "BM_NQB"] if block_sparse else []
     # integers that change per call: not specialised on (a new length reuses the binary)
     ints = sizes + pos_args + [f"P_{p}" for m in ms for p, v in m.params if isinstance(v, int)] + \
         grad_strides + (["BM_SB", "BM_SH"] if block_sparse else [])

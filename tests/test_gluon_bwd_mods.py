@@ -92,7 +92,7 @@ def test_rendered_mods(pkg):
     # a mask mod: the lists, walked by the producer and the consumers, the mask in partial
     # blocks only
     doc = _kernel_text(pkg, "bwd_causal_document_d128_bf16")
-    assert doc.count("_listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M)") == 2
+    assert doc.count("_listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M, VARLEN)") == 2
     assert "if i >= n_full:" in doc and "T_doc" in doc
     assert "= _query_range(" not in doc
     # the plain kernel of the same package takes none of it

@@ -405,26 +405,42 @@ GPU_LK = [127, 3, 1, 300, 100, 300, 1000, 64]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
-    # (mods, causal, Hq, Hkv, d, dtype, family the forward and backward must run)
-    (("softcap",), True, 8, 2, 128, torch.bfloat16, "gluon"),
-    (("alibi",), True, 4, 4, 64, torch.float16, "gluon"),
-    (("sink_logits",), True, 4, 1, 128, torch.bfloat16, "gluon"),
-    (("document", "softcap"), True, 8, 2, 128, torch.bfloat16, "tl"),
-    (("prefix_lm",), False, 4, 4, 64, torch.bfloat16, "tl"),
+    # (mods, causal, Hq, Hkv, d, dtype, families the forward / backward must run on Hopper)
+    (("softcap",), True, 8, 2, 128, torch.bfloat16, "gluon gluon"),
+    (("alibi",), True, 4, 4, 64, torch.float16, "gluon gluon"),
+    (("sink_logits",), True, 4, 1, 128, torch.bfloat16, "gluon gluon"),
+    (("document", "softcap"), True, 8, 2, 128, torch.bfloat16, "gluon gluon"),
+    (("document",), True, 4, 4, 64, torch.float16, "gluon gluon"),
+    (("prefix_lm",), False, 4, 4, 64, torch.bfloat16, "gluon gluon"),
+    (("prefix_lm",), False, 8, 1, 128, torch.bfloat16, "gluon gluon"),
+    (("window_sinks",), False, 4, 2, 128, torch.bfloat16, "gluon gluon"),
+    (("softcap", "key_padding"), True, 4, 4, 128, torch.bfloat16, "gluon gluon"),
+    # the bias gradient (sdpa_mask is `tl`-only: its bias is staged through shared memory)
+    (("softcap", "sdpa_mask"), False, 4, 4, 64, torch.bfloat16, "tl tl"),
+    # the mask mods' `tl` path, VARLEN_GLUON_MASK_MODS off
+    (("document", "softcap"), True, 8, 2, 128, torch.bfloat16, "tl tl"),
 ], ids=["softcap-gqa4-d128", "alibi-d64-fp16", "sink-logits-gqa4", "document-softcap",
-        "prefix-lm-d64"])
-def test_varlen_mods_on_the_gpu(full_pkg, poison, case):
+        "document-d64-fp16", "prefix-lm-d64", "prefix-lm-mqa-d128", "window-sinks-gqa2",
+        "softcap-key-padding", "bias-gradient", "document-softcap-tl"])
+def test_varlen_mods_on_the_gpu(full_pkg, poison, case, monkeypatch):
     """Packed batches with mods at the kernels' real sizes against float64, forward, LSE
-    and gradients (the sink's too): on Hopper the Gluon varlen kernels serve score and sink
-    mods (VARLEN_GLUON_MODS) and `tl` the mask mods (VARLEN_MODS_REASON)."""
+    and gradients (the sink's and the bias's too): on Hopper the Gluon varlen kernels serve
+    score, sink and mask mods (VARLEN_GLUON_MODS, VARLEN_GLUON_MASK_MODS: a mask mod's
+    block lists per sequence); sdpa_mask's bias and its gradient run `tl`."""
     if not torch.cuda.is_available():
         pytest.fail("-m gpu tests need a CUDA device")
     pkg, rt = full_pkg, full_pkg._runtime
-    mods, causal, h, h_kv, d, dtype, family = case
+    mods, causal, h, h_kv, d, dtype, families = case
+    fwd_family, bwd_family = families.split()
+    forced = {"family": "gluon"}
+    if fwd_family == bwd_family == "tl":
+        monkeypatch.setattr(rt, "VARLEN_GLUON_MASK_MODS", False)
+        forced = {}
     hopper = torch.cuda.get_device_capability() == (9, 0)
     g = torch.Generator().manual_seed(3)
     lq, lk = GPU_LQ, GPU_LK if not mods[0] in ("document", "prefix_lm") else GPU_LQ
     kw, score, mask, sink, grads = {}, None, None, None, ()
+    bias = None
     if "softcap" in mods:
         kw["cap"] = 5.0
         score = lambda s, b, h_, i, j: 5.0 * torch.tanh(s / 5.0)  # noqa: E731
@@ -444,12 +460,26 @@ def test_varlen_mods_on_the_gpu(full_pkg, poison, case):
         prefix = torch.randint(0, 300, (len(lq),), generator=g, dtype=torch.int32)
         kw["prefix_len"] = prefix.cuda()
         mask = lambda b, h_, i, j: (j < prefix.long()[b]) | (j <= i)  # noqa: E731
+    if "window_sinks" in mods:
+        kw.update(sinks=4, window=100)
+        mask = lambda b, h_, i, j: (j <= i) & ((j < 4) | (i - j <= 100))  # noqa: E731
+    if "key_padding" in mods:
+        keep = torch.rand(len(lk), max(lk), generator=g) > 0.3
+        keep[0, :] = False  # a sequence whose rows see no key: 0 and LSE -inf
+        kw["keep"] = keep.cuda()
+        mask = lambda b, h_, i, j: keep[b, j]  # noqa: E731
+    if "sdpa_mask" in mods:
+        bias = torch.randn(len(lq), 1, max(lq), max(lk), generator=g)
+        kw["bias"] = bias.cuda().requires_grad_()
+        grads = ("bias",)
+        cap_score = score
+        score = lambda s, b, h_, i, j, bias: cap_score(s, b, h_, i, j) + bias[b, 0, i, j]  # noqa: E731
     make = lambda n, heads: torch.randn(n, heads, d, generator=g).to("cuda", dtype).requires_grad_()  # noqa: E731
     q, k, v = make(sum(lq), h), make(sum(lk), h_kv), make(sum(lk), h_kv)
     rt._forward_plans.clear()
     rt._backward_plans.clear()
     # (family asked for: a call this small would take `tl` for the Gluon kernels' fixed cost)
-    with rt.override_config(family="gluon"):
+    with rt.override_config(**forced):
         out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, "cuda"), cu(lk, "cuda"), max(lq),
                                               max(lk), causal=causal, mods=mods,
                                               return_lse=True, **kw)
@@ -459,11 +489,13 @@ def test_varlen_mods_on_the_gpu(full_pkg, poison, case):
         (fplan,) = [p for p in rt._forward_plans.values() if p[0] is not None]
         (bplan,) = [p for p in rt._backward_plans.values() if p is not None]
     if hopper:
-        assert (fplan[2] == rt._GLUON) == (family == "gluon")
-        assert (bplan[-1] == rt._GLUON) == (family == "gluon")
+        assert (fplan[2] == rt._GLUON) == (fwd_family == "gluon")
+        assert (bplan[-1] == rt._GLUON) == (bwd_family == "gluon")
     extra = [kw[t] for t in grads]
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, *extra)]
     sink_ref = leaves[3] if sink else None
+    if bias is not None:
+        score = (lambda f, bias_: lambda *a: f(*a, bias=bias_))(score, leaves[3])
     ref, ref_lse = reference(*leaves[:3], lq, lk, causal=causal, score=score, mask=mask,
                              sink=sink_ref)
     want = torch.autograd.grad(ref, leaves, dout.detach().cpu().double())
@@ -476,15 +508,16 @@ def test_varlen_mods_on_the_gpu(full_pkg, poison, case):
                                rtol=1e-4)
     gatol, grtol = GRAD_TOL[dtype]
     for got, exp, name in zip((q.grad, k.grad, v.grad, *(t.grad for t in extra)), want,
-                              ("dq", "dk", "dv", "dsinks")):
+                              ("dq", "dk", "dv", *(f"d{t}" for t in grads))):
         assert got is not None and not torch.isnan(got).any(), name
         torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol, msg=name)
 
 
 def test_which_family_a_packed_call_with_mods_takes(full_pkg, monkeypatch):
     """The reasons behind the family choice (no GPU needed: the device checks patched to an
-    H100's): score and sink mods may take the Gluon varlen kernels, unless
-    VARLEN_GLUON_MODS is off and the family not asked for; a mask mod always runs `tl`."""
+    H100's): score, sink and mask mods may take the Gluon varlen kernels, unless
+    VARLEN_GLUON_MODS (VARLEN_GLUON_MASK_MODS for a mask mod) is off and the family not
+    asked for; a bias that wants its gradient takes the `tl` backward."""
     rt, mods = full_pkg._runtime, full_pkg._mods
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
     q = torch.randn(4096, 16, 128, dtype=torch.bfloat16)
@@ -498,9 +531,26 @@ def test_which_family_a_packed_call_with_mods_takes(full_pkg, monkeypatch):
     fwd, bwd = rt.gluon_varlen_reason, rt.gluon_varlen_backward_reason
     assert fwd("fwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048, "causal", softcap) is None
     assert bwd("bwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048, "causal", softcap) is None
+    assert fwd("fwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal", document) is None
+    assert bwd("bwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal", document) is None
+    monkeypatch.setattr(rt, "VARLEN_GLUON_MASK_MODS", False)
     for why in (fwd("fwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal", document),
                 bwd("bwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal", document)):
         assert why == rt.VARLEN_MODS_REASON
+    with rt.override_config(family="gluon"):
+        assert fwd("fwd_causal_document_d128_bf16", cfg, q, q, q, q, 2048, "causal",
+                   document) is None
+    # a mod tensor whose gradient the dK/dV kernel writes takes the `tl` backward, as a dense
+    # call does (no shipped Gluon kernel has one yet: sdpa_mask's bias is `tl`-only, so its
+    # registry entry is patched to pass the variant check; validated at a small shape, the
+    # reasons read the packed tensors', not the mods')
+    monkeypatch.setitem(rt.GLUON, "bwd_softcap_sdpa_mask_d128_bf16", None)
+    bias = mods.prepare(("softcap", "sdpa_mask"), {"cap": 5.0, "bias": torch.zeros(2, 1, 64, 64)},
+                        2, 16, 64, 64, torch.device("cpu"))
+    assert bwd("bwd_softcap_sdpa_mask_d128_bf16", cfg, q, q, q, q, 2048, "none", bias) is None
+    mods._want_grads(bias, {"bias": True}, torch.device("cpu"))
+    assert "gradient of mod tensor(s) bias" in bwd("bwd_softcap_sdpa_mask_d128_bf16", cfg, q, q,
+                                                   q, q, 2048, "none", bias)
     monkeypatch.setattr(rt, "VARLEN_GLUON_MODS", False)
     assert "VARLEN_GLUON_MODS" in fwd("fwd_causal_softcap_d128_bf16", cfg, q, q, q, q, 2048,
                                       "causal", softcap)
@@ -520,20 +570,22 @@ print(json.dumps([r.__dict__ for r in res]))
 
 
 @needs_gluon_triton
-def test_gluon_varlen_kernels_with_score_and_sink_mods_compile_for_sm90():
-    """The packed (VARLEN) forms of the shipped Gluon kernels with a score mod and with a
-    sink compile for sm_90 beside their dense forms, with the same wgmma products, register
-    split and shared memory; the forward's key loops keep no spill. Measured when written
-    (d=128 bf16, stack bytes / key-loop LDL+STL, dense -> packed): forward softcap 104 / 0
-    -> 112 / 0, sink_logits 136 / 0 -> 112 / 0; backward softcap 184 / 80 -> 232 / 113 (the
-    dense softcap backward already spills in its loop: docs/PERF_NOTES.md)."""
+def test_gluon_varlen_kernels_with_mods_compile_for_sm90():
+    """The packed (VARLEN) forms of the shipped Gluon kernels with a score mod, a sink and
+    a mask mod (block lists per sequence) compile for sm_90 beside their dense forms, with
+    the same wgmma products, register split and shared memory; the forward's key loops
+    keep no spill. Measured when written (d=128 bf16, stack bytes / key-loop LDL+STL, dense
+    -> packed): forward softcap 104 / 0 -> 112 / 0, sink_logits 136 / 0 -> 112 / 0, document
+    8 / 0 -> 56 / 0; backward softcap 184 / 80 -> 232 / 113 (the dense softcap backward
+    already spills in its loop: docs/PERF_NOTES.md), document 96 / 6 -> 152 / 20."""
     import json
     import os
     import subprocess
     import sys
 
     names = ["fwd_causal_softcap_d128_bf16", "fwd_causal_sink_logits_d128_bf16",
-             "bwd_causal_softcap_d128_bf16", "bwd_causal_sink_logits_d128_bf16"]
+             "bwd_causal_softcap_d128_bf16", "bwd_causal_sink_logits_d128_bf16",
+             "fwd_causal_document_d128_bf16", "bwd_causal_document_d128_bf16"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE, str(ROOT / "generated" / "mods_attn"),
                           ",".join(names)], capture_output=True, text=True, env=env,

@@ -102,13 +102,18 @@ class Call:
             c.mask_refs = self.mask_refs + (weakref.ref(cu_q), weakref.ref(cu_k))
         return c
 
+    def extents(self, block_m, block_n) -> tuple:
+        """(NQB, NKB): the query and key blocks the block lists of a block_m x block_n tile
+        are laid out at (BM_NQB, BM_NKB; in a packed batch the longest sequence's, where a
+        sequence's own lengths give no row width)."""
+        _, _, n_q, n_k = self.shape
+        return _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n)
+
     def tl_sparse(self, variant, block_m, block_n, transpose, lo, hi) -> tuple:
         """The `tl` kernels' block-mask arguments: the lists (_block_lists), then their
-        extents NQB and NKB (BM_NQB, BM_NKB: at the longest sequence's lengths in a packed
-        batch, where a sequence's own lengths give no row width)."""
-        _, _, n_q, n_k = self.shape
-        return _block_lists(self, variant, block_m, block_n, transpose, lo, hi) + (
-            _runtime.triton_cdiv(n_q, block_m), _runtime.triton_cdiv(n_k, block_n))
+        extents (BM_NQB, BM_NKB)."""
+        return (_block_lists(self, variant, block_m, block_n, transpose, lo, hi)
+                + self.extents(block_m, block_n))
 
     def sparse(self, variant, block_m, block_n, transpose, lo, hi, merged=False,
                order_heads=None) -> tuple:

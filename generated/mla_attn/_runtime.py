@@ -890,6 +890,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
                                     args[_arg_slot(launch, "HEAD_GROUP", "CU_Q")])
             slot = _arg_slot(launch, "TILE_ORDER", "CU_Q")
             args = (*args[:slot], table, *args[slot + 1:])
+        if sparse:  # the lists' row width (BM_NKB)
+            lists = (*lists, mods.extents(*sparse[1:3])[1])
         launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
                *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
@@ -1042,7 +1044,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         # carries them
         dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
              *(mods.args if mods is not None else drop_pos),
-             *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1]) if tiles else ()))
+             *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1])
+               + mods.extents(*tiles[1:3])[:1] if tiles else ()))
         if dq_accum is None:
             dq.copy_(dq_acc)
         return delta[..., :n_q]
@@ -1297,7 +1300,6 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tu
 # What packed batches still run on `tl` only, whatever the dense call would take: dropout
 # (the Gluon varlen forward with Philox spilled; the Gluon dropout backward is written and
 # launched for dense batches only, and must draw the mask the `tl` varlen forward drew).
-# A mask mod runs `tl` too (VARLEN_MODS_REASON, below).
 VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spills with "
                        "Philox and the Gluon dropout backward serves dense batches only; "
                        "`tl` serves it")
@@ -1308,13 +1310,16 @@ VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spil
 # of it runs `tl`.
 VARLEN_GLUON_FORWARD = True
 VARLEN_GLUON_BACKWARD = True
-# Packed batches with score and sink mods take the Gluon varlen kernels where the dense
-# call would (VARLEN_GLUON_MODS; False: `tl` unless the family is asked for); with a mask
-# mod they run the `tl` kernels (VARLEN with the mods rendered in, block lists per
-# sequence): the Gluon varlen walk reads no block lists.
+# Packed batches with mods take the Gluon varlen kernels where the dense call would
+# (VARLEN_GLUON_MODS; False: `tl` unless the family is asked for). A mask mod's block lists
+# are made per sequence at the Gluon tile (Call.packed): the varlen walk keeps its own tile
+# order (longest sequences first) and reads each tile's list by (sequence, in-sequence
+# block); VARLEN_GLUON_MASK_MODS = False sends packed batches with a mask mod to the `tl`
+# kernels (VARLEN with the mods rendered in) unless the family is asked for.
 VARLEN_GLUON_MODS = True
-VARLEN_MODS_REASON = ("a mask mod in a packed batch: the `tl` varlen kernels walk its block "
-                      "lists per sequence (the Gluon varlen walk reads none)")
+VARLEN_GLUON_MASK_MODS = True
+VARLEN_MODS_REASON = ("VARLEN_GLUON_MASK_MODS = False: a packed batch with a mask mod runs "
+                      "the `tl` varlen kernels unless the Gluon family is asked for")
 
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
@@ -1472,8 +1477,11 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
                                    launch.meta["BLOCK_M"])
         slot = _arg_slot(launch, "TILE_ORDER", "stride_qb")
         args = (*args[:slot], table, *args[slot + 1:])
+        lists = ()
+        if sparse:  # the merged lists per sequence and their row width (BM_NKB)
+            lists = (*mods.sparse(*sparse, lo, hi, merged=True), mods.extents(*sparse[1:3])[1])
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop),
-               *(mods.args if mods is not None else drop_pos))
+               *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *mods.args,
                *(mods.tl_sparse(*sparse, lo, hi) if sparse else ()))
@@ -1506,9 +1514,9 @@ def _varlen_mods_reason(mods) -> "str | None":
     """Why a packed batch with these mods (a _mods.Call or None) stays on `tl`."""
     if mods is None:
         return None
-    if mods.block_sparse:
-        return VARLEN_MODS_REASON
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    if mods.block_sparse and not VARLEN_GLUON_MASK_MODS and not asked:
+        return VARLEN_MODS_REASON
     if not VARLEN_GLUON_MODS and not asked:
         return "VARLEN_GLUON_MODS = False: the Gluon varlen kernels take mods when asked for"
     return None
@@ -1559,8 +1567,11 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods) is None:
+        # a mask mod's block lists at the Gluon tile, one per sequence (Call.packed)
+        sparse = ((name, cfg["block_m"], cfg["block_n"], False)
+                  if mods is not None and mods.block_sparse else None)
         return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
-                None)
+                sparse)
     cfg = _varlen_config(name, q.device, max_q, max_k)
     grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
     # batch strides 0: the kernels move each program to its sequence's first row
@@ -1703,8 +1714,12 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         else:
             _descriptor_allocator()
             q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
+        # a mask mod's lists per sequence, transposed; no PROG_ORDER (the walk is the
+        # kernel's own, _varlen_block); the rows' width (BM_NQB)
+        lists = ((*mods.sparse(*tiles, lo, hi), None, mods.extents(*tiles[1:3])[0])
+                 if tiles else ())
         dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args,
-             *(mods.args if mods is not None else ()))
+             *(mods.args if mods is not None else ()), *lists)
         dq.copy_(dq_acc)
         return delta
     pre(o, do, delta, *pre_args, q.shape[0], None, 0, 0, 0)
@@ -1742,6 +1757,9 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
         return reason
     if torch.are_deterministic_algorithms_enabled():
         return "torch.use_deterministic_algorithms(True): the `tl` backward is reproducible"
+    if mods is not None and mods.grad_buffers:
+        return (f"the gradient of mod tensor(s) {', '.join(sorted(mods.grad_buffers))}: the "
+                "`tl` backward writes it")
     total_q, h_q, d = q.shape
     if k.shape[0] == 0 or max_k == 0:
         return "no keys: every gradient is 0"
@@ -1775,7 +1793,11 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
         # (the plan's dq_args field holds the descriptors' boxes: there is no dQ launch)
         launch, args, boxes = _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv,
                                                           batch, max_k, lo, hi, scale)
-        return pre, pre_args, launch, args, None, boxes, None, _GLUON
+        tiles = None
+        if mods is not None and mods.block_sparse:  # the lists per key block of a sequence
+            tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
+                                  v.shape[-1]), cfg["block_m"], cfg["block_n"], True)
+        return pre, pre_args, launch, args, None, boxes, tiles, _GLUON
     cfg = _varlen_config(name, q.device, max_q, max_k)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     group = h_q // h_kv

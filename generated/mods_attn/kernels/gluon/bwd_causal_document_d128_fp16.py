@@ -287,11 +287,18 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M: gl.constexpr):
+def _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M: gl.constexpr,
+                  VARLEN: gl.constexpr):
     """The first query row of step i through this key block's lists (the block mask
     transposed, one row per key block of a mask group: its full query blocks, then its
-    partial ones)."""
-    base = bm_row * gl.cdiv(N_Q, BLOCK_M)
+    partial ones, in a row cdiv(N_Q, BLOCK_M) entries wide; VARLEN: in-sequence blocks, the
+    rows BM_NQB wide, the longest sequence's query blocks). (A dense kernel computes the
+    width: taking BM_NQB there moved ptxas's register allocation, d=128 document 96 -> 120
+    stack bytes, sm_90 offline.)"""
+    if VARLEN:
+        base = bm_row * BM_NQB
+    else:
+        base = bm_row * gl.cdiv(N_Q, BLOCK_M)
     if i < n_full:
         m = gl.load(FULL_IDX + base + i)
     else:
@@ -305,7 +312,7 @@ def _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M: gl.conste
 @gluon.jit
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
               v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
-              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, CU_Q, CU_K,
+              N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, CU_Q, CU_K,
               SEQS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
               VARLEN: gl.constexpr):
     seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
@@ -333,10 +340,14 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
         bm_row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_N + n_start // BLOCK_N
         n_full = gl.load(FULL_CNT + bm_row)
         for i in range(0, n_full + gl.load(PART_CNT + bm_row)):
-            m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M)
+            m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M, VARLEN)
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
             if VARLEN:
+                # the mask's per-query loads (as in the dense branch below), in-sequence rows
+                # of sequence b, as the mods see them
+                pq_idx = m0 + Q_POS + mq_rows  # [BLOCK_M]
+                mqv0 = (gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(pq_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)).to(gl.int32)
                 # LSE and D by plain loads into the slot (a sequence starts at any row, a TMA
                 # box only on a 16-byte boundary), issued before the waits so that their
                 # latency hides behind them; rows past the sequence read 0, which the
@@ -347,6 +358,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 delta = gl.load(desc_delta + at, mask=rows_ok, other=0.0)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
                 lse_smem.index(s).store(lse)
+                MQ_SMEM0.index(s).store(mqv0)
                 gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m0, 0], q_full.index(s),
@@ -387,7 +399,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
 def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
               desc_dq, desc_dk, desc_dv, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
               stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-              SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, SEQS,
+              SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, SEQS,
               CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, VARLEN: gl.constexpr):
     # wgmma accumulators of one warpgroup: S^T and dP^T are [SPLIT_N, BLOCK_M]; dK, dV are
@@ -432,7 +444,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
         bm_row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_N + n_start // BLOCK_N
         n_full = gl.load(FULL_CNT + bm_row)
         for i in range(0, n_full + gl.load(PART_CNT + bm_row)):
-            m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BLOCK_M)
+            m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M, VARLEN)
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
             mbarrier.wait(q_full.index(s), ph)
@@ -549,7 +561,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_N", "VEC_ROW", "HEAD_GROUP", "T_doc_S0", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                              "NUM_N", "VEC_ROW", "HEAD_GROUP", "BM_NQB", "T_doc_S0", "T_doc_D0", "T_doc_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def bwd_causal_document_d128_fp16_kernel(
     # pointers, or with HOST_DESC the host's TMA descriptors over them
     Q, K, V, DO,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
@@ -589,8 +601,9 @@ def bwd_causal_document_d128_fp16_kernel(
     # the block mask, transposed: per (mask group, key block) its full and partial query
     # blocks; BM_SB / BM_SH step between the groups of batches / heads (0: shared);
     # PROG_ORDER: int32 [BATCH * H_KV * NUM_N], the (b * H_KV + kv_h) * NUM_N + key block
-    # that program i runs
-    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER,
+    # that program i runs (VARLEN: None, the walk is _varlen_block's); BM_NQB: the query
+    # blocks of a row (cdiv(N_Q, BLOCK_M); VARLEN: the longest sequence's, b the sequence)
+    FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB,
     BLOCK_M: gl.constexpr,  # query rows per step
     BLOCK_N: gl.constexpr,  # NUM_CONSUMERS * SPLIT_N key rows per program
     NUM_BUFFERS: gl.constexpr,  # Q/dO ring depth
@@ -691,16 +704,16 @@ def bwd_causal_document_d128_fp16_kernel(
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
                      desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 0, BLOCK_M,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, seqs, 0, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
                      desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, 1, BLOCK_M,
+                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, seqs, 1, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
-                     NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, CU_Q, CU_K, seqs, BLOCK_M,
+                     NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, Q_POS, KV_POS, CU_Q, CU_K, seqs, BLOCK_M,
                      BLOCK_N, NUM_BUFFERS, VARLEN)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])

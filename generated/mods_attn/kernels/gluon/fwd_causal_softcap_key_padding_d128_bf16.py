@@ -268,16 +268,17 @@ def _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M, N_K,
-                BLOCK_N: gl.constexpr):
+def _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M, BM_NKB):
     """(full blocks, all blocks, where the list starts in BLOCK_IDX) of the tile
     (b, h, m_blk) in the block mask: one row per (mask group, query block), a group being
     the mask's batch x head slice (BM_SB / BM_SH: 0 along what the mask does not depend
-    on); the row lists the full blocks, then the partial ones."""
+    on); the row lists the full blocks, then the partial ones, in a row BM_NKB entries
+    wide (VARLEN: b is the sequence, m_blk its own query block, and the rows are as wide
+    as the longest sequence's key blocks)."""
     row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_M + m_blk
     n_full = gl.load(FULL_CNT + row)
     n_blocks = n_full + gl.load(PART_CNT + row)
-    return n_full, n_blocks, row * gl.cdiv(N_K, BLOCK_N)
+    return n_full, n_blocks, row * BM_NKB
 
 
 # ----------------------------------------------------------------------------------------
@@ -526,7 +527,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               q_ready, q_empty, k_full, k_empty, v_full, v_empty,
               N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH, NUM_TILES, HEAD_GROUP,
               TILE_ORDER, SK_START,
-              FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH,
+              FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, BM_NKB,
               CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DIAG_FIRST: gl.constexpr,
               VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
@@ -555,9 +556,9 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
         kv_h = h // KV_GROUP  # GQA / MQA by index: K and V are never repeated
         m_start = m_blk * BLOCK_M
-        # (a varlen call has no mods: the block lists are a dense batch's)
+        # (VARLEN: the lists are per sequence, in-sequence block indices)
         n_full, n_blocks, first = _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M,
-                                              N_K, BLOCK_N)
+                                              BM_NKB)
         # this tile's Q slots (one per consumer) and their phase: with Q_BUFFERS = 2 a tile's
         # Q is loaded while the tile before it is still running
         if Q_BUFFERS == 1:
@@ -813,7 +814,7 @@ def _store_tile(o, lse, db, h, q0, n_q, row0, desc_o, o_buf, O, LSE, H_Q, N_Q, s
 def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
               v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M, BH,
               NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO, SEED_HI,
-              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O, stride_oh,
+              RNG_OFFSET, DROP_THRESHOLD, DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, BM_NKB, CU_Q, CU_K, BATCH, O, stride_oh,
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, POLY_EXP2: gl.constexpr,
@@ -872,9 +873,9 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         # in-sequence lengths and band (VARLEN; else N_Q, N_K, LO_OFF, HI_OFF and 0 offsets)
         q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
         m_start = m_blk * BLOCK_M
-        # (a varlen call has no mods: the block lists are a dense batch's)
+        # (VARLEN: the lists are per sequence, in-sequence block indices)
         n_full, n_blocks, first = _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M,
-                                              N_K, BLOCK_N)
+                                              BM_NKB)
         rows = m_start + CID * SPLIT_M + gl.arange(0, SPLIT_M, layout=row_s)  # [SPLIT_M]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
         # this tile's Q slot (the producer's order) and its phase
@@ -1060,7 +1061,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF",
                               "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SK_START", "SEED_LO", "SEED_HI",
-                              "RNG_OFFSET", "DROP_THRESHOLD", "T_keep_S0", "T_keep_D0", "T_keep_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
+                              "RNG_OFFSET", "DROP_THRESHOLD", "BM_NKB", "T_keep_S0", "T_keep_D0", "T_keep_D1", "Q_POS", "KV_POS", "BM_SB", "BM_SH"])
 def fwd_causal_softcap_key_padding_d128_bf16_kernel(
     Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
     LSE,  # [B, H_Q, N_Q] fp32, contiguous (VARLEN: [H_Q, total_q])
@@ -1103,9 +1104,10 @@ def fwd_causal_softcap_key_padding_d128_bf16_kernel(
     T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS,
     # the block mask at this kernel's tile (BLOCK_M x BLOCK_N): per (mask group, query
     # block) how many key blocks are fully / partly visible ([G, NUM_M] counts), and which,
-    # the full ones first ([G, NUM_M, cdiv(N_K, BLOCK_N)] indices); BM_SB / BM_SH the
-    # groups' batch and head strides, 0 when the mask is shared along that extent
-    FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH,
+    # the full ones first ([G, NUM_M, BM_NKB] indices); BM_SB / BM_SH the groups' batch
+    # and head strides, 0 when the mask is shared along that extent; BM_NKB the key blocks
+    # of a row (cdiv(N_K, BLOCK_N); VARLEN: of the longest sequence, b being the sequence)
+    FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, BM_NKB,
     BLOCK_M: gl.constexpr,  # NUM_CONSUMERS * SPLIT_M
     BLOCK_N: gl.constexpr,
     NUM_BUFFERS: gl.constexpr,  # K/V ring depth
@@ -1180,19 +1182,19 @@ def fwd_causal_softcap_key_padding_d128_bf16_kernel(
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                         DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
+                         DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, BM_NKB, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                          OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
-                         DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, O,
+                         DROP_SCALE, T_keep, T_keep_S0, T_keep_S1, T_keep_D0, T_keep_D1, P_cap, Q_POS, KV_POS, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, BM_NKB, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
                          OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                          k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
-                         NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
+                         NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, FULL_CNT, PART_CNT, BLOCK_IDX, BM_SB, BM_SH, BM_NKB, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
                          NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
