@@ -8,8 +8,10 @@ packed sequences).
                                                       [--h 16] [--out results.json]
 
 The workload is flashgen.bench_varlen's (16 documents of 128..4096 tokens, 16k tokens,
-bf16, causal bottom-right per document). Mods: softcap (cap 30, Gemma 2's score mod) and
-ALiBi (a per-head slope); both run the Gluon varlen kernels on Hopper. FLOPs count each
+bf16, causal bottom-right per document). Mods: softcap (cap 30, Gemma 2's score mod),
+ALiBi (a per-head slope), and prefix-LM (a mask mod: a document's first quarter seen by
+all its rows, the rest causal; no band, block lists per sequence); all run the Gluon
+varlen kernels on Hopper (`_tl` rows: VARLEN_GLUON_MODS / VARLEN_GLUON_MASK_MODS off). FLOPs count each
 document on its own (bench_varlen.document_flops), so every row's TFLOP/s compare. Every
 output is checked against float32 math of the per-document reference on a slice of heads
 before it is timed; times are do_bench medians (L2 flushed), forward, and the backward of
@@ -45,16 +47,18 @@ def package(d: int):
     return importlib.import_module("mods_attn")
 
 
-def reference(q, k, v, lengths, score, heads=2):
-    """float32 math of the first `heads` heads, one document at a time: (total, heads, d)."""
+def reference(q, k, v, lengths, score, heads=2, mask=None):
+    """float32 math of the first `heads` heads, one document at a time: (total, heads, d);
+    mask(doc, i, j) replaces the causal mask when given."""
     outs, start = [], 0
-    for n in lengths:
+    for doc, n in enumerate(lengths):
         qs, ks, vs = (t[start:start + n, :heads].float().transpose(0, 1) for t in (q, k, v))
         s = qs @ ks.transpose(-1, -2) / math.sqrt(q.shape[-1])
         h = torch.arange(heads, device=q.device)[:, None, None]
         i = torch.arange(n, device=q.device)[:, None]
         j = torch.arange(n, device=q.device)[None, :]
-        s = score(s, h, i, j).masked_fill(j > i, float("-inf"))
+        hide = (j > i) if mask is None else ~mask(doc, i, j)
+        s = score(s, h, i, j).masked_fill(hide, float("-inf"))
         outs.append((torch.softmax(s, -1) @ vs).transpose(0, 1))
         start += n
     return torch.cat(outs)
@@ -86,10 +90,15 @@ def main(argv=None) -> int:
     def alibi_ref(s, h_, i, j):
         return s - slope[h_] * (i - j).abs()
 
-    def flashgen(mods, kw):
+    prefix = torch.tensor([n // 4 for n in lengths], dtype=torch.int32, device="cuda")
+
+    def prefix_ref(doc, i, j):
+        return (j < int(prefix[doc])) | (j <= i)
+
+    def flashgen(mods, kw, causal=True):
         def call(q_, k_, v_):
-            return pkg.flash_attn_varlen_func(q_, k_, v_, cu, cu, max_len, max_len, causal=True,
-                                              mods=mods, **kw)
+            return pkg.flash_attn_varlen_func(q_, k_, v_, cu, cu, max_len, max_len,
+                                              causal=causal, mods=mods, **kw)
         return call
 
     providers = {
@@ -98,7 +107,12 @@ def main(argv=None) -> int:
         "flashgen_varlen_softcap_tl": (flashgen(("softcap",), {"cap": CAP}), softcap_ref),
         "flashgen_varlen_alibi": (flashgen(("alibi",), {"slope": slope}), alibi_ref),
         "flashgen_varlen_alibi_tl": (flashgen(("alibi",), {"slope": slope}), alibi_ref),
+        "flashgen_varlen_prefix_lm": (flashgen(("prefix_lm",), {"prefix_len": prefix}, False),
+                                      (lambda s, h_, i, j: s), prefix_ref),
+        "flashgen_varlen_prefix_lm_tl": (flashgen(("prefix_lm",), {"prefix_len": prefix}, False),
+                                         (lambda s, h_, i, j: s), prefix_ref),
     }
+    providers = {k: (v if len(v) == 3 else (*v, None)) for k, v in providers.items()}
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
@@ -121,23 +135,43 @@ def main(argv=None) -> int:
                          v_.transpose(0, 1)[None], score_mod=mod, block_mask=block_mask)
                 return o[0].transpose(0, 1)
             return call
-        providers["flex_document_softcap"] = (flex_call(flex_softcap), softcap_ref)
-        providers["flex_document_alibi"] = (flex_call(flex_alibi), alibi_ref)
+        providers["flex_document_softcap"] = (flex_call(flex_softcap), softcap_ref, None)
+        providers["flex_document_alibi"] = (flex_call(flex_alibi), alibi_ref, None)
+        starts = torch.tensor(cu_seqlens(lengths)[:-1], device="cuda")
+
+        def doc_prefix(b_, h_, qi, ki):
+            same = doc_ids[qi] == doc_ids[ki]
+            return same & ((ki - starts[doc_ids[ki]] < prefix[doc_ids[ki]]) | (qi >= ki))
+        prefix_mask = create_block_mask(doc_prefix, B=None, H=None, Q_LEN=total, KV_LEN=total,
+                                        device="cuda")
+
+        def flex_prefix(q_, k_, v_):
+            o = flex(q_.transpose(0, 1)[None], k_.transpose(0, 1)[None],
+                     v_.transpose(0, 1)[None], block_mask=prefix_mask)
+            return o[0].transpose(0, 1)
+        providers["flex_document_prefix_lm"] = (flex_prefix, (lambda s, h_, i, j: s), prefix_ref)
     except ImportError:
         pass
 
     rows = []
     for mode in ("fwd", "bwd"):
-        flops = document_flops(lengths, h, d, True, mode)
-        for name, (fn, score) in providers.items():
+        for name, (fn, score, mask) in providers.items():
+            # prefix-LM: the visible pairs (a quarter of each document seen whole, the rest
+            # causal), counted as the causal FLOPs plus the prefix's upper triangle
+            flops = document_flops(lengths, h, d, True, mode)
+            if "prefix" in name:
+                extra = sum((n // 4) * (n // 4 - 1) / 2 for n in lengths)
+                per_pair = document_flops([2], h, d, False, mode) / 4
+                flops += extra * per_pair
             rt.VARLEN_GLUON_MODS = not name.endswith("_tl")
+            rt.VARLEN_GLUON_MASK_MODS = not name.endswith("_tl")
             rt._forward_plans.clear()
             rt._backward_plans.clear()
             row = {"mode": mode, "provider": name, "docs": args.docs, "total": total, "h": h,
                    "d": d, "gpu": torch.cuda.get_device_name(), "status": "ok"}
             try:
                 if score is not None and mode == "fwd":
-                    want = reference(q, k, v, lengths, score)
+                    want = reference(q, k, v, lengths, score, mask=mask)
                     err = (fn(q, k, v)[:, :2].float() - want).abs().max().item()
                     if not err <= 3e-2:
                         raise RuntimeError(f"max |out - reference| = {err:.3g}")
@@ -166,6 +200,7 @@ def main(argv=None) -> int:
             print(json.dumps(row), flush=True)
             rows.append(row)
     rt.VARLEN_GLUON_MODS = True
+    rt.VARLEN_GLUON_MASK_MODS = True
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0

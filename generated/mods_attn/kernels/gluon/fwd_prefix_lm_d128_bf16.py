@@ -266,17 +266,22 @@ def _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr, BLOCK_N
 
 
 @gluon.jit
-def _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M, BM_NKB):
+def _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M, N_K, BM_NKB,
+                BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
     """(full blocks, all blocks, where the list starts in BLOCK_IDX) of the tile
     (b, h, m_blk) in the block mask: one row per (mask group, query block), a group being
     the mask's batch x head slice (BM_SB / BM_SH: 0 along what the mask does not depend
-    on); the row lists the full blocks, then the partial ones, in a row BM_NKB entries
-    wide (VARLEN: b is the sequence, m_blk its own query block, and the rows are as wide
-    as the longest sequence's key blocks)."""
+    on); the row lists the full blocks, then the partial ones, in a row cdiv(N_K, BLOCK_N)
+    entries wide (VARLEN: b is the sequence, m_blk its own query block, and the rows
+    BM_NKB wide, the longest sequence's key blocks; a dense kernel computes the width, as
+    before BM_NKB existed, which keeps its register allocation as it was)."""
     row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_M + m_blk
     n_full = gl.load(FULL_CNT + row)
     n_blocks = n_full + gl.load(PART_CNT + row)
-    return n_full, n_blocks, row * BM_NKB
+    if VARLEN:
+        return n_full, n_blocks, row * BM_NKB
+    else:
+        return n_full, n_blocks, row * gl.cdiv(N_K, BLOCK_N)
 
 
 # ----------------------------------------------------------------------------------------
@@ -556,7 +561,7 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         m_start = m_blk * BLOCK_M
         # (VARLEN: the lists are per sequence, in-sequence block indices)
         n_full, n_blocks, first = _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M,
-                                              BM_NKB)
+                                              N_K, BM_NKB, BLOCK_N, VARLEN)
         # this tile's Q slots (one per consumer) and their phase: with Q_BUFFERS = 2 a tile's
         # Q is loaded while the tile before it is still running
         if Q_BUFFERS == 1:
@@ -854,7 +859,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         m_start = m_blk * BLOCK_M
         # (VARLEN: the lists are per sequence, in-sequence block indices)
         n_full, n_blocks, first = _block_list(b, h, m_blk, FULL_CNT, PART_CNT, BM_SB, BM_SH, NUM_M,
-                                              BM_NKB)
+                                              N_K, BM_NKB, BLOCK_N, VARLEN)
         rows = m_start + CID * SPLIT_M + gl.arange(0, SPLIT_M, layout=row_s)  # [SPLIT_M]
         cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))  # [BLOCK_N]
         # this tile's Q slot (the producer's order) and its phase
