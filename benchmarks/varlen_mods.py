@@ -14,8 +14,8 @@ all its rows, the rest causal; no band, block lists per sequence); all run the G
 varlen kernels on Hopper (`_tl` rows: VARLEN_GLUON_MODS / VARLEN_GLUON_MASK_MODS off). FLOPs count each
 document on its own (bench_varlen.document_flops), so every row's TFLOP/s compare. Every
 output is checked against float32 math of the per-document reference on a slice of heads
-before it is timed; times are do_bench medians (L2 flushed), forward, and the backward of
-one saved forward.
+before it is timed, and in the backward rows its gradients too; times are do_bench
+medians (L2 flushed), forward, and the backward of one saved forward.
 """
 from __future__ import annotations
 
@@ -185,6 +185,16 @@ def main(argv=None) -> int:
                     do = torch.randn_like(o)
                     call = lambda: o.backward(do, retain_graph=True)  # noqa: E731
                     grads = [qg, kg, vg]
+                    if score is not None:  # the gradients of two heads against float32 math
+                        call()
+                        leaves = [t[:, :2].detach().float().requires_grad_() for t in (q, k, v)]
+                        ref = reference(*leaves, lengths, score, mask=mask)
+                        want = torch.autograd.grad(ref, leaves, do[:, :2].float())
+                        err = max(float((t.grad[:, :2].float() - w).abs().max() / max(1.0, float(w.abs().max())))
+                                  for t, w in zip(grads, want))
+                        if not err <= 5e-2:
+                            raise RuntimeError(f"max |grad - reference| = {err:.3g} (relative)")
+                        row["max_grad_err"] = round(err, 5)
                 ms = triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads,
                                              return_mode="median")
                 row["ms"] = round(ms, 4)

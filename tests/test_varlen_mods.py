@@ -126,7 +126,8 @@ def check(pkg, device, dtype, *, causal=False, mods, kw, score=None, mask=None, 
     for got, exp, name in zip((q.grad, k.grad, v.grad, *(t.grad for t in extra)), want,
                               ("dq", "dk", "dv", *(f"d{t}" for t in grads))):
         assert got is not None and not torch.isnan(got).any(), name
-        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol, msg=name)
+        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def documents(batch, n, device, seed=1):
@@ -510,7 +511,8 @@ def test_varlen_mods_on_the_gpu(full_pkg, poison, case, monkeypatch):
     for got, exp, name in zip((q.grad, k.grad, v.grad, *(t.grad for t in extra)), want,
                               ("dq", "dk", "dv", *(f"d{t}" for t in grads))):
         assert got is not None and not torch.isnan(got).any(), name
-        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol, msg=name)
+        torch.testing.assert_close(got.cpu().double(), exp, atol=gatol, rtol=grtol,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_which_family_a_packed_call_with_mods_takes(full_pkg, monkeypatch):

@@ -287,6 +287,25 @@ def _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
+def _block_steps(FULL_CNT, PART_CNT, b, h, BM_SB, BM_SH, NUM_N, n_start, n_k,
+                 BLOCK_N: gl.constexpr, VARLEN: gl.constexpr):
+    """(full steps, all steps, list row) of this program's key block for query head h: the
+    row of the transposed block mask for (mask group, key block). VARLEN: a program past the
+    real key blocks (n_k = 0, _program) owns no block -- its (sequence, head, block) are
+    placeholders, the last head's -- so it takes no step and reads row 0: walking that
+    row's full blocks, which run unmasked, added their dQ into the last head's sum
+    a second time (the H100's first run of the packed mask mods)."""
+    bm_row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_N + n_start // BLOCK_N
+    if VARLEN:
+        bm_row = gl.where(n_k > 0, bm_row, 0)
+    n_full = gl.load(FULL_CNT + bm_row)
+    n_steps = n_full + gl.load(PART_CNT + bm_row)
+    if VARLEN:
+        n_steps = gl.where(n_k > 0, n_steps, 0)
+    return n_full, n_steps, bm_row
+
+
+@gluon.jit
 def _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M: gl.constexpr,
                   VARLEN: gl.constexpr):
     """The first query row of step i through this key block's lists (the block mask
@@ -334,9 +353,9 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
         h = kv_h * KV_GROUP + g  # GQA: the query heads that share this K/V head
         row0 = (b * (H_KV * KV_GROUP) + h) * VEC_ROW  # this head's first row of LSE and D
         # the consumers walk the same lists (heads that share a mask share its rows)
-        bm_row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_N + n_start // BLOCK_N
-        n_full = gl.load(FULL_CNT + bm_row)
-        for i in range(0, n_full + gl.load(PART_CNT + bm_row)):
+        n_full, n_steps, bm_row = _block_steps(FULL_CNT, PART_CNT, b, h, BM_SB, BM_SH, NUM_N,
+                                               n_start, n_k, BLOCK_N, VARLEN)
+        for i in range(0, n_steps):
             m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M, VARLEN)
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
@@ -423,9 +442,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # the query head (as the mods see it; the mask's slice)
         # the producer's walk: full query blocks, then partial ones
-        bm_row = (b * BM_SB + h * BM_SH).to(gl.int64) * NUM_N + n_start // BLOCK_N
-        n_full = gl.load(FULL_CNT + bm_row)
-        for i in range(0, n_full + gl.load(PART_CNT + bm_row)):
+        n_full, n_steps, bm_row = _block_steps(FULL_CNT, PART_CNT, b, h, BM_SB, BM_SH, NUM_N,
+                                               n_start, n_k, BLOCK_N, VARLEN)
+        for i in range(0, n_steps):
             m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M, VARLEN)
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
