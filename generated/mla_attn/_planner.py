@@ -21,9 +21,11 @@ allocation on the GPU: it was 20-50% above it for the configs measured there)
 ------------------------------------------------------------------------------------
 All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, times ``dtype_bytes``:
 
-* fwd / decode:  Q tile                   block_m * d
+* fwd:           Q tile                   block_m * d
                  + K and V per stage      num_stages * 2 * block_n * d
                  + P staged for P @ V     block_m * block_n
+* decode:        its own, measured (decode_smem_estimate): K and V for num_stages - 1
+                 stages (num_stages on a 64-row wgmma tile), within 16% above the compiler
 * bwd:           K and V tiles            2 * block_n * d
                  + Q and dO per stage     num_stages * 2 * block_m * d
                  + P and dS staging       2 * block_m * block_n
@@ -39,8 +41,10 @@ Triton may reuse/alias buffers (making the real number smaller) or add layout-co
 
 Register model (fp32 accumulator + state elements per thread, also an estimate)
 -------------------------------------------------------------------------------
-* fwd / decode:  (O accumulator block_m*d + score tile block_m*block_n + m_i,l_i 2*block_m)
+* fwd:           (O accumulator block_m*d + score tile block_m*block_n + m_i,l_i 2*block_m)
                  / (32*num_warps) + REG_OVERHEAD
+* decode:        the larger of that and the split reduction's (the accumulator plus a chunk
+                 of partial outputs), capped at DECODE_MAX_REGS (decode_regs_estimate)
 * bwd:           (dK,dV accumulators 2*block_n*d + the two live score tiles P^T and dP^T
                  2*block_m*block_n + LSE,D 2*block_m) / (32*num_warps) + REG_OVERHEAD
 A config whose estimate exceeds MAX_ACC_REGS (200 of the 255 architectural registers; the rest is
@@ -98,11 +102,11 @@ REG_OVERHEAD = 4          # loop counters, scale, row bases... (most addressing 
 ROWS_PER_WARP = 16        # an MMA tile has 16 rows: fewer rows per warp leaves warps idle
 # decode's 16 query rows are one MMA tile (mma.sync m16n8k16: its BLOCK_M < 64 takes no
 # wgmma, on Hopper either), so its warps split the columns of each product -- the score
-# tile's block_n keys, and V's head dim -- 8 columns an MMA. DeepSeek's latent decode
-# (d 576 / v 512) needs 4 warps at a 32-key block: its 16 x 576 Q operand sits in every
-# warp's registers (144 a thread) beside the 16 x 512 fp32 output, which at 2 warps
-# spilled 1.7 KB a thread and at 4 compiled to 255 registers without a spill (sm_90,
-# Triton 3.6 offline; docs/MODS.md)
+# tile's block_n keys, and V's head dim -- 8 columns an MMA (the TTGIR's warpsPerCTA is
+# [1, num_warps] below 64 rows). DeepSeek's latent decode (d 576 / v 512) needs 4 warps at
+# a 32-key block: the 16 x 512 fp32 output at 2 warps spilled 1.7 KB a thread and at 4
+# compiled to 255 registers without a spill (sm_90, Triton 3.6 offline; docs/MODS.md); a
+# taller stacked tile counts its 16-row MMA tiles too (evaluate)
 MMA_COLS_PER_WARP = 8
 # decode_regs_estimate's cap (the decode kind's own model: the accumulator and the split
 # reduction's chunk, not the query operand, which the compiler keeps in shared memory).
