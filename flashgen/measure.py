@@ -173,6 +173,9 @@ class Workload:
         self.mask = facts["mask"]
         self.dropout = bool(facts.get("dropout"))
         self.d = facts["head_dim"]
+        # V's (and the output's) head dim: its own in an MLA variant ({qk: d, v: dv}),
+        # which V must have for the variant's kernel to take the call
+        self.dv = facts.get("v_head_dim") or self.d
         self.dtype_name = facts["dtype"]
         self.dtype = _torch_dtype(facts["dtype"])
         self.bucket = int(bucket)
@@ -200,7 +203,8 @@ class Workload:
         shape_q, shape_kv = (b, h_q, n, self.d), (b, h_kv, n, self.d)
         q = torch.randn(shape_q, generator=gen, device=self.device, dtype=self.dtype)
         k = torch.randn(shape_kv, generator=gen, device=self.device, dtype=self.dtype)
-        v = torch.randn(shape_kv, generator=gen, device=self.device, dtype=self.dtype)
+        v = torch.randn((b, h_kv, n, self.dv), generator=gen, device=self.device,
+                        dtype=self.dtype)
         if grad:
             q, k, v = (t.requires_grad_() for t in (q, k, v))
         return q, k, v
@@ -231,7 +235,7 @@ class Workload:
         window = tuple(min(w, n // 3) if w >= 0 else w for w in self.window)
         grad = self.kind == "bwd"
         q, k, v = self._inputs(2, h_q, h_kv, n, grad)
-        do = torch.randn((2, n, h_q, self.d), device=self.device, dtype=self.dtype) if grad else None
+        do = torch.randn((2, n, h_q, self.dv), device=self.device, dtype=self.dtype) if grad else None
         got = self._run(config, q, k, v, do, window)
         keep, against = None, "the float64 reference"
         if self.dropout and hasattr(self.pkg, "dropout_mask"):
@@ -332,7 +336,7 @@ class DecodeWorkload(Workload):
         self._seed += 1
         def rnd(*shape):  # noqa: E306
             return torch.randn(shape, generator=gen, device=self.device, dtype=self.dtype)
-        return rnd(b, 1, h_q, self.d), rnd(b, n, h_kv, self.d), rnd(b, n, h_kv, self.d)
+        return rnd(b, 1, h_q, self.d), rnd(b, n, h_kv, self.d), rnd(b, n, h_kv, self.dv)
 
     def check(self, config: Mapping) -> str | None:
         torch = self.torch

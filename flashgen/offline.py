@@ -164,6 +164,39 @@ def _launches(kind: str, config: dict, function_names, row64: bool = False, dims
     raise ValueError(f"offline compilation covers fwd, bwd and decode kernels, not {kind}")
 
 
+# decode: the stacked query rows (KV_GROUP x N_q) whose launches are compiled -- the tile
+# grows with them (planner_core.stacked_decode_tile), so each is a kernel of its own
+DECODE_STACKED_ROWS = (16, 32, 64)
+
+
+def decode_tiles(spec, variant, plan) -> list:
+    """The distinct launch configs a decode variant runs at DECODE_STACKED_ROWS stacked
+    rows, from the planner's config for the spec's budget and architecture."""
+    from . import planner_core
+
+    tiles = []
+    for rows in DECODE_STACKED_ROWS:
+        cfg = planner_core.stacked_decode_tile(plan.chosen.as_dict(), rows, variant.plan_dim,
+                                               variant.dtype_bytes, spec.gpu.sram_bytes,
+                                               spec.gpu.capability, plan.score_bytes)
+        if cfg not in tiles:
+            tiles.append(cfg)
+    return tiles
+
+
+def _variant_launches(spec, variant, plan, row64: bool = False):
+    """_launches of every config a variant runs: the planned one, and for a decode variant
+    each stacked tile (decode_tiles; the append kernel once)."""
+    dims = (variant.head_dim, variant.v_dim)
+    if variant.kind != "decode":
+        return _launches(variant.kind, plan.chosen.as_dict(), (), row64, dims)
+    out = []
+    for cfg in decode_tiles(spec, variant, plan):
+        out += [launch for launch in _launches("decode", cfg, (), row64, dims)
+                if launch[0] != "append" or not any(o[0] == "append" for o in out)]
+    return out
+
+
 def _ptxas_numbers(log: str) -> tuple[int, int, int]:
     regs = re.search(r"Used (\d+) registers", log)
     stores = re.search(r"(\d+) bytes spill stores", log)
@@ -217,10 +250,9 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
         if variants and variant.name not in variants:
             continue
         module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
-        config = plan.chosen.as_dict()
         types, flags = mod_arg_types(registry, variant.name)
-        for function, constexprs, warps, stages in _launches(
-                variant.kind, config, (), row64, (variant.head_dim, variant.v_dim)):
+        for function, constexprs, warps, stages in _variant_launches(spec, variant, plan,
+                                                                      row64):
             fn = getattr(module, f"{variant.name}_{function}")
             if function == "dkdv_kernel":  # a tensor's gradient stored: the costlier build
                 constexprs = {**constexprs, **flags}

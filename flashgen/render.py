@@ -82,15 +82,14 @@ def kernel_context(spec: Spec, variant: Variant) -> dict:
          "in_k": k_spans.get((off, size))}
         for i, (off, size) in enumerate(planner_core.head_dim_chunks(dv))
     ]
-    # decode's split reduction loads SPLIT_CHUNK partial outputs at once: 8 up to V dim 128,
-    # past it 512 // V dim (a power of two): at V 512, 2 spilled 52 B a thread at 16 x 32,
-    # 4 warps and 1 did not (sm_90 offline)
-    padded_v = planner_core.padded_head_dim(dv)
-    split_chunk = 8 if padded_v <= 128 else 1 << (max(1, 512 // padded_v).bit_length() - 1)
+    # decode's split reduction loads SPLIT_PAIRS (row, split) partial outputs at once
+    # (planner_core.decode_split_pairs: the 16-row tile's 8 splits up to V dim 128, fewer
+    # past it), so a taller stacked tile reads fewer splits a step
+    split_pairs = planner_core.decode_split_pairs(planner_core.padded_head_dim(dv))
     return {
         "header": header(f"templates/{variant.template}", spec),
         "name": variant.name,
-        "split_chunk": split_chunk,
+        "split_pairs": split_pairs,
         "head_dim": d,
         "v_dim": dv,
         "vchunks": vchunks,

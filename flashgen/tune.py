@@ -653,7 +653,10 @@ def _space(kind, facts, gpu: GpuInfo, mod_kinds=()) -> Space:
     consumers = (families.fwd_consumer_counts(facts["head_dim"],
                                               bool(facts.get("dropout") or facts.get("mods")))
                  if kind == "fwd" else (families.CONSUMERS,))
-    return space_for(kind, facts["head_dim"], DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
+    # tiles are planned for the larger of Q's and V's head dims, as the package plans them
+    # (an MLA variant's V has its own; its kernels are `tl` only, so no Gluon points)
+    plan_dim = max(facts["head_dim"], facts.get("v_head_dim") or 0)
+    return space_for(kind, plan_dim, DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
                      gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu),
                      mask=facts.get("mask"), block_sparse="mask" in mod_kinds,
                      consumers=consumers)

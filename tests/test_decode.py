@@ -162,6 +162,25 @@ def test_several_row_blocks(pkg, device, poison):
                    torch.float16)
 
 
+@pytest.mark.parametrize("group, n_q, rows", [(4, 8, 32), (8, 8, 64)])
+def test_stacked_tiles_reduce_splits_in_chunks(pkg, device, poison, group, n_q, rows):
+    """32 and 64 stacked rows run one tile of that many rows, whose split reduction reads
+    fewer splits a step (planner_core.decode_split_chunk: 4 and 2 at V dim 64, where 16
+    rows read 8): 7 splits take several steps, one of them partly past the last split."""
+    lengths = [33, 250]
+    k_cache, v_cache, _ = make_cache(2, 250, device=device, seed=40)
+    q = queries(2, n_q, group, device=device, seed=41)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        plan = pkg._decode._make_plan(q, k_cache, v_cache, None, None,
+                                      torch.tensor(lengths, dtype=torch.int32, device=device),
+                                      None, None, True, (-1, -1), 7)
+    assert plan.kernel.meta["BLOCK_M"] == rows and plan.split
+    assert pkg._decode._planner.decode_split_chunk(rows, 64) == 128 // rows
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, num_splits=7)
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, None, lengths, causal=True),
+                   torch.float16)
+
+
 # ---------------------------------------------------------------------------------------
 # paged caches: shuffled block tables, page sizes below, at and above BLOCK_N
 # ---------------------------------------------------------------------------------------

@@ -400,8 +400,9 @@ def test_decode_only_spec_rules():
 def test_shipped_mla_spec_plans_the_latent_decode():
     """specs/mla.yaml builds DeepSeek's 576 / 512 decode: its tile fits the H100's shared
     memory in the planner's model, takes the 4 warps it compiled with without a spill
-    (sm_90 offline: MMA_COLS_PER_WARP), and a query group of 128 heads stays in 16-row
-    blocks (a 32-row tile spilled)."""
+    (sm_90 offline: MMA_COLS_PER_WARP); 16 query heads run that 16-row tile, and 128 heads
+    32-row tiles at 8 warps (4 row blocks instead of 8: at 4 warps, and at 64 rows, the
+    tile spilled, sm_90 offline)."""
     from flashgen.plan import plan_spec
     from flashgen.spec import load_spec
     from generated.mla_attn import _decode, _registry
@@ -413,8 +414,17 @@ def test_shipped_mla_spec_plans_the_latent_decode():
     assert chosen.smem_bytes <= spec.gpu.sram_bytes == 232448
     assert (plan.chosen.block_m, plan.chosen.block_n, plan.chosen.num_warps) == (16, 32, 4)
     cfg = _registry.PLANNED["decode_causal_d576v512_bf16"]
-    assert _decode.stacked_rows(cfg, 128, 576) == 16
-    assert _decode.stacked_rows(_registry.PLANNED["decode_causal_d192v128_bf16"], 8, 192) == 16
+    cpu = torch.device("cpu")
+
+    def tile(c, rows, dim):
+        t = _decode.stacked_tile(c, rows, dim, 2, cpu)
+        return t["block_m"], t["block_n"], t["num_warps"], t["num_stages"]
+
+    assert tile(cfg, 16, 576) == (16, 32, 4, 2)
+    assert tile(cfg, 128, 576) == (32, 32, 8, 2)
+    assert tile(cfg, 64, 576) == (32, 32, 8, 2)
+    assert tile(_registry.PLANNED["decode_causal_d192v128_bf16"], 8, 192) == (16, 128, 4, 2)
+    assert tile(_registry.PLANNED["decode_causal_d192v128_bf16"], 64, 192) == (64, 128, 8, 2)
 
 
 # ---------------------------------------------------------------------------------------

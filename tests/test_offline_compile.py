@@ -66,31 +66,53 @@ def test_kernels_fit_the_budget_offline_without_spills(tmp_path, spec, arch):
                         "is off; see docs/OTHER_GPUS.md): " + "; ".join(spills))
 
 
-@pytest.mark.slow
-def test_mla_latent_decode_fits_sm90_without_spills(tmp_path):
-    """specs/mla.yaml's decode kernels -- DeepSeek's 576 / 512 latent decode among them --
-    compiled for sm_90 at the planner's tiles, in the serving form (paged, split with the
-    in-launch reduction, LSE stored), with V read on its own and as K's view (V_IS_K): the
-    compiler's shared memory within the spec's budget and no register spill (the 576 / 512
-    tile compiled to 255 registers and 89088 / 56320 B, Triton 3.6)."""
-    path = ROOT / "specs" / "mla.yaml"
+def _decode_offline(tmp_path, spec: str, names):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     out = tmp_path / "resources.json"
-    names = ["decode_causal_d576v512_bf16", "decode_causal_d192v128_bf16"]
-    res = subprocess.run([sys.executable, "-m", "flashgen.offline", str(path), "--arch", "90",
-                          "--variants", *names, "--json", str(out)], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=900)
+    res = subprocess.run([sys.executable, "-m", "flashgen.offline", str(ROOT / "specs" / spec),
+                          "--arch", "90", "--variants", *names, "--json", str(out)], env=env,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
-    forms = sorted((r["variant"], r["function"], "V_IS_K" in r["config"]) for r in rows)
-    assert forms == sorted((n, f, vk) for n in names
-                           for f, vk in (("kernel", False), ("kernel", True), ("append", False)))
     assert all(r["registers"] > 0 for r in rows), "ptxas reported no register count"
-    latent = [r for r in rows if r["variant"] == names[0] and r["function"] == "kernel"]
-    assert {r["config"].split()[0] for r in latent} == {"16x32w4s2"}
     problems = [f"{r['variant']}.{r['function']} {r['config']}: {r['shared']} B, "
                 f"{r['spill_stores']} / {r['spill_loads']} B spilled" for r in rows
                 if r["shared"] > r["budget"] or r["spill_stores"] or r["spill_loads"]]
     assert not problems, "; ".join(problems)
+    return rows
+
+
+def _kernel_tiles(rows, name):
+    return {r["config"].split()[0] for r in rows
+            if r["variant"] == name and r["function"] == "kernel"}
+
+
+@pytest.mark.slow
+def test_mla_latent_decode_fits_sm90_without_spills(tmp_path):
+    """specs/mla.yaml's decode kernels -- DeepSeek's 576 / 512 latent decode among them --
+    compiled for sm_90 at every tile a call launches (the planner's 16-row tile, and the
+    taller ones 32 and 64 stacked query rows grow it to: offline.decode_tiles), in the
+    serving form (paged, split with the in-launch reduction, LSE stored), with V read on its
+    own and as K's view (V_IS_K): the compiler's shared memory within the spec's budget
+    and no register spill. 128 query heads on the latent head run 32-row tiles at 8 warps
+    (4 row blocks; Triton 3.6: 108544 / 75776 B, 255 registers)."""
+    names = ["decode_causal_d576v512_bf16", "decode_causal_d192v128_bf16"]
+    rows = _decode_offline(tmp_path, "mla.yaml", names)
+    forms = {(r["variant"], r["function"], "V_IS_K" in r["config"]) for r in rows}
+    assert forms == {(n, f, vk) for n in names
+                     for f, vk in (("kernel", False), ("kernel", True), ("append", False))}
+    assert _kernel_tiles(rows, names[0]) == {"16x32w4s2", "32x32w8s2"}
+    assert _kernel_tiles(rows, names[1]) == {"16x128w4s2", "32x128w8s2", "64x128w8s2"}
+
+
+@pytest.mark.slow
+def test_llama_decode_stacked_tiles_fit_sm90_without_spills(tmp_path):
+    """specs/llama.yaml's d = 128 decode at 16, 32 and 64 stacked query rows (GQA group x
+    query tokens): before the decode model, 32 and 64 rows ran 4 warps and spilled 620 B /
+    2.2 KB a thread on the split path (its reduction read 8 splits of every row at once)."""
+    names = ["decode_d128_bf16", "decode_causal_d128_fp16", "decode_window_d128_bf16"]
+    rows = _decode_offline(tmp_path, "llama.yaml", names)
+    for name in names:
+        assert _kernel_tiles(rows, name) == {"16x128w4s3", "32x128w8s3", "64x128w8s3"}

@@ -908,6 +908,61 @@ def test_the_decode_measure_checks_ragged_caches_and_rejects_a_wrong_answer(
     assert "cache length 28 of 50" in reason
 
 
+@pytest.fixture(scope="module")
+def mla_pkg(tmp_path_factory):
+    name = f"fgtunemla_{uuid.uuid4().hex[:8]}"
+    pkg = build_and_import(tmp_path_factory.mktemp("mla"), name,
+                           "head_dims: [{qk: 48, v: 32}]\ndtypes: [fp32]\nmasks: [causal]\n"
+                           "gqa: true\ndecode: true\n")
+    yield pkg
+    for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+        del sys.modules[mod]
+
+
+@pytest.mark.parametrize("kind", ["decode", "fwd", "bwd"])
+def test_the_measures_build_v_at_the_variants_v_head_dim(mla_pkg, kind, monkeypatch):
+    """An MLA variant (V's head dim 32, Q's and K's 48) is checked and timed with V at V's
+    head dim: before, the measures built V at Q's and the package refused every trial, so
+    such variants (DeepSeek's 576 / 512 decode) could not be tuned."""
+    name = f"{kind}_causal_d48v32_fp32"
+    facts = mla_pkg._registry.VARIANTS[name]
+    assert facts["v_head_dim"] == 32
+    cls = DecodeWorkload if kind == "decode" else Workload
+    work = cls(mla_pkg, name, facts, 4096, "cpu", gqa=True, check_n=40)
+    cfg = {"block_m": 16, "block_n": 16, "num_warps": 2, "num_stages": 1}
+    if kind == "decode":
+        cfg["num_splits"] = 2
+    seen = []
+    call = "flash_attn_with_kvcache" if kind == "decode" else "flash_attn_func"
+    real = getattr(mla_pkg, call)
+
+    def spy(q, k, v, *args, **kwargs):
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(mla_pkg, call, spy)
+    assert work.check(cfg) is None
+    assert seen and set(seen) == {(48, 48, 32)}
+    # the timed shape's V too (built, not run: timing needs CUDA)
+    if kind == "decode":
+        q, k_cache, v_cache = work._cache(2, 1, 8, 4)
+        assert (q.shape[-1], k_cache.shape[-1], v_cache.shape[-1]) == (48, 48, 32)
+    else:
+        q, k, v = work._inputs(1, 2, 2, 8, False)
+        assert (q.shape[-1], k.shape[-1], v.shape[-1]) == (48, 48, 32)
+
+
+def test_the_tune_space_plans_at_the_larger_head_dim():
+    """The tuner's space (and its default) plans an MLA variant at the larger of its head
+    dims, as the package plans it at run time."""
+    from flashgen.tune import GpuInfo, _space
+
+    facts = {"kind": "decode", "mask": "causal", "head_dim": 24, "v_head_dim": 40,
+             "dtype": "bf16"}
+    gpu = GpuInfo(key="H100|sm90|132sm", name="H100", **H100)
+    assert _space("decode", facts, gpu).facts.head_dim == 40
+
+
 def test_decode_space_has_the_split_knob():
     space = space_for("decode", 128, 2, **H100)
     assert space.default()["num_splits"] == 0

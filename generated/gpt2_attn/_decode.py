@@ -66,7 +66,7 @@ MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
 # The stacked query tile (KV_GROUP x N_q rows) grows to at most this many rows; a larger
 # group x N_q (chunked prefill) gets more row blocks, which re-read K/V.
-MAX_BLOCK_M = 64
+MAX_BLOCK_M = _planner.MAX_STACKED_ROWS
 _SM_FALLBACK = 132
 # Plans kept at most (a server sees a handful of shapes; the bound only stops a shape
 # sweep from growing the cache without end).
@@ -104,26 +104,23 @@ def num_splits_heuristic(programs: int, n_blocks: int, sm_count: int) -> int:
     return max(1, min(want, n_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
 
 
-# The stacked query tile stays within this many elements (64 rows at d = 128, the most it
-# held before wider heads): the decode tile's warps split the columns of its products, so
-# every warp holds the whole BLOCK_M x d query operand in registers.
-MAX_STACKED_Q = 64 * 128
-
-
-def stacked_rows(cfg: dict, rows: int, dim: int) -> int:
-    """BLOCK_M of a launch: the config's, grown by doubling towards the stacked rows (KV_GROUP
-    x N_q, at most MAX_BLOCK_M) while the query tile stays within MAX_STACKED_Q elements and
-    the planner's register estimate within its cap (`dim`: the larger of Q's and V's head
-    dims). At d <= 128 that is always up to 64 rows; at DeepSeek's latent dims (576 / 512)
-    it stays at the planned 16: a 32-row tile spilled 1.1 KB a thread (sm_90, offline), so
-    a group of 32 heads or more takes several row blocks."""
-    block_m, want = cfg["block_m"], min(_next_pow2(rows), MAX_BLOCK_M)
-    padded = _planner.padded_head_dim(dim)
-    while (block_m < want and 2 * block_m * padded <= MAX_STACKED_Q
-           and _planner.regs_estimate("decode", 2 * block_m, cfg["block_n"], padded,
-                                      cfg["num_warps"]) <= _planner.MAX_ACC_REGS):
-        block_m *= 2
-    return block_m
+def stacked_tile(cfg: dict, rows: int, dim: int, dtype_bytes: int, device,
+                 score_bytes: int = 0) -> dict:
+    """The launch config for `rows` = KV_GROUP x N_q stacked query rows (`dim`: the larger of
+    Q's and V's head dims): the config grown to the tallest tile, at most MAX_BLOCK_M rows,
+    that the planner's decode model says compiles without spilling and fits the device's
+    shared memory -- more warps where the taller tile needs them
+    (_planner.stacked_decode_tile). A group of 16 rows or fewer runs the config as it is;
+    at DeepSeek's latent dims (576 / 512) 128 query heads take 32-row tiles at 8 warps (4
+    row blocks, each reading the cache once), at d = 128 up to 64 rows. `score_bytes`: a
+    mod's [q, kv] tile per score (the variant's), which the pipeline stages too."""
+    if device.type == "cuda":
+        key, smem, _ = _runtime.gpu_key(device)
+        arch = _runtime.key_arch(key)
+    else:
+        smem = TARGET_GPU["sram_bytes"]
+        arch = TARGET_GPU.get("arch") or _planner.DEFAULT_ARCH
+    return _planner.stacked_decode_tile(cfg, rows, dim, dtype_bytes, smem, arch, score_bytes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -401,10 +398,11 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
                  BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv)))
 
     # ---- launch config and the split factor, from the capacity
-    cfg = _runtime.launch_config(name, q.device, max(capacity, 1))
     group = h_q // h_kv
-    block_n = cfg["block_n"]
-    block_m = stacked_rows(cfg, group * n_q, max(d, dv))
+    cfg = stacked_tile(_runtime.launch_config(name, q.device, max(capacity, 1)), group * n_q,
+                       max(d, dv), q.element_size(), q.device,
+                       VARIANTS[name].get("score_bytes", 0))
+    block_n, block_m = cfg["block_n"], cfg["block_m"]
     row_blocks = _cdiv(group * n_q, block_m)
     left, right = window
     keys = capacity if left < 0 else min(capacity, left + n_q + max(right, 0))

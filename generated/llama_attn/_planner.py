@@ -21,9 +21,11 @@ allocation on the GPU: it was 20-50% above it for the configs measured there)
 ------------------------------------------------------------------------------------
 All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, times ``dtype_bytes``:
 
-* fwd / decode:  Q tile                   block_m * d
+* fwd:           Q tile                   block_m * d
                  + K and V per stage      num_stages * 2 * block_n * d
                  + P staged for P @ V     block_m * block_n
+* decode:        its own, measured (decode_smem_estimate): K and V for num_stages - 1
+                 stages (num_stages on a 64-row wgmma tile), within 16% above the compiler
 * bwd:           K and V tiles            2 * block_n * d
                  + Q and dO per stage     num_stages * 2 * block_m * d
                  + P and dS staging       2 * block_m * block_n
@@ -39,8 +41,10 @@ Triton may reuse/alias buffers (making the real number smaller) or add layout-co
 
 Register model (fp32 accumulator + state elements per thread, also an estimate)
 -------------------------------------------------------------------------------
-* fwd / decode:  (O accumulator block_m*d + score tile block_m*block_n + m_i,l_i 2*block_m)
+* fwd:           (O accumulator block_m*d + score tile block_m*block_n + m_i,l_i 2*block_m)
                  / (32*num_warps) + REG_OVERHEAD
+* decode:        the larger of that and the split reduction's (the accumulator plus a chunk
+                 of partial outputs), capped at DECODE_MAX_REGS (decode_regs_estimate)
 * bwd:           (dK,dV accumulators 2*block_n*d + the two live score tiles P^T and dP^T
                  2*block_m*block_n + LSE,D 2*block_m) / (32*num_warps) + REG_OVERHEAD
 A config whose estimate exceeds MAX_ACC_REGS (200 of the 255 architectural registers; the rest is
@@ -98,12 +102,32 @@ REG_OVERHEAD = 4          # loop counters, scale, row bases... (most addressing 
 ROWS_PER_WARP = 16        # an MMA tile has 16 rows: fewer rows per warp leaves warps idle
 # decode's 16 query rows are one MMA tile (mma.sync m16n8k16: its BLOCK_M < 64 takes no
 # wgmma, on Hopper either), so its warps split the columns of each product -- the score
-# tile's block_n keys, and V's head dim -- 8 columns an MMA. DeepSeek's latent decode
-# (d 576 / v 512) needs 4 warps at a 32-key block: its 16 x 576 Q operand sits in every
-# warp's registers (144 a thread) beside the 16 x 512 fp32 output, which at 2 warps
-# spilled 1.7 KB a thread and at 4 compiled to 255 registers without a spill (sm_90,
-# Triton 3.6 offline; docs/MODS.md)
+# tile's block_n keys, and V's head dim -- 8 columns an MMA (the TTGIR's warpsPerCTA is
+# [1, num_warps] below 64 rows). DeepSeek's latent decode (d 576 / v 512) needs 4 warps at
+# a 32-key block: the 16 x 512 fp32 output at 2 warps spilled 1.7 KB a thread and at 4
+# compiled to 255 registers without a spill (sm_90, Triton 3.6 offline; docs/MODS.md); a
+# taller stacked tile counts its 16-row MMA tiles too (evaluate)
 MMA_COLS_PER_WARP = 8
+# decode_regs_estimate's cap (the decode kind's own model: the accumulator and the split
+# reduction's chunk, not the query operand, which the compiler keeps in shared memory).
+# Triton 3.6 for sm_90 offline, every decode tile of 16-64 rows, 16-128 keys, 4 and 8
+# warps swept at d 64, 128, 192 / 128 and 576 / 512 (docs/PERF_NOTES.md, twenty-fifth
+# session): no tile estimated at <= 164 spilled more than 36 B, every tile estimated at
+# >= 196 spilled 112 B or more (64 x 128 at d 128, 4 warps; 32 rows at 576, 4 warps: 1.1 KB)
+DECODE_MAX_REGS = 180
+# before Hopper (sm_80 offline, d 128): 16 x 128 at 4 warps (estimated 148) did not spill,
+# 32 x 128 at 4 warps (164) spilled 12 B
+DECODE_MMA_SYNC_MAX_REGS = 150
+# Past this padded head dim a decode tile runs at most 2 stages: the third spilled 4-12 B a
+# thread at the tiles the planner would pick (d 192 / 128 16 x 128, 4 warps; 576 / 512
+# 16 x 32, 4 warps with V apart -- V as K's view did not), sm_90 offline
+DECODE_WIDE_HEAD_DIM = 128
+DECODE_WIDE_MAX_STAGES = 2
+# From this padded head dim a stacked tile of 32 rows or more takes 8 warps: at 4, 32 x 128
+# spilled 28 B at d 128 (no mask) and 4-28 B at d 192 / 128, and every 32-row tile 1.1 KB at
+# 576 / 512; at 8 warps none did (at d 64, 4 warps did not spill at 32 or 64 rows)
+DECODE_TALL_HEAD_DIM = 128
+DECODE_TALL_WARPS = 8
 MAX_TARGET_TILE = 128     # cap on the FA-1-derived target tile, see _targets()
 
 # Score weights (cost: lower is better).  One unit = one "octave" (factor 2) or one stage.
@@ -190,6 +214,61 @@ def head_dim_chunks(head_dim: int) -> tuple[tuple[int, int], ...]:
     return tuple(chunks)
 
 
+def decode_split_pairs(v_dim_padded: int) -> int:
+    """(row, split) pairs of partial outputs the decode kernel's split reduction loads at
+    once ([BLOCK_M, SPLIT_CHUNK, V] fp32, templates/decode.py.j2's SPLIT_PAIRS): a 16-row
+    tile's 8 splits up to V dim 128; past it 512 // V (a power of two) splits: at V 512, 2
+    spilled 52 B a thread at 16 x 32, 4 warps, and 1 did not (sm_90 offline)."""
+    if v_dim_padded <= 128:
+        return 16 * 8
+    return 16 * (1 << (max(1, 512 // v_dim_padded).bit_length() - 1))
+
+
+def decode_split_chunk(block_m: int, v_dim_padded: int) -> int:
+    """Splits the reduction of a BLOCK_M-row decode tile loads per step (at least 1)."""
+    return max(1, decode_split_pairs(v_dim_padded) // block_m)
+
+
+# A decode call stacks the KV_GROUP x N_q query rows sharing a KV head into one tile of
+# at most this many rows (stacked_decode_tile); more rows take several row blocks, each
+# re-reading the keys and values.
+MAX_STACKED_ROWS = 64
+
+
+def stacked_decode_tile(config: dict, rows: int, head_dim: int, dtype_bytes: int,
+                        sram_bytes: int, arch: int = DEFAULT_ARCH,
+                        score_bytes: int = 0) -> dict:
+    """The launch config of a decode call with ``rows`` = KV_GROUP x N_q stacked query rows:
+    ``config`` (planned or tuned for a 16-row tile) with block_m doubled towards ``rows``
+    (at most MAX_STACKED_ROWS) while the decode model accepts the taller tile -- with the
+    config's warps, else more, and its stages, else down to 2 where shared memory runs out
+    -- so every K/V byte is read by as few row blocks as compile without spilling. A small
+    group keeps the small tile (16 rows: the config itself). ``head_dim``: the larger of
+    Q's and V's. Sm_90 offline (docs/PERF_NOTES.md, twenty-fifth session): at DeepSeek's
+    576 / 512, 128 heads take 32 x 32 at 8 warps (4 row blocks; 4 warps spilled 1.1 KB and
+    64 rows 1.6 KB); at d 128, 64 rows take 64 x 128 at 8 warps. ``score_bytes``: a mod's
+    [q, kv] tile (smem_estimate)."""
+    bm, bn = config["block_m"], config["block_n"]
+    warps, stages = config["num_warps"], config["num_stages"]
+    want = min(1 << max(int(rows) - 1, 0).bit_length(), MAX_STACKED_ROWS)
+    d = padded_head_dim(head_dim)
+    while bm < want:
+        grown = None
+        for w in (w for w in WARP_COUNTS if w >= warps):
+            for st in range(stages, min(stages, 2) - 1, -1):
+                cand = evaluate("decode", TileConfig(2 * bm, bn, w, st), d, dtype_bytes,
+                                sram_bytes, arch, score_bytes)
+                if cand.rejected is None:
+                    grown = (w, st)
+                    break
+            if grown:
+                break
+        if grown is None:
+            break
+        bm, (warps, stages) = 2 * bm, grown
+    return {**config, "block_m": bm, "num_warps": warps, "num_stages": stages}
+
+
 # `flashgen tune` times decoding with 8 sequences x 8 KV heads = 64 programs per split; a
 # tuned num_splits is rescaled at run time to keep the same total grid for other shapes.
 TUNED_DECODE_PROGRAMS = 64
@@ -237,13 +316,20 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"unknown kernel kind {kind!r}; expected one of {KINDS}")
 
 
+def decode_wgmma(block_m: int, arch: int = DEFAULT_ARCH) -> bool:
+    """Whether Triton compiles a decode tile's products as Hopper wgmma (64-row tiles on
+    sm_90 and up; seen in the TTGIR, Triton 3.6) rather than mma.sync (every warp along the
+    key / value columns, warpsPerCTA [1, num_warps])."""
+    return block_m >= 64 and arch >= HOPPER
+
+
 def smem_estimate(kind, block_m, block_n, head_dim_padded, dtype_bytes, num_stages,
-                  score_bytes: int = 0) -> int:
+                  score_bytes: int = 0, arch: int = DEFAULT_ARCH) -> int:
     """Estimated shared memory in bytes (see the module docstring for the model).
     ``score_bytes``: bytes a mod reads per score element (e.g. 4 for an fp32 bias indexed by
     query and key), which the software pipeline stages like K and V: num_stages - 1 more
     [block_m, block_n] tiles (measured offline: an fp32 bias at 128x64, 3 stages, added
-    64 KiB to the H100 forward)."""
+    64 KiB to the H100 forward). ``arch``: only the decode model depends on it."""
     _check_kind(kind)
     d = head_dim_padded
     staged = max(num_stages - 1, 0) * block_m * block_n * score_bytes
@@ -251,8 +337,36 @@ def smem_estimate(kind, block_m, block_n, head_dim_padded, dtype_bytes, num_stag
         scratch = 2 * block_n * d if dtype_bytes == 4 else 2 * block_m * block_n
         elems = 2 * block_n * d + num_stages * 2 * block_m * d + scratch
         return elems * dtype_bytes + num_stages * 2 * block_m * 4 + staged
+    if kind == "decode":
+        return decode_smem_estimate(block_m, block_n, d, d, dtype_bytes, num_stages,
+                                    arch) + staged
     elems = block_m * d + num_stages * 2 * block_n * d + block_m * block_n
     return elems * dtype_bytes + staged
+
+
+def decode_smem_estimate(block_m, block_n, head_dim_padded, v_dim_padded, dtype_bytes,
+                         num_stages, arch: int = DEFAULT_ARCH) -> int:
+    """Shared memory of a decode tile (V read on its own, the costlier form; a latent
+    cache's V_IS_K form needs less). Measured with Triton 3.6 for sm_90 (offline, the
+    serving form of offline._launches; at d 64, 128 and 576 / 512 within 8 B a key a stage
+    above the compiler for every tile of 2 and 3 stages swept -- 16, 32 and 64 rows, 16-128
+    keys, 4 and 8 warps -- and above it at one stage; docs/PERF_NOTES.md, twenty-fifth
+    session): the Q tile, num_stages - 1 K and V blocks in flight (cp.async into shared
+    memory; one unpipelined) and P staged for P @ V; a wgmma tile (decode_wgmma: 64 rows)
+    stages num_stages K/V blocks and no P. At least the fp32 accumulator's layout
+    conversion (block_m x V dim x 4 B), which a one-stage 64-row tile needed. The forward's
+    model (every stage counted, P for every tile) was 1.5-2.7x the compiler's at the latent
+    dims and rejected 16 x 32 at 3 stages (240640 B estimated, 158720 B compiled)."""
+    d, dv = head_dim_padded, v_dim_padded
+    if decode_wgmma(block_m, arch):
+        stages = num_stages
+        elems = block_m * d + stages * block_n * (d + dv)
+    else:
+        stages = max(num_stages - 1, 1)
+        elems = block_m * d + stages * block_n * (d + dv) + block_m * block_n
+    # + two 4-byte vectors a key a stage: a mod's per-key loads (a document id, a padding
+    # flag), which the pipeline stages with K (the document mod's +128 B a stage at 32 keys)
+    return max(elems * dtype_bytes + stages * block_n * 8, block_m * dv * 4)
 
 
 def regs_estimate(kind, block_m, block_n, head_dim_padded, num_warps) -> int:
@@ -262,9 +376,24 @@ def regs_estimate(kind, block_m, block_n, head_dim_padded, num_warps) -> int:
     if kind == "bwd":
         # dK, dV accumulators plus the two live score tiles P^T and dP^T
         elems = 2 * block_n * d + 2 * block_m * block_n + 2 * block_m
+    elif kind == "decode":
+        return decode_regs_estimate(block_m, block_n, d, d, num_warps)
     else:
         elems = block_m * d + block_m * block_n + 2 * block_m
     return -(-elems // (32 * num_warps)) + REG_OVERHEAD
+
+
+def decode_regs_estimate(block_m, block_n, head_dim_padded, v_dim_padded, num_warps) -> int:
+    """Registers a thread of a decode tile holds at its peak, in 32-bit words: the larger of
+    the key loop's (the fp32 output accumulator, the score tile, m and l) and the split
+    reduction's (the accumulator it restarts plus a [block_m, decode_split_chunk, V] chunk
+    of partial outputs), over the tile's threads. The reduction is the peak of every
+    stacked tile of 32 rows or more (it spilled where the loop alone did not: d 128, 32 x
+    128, 4 warps, 620 B with 8 splits a step, 0 without the reduction; sm_90 offline)."""
+    threads = 32 * num_warps
+    loop = block_m * v_dim_padded + block_m * block_n + 2 * block_m
+    reduction = block_m * v_dim_padded * (1 + decode_split_chunk(block_m, v_dim_padded))
+    return -(-max(loop, reduction) // threads) + REG_OVERHEAD
 
 
 def _warp_dim(kind: str) -> str:
@@ -326,7 +455,7 @@ def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: i
     """The resource model's verdict on one tile for a GPU of compute capability ``arch``:
     its estimates and why it is rejected (``score_bytes``: see smem_estimate)."""
     smem = smem_estimate(kind, cfg.block_m, cfg.block_n, d, dtype_bytes, cfg.num_stages,
-                         score_bytes)
+                         score_bytes, arch)
     regs = regs_estimate(kind, cfg.block_m, cfg.block_n, d, cfg.num_warps)
     reasons = []
     in_regs = mma_sync_model(arch, d)
@@ -346,15 +475,28 @@ def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: i
     # accumulator registers a thread, over the cap with the score tiles from d = 80 on).
     warps_across_d = 2 if kind == "bwd" and (d > 128 or (in_regs and d > 64)) else 1
     if kind == "decode":
-        need = MMA_COLS_PER_WARP * cfg.num_warps
-        if getattr(cfg, dim) < need:
-            reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} "
-                           f"({MMA_COLS_PER_WARP} key columns per warp)")
+        # the score tile's 16 x MMA_COLS_PER_WARP MMA tiles, at least one a warp (a 16-row
+        # tile: MMA_COLS_PER_WARP key columns a warp)
+        need = MMA_COLS_PER_WARP * cfg.num_warps // max(cfg.block_m // ROWS_PER_WARP, 1)
+        if cfg.block_n < need:
+            reasons.append(f"num_warps {cfg.num_warps} needs block_n >= {need} at "
+                           f"{cfg.block_m} rows ({MMA_COLS_PER_WARP} key columns per warp "
+                           f"and {ROWS_PER_WARP} rows)")
+        if d > DECODE_WIDE_HEAD_DIM and cfg.num_stages > DECODE_WIDE_MAX_STAGES:
+            reasons.append(f"num_stages {cfg.num_stages} at d = {d} > {DECODE_WIDE_HEAD_DIM}: "
+                           f"the loads in flight spill (decode, {DECODE_WIDE_MAX_STAGES} "
+                           "stages at most)")
+        if (d >= DECODE_TALL_HEAD_DIM and cfg.block_m >= 2 * ROWS_PER_WARP
+                and cfg.num_warps < DECODE_TALL_WARPS):
+            reasons.append(f"num_warps {cfg.num_warps} at {cfg.block_m} rows and d = {d}: "
+                           f"spills (decode from d = {DECODE_TALL_HEAD_DIM}: "
+                           f"{DECODE_TALL_WARPS} warps)")
     else:
         need = ROWS_PER_WARP * cfg.num_warps // warps_across_d
         if getattr(cfg, dim) < need:
             reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
-    cap = max_acc_regs(arch, d)
+    cap = (max_acc_regs(arch, d) if kind != "decode" else DECODE_MMA_SYNC_MAX_REGS
+           if operands_in_registers(arch) else DECODE_MAX_REGS)
     if regs > cap:
         where = f" on {arch_name(arch)}" if in_regs else ""
         reasons.append(f"accumulator {regs} regs/thread > {cap}{where}: spills")

@@ -88,10 +88,13 @@ LOG2E = tl.constexpr(1.4426950408889634)
 # Mods of this variant (spec `mods:`). In decode, q_idx is the query's cache position (the
 # position the model gives the token), kv_idx the key's, h the query head of each row:
 #   window_sinks (mask): kv_idx <= q_idx and (kv_idx < sinks or q_idx - kv_idx <= window)
-# Splits the reduction reads per step (one load of their LSEs, one of their partial outputs:
-# [BLOCK_M, SPLIT_CHUNK, V_DIM] fp32, so fewer for a wide V, whose 8 at once would be 1024
-# values a thread at V_DIM 512 and 2 warps: a 9.9 KB stack frame, sm_90 offline)
-SPLIT_CHUNK = tl.constexpr(8)
+# (row, split) pairs the reduction reads per step: one load of their LSEs, one of their
+# partial outputs, [BLOCK_M, SPLIT_CHUNK, V_DIM] fp32 with SPLIT_CHUNK = SPLIT_PAIRS //
+# BLOCK_M splits (at least 1), so fewer for a wide V, whose 8 at once would be 1024 values
+# a thread at V_DIM 512 and 2 warps (a 9.9 KB stack frame), and fewer for a taller tile:
+# 8 splits of a 32-row tile at V_DIM 128 spilled 600 B a thread at 4 warps (sm_90 offline;
+# planner_core.decode_split_chunk)
+SPLIT_PAIRS = tl.constexpr(128)
 
 
 
@@ -429,6 +432,7 @@ def decode_window_sinks_d128_fp16_kernel(
             # the last split finished. A split that saw no key has lse_s = -inf and
             # weight 0. The order of the additions is fixed, whoever is last, so the
             # result is deterministic.
+            SPLIT_CHUNK: tl.constexpr = (SPLIT_PAIRS + BLOCK_M - 1) // BLOCK_M  # powers of two
             first = out_row * num_splits  # [BLOCK_M]
             offs_s = tl.arange(0, SPLIT_CHUNK)  # [SPLIT_CHUNK]
             m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
