@@ -433,16 +433,18 @@ def test_shipped_mla_spec_plans_the_latent_decode():
 @pytest.mark.gpu
 @pytest.mark.parametrize("latent", [True, False], ids=["latent-view", "separate-v"])
 @pytest.mark.parametrize("paged", [True, False], ids=["paged64", "contiguous"])
-def test_gpu_deepseek_latent_decode_576_512(latent, paged):
-    """generated/mla_attn's decode_causal_d576v512_bf16 on CUDA: 16 query heads on one
-    latent head (MQA), q 576 dims, v_cache = k_cache[..., :512] (or a cache of its own),
-    ragged lengths up to 4096 with one appended token, paged (64-row pages, shuffled) or
-    not, split-KV chosen by the heuristic, the LSE returned; against float64."""
+@pytest.mark.parametrize("h_q", [16, 128], ids=["16-heads", "128-heads"])
+def test_gpu_deepseek_latent_decode_576_512(latent, paged, h_q):
+    """generated/mla_attn's decode_causal_d576v512_bf16 on CUDA: 16 or 128 query heads on
+    one latent head (MQA; 128 stack into 32-row, 8-warp tiles, 4 row blocks), q 576 dims,
+    v_cache = k_cache[..., :512] (or a cache of its own), ragged lengths up to 4096 with one
+    appended token, paged (64-row pages, shuffled) or not, split-KV chosen by the
+    heuristic, the LSE returned; against float64."""
     if not torch.cuda.is_available():
         pytest.fail("-m gpu tests need a CUDA device")
     import generated.mla_attn as mla
 
-    d, dv, h_q, n_new, batch, cap = 576, 512, 16, 1, 4, 4096
+    d, dv, n_new, batch, cap = 576, 512, 1, 4, 4096
     lengths = [0, 1, 1000, cap - n_new]
     g = torch.Generator().manual_seed(0)
     bf = dict(dtype=torch.bfloat16, device="cuda")
