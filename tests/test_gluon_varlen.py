@@ -9,7 +9,7 @@ reference run one sequence at a time, with ragged lengths (0 and 1 included, Nq 
 ways, lengths off the 64/128-row tiles), GQA, the three bands, d = 64 and 128, fp16 and
 bf16; more sequences than one 32-lane chunk of the device-side walks; neighbour isolation
 (a sequence's gradients do not move when another sequence's tokens change); dropout
-against the replayed mask (on `tl`); a corrupted cu_seqlens inside NaN-filled buffers,
+against the replayed mask (on Gluon, and mixed with `tl` either way); a corrupted cu_seqlens inside NaN-filled buffers,
 forward and backward; and a check that the Gluon kernel (GluonJITFunction) is what ran,
 each direction.
 """
@@ -122,9 +122,16 @@ def test_the_runtime_says_why_not_gluon(pkg, monkeypatch):
     assert rt.gluon_varlen_reason("fwd_dropout_d64_bf16", cfg, q64, q64, q64, q64, 40,
                                   "none") == rt.gluon_ready(q.device)
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)  # as on an H100
+    # dropout takes the Gluon varlen forward (here "too small": a 40-token call), unless
+    # VARLEN_GLUON_DROPOUT is off and the family not asked for
     for name, t in (("fwd_dropout_d128_bf16", q), ("fwd_dropout_d64_bf16", q64)):
-        assert "dropout in a packed batch" in rt.gluon_varlen_reason(
-            name, cfg, t, t, t, t, 40, "none")
+        assert "too small" in rt.gluon_varlen_reason(name, cfg, t, t, t, t, 40, "none")
+    monkeypatch.setattr(rt, "VARLEN_GLUON_DROPOUT", False)
+    for name, t in (("fwd_dropout_d128_bf16", q), ("fwd_dropout_d64_bf16", q64)):
+        assert rt.gluon_varlen_reason(name, cfg, t, t, t, t, 40, "none") == rt.VARLEN_GLUON_REASON
+        with rt.override_config(family="gluon"):
+            assert rt.gluon_varlen_reason(name, cfg, t, t, t, t, 40, "none") is None
+    monkeypatch.setattr(rt, "VARLEN_GLUON_DROPOUT", True)
     odd = torch.randn(40 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(40, 4, 128)
     assert "TMA" in rt.gluon_varlen_reason("fwd_causal_d128_bf16", cfg, q, q, odd, q, 40, "causal")
     assert "no keys" in rt.gluon_varlen_reason("fwd_causal_d128_bf16", cfg, q, q[:0], q[:0], q,
@@ -145,9 +152,12 @@ def test_the_runtime_says_why_not_gluon_backward(pkg, monkeypatch):
     # on this machine: the interpreter or no CUDA device
     assert why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
     assert "tl" in why("bwd_causal_d128_bf16", {}, q, q, q, q, 40, "causal")
-    # dropout: the Gluon dropout backward serves dense batches only
-    assert "dropout" in why("bwd_dropout_d128_bf16", cfg, q, q, q, q, 40, "none")
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)  # as on an H100
+    # dropout: the Gluon varlen backward takes it unless VARLEN_GLUON_DROPOUT is off
+    assert "too small" in why("bwd_dropout_d128_bf16", cfg, q, q, q, q, 40, "none")
+    monkeypatch.setattr(rt, "VARLEN_GLUON_DROPOUT", False)
+    assert why("bwd_dropout_d128_bf16", cfg, q, q, q, q, 40, "none") == rt.VARLEN_GLUON_REASON
+    monkeypatch.setattr(rt, "VARLEN_GLUON_DROPOUT", True)
     assert "too small" in why("bwd_causal_d128_bf16", cfg, q, q, q, q, 40, "causal")
     odd = torch.randn(40 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(40, 4, 128)
     assert "TMA" in why("bwd_causal_d128_bf16", cfg, q, q, q, odd, 40, "causal")
@@ -214,13 +224,15 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
         assert descs[1].strides == [4 * 2 * 128, 128, 4 * 2 * 128, 1]
         assert descs[4].strides == [8 * 128, 128, 8 * 128, 1]
         assert descs[0].block_shape == [1, 1, 64, 128] and descs[4].block_shape == [1, 1, 64, 64]
-        # the d=64 backward is `tl` below GLUON_BWD_SMALL_D_MIN_N, but asked for here; dropout never
+        # the d=64 backward is `tl` below GLUON_BWD_SMALL_D_MIN_N, but asked for here;
+        # dropout too (VARLEN_GLUON_DROPOUT), its Philox calls split between the warps
         plan = _varlen_bwd_plan(pkg, lq, lk, 4, 4, 64, False, torch.float16)
         assert plan[-1] == rt._GLUON
         mask, lo, hi = rt.varlen_band(max(lq), max(lq), True, (-1, -1))
         plan = rt._varlen_backward_plan(q, q, q, q, q, q, q, q, cu(lq), max(lq), max(lq), mask,
                                         lo, hi, 0.1, True)
-        assert plan[-1] != rt._GLUON and type(plan[2].fn).__name__ != "GluonJITFunction"
+        assert plan[-1] == rt._GLUON and type(plan[2].fn).__name__ == "GluonJITFunction"
+        assert plan[2].meta["PHILOX_SPLIT"] == rt._families.GLUON_BWD_PHILOX_SPLIT
     monkeypatch.setattr(rt, "GLUON_BWD_HOST_DESCRIPTORS", False)  # the kernel makes them
     with rt.override_config(family="gluon"):
         plan = _varlen_bwd_plan(pkg, lq, lk, 8, 2, 128, True)
@@ -550,18 +562,71 @@ def test_gluon_varlen_backward_bench_shape(pkg, poison):
 
 
 @pytest.mark.gpu
-def test_dropout_falls_back_to_tl(pkg, poison):
-    """Dropout with a packed batch stays on `tl` (gluon_varlen_reason), asked-for family
-    or not, and is still the replayed mask."""
+@pytest.mark.parametrize("causal,h_q,h_kv,d,dtype", [
+    (True, 4, 1, 128, torch.bfloat16),
+    (False, 2, 2, 64, torch.float16),
+], ids=["causal-mqa-d128", "full-d64-fp16"])
+def test_gluon_varlen_dropout(pkg, poison, causal, h_q, h_kv, d, dtype):
+    """Dropout in a packed batch on the Gluon varlen forward and backward
+    (VARLEN_GLUON_DROPOUT): the replayed mask, dropout_mask(batch, H, max_q, max_k)[i, :,
+    :n_q, :n_k] for sequence i, forward, LSE and gradients against float64."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
-    lq, lk, p = [211, 3, 0, 130], [211, 400, 2, 90], 0.25
-    q, k, v, out, lse, do = _run(pkg, lq, lk, 4, 1, 128, torch.bfloat16, causal=True, p=p, seed=7,
-                                 expect="JITFunction")
+    lq, lk, p = [211, 3, 0, 130, 1, 300], [211, 400, 2, 90, 1, 300], 0.25
+    if causal:
+        lk = lq
+    q, k, v, out, lse, do = _run(pkg, lq, lk, h_q, h_kv, d, dtype, causal=causal, p=p, seed=7)
     torch.manual_seed(7)
-    keep = pkg.dropout_mask(len(lq), 4, max(lq), max(lk), p, device="cuda")
-    ref = reference(q, k, v, lq, lk, do, causal=True, keep=keep, p=p)
-    assert_all((out, lse, q.grad, k.grad, v.grad), ref, torch.bfloat16)
+    keep = pkg.dropout_mask(len(lq), h_q, max(lq), max(lk), p, device="cuda")
+    ref = reference(q, k, v, lq, lk, do, causal=causal, keep=keep, p=p)
+    assert_all((out, lse, q.grad, k.grad, v.grad), ref, dtype)
+
+
+@pytest.mark.gpu
+def test_gluon_varlen_dropout_mask_is_the_tl_one(pkg, poison, monkeypatch):
+    """The two families draw one mask: a Gluon varlen forward with dropout followed by the
+    `tl` varlen backward (deterministic mode sends the backward to `tl`), and a `tl`
+    forward (VARLEN_GLUON_DROPOUT off, family not asked for) followed by the Gluon
+    backward, both against float64 with the replayed mask."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rt = pkg._runtime
+    lq, lk, p = [300, 5, 129], [300, 64, 200], 0.2
+    g = torch.Generator().manual_seed(11)
+    for arm in ("gluon-then-tl", "tl-then-gluon"):
+        q, k, v = (torch.randn(sum(n), 4, 128, generator=g).to("cuda", torch.bfloat16)
+                   .requires_grad_() for n in (lq, lk, lk))
+        rt._forward_plans.clear()
+        rt._backward_plans.clear()
+        torch.manual_seed(5)
+        if arm == "gluon-then-tl":
+            with rt.override_config(family="gluon"):
+                out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, "cuda"), cu(lk, "cuda"),
+                                                      max(lq), max(lk), dropout_p=p,
+                                                      return_lse=True)
+            assert _families_ran(pkg) == {"GluonJITFunction"}
+            do = torch.randn_like(out)
+            torch.use_deterministic_algorithms(True)
+            try:
+                out.backward(do)
+            finally:
+                torch.use_deterministic_algorithms(False)
+            assert _bwd_families_ran(pkg) == {"JITFunction"}
+        else:
+            monkeypatch.setattr(rt, "VARLEN_GLUON_DROPOUT", False)
+            out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(lq, "cuda"), cu(lk, "cuda"),
+                                                  max(lq), max(lk), dropout_p=p,
+                                                  return_lse=True)
+            assert _families_ran(pkg) == {"JITFunction"}
+            monkeypatch.setattr(rt, "VARLEN_GLUON_DROPOUT", True)
+            do = torch.randn_like(out)
+            with rt.override_config(family="gluon"):
+                out.backward(do)
+            assert _bwd_families_ran(pkg) == {"GluonJITFunction"}
+        torch.manual_seed(5)
+        keep = pkg.dropout_mask(len(lq), 4, max(lq), max(lk), p, device="cuda")
+        ref = reference(q, k, v, lq, lk, do, keep=keep, p=p)
+        assert_all((out, lse, q.grad, k.grad, v.grad), ref, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -347,9 +347,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     max_seqlen_k, p)[i, :, :n_q_i, :n_k_i] (keyed by sequence and in-sequence positions).
     The forward and the backward run the Gluon (Hopper) kernels where the dense call would
     (runtime.gluon_varlen_reason / gluon_varlen_backward_reason, VARLEN_GLUON_FORWARD /
-    VARLEN_GLUON_BACKWARD), else the `tl` kernels; dropout always runs `tl`
-    (runtime.VARLEN_GLUON_REASON), mods where the switches say (VARLEN_GLUON_MODS,
-    VARLEN_GLUON_MASK_MODS).
+    VARLEN_GLUON_BACKWARD), else the `tl` kernels; dropout and mods too where their
+    switches say (VARLEN_GLUON_DROPOUT, VARLEN_GLUON_MODS, VARLEN_GLUON_MASK_MODS).
 
     mods: as in flash_attn_func, with each sequence a batch entry of its own: the mods see
     b = the sequence's index and q_idx / kv_idx = in-sequence positions, and their tensors

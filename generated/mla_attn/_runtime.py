@@ -1297,12 +1297,16 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tu
 # serve it with VARLEN=True: a program per (sequence, head, block of max_seqlen rows), its
 # sequence's span read from cu_seqlens on the device (clamped into the tensors), so no call
 # reads a device value on the host. The LSE is flash-attn 2's varlen layout (H_q, total_q).
-# What packed batches still run on `tl` only, whatever the dense call would take: dropout
-# (the Gluon varlen forward with Philox spilled; the Gluon dropout backward is written and
-# launched for dense batches only, and must draw the mask the `tl` varlen forward drew).
-VARLEN_GLUON_REASON = ("dropout in a packed batch: the Gluon varlen forward spills with "
-                       "Philox and the Gluon dropout backward serves dense batches only; "
-                       "`tl` serves it")
+# Dropout in a packed batch takes the Gluon varlen kernels where the dense call would
+# (VARLEN_GLUON_DROPOUT): the keep mask's Philox counters are (in-sequence column,
+# in-sequence row, sequence x H_q + head), so a sequence draws the dense (batch, H_q,
+# max_seqlen_q, max_seqlen_k) call's mask cut to its lengths in either family, and a Gluon
+# forward pairs with a `tl` backward or the other way round. (The Gluon varlen forward with
+# Philox once kept a 400-byte stack frame; since the mask is applied on packed pairs it
+# compiles to 152 bytes and 8 key-loop LDL/STL at d=128, 0 / 0 at d=64, sm_90 offline.)
+VARLEN_GLUON_DROPOUT = True
+VARLEN_GLUON_REASON = ("VARLEN_GLUON_DROPOUT = False: dropout in a packed batch runs the "
+                       "`tl` varlen kernels unless the Gluon family is asked for")
 # The varlen forward and backward take the Gluon kernels (VARLEN=True) wherever the dense
 # call of their variant would (the Gluon default, a tuned entry naming it,
 # FLASHGEN_FAMILY=gluon, override_config(family="gluon")). The one-line switches: False
@@ -1538,10 +1542,7 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str |
     reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
     if reason is not None:
         return reason
-    if VARIANTS[name]["dropout"]:
-        # the Philox rounds beside the walk's state: a 400-byte stack frame offline at d=128
-        # (the dense dropout kernel then: 136; 72 since the mask is applied on packed pairs,
-        # the varlen form not re-measured)
+    if VARIANTS[name]["dropout"] and not VARLEN_GLUON_DROPOUT and not asked:
         return VARLEN_GLUON_REASON
     total_q, h_q, d = q.shape
     if k.shape[0] == 0 or max_k == 0:
@@ -1718,8 +1719,11 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         # kernel's own, _varlen_block); the rows' width (BM_NQB)
         lists = ((*mods.sparse(*tiles, lo, hi), None, mods.extents(*tiles[1:3])[0])
                  if tiles else ())
+        # dropout: the forward's stream (_gluon_dropout_args) and, without mods, (Q_POS,
+        # KV_POS) = (0, 0): each sequence draws from its own row 0 (Call.args with mods)
         dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args,
-             *(mods.args if mods is not None else ()), *lists)
+             *(_gluon_dropout_args(drop) if widths is not None else ()),
+             *(mods.args if mods is not None else drop_pos), *lists)
         dq.copy_(dq_acc)
         return delta
     pre(o, do, delta, *pre_args, q.shape[0], None, 0, 0, 0)
@@ -1739,9 +1743,9 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
 def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None) -> "str | None":
     """Why a varlen backward of `name` at config `cfg` (the dense call's, launch_config) does
     not take the Gluon backward (None when it does): the dense rules (a Gluon config, the
-    variant, the device, determinism, not too small), no dropout (VARLEN_GLUON_REASON), no
-    mask mod (_varlen_mods_reason), TMA-readable packed tensors, some keys, and
-    VARLEN_GLUON_BACKWARD."""
+    variant, the device, determinism, not too small), the switches for dropout
+    (VARLEN_GLUON_DROPOUT) and mods (_varlen_mods_reason), TMA-readable packed tensors,
+    some keys, and VARLEN_GLUON_BACKWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
     reason = _varlen_mods_reason(mods)
@@ -1750,8 +1754,8 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
     asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
     if not VARLEN_GLUON_BACKWARD and not asked:
         return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
-    if GLUON.get(name, "not a variant") is None and VARIANTS[name]["dropout"]:
-        return VARLEN_GLUON_REASON  # (the variant's, whatever the device)
+    if VARIANTS[name]["dropout"] and not VARLEN_GLUON_DROPOUT and not asked:
+        return VARLEN_GLUON_REASON
     reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
     if reason is not None:
         return reason
