@@ -67,9 +67,10 @@ def describe() -> str:
                  "anything else (other GPUs, other Triton, the interpreter, strides TMA "
                  "cannot read, FLASHGEN_FAMILY=tl) runs the `tl` kernels")
     lines.append("  flash_attn_varlen_func: the forward and the backward run their Gluon "
-                 "kernels with VARLEN=True where the dense call runs them, else the `tl` "
-                 "kernels with VARLEN=True (dropout always: the Gluon kernels take no dropout "
-                 "in packed batches); no mods")
+                 "kernels with VARLEN=True where the dense call runs them (dropout and mods "
+                 "too: _runtime.VARLEN_GLUON_DROPOUT / VARLEN_GLUON_MODS / "
+                 "VARLEN_GLUON_MASK_MODS), else the `tl` kernels with VARLEN=True; mods see "
+                 "b = the sequence and in-sequence positions")
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():
