@@ -99,11 +99,16 @@ def test_three_consumers_only_where_the_kernel_has_them():
         {**ok, "regs": "160/24"}, 64, 2, 232448, (3, 2))
     # a third consumer's Q and O staging: 2 x 64 rows x 64 x 2 bytes more at d=64
     assert families.shared_bytes(64, 2, 128, 2, 1, 3) == families.shared_bytes(64, 2, 128, 2) + 16384
-    # the untuned default: the unmasked d=64 forward without dropout or mods only
+    # the untuned default: the unmasked and causal d=64 forwards without dropout or mods
+    # only (causal: THREE_CONSUMER_DEFAULT_MASKS, proposed), the unmasked one diag_first
     assert families.gluon_default(64, "fwd", "none") == {**families.gluon_default(64, "fwd", "causal"),
-                                                         "block_m": 192, "regs": "160/24",
-                                                         "pingpong": True, "diag_first": True}
-    for other in (families.gluon_default(64, "fwd", "causal"),
+                                                         "diag_first": True}
+    assert families.gluon_default(64, "fwd", "causal") == {
+        **families.gluon_default(64, "fwd", "sliding_window"), "block_m": 192, "regs": "160/24",
+        "pingpong": True}
+    for other in (families.gluon_default(64, "fwd", "sliding_window"),
+                  families.gluon_default(64, "fwd", "causal", dropout=True),
+                  families.gluon_default(64, "fwd", "causal", mods=("softcap",)),
                   families.gluon_default(64, "fwd", "none", dropout=True),
                   families.gluon_default(64, "fwd", "none", mods=("softcap",)),
                   families.gluon_default(128, "fwd", "none")):
