@@ -99,11 +99,16 @@ def test_three_consumers_only_where_the_kernel_has_them():
         {**ok, "regs": "160/24"}, 64, 2, 232448, (3, 2))
     # a third consumer's Q and O staging: 2 x 64 rows x 64 x 2 bytes more at d=64
     assert families.shared_bytes(64, 2, 128, 2, 1, 3) == families.shared_bytes(64, 2, 128, 2) + 16384
-    # the untuned default: the unmasked d=64 forward without dropout or mods only
+    # the untuned default: the unmasked and causal d=64 forwards without dropout or mods
+    # only (causal: THREE_CONSUMER_DEFAULT_MASKS, proposed), the unmasked one diag_first
     assert families.gluon_default(64, "fwd", "none") == {**families.gluon_default(64, "fwd", "causal"),
-                                                         "block_m": 192, "regs": "160/24",
-                                                         "pingpong": True, "diag_first": True}
-    for other in (families.gluon_default(64, "fwd", "causal"),
+                                                         "diag_first": True}
+    assert families.gluon_default(64, "fwd", "causal") == {
+        **families.gluon_default(64, "fwd", "sliding_window"), "block_m": 192, "regs": "160/24",
+        "pingpong": True}
+    for other in (families.gluon_default(64, "fwd", "sliding_window"),
+                  families.gluon_default(64, "fwd", "causal", dropout=True),
+                  families.gluon_default(64, "fwd", "causal", mods=("softcap",)),
                   families.gluon_default(64, "fwd", "none", dropout=True),
                   families.gluon_default(64, "fwd", "none", mods=("softcap",)),
                   families.gluon_default(128, "fwd", "none")):
@@ -347,12 +352,15 @@ def test_tile_boundary_knobs_compile(pkg):
 
 @needs_gluon_triton
 def test_three_consumer_forward_compiles(pkg):
-    """192-row tiles, dense and packed, unmasked and under a window (rows with no key):
-    three consumers and the producer in 3 x 128 x 160 + 128 x 24 registers, within shared
-    memory. The unmasked dense kernel (the d=64 default) keeps its products asynchronous
-    with no spill in the key loop: what P's early conversion (EARLY_P) bought; at 168 the
-    first consumer spilled and ptxas serialised the wgmmas."""
-    names = ["fwd_d64_bf16", "fwd_window_d64_fp16"]
+    """192-row tiles, dense and packed, unmasked, causal and under a window (rows with no
+    key): three consumers and the producer in 3 x 128 x 160 + 128 x 24 registers, within
+    shared memory. The unmasked dense kernel (the d=64 default) keeps its products
+    asynchronous with no spill in the key loop: what P's early conversion (EARLY_P) bought;
+    at 168 the first consumer spilled and ptxas serialised the wgmmas. The masked kernels
+    too, since a block on the band's right edge is masked by one compare an element
+    against a bound a row (ROW_BOUND; with two compares the dense causal kernel spilled 12
+    LDL/STL a block and 136 stack bytes, the window kernel 82 and 208)."""
+    names = ["fwd_d64_bf16", "fwd_window_d64_fp16", "fwd_causal_d64_bf16"]
     rows = _compile(Path(pkg.__file__).parent, "three-varlen", names)
     assert len(rows) == len(names) * 2
     for r in rows:
@@ -361,8 +369,10 @@ def test_three_consumer_forward_compiles(pkg):
         assert 160 in r["setmaxnreg"] and families.PRODUCER_REGS in r["setmaxnreg"], r
         assert r["wgmma"] > 0, r
         assert r["shared"] <= families.shared_bytes(64, 2, 128, 2, 1, 3) <= 232448, r
-    dense = next(r for r in rows if r["variant"] == "fwd_d64_bf16" and r["config"].startswith("192"))
-    assert not dense["wgmma_notes"] and dense["loop_spills"] == 0 and dense["spill_bytes"] <= 32, dense
+    for r in rows:
+        assert not r["wgmma_notes"] and r["loop_spills"] == 0, r
+        # (outside the key loop: the packed forms keep 24-56 bytes of the tile walk's scalars)
+        assert r["spill_bytes"] <= (32 if r["config"].startswith("192") else 64), r
 
 
 def test_wgmma_notes_are_read_from_the_ptxas_log():

@@ -44,6 +44,15 @@ CONSUMERS = 2
 # there: the Philox words and the mods' values need registers the split does not have).
 THREE_CONSUMERS_MAX_HEAD_DIM = 64
 THREE_CONSUMER_REGS = ("160/24",)
+# The masks whose untuned d <= 64 forward (no dropout, no mods) takes three consumers.
+# PROPOSED, not measured: causal joined once its 192-row kernel compiled without key-loop
+# spills (a block on the diagonal masked by one compare an element against a bound a row,
+# the template's ROW_BOUND: 0 stack bytes, 0 LDL/STL, was 136 / 12), but a 192-row causal
+# tile computes 11% / 9% / 2% more scores than a 128-row one at N = 2k / 4k / 16k
+# (docs/PERF_NOTES.md, helper subsection on the causal three-consumer forward). Keep only
+# if benchmarks/fwd_arms_ab.py on the H100 says so; the shipped tuning of the H100 package
+# still picks its own tiles at every length it names.
+THREE_CONSUMER_DEFAULT_MASKS = ("none", "causal")
 
 
 def fwd_consumer_counts(head_dim: int, extras: bool = False) -> tuple:
@@ -271,7 +280,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     while its softmax does not, so taking turns only idles the tensor cores (d=64 N=16k: 466 vs 439 TFLOP/s). A d <= 64 forward
     without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
     the H100, see GLUON_DEFAULT), in 192-row tiles of three consumers that do take turns
-    (THREE_CONSUMER_REGS; +3..+11% over two consumers at N = 2k-16k)."""
+    (THREE_CONSUMER_REGS; +3..+11% over two consumers at N = 2k-16k); so does the causal
+    one (THREE_CONSUMER_DEFAULT_MASKS, proposed), with its key blocks in order."""
     if kind == "bwd":
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
@@ -285,9 +295,10 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         cfg["pingpong"] = False
         if mask == "none" and not mods:
             cfg["diag_first"] = True
-            if 3 in fwd_consumer_counts(head_dim, dropout):
-                cfg.update(block_m=3 * QUERY_ROWS_PER_CONSUMER, regs=THREE_CONSUMER_REGS[0],
-                           pingpong=True)
+        if (mask in THREE_CONSUMER_DEFAULT_MASKS and not mods
+                and 3 in fwd_consumer_counts(head_dim, dropout)):
+            cfg.update(block_m=3 * QUERY_ROWS_PER_CONSUMER, regs=THREE_CONSUMER_REGS[0],
+                       pingpong=True)
     cfg.update(KEY_SPAN_FWD_KNOBS.get(key_span, {}))
     if dropout and head_dim > 64:
         cfg.update(DROPOUT_FWD_KNOBS)

@@ -643,15 +643,23 @@ def _exp2_block(x, POLY_EXP2: gl.constexpr):
 # ----------------------------------------------------------------------------------------
 @gluon.jit
 def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, POLY_EXP2: gl.constexpr,
-                  masked):
+                  ROW_BOUND: gl.constexpr, masked):
     """Online softmax of one [SPLIT_M, BLOCK_N] block of raw scores: (P, new row max, new
-    row sum, the factor that rescales what was accumulated before)."""
+    row sum, the factor that rescales what was accumulated before). ROW_BOUND: a causal
+    band's two upper bounds (the band, the keys' end) as one per row (three consumers)."""
     if masked:
         # this block straddles an edge of the band: hide what the query may not see
         kcols = n0 + cols
-        visible = gl.expand_dims(kcols < N_K, 0)
-        if MASK_RIGHT:
-            visible = visible & (gl.expand_dims(kcols, 0) <= gl.expand_dims(rows + HI_OFF, 1))
+        if ROW_BOUND and MASK_RIGHT:
+            # the band's right edge and the keys' end as one bound a row, one compare an
+            # element (j < N_K and j <= i + HI_OFF is j <= min(i + HI_OFF, N_K - 1)): with
+            # a compare for each, ptxas held every column index of the block across both
+            # passes and spilled at 160 registers
+            visible = gl.expand_dims(kcols, 0) <= gl.expand_dims(gl.minimum(rows + HI_OFF, N_K - 1), 1)
+        else:
+            visible = gl.expand_dims(kcols < N_K, 0)
+            if MASK_RIGHT:
+                visible = visible & (gl.expand_dims(kcols, 0) <= gl.expand_dims(rows + HI_OFF, 1))
         if MASK_LEFT:
             visible = visible & (gl.expand_dims(kcols, 0) >= gl.expand_dims(rows + LO_OFF, 1))
         qk = gl.where(visible, qk, float("-inf"))
@@ -771,6 +779,10 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
     # dtype (32) as soon as nothing in flight still reads the last block's P; with fp32 P
     # carried into the next block beside its S and O, ptxas serialised the wgmmas (C7512)
     EARLY_P: gl.constexpr = NUM_CONSUMERS > 2
+    # and a block that straddles the band's right edge (a causal diagonal, a ragged end)
+    # is masked by one compare an element against a bound a row (_softmax_step): with two,
+    # ptxas spilled in the key loop at 160 registers (causal 136 bytes, 12 LDL/STL a block)
+    ROW_BOUND: gl.constexpr = NUM_CONSUMERS > 2
     nxt: gl.constexpr = (CID + 1) % NUM_CONSUMERS
     o_buf = o_smem.index(CID)
 
@@ -857,7 +869,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             mbarrier.arrive(k_empty.index(s), count=1)
             masked = (n_first < full_lo) | (n_first >= full_hi)
             p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n_first, rows, cols, n_k, lo_off,
-                                               hi_off, qk_scale, POLY_EXP2, masked)
+                                               hi_off, qk_scale, POLY_EXP2, ROW_BOUND, masked)
             if DROPOUT:  # after l_i: the row sum counts every key, O only the kept ones
                 # at global (row, column): Q_POS / KV_POS, a context-parallel piece's starts
                 w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
@@ -897,7 +909,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 mbarrier.arrive(k_empty.index(s), count=1)
                 masked = (n0 < full_lo) | (n0 >= full_hi)
                 p, m_i, l_i, alpha = _softmax_step(qk, m_i, l_i, n0, rows, cols, n_k, lo_off,
-                                                   hi_off, qk_scale, POLY_EXP2, masked)
+                                                   hi_off, qk_scale, POLY_EXP2, ROW_BOUND, masked)
                 if DROPOUT:
                     w0, w1, w2, w3 = _dropout_words(SEED_LO, SEED_HI, RNG_OFFSET, bh, row0 + Q_POS,
                                                     n0 + KV_POS, SPLIT_M, BLOCK_N)
