@@ -43,15 +43,17 @@ CONSUMERS = 2
 # there: the Philox words and the mods' values need registers the split does not have).
 THREE_CONSUMERS_MAX_HEAD_DIM = 64
 THREE_CONSUMER_REGS = ("160/24",)
-# The masks whose untuned d <= 64 forward (no dropout, no mods) takes three consumers.
-# PROPOSED, not measured: causal joined once its 192-row kernel compiled without key-loop
-# spills (a block on the diagonal masked by one compare an element against a bound a row,
-# the template's ROW_BOUND: 0 stack bytes, 0 LDL/STL, was 136 / 12), but a 192-row causal
-# tile computes 11% / 9% / 2% more scores than a 128-row one at N = 2k / 4k / 16k
-# (docs/PERF_NOTES.md, helper subsection on the causal three-consumer forward). Keep only
-# if benchmarks/fwd_arms_ab.py on the H100 says so; the shipped tuning of the H100 package
-# still picks its own tiles at every length it names.
-THREE_CONSUMER_DEFAULT_MASKS = ("none", "causal")
+# The masks whose untuned d <= 64 forward (no dropout, no mods) takes three consumers, and
+# from which length bucket up (None: every length). Causal joined once its 192-row kernel
+# compiled without key-loop spills (a block on the diagonal masked by one compare an
+# element against a bound a row, the template's ROW_BOUND: 0 stack bytes, 0 LDL/STL, was
+# 136 / 12); a 192-row causal tile computes 11% / 9% / 2% more scores than a 128-row one at
+# N = 2k / 4k / 16k, so it pays from 4k: H100, benchmarks/fwd_arms_ab.py (bf16, H=32,
+# B*N=16k, 3 interleaved rounds), 192 rows with ping-pong against the package's tuned
+# two-consumer tiles (192 rows, spilling, at 16k) 385.1 / 387.9 at 2k (0.993x), 433.1 /
+# 418.2 at 4k (1.036x), 510.6 / 481.1 at 16k (1.061x); cuDNN 389.8 / 421.4 / 438.9
+# (docs/PERF_NOTES.md, twenty-fifth session).
+THREE_CONSUMER_DEFAULT_MASKS = {"none": None, "causal": 4096}
 
 
 def fwd_consumer_counts(head_dim: int, extras: bool = False) -> tuple:
@@ -271,7 +273,7 @@ DROPOUT_FWD_KNOBS = {"q_buffers": 2}
 
 def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
                   mods: tuple = (), key_span: str | None = None,
-                  dropout: bool = False) -> dict:
+                  dropout: bool = False, bucket: int | None = None) -> dict:
     """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
     its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS, and dropout at d > 64,
     DROPOUT_FWD_KNOBS). At d <= 64 the forward's
@@ -280,7 +282,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     without a mask or mods walks its key blocks from the last down (diag_first: +6.5% on
     the H100, see GLUON_DEFAULT), in 192-row tiles of three consumers that do take turns
     (THREE_CONSUMER_REGS; +3..+11% over two consumers at N = 2k-16k); so does the causal
-    one (THREE_CONSUMER_DEFAULT_MASKS, proposed), with its key blocks in order."""
+    one from the length bucket THREE_CONSUMER_DEFAULT_MASKS names (`bucket`: the call's;
+    None, no length, keeps two consumers), with its key blocks in order."""
     if kind == "bwd":
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
@@ -294,7 +297,9 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         cfg["pingpong"] = False
         if mask == "none" and not mods:
             cfg["diag_first"] = True
+        min_n = THREE_CONSUMER_DEFAULT_MASKS.get(mask, 0)
         if (mask in THREE_CONSUMER_DEFAULT_MASKS and not mods
+                and (min_n is None or (bucket is not None and bucket >= min_n))
                 and 3 in fwd_consumer_counts(head_dim, dropout)):
             cfg.update(block_m=3 * QUERY_ROWS_PER_CONSUMER, regs=THREE_CONSUMER_REGS[0],
                        pingpong=True)
@@ -304,11 +309,12 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     return cfg
 
 
-def variant_gluon_default(facts: dict) -> dict:
-    """gluon_default for a variant as a package's registry records it (VARIANTS[name])."""
+def variant_gluon_default(facts: dict, bucket: int | None = None) -> dict:
+    """gluon_default for a variant as a package's registry records it (VARIANTS[name]), at
+    a call's length bucket (None: no length)."""
     return gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
                          tuple(facts.get("mods", ())), facts.get("key_span"),
-                         bool(facts.get("dropout")))
+                         bool(facts.get("dropout")), bucket)
 
 
 # The persistent forward's last round, dealt by key block when whole tiles would leave

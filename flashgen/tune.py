@@ -739,7 +739,8 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
         # step, 2 x 64 keys, a 2-deep ring): on Hopper the package's default launch where
         # families.gluon_by_default says so
         gluon_cfg = space.config(families.variant_gluon_default(
-            {**v, "head_dim": space.facts.head_dim, "kind": kind, "mask": v.get("mask")}))
+            {**v, "head_dim": space.facts.head_dim, "kind": kind, "mask": v.get("mask")},
+            bucket))
     gluon_runs = (gluon_cfg is not None and not v.get("mods")
                   and families.gluon_by_default(kind, bool(v.get("dropout")),
                                                 space.facts.head_dim, (), bucket))

@@ -100,13 +100,16 @@ def test_three_consumers_only_where_the_kernel_has_them():
     # a third consumer's Q and O staging: 2 x 64 rows x 64 x 2 bytes more at d=64
     assert families.shared_bytes(64, 2, 128, 2, 1, 3) == families.shared_bytes(64, 2, 128, 2) + 16384
     # the untuned default: the unmasked and causal d=64 forwards without dropout or mods
-    # only (causal: THREE_CONSUMER_DEFAULT_MASKS, proposed), the unmasked one diag_first
-    assert families.gluon_default(64, "fwd", "none") == {**families.gluon_default(64, "fwd", "causal"),
-                                                         "diag_first": True}
-    assert families.gluon_default(64, "fwd", "causal") == {
+    # only (causal from the 4k bucket: THREE_CONSUMER_DEFAULT_MASKS), the unmasked one
+    # diag_first
+    causal4k = families.gluon_default(64, "fwd", "causal", bucket=4096)
+    assert families.gluon_default(64, "fwd", "none") == {**causal4k, "diag_first": True}
+    assert causal4k == families.gluon_default(64, "fwd", "causal", bucket=16384) == {
         **families.gluon_default(64, "fwd", "sliding_window"), "block_m": 192, "regs": "160/24",
         "pingpong": True}
     for other in (families.gluon_default(64, "fwd", "sliding_window"),
+                  families.gluon_default(64, "fwd", "causal"),
+                  families.gluon_default(64, "fwd", "causal", bucket=2048),
                   families.gluon_default(64, "fwd", "causal", dropout=True),
                   families.gluon_default(64, "fwd", "causal", mods=("softcap",)),
                   families.gluon_default(64, "fwd", "none", dropout=True),

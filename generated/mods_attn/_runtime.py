@@ -463,14 +463,14 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
             best = min(tuned, key=lambda b: (abs(math.log2(int(b) / bucket)), int(b)))
             config = tuned[best]
             if gluon and "family" not in config:
-                config = _gluon_default(name)
+                config = _gluon_default(name, bucket)
             elif (config.get("family") == "gluon" and facts["kind"] == "fwd"
                   and "diag_first" not in config):
                 # a forward tuned before the knob existed: the family's default for this
                 # variant (the backward has no such knob)
-                config = {**config, "diag_first": _gluon_default(name)["diag_first"]}
+                config = {**config, "diag_first": _gluon_default(name, bucket)["diag_first"]}
         elif gluon:
-            config = _gluon_default(name)
+            config = _gluon_default(name, bucket)
         else:
             facts = VARIANTS[name]
             plan = _planner.plan(facts["kind"], max(facts["head_dim"], facts.get("v_head_dim", 0)),
@@ -482,9 +482,11 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     return config
 
 
-def _gluon_default(name: str) -> dict:
-    """The Gluon family's untuned config for a variant (_families.gluon_default)."""
-    return _families.variant_gluon_default(VARIANTS[name])
+def _gluon_default(name: str, bucket: "int | None" = None) -> dict:
+    """The Gluon family's untuned config for a variant (_families.gluon_default) at a call's
+    length bucket (None: no length; the causal d <= 64 forward's consumer count depends on
+    it)."""
+    return _families.variant_gluon_default(VARIANTS[name], bucket)
 
 
 def mod_kinds(name: str) -> tuple:
