@@ -60,13 +60,7 @@ TR = "T_doc, T_doc_D0, T_doc_D1"
 PATCHES = [
     # the helpers before the producer
     ("\n@gluon.jit\ndef _producer(", HELPERS),
-    # the producer takes the doc tensor too (its stamps ride past its end)
-    ("""BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K,
-              SEQS, BLOCK_M: gl.constexpr""", """BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K,
-              SEQS, T_doc, T_doc_D0, T_doc_D1, BLOCK_M: gl.constexpr"""),
-    ("""BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN)),""", """BM_SB, BM_SH, PROG_ORDER, CU_Q, CU_K, seqs, T_doc, T_doc_D0,
-                     T_doc_D1, BLOCK_M, BLOCK_N, NUM_BUFFERS, VARLEN)),"""),
+    # (the producer already takes the doc tensor: it stages the mask's per-query ids)
     # producer start (and its SM)
     ('''    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
 ''', f'''    seq_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # VARLEN: a sequence a lane
