@@ -600,8 +600,7 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
                                                device_deal=block_mask)
             # a mask mod's block list at the Gluon tile (BLOCK_M = the consumers' rows),
             # merged into the walk order (_mods._block_lists)
-            sparse = ((name, cfg["block_m"], cfg["block_n"], False)
-                      if mods is not None and mods.block_sparse else None)
+            sparse = _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False)
             return launch, args, _GLUON, lse_shape, scratch, sparse
         cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
@@ -617,9 +616,22 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=False,
                 ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    sparse = ((name, cfg["block_m"], cfg["block_n"], False)
-              if mods is not None and mods.block_sparse else None)
+    sparse = _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False)
     return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch, sparse
+
+
+def _gluon_asked() -> bool:
+    """Whether the Gluon family was asked for (FLASHGEN_FAMILY=gluon,
+    override_config(family="gluon")): the size rule and the varlen switches then yield."""
+    return _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+
+
+def _mask_tile(mods, name: str, block_m: int, block_n: int, transpose: bool):
+    """(variant, BLOCK_M, BLOCK_N, transposed) of the block lists a kernel with a mask mod
+    reads at its tile (_mods.Call.sparse / tl_sparse), None without one."""
+    if mods is None or not mods.block_sparse:
+        return None
+    return (name, block_m, block_n, transpose)
 
 
 def _gluon_too_small(batch, h_q, n_q, n_k, d, mask) -> "str | None":
@@ -627,7 +639,7 @@ def _gluon_too_small(batch, h_q, n_q, n_k, d, mask) -> "str | None":
     the family was asked for (FLASHGEN_FAMILY=gluon, override_config(family="gluon"): the
     tests and the tuner's correctness check)."""
     flops = 4 * batch * h_q * n_q * n_k * d / (2 if mask != "none" else 1)
-    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    asked = _gluon_asked()
     if flops < _families.GLUON_MIN_FLOPS and not asked:
         return "too small for the Gluon kernel's fixed cost"
     return None
@@ -1100,10 +1112,10 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
             if not accumulate:  # the preprocess zeroes the fp32 dQ sum (not yet allocated)
                 pre = _preprocess(name, pre_grid, pre_row64 or _rows_span_past_int32(
                     pre_rows, acc_stride[2], d - 1), zero_dim=d)
-            tiles = None
-            if mods is not None and mods.block_sparse:  # the lists per key block
-                tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
-                                      v.shape[-1]), cfg["block_m"], cfg["block_n"], True)
+            # a mask mod's lists per key block
+            tiles = _mask_tile(mods, variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
+                                                  names, v.shape[-1]),
+                               cfg["block_m"], cfg["block_n"], True)
             # (the plan's acc_shape field holds the dQ sum's strides, locks_shape the
             # descriptors' boxes and layouts, None when the kernel makes its own)
             return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
@@ -1520,7 +1532,7 @@ def _varlen_mods_reason(mods) -> "str | None":
     """Why a packed batch with these mods (a _mods.Call or None) stays on `tl`."""
     if mods is None:
         return None
-    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    asked = _gluon_asked()
     if mods.block_sparse and not VARLEN_GLUON_MASK_MODS and not asked:
         return VARLEN_MODS_REASON
     if not VARLEN_GLUON_MODS and not asked:
@@ -1531,14 +1543,14 @@ def _varlen_mods_reason(mods) -> "str | None":
 def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str | None":
     """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
     (None when it does): the dense rules (a Gluon config, the variant, the device, not too
-    small), TMA-readable packed tensors, some keys, no mask mod (_varlen_mods_reason) and
-    VARLEN_GLUON_FORWARD."""
+    small), the switches for mods (_varlen_mods_reason) and dropout (VARLEN_GLUON_DROPOUT),
+    TMA-readable packed tensors, some keys, and VARLEN_GLUON_FORWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
     reason = _varlen_mods_reason(mods)
     if reason is not None:
         return reason
-    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    asked = _gluon_asked()
     if not VARLEN_GLUON_FORWARD and not asked:
         return "VARLEN_GLUON_FORWARD = False: the Gluon varlen forward runs when asked for"
     reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
@@ -1571,10 +1583,8 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     cfg = launch_config(name, q.device, max(max_q, max_k))
     if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods) is None:
         # a mask mod's block lists at the Gluon tile, one per sequence (Call.packed)
-        sparse = ((name, cfg["block_m"], cfg["block_n"], False)
-                  if mods is not None and mods.block_sparse else None)
         return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
-                sparse)
+                _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))
     cfg = _varlen_config(name, q.device, max_q, max_k)
     grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
     # batch strides 0: the kernels move each program to its sequence's first row
@@ -1589,9 +1599,8 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
                 ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # a mask mod's block lists at this tile: one per sequence (Call.packed)
-    sparse = ((name, cfg["block_m"], cfg["block_n"], False)
-              if mods is not None and mods.block_sparse else None)
-    return Launcher(kernel(name), grid, meta), args, tma, sparse
+    return (Launcher(kernel(name), grid, meta), args, tma,
+            _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))
 
 
 def _varlen_rounds(max_q: int) -> int:
@@ -1680,8 +1689,9 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
     backward with VARLEN=True where the dense call would take the Gluon backward
     (gluon_varlen_backward_reason): one launch, dQ summed in an fp32 buffer; else the `tl`
     kernels' two launches (a dK/dV program per key block of each sequence, a dQ program per
-    query block). `mods`: the forward's packed `_mods.Call` (with its `grad_buffers`), which
-    runs the `tl` kernels; returns D, (H_q, total_q) fp32 (None when nothing ran)."""
+    query block). `mods`: the forward's packed `_mods.Call` (with its `grad_buffers`: a
+    tensor gradient keeps the `tl` kernels, which write it); returns D, (H_q, total_q) fp32
+    (None when nothing ran)."""
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
@@ -1753,7 +1763,7 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
     reason = _varlen_mods_reason(mods)
     if reason is not None:
         return reason
-    asked = _FORCED_FAMILY == "gluon" or _override.get("family") == "gluon"
+    asked = _gluon_asked()
     if not VARLEN_GLUON_BACKWARD and not asked:
         return "VARLEN_GLUON_BACKWARD = False: the Gluon varlen backward runs when asked for"
     if VARIANTS[name]["dropout"] and not VARLEN_GLUON_DROPOUT and not asked:
@@ -1799,10 +1809,10 @@ def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, 
         # (the plan's dq_args field holds the descriptors' boxes: there is no dQ launch)
         launch, args, boxes = _gluon_varlen_backward_plan(name, cfg, q, k, v, do, dk, dv,
                                                           batch, max_k, lo, hi, scale)
-        tiles = None
-        if mods is not None and mods.block_sparse:  # the lists per key block of a sequence
-            tiles = (variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names,
-                                  v.shape[-1]), cfg["block_m"], cfg["block_n"], True)
+        # a mask mod's lists per key block of a sequence
+        tiles = _mask_tile(mods, variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
+                                              names, v.shape[-1]),
+                           cfg["block_m"], cfg["block_n"], True)
         return pre, pre_args, launch, args, None, boxes, tiles, _GLUON
     cfg = _varlen_config(name, q.device, max_q, max_k)
     block_m, block_n = cfg["block_m"], cfg["block_n"]
