@@ -591,6 +591,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
 # program-per-key-block kernel, their counters carried from one item to the next.
 # ----------------------------------------------------------------------------------------
 @gluon.jit
+def _opaque_zero_i32():
+    """0, computed where it is used (the compiler cannot move or fold it)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
 def _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
     """(batch, K/V head, first key row) of work item `item` (_block_coords' PROG_ORDER
     branch for an item rather than a program id)."""
@@ -729,8 +736,6 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     hi_off = HI_OFF
     qcols = gl.arange(0, BLOCK_M, layout=col_s)  # [BLOCK_M]
     d_cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, d_layout))  # [HEAD_DIM_PAD]
-    k_buf = k_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
-    v_buf = v_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
     dq_buf = dq_smem.index(CID)  # [1, 1, BLOCK_M, DQ_COLS] fp32
     # dK and dV leave through this consumer's dQ staging tile and its two dS^T slots (slot
     # CID * 2 + j here, so that they are adjacent), as [1, 1, SPLIT_N, HEAD_DIM_PAD] boxes
@@ -752,6 +757,8 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     while item < total:
         b, kv_h, n_start = _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N)
         db = b
+        k_buf = k_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
+        v_buf = v_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
         keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
         # the mask's per-key loads: this item's keys
         kv_idx0 = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]
@@ -759,7 +766,6 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
         dk = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
         dv = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
         mbarrier.wait(kv_ready, t & 1)
-        first = cnt  # this item's first step
         for g in range(0, KV_GROUP):
             h = kv_h * KV_GROUP + g  # the query head (as the mods see it; the mask's slice)
             n_full, n_steps, bm_row = _block_steps(FULL_CNT, PART_CNT, b, h, BM_SB, BM_SH,
@@ -767,6 +773,12 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
             for i in range(0, n_steps):
                 m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M,
                                    False)
+                # K's and V's slots through an index ptxas cannot see (0): else it kept their
+                # wgmma descriptors for every k-step from one item to the next, 16 64-bit values
+                # that the first consumer spilled and reloaded every step (sm_90 offline)
+                slot = CID + _opaque_zero_i32()
+                k_buf = k_smem.index(slot).reshape([SPLIT_N, HEAD_DIM_PAD])
+                v_buf = v_smem.index(slot).reshape([SPLIT_N, HEAD_DIM_PAD])
                 s = cnt % NUM_BUFFERS
                 ph = (cnt // NUM_BUFFERS) & 1
                 mbarrier.wait(q_full.index(s), ph)
@@ -821,9 +833,9 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
                 j = cnt % 2
                 jph = (cnt // 2) & 1
                 mbarrier.wait(ds_free.index(j), jph ^ 1)  # both read buffer j two steps ago
-                if cnt == first:
-                    # the last key block's dV store reads this consumer's dS^T slots
-                    tma.store_wait(0)
+                # the last item's dV store read this consumer's dS^T slots (else only the last
+                # step's dQ reduce-add is in flight, its read long done)
+                tma.store_wait(0)
                 ds_smem.index(CID * 2 + j).store(ds16)
                 fence_async_shared()
                 gl.thread_barrier()  # the whole warpgroup has stored before the hand-over
@@ -857,8 +869,9 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
         mbarrier.arrive(kv_empty, count=1)
         if desc_dk is not None:
             # every consumer's last dQ product has read this consumer's dS^T slots, and its
-            # own last dQ reduce-add (and the last item's dK / dV stores) its dQ tile
-            if cnt > first:
+            # own last dQ reduce-add (and the last item's dK / dV stores) its dQ tile (an
+            # item without steps waits for the last item's last step again: done)
+            if cnt > 0:
                 mbarrier.wait(ds_free.index((cnt - 1) % 2), ((cnt - 1) // 2) & 1)
             tma.store_wait(0)
             dk_stage.reshape([SPLIT_N, HEAD_DIM_PAD]).store(dk.to(dtype))
