@@ -1310,10 +1310,13 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
         # words (a shared-memory exchange and a barrier a step; an override_config knob,
         # on by default, measured faster: _families.GLUON_BWD_PHILOX_SPLIT)
         meta["PHILOX_SPLIT"] = bool(cfg.get("philox_split", _families.GLUON_BWD_PHILOX_SPLIT))
-    if persistent:  # (only then: the default keeps the program-per-key-block binary's key)
-        meta["PERSISTENT"] = True
+    fn = kernel(name, family="gluon")
+    if persistent or "PERSISTENT" in getattr(fn, "arg_names", ()):
+        # a block mask's kernel: named even when False (its default), since the Launcher's
+        # direct path needs every compile-time argument in the meta
+        meta["PERSISTENT"] = persistent
     boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
-    return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
+    return Launcher(fn, (programs,), meta), boxes
 
 
 def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tuple:

@@ -746,8 +746,6 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
     while item < total:
         b, kv_h, n_start = _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N)
         db = b
-        k_buf = k_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
-        v_buf = v_smem.index(CID).reshape([SPLIT_N, HEAD_DIM_PAD])
         keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
         # the mask's per-key loads: this item's keys
         kv_idx0 = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]
