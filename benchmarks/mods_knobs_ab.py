@@ -12,6 +12,12 @@ causal variant (no mods), Flex with a causal block mask.
     PYTHONPATH=$PWD python benchmarks/mods_knobs_ab.py --kind fwd --cases document \\
         --knobs 'q2={"q_buffers": 2}' 'ovl={"overlap": true}' [--docs 1 4 16] [--rounds 3]
         [--json OUT.json]
+
+The block-mask backward's persistent form (the runtime's GLUON_BWD_PERSISTENT_MASKS, off by
+default) is an arm like any other (a barrier-phase bug would hang: run it under timeout):
+
+    PYTHONPATH=$PWD timeout 900 python benchmarks/mods_knobs_ab.py --kind bwd --d 128 \\
+        --cases document prefix_lm window_sinks --knobs 'pers={"persistent_bwd": true}'
 """
 from __future__ import annotations
 

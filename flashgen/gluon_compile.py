@@ -115,10 +115,13 @@ def _key_loop_spills(cubin: bytes) -> int | None:
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
-                    mod_types: dict | None = None, varlen: bool = False) -> GluonResources:
+                    mod_types: dict | None = None, varlen: bool = False,
+                    persistent: bool = False) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
     the signature types of the variant's mod arguments, see mod_arg_types; varlen: the
-    packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one)."""
+    packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one; persistent:
+    a block-mask backward's PERSISTENT form, its WORK counter an int32 pointer -- the
+    runtime's GLUON_BWD_PERSISTENT_MASKS -- else WORK is None, as the runtime passes it)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -145,6 +148,13 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      HOST_DESC=True, VARLEN=varlen)
         if varlen and "PROG_ORDER" in fn.arg_names:  # a packed batch's walk is its own
             const["PROG_ORDER"] = None
+        if "WORK" in fn.arg_names:  # a block mask's: the persistent form's work counter
+            if persistent:
+                const["PERSISTENT"] = True
+            else:
+                const.update(PERSISTENT=False, WORK=None)
+        elif persistent:
+            raise ValueError(f"{name}: only a block-mask backward has a persistent form")
         if "PHILOX_SPLIT" in fn.arg_names:  # a dropout variant
             const["PHILOX_SPLIT"] = bool(config.get("philox_split", families.GLUON_BWD_PHILOX_SPLIT))
         # what the runtime launches: TMA descriptors made on the host (VARLEN: LSE and D
@@ -161,6 +171,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         else:  # the runtime stores them through host-made descriptors
             boxes.update(DK_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
                          DV_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype))
+        if persistent:
+            pointers["WORK"] = "i32"
         if varlen:
             pointers.update(LSE="fp32", DELTA="fp32")
         else:
@@ -242,6 +254,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         f" poly-exp2 1/{config['poly_exp2']}" if config.get("poly_exp2") else "") + (
         " stream-k" if const.get("STREAM_K") else "") + (
         " philox-split" if const.get("PHILOX_SPLIT") else "") + (
+        " persistent" if const.get("PERSISTENT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
     return GluonResources(

@@ -299,21 +299,26 @@ def _bwd_plan_kinds(pkg):
 
 
 def _gpu_check(pkg, mods, kw, *, causal, b, n_q, n_k, h, h_kv, d, dtype, score=None,
-               mask=None, sink=None, dead_rows=None):
+               mask=None, sink=None, dead_rows=None, knobs=None):
     """dq, dk, dv (and the sink's gradient) of the Gluon backward against float64
     autograd through test_mods.reference; NaN fails; `dead_rows` (batch, rows) see no key
-    and must get exactly zero dq."""
+    and must get exactly zero dq. knobs: config keys for override_config (persistent_bwd:
+    the persistent form must be what ran). Returns (dq, dk, dv)."""
+    knobs = dict(knobs or {})
     g = torch.Generator().manual_seed(7)
     q = torch.randn(b, n_q, h, d, generator=g).cuda().to(dtype).requires_grad_()
     k = torch.randn(b, n_k, h_kv, d, generator=g).cuda().to(dtype).requires_grad_()
     v = torch.randn(b, n_k, h_kv, d, generator=g).cuda().to(dtype).requires_grad_()
     rt = pkg._runtime
     rt._backward_plans.clear()
-    with rt.override_config(family="gluon"):
+    with rt.override_config(family="gluon", **knobs):
         out = pkg.flash_attn_func(q, k, v, causal=causal, mods=mods, **kw)
         dout = torch.randn(out.shape, generator=g).cuda().to(dtype)
         out.backward(dout)
         assert _bwd_plan_kinds(pkg) == {"gluon"}, "the Gluon backward did not run"
+        persistent = {p[10] == rt._BWD_PERSISTENT for p in rt._backward_plans.values()
+                      if p is not None}
+        assert persistent == {bool(knobs.get("persistent_bwd", rt.GLUON_BWD_PERSISTENT_MASKS))}
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     sink_leaf = None
     if sink is not None:
@@ -330,6 +335,7 @@ def _gpu_check(pkg, mods, kw, *, causal, b, n_q, n_k, h, h_kv, d, dtype, score=N
     if dead_rows is not None:
         bi, rows = dead_rows
         assert torch.equal(q.grad[bi, rows], torch.zeros_like(q.grad[bi, rows]))
+    return q.grad, k.grad, v.grad
 
 
 def _skip_unless_hopper():
@@ -426,3 +432,185 @@ def test_gluon_sink_logits_backward(pkg, poison):
     sinks.requires_grad_()
     _gpu_check(pkg, ("sink_logits",), {"sinks": sinks}, causal=True, b=3, n_q=257, n_k=257,
                h=8, h_kv=2, d=128, dtype=torch.bfloat16, sink="sinks")
+
+
+# ---------------------------------------------------------------------------------------
+# the persistent form of the block-mask backward (GLUON_BWD_PERSISTENT_MASKS, off by
+# default; a DRAFT that no GPU had run when it was written)
+# ---------------------------------------------------------------------------------------
+def test_persistent_backward_is_off_by_default(pkg):
+    assert pkg._runtime.GLUON_BWD_PERSISTENT_MASKS is False
+    assert families.GLUON_BWD_DEFAULT.get("persistent_bwd") is None
+
+
+@pytest.mark.parametrize("knobs, persistent, grid", [
+    ({}, False, None),
+    ({"persistent_bwd": True, "persistent_bwd_programs": 7}, True, 7),
+    ({"persistent_bwd": True, "persistent_bwd_programs": 1000}, True, None),
+], ids=["default", "seven-programs", "capped-at-the-key-blocks"])
+def test_persistent_backward_launch(pkg, monkeypatch, knobs, persistent, grid):
+    """The persistent form is a launch of the same kernel with PERSISTENT=True on fewer
+    programs (never more than the key blocks) and a zeroed int32 counter as WORK; off (the
+    default), WORK is None and the meta has no PERSISTENT (the program-per-key-block
+    binary). A variant without a block mask has no persistent form."""
+    rt, rec = _wired(pkg, monkeypatch)
+    b, n, h, h_kv, d = 2, 300, 4, 2, 128
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(b, n, h, d, generator=g, dtype=torch.bfloat16).requires_grad_()
+    k, v = (torch.randn(b, n, h_kv, d, generator=g, dtype=torch.bfloat16).requires_grad_()
+            for _ in range(2))
+    doc = documents(b, n, "cpu")
+    out = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+    with rt.override_config(family="gluon", **knobs):
+        out.backward(torch.randn_like(out))
+    assert len(rec.calls) == 1
+    (programs, _, _), args, meta = rec.calls[0]
+    name = _bwd_name(("document",), True)
+    params = _runtime_params(_kernel_text(pkg, name), name)
+    assert len(args) == len(params) and params[-1] == "WORK"
+    items = b * h_kv * -(-n // meta["BLOCK_N"])
+    work = args[-1]
+    if persistent:
+        assert meta["PERSISTENT"] is True
+        assert programs == (grid if grid is not None else items)
+        assert work.dtype == torch.int32 and work.shape == (1, ) and int(work) == 0
+    else:
+        assert not meta.get("PERSISTENT", False) and programs == items and work is None
+    # a score mod alone: no block mask, no persistent form, whatever the knob
+    rec.calls.clear()
+    out = pkg.flash_attn_func(q, k, v, causal=True, mods=("softcap",), cap=20.0)
+    with rt.override_config(family="gluon", **knobs):
+        out.backward(torch.randn_like(out))
+    (programs, _, _), args, meta = rec.calls[0]
+    assert "PERSISTENT" not in meta and "WORK" not in _runtime_params(
+        _kernel_text(pkg, _bwd_name(("softcap",), True)), _bwd_name(("softcap",), True))
+
+
+_PERSISTENT_COMPILE = r"""
+import importlib, json, sys
+from pathlib import Path
+from flashgen import families, gluon_compile
+from flashgen.offline import mod_arg_types
+pkg = Path(sys.argv[1])
+sys.path.insert(0, str(pkg.parent))
+registry = importlib.import_module(f"{pkg.name}._registry")
+rows = []
+for name in sys.argv[2].split(","):
+    facts = registry.VARIANTS[name]
+    module = importlib.import_module(f"{pkg.name}.kernels.gluon.{name}")
+    r = gluon_compile.compile_variant(module, name, facts["head_dim"], facts["dtype"],
+                                      {**families.variant_gluon_default(facts), "kind": "bwd"},
+                                      mod_arg_types(registry, name)[0], persistent=True)
+    rows.append(r.__dict__)
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
+def test_persistent_block_mask_backwards_compile_for_sm90(pkg):
+    """The persistent form compiles for sm_90 into the design (wgmma, the 240/24 split,
+    within 227 KiB: its item slots and barriers add ~200 B to the program-per-key-block
+    kernel's shared memory), at most PERSISTENT_STACK bytes of stack."""
+    names = ["bwd_causal_document_d128_bf16", "bwd_causal_document_d64_bf16",
+             "bwd_prefix_lm_d128_bf16", "bwd_prefix_lm_d64_bf16", "bwd_window_sinks_d128_bf16"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _PERSISTENT_COMPILE,
+                          str(Path(pkg.__file__).parent), ",".join(names)],
+                         capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = {r["variant"]: r for r in json.loads(out.stdout.strip().splitlines()[-1])}
+    assert set(rows) == set(names)
+    for name, r in rows.items():
+        assert "persistent" in r["config"], r
+        assert r["wgmma"] > 0 and r["shared"] <= 232448, r
+        assert families.CONSUMER_REGS in r["setmaxnreg"], r
+        assert families.PRODUCER_REGS in r["setmaxnreg"], r
+        assert r["spill_bytes"] <= PERSISTENT_STACK[name], r
+
+
+# measured with Triton 3.6.0 (stack bytes; the program-per-key-block kernels': document d128
+# 96, d64 128, prefix-LM d128 104, d64 184, window+sinks d128 104)
+PERSISTENT_STACK = {
+    "bwd_causal_document_d128_bf16": 96,  # 88
+    "bwd_causal_document_d64_bf16": 168,  # 160
+    "bwd_prefix_lm_d128_bf16": 128,  # 120
+    "bwd_prefix_lm_d64_bf16": 200,  # 192
+    "bwd_window_sinks_d128_bf16": 96,  # 88
+}
+
+
+def _persistent_cases():
+    """(id, mods, kwargs maker, causal, b, n, h, h_kv, d, dtype, mask maker): odd lengths,
+    GQA and MQA, both head dims."""
+    def doc_kw(b, n):
+        return {"doc": documents(b, n, "cuda")}
+
+    def doc_mask(kw):
+        dd = kw["doc"].cpu().long()
+        return lambda b, h, i, j: dd[b, i] == dd[b, j]
+
+    def prefix_kw(b, n):
+        return {"prefix_len": torch.tensor([5, 200, 90][:b], dtype=torch.int32, device="cuda")}
+
+    def prefix_mask(kw):
+        p = kw["prefix_len"].cpu().long()
+        return lambda b, h, i, j: (j < p[b]) | (j <= i)
+
+    def window_kw(b, n):
+        return {"sinks": 4, "window": 100}
+
+    def window_mask(kw):
+        return lambda b, h, i, j: (j <= i) & ((j < 4) | (i - j <= 100))
+
+    return [
+        pytest.param(("document",), doc_kw, True, 3, 257, 8, 2, 128, torch.bfloat16, doc_mask,
+                     id="document-257-gqa4-d128"),
+        pytest.param(("document",), doc_kw, True, 3, 1000, 4, 1, 64, torch.float16, doc_mask,
+                     id="document-1000-mqa-d64"),
+        pytest.param(("prefix_lm",), prefix_kw, False, 3, 257, 8, 2, 128, torch.bfloat16,
+                     prefix_mask, id="prefix-257-gqa4-d128"),
+        pytest.param(("prefix_lm",), prefix_kw, False, 2, 1031, 4, 4, 64, torch.bfloat16,
+                     prefix_mask, id="prefix-1031-d64"),
+        pytest.param(("window_sinks",), window_kw, False, 2, 1031, 8, 2, 128, torch.bfloat16,
+                     window_mask, id="window-sinks-1031-gqa4-d128"),
+        pytest.param(("window_sinks",), window_kw, False, 2, 777, 4, 2, 64, torch.float16,
+                     window_mask, id="window-sinks-777-gqa2-d64"),
+    ]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mods, make_kw, causal, b, n, h, hkv, d, dt, make_mask",
+                         _persistent_cases())
+@pytest.mark.parametrize("programs", [3, None], ids=["3-programs", "one-per-sm"])
+def test_gluon_persistent_block_mask_backward(pkg, poison, mods, make_kw, causal, b, n, h, hkv,
+                                              d, dt, make_mask, programs):
+    """The persistent form against float64, and against the program-per-key-block kernel:
+    dK and dV sum the same steps in the same order (to rounding), dQ's reduce-adds land in
+    another order. With 3 programs each walks many key blocks (the counter, the item slots,
+    K/V loaded under the last epilogue); one per SM is what the runtime launches. Run it
+    under `timeout`: a barrier-phase bug hangs rather than fails."""
+    _skip_unless_hopper()
+    kw = make_kw(b, n)
+    knobs = {"persistent_bwd": True}
+    if programs is not None:
+        knobs["persistent_bwd_programs"] = programs
+    common = dict(causal=causal, b=b, n_q=n, n_k=n, h=h, h_kv=hkv, d=d, dtype=dt,
+                  mask=make_mask(kw))
+    got = _gpu_check(pkg, mods, kw, knobs=knobs, **common)
+    want = _gpu_check(pkg, mods, kw, **common)
+    for name, x, y in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(x, y, atol=1e-6 if name != "dq" else 2e-3, rtol=2 ** -7,
+                                   msg=lambda m: f"{name} vs the program-per-key-block kernel: {m}")
+
+
+@pytest.mark.gpu
+def test_gluon_persistent_backward_by_the_switch(pkg, poison, monkeypatch):
+    """GLUON_BWD_PERSISTENT_MASKS = True alone sends a block mask's backward to the
+    persistent form (one program per SM)."""
+    _skip_unless_hopper()
+    monkeypatch.setattr(pkg._runtime, "GLUON_BWD_PERSISTENT_MASKS", True)
+    doc = documents(2, 2048 + 77, "cuda", seed=5)
+    dd = doc.cpu().long()
+    _gpu_check(pkg, ("document",), {"doc": doc}, causal=True, b=2, n_q=2048 + 77,
+               n_k=2048 + 77, h=4, h_kv=2, d=128, dtype=torch.bfloat16,
+               mask=lambda b, h, i, j: dd[b, i] == dd[b, j])

@@ -1056,10 +1056,15 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         # a dropout variant takes the forward's stream as the Gluon forward does
         # (_gluon_dropout_args) and, without mods, its (Q_POS, KV_POS); with mods Call.args
         # carries them
+        # a block mask's persistent form (the plan's tma field, GLUON_BWD_PERSISTENT_MASKS)
+        # takes its key blocks from a counter zeroed here, per call (no sync); else WORK is
+        # None
+        work = (torch.zeros(1, device=q.device, dtype=torch.int32)
+                if tma == _BWD_PERSISTENT else None)
         dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
              *(mods.args if mods is not None else drop_pos),
              *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1])
-               + mods.extents(*tiles[1:3])[:1] if tiles else ()))
+               + mods.extents(*tiles[1:3])[:1] + (work,) if tiles else ()))
         if dq_accum is None:
             dq.copy_(dq_acc)
         return delta[..., :n_q]
@@ -1107,19 +1112,22 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
     if cfg.get("family") == "gluon":
         why = gluon_backward_reason(name, q, k, v, do, mask, mods)
         if why is None:
-            launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
-                                                                   lo, hi, scale, name)
-            if not accumulate:  # the preprocess zeroes the fp32 dQ sum (not yet allocated)
-                pre = _preprocess(name, pre_grid, pre_row64 or _rows_span_past_int32(
-                    pre_rows, acc_stride[2], d - 1), zero_dim=d)
             # a mask mod's lists per key block
             tiles = _mask_tile(mods, variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
                                                   names, v.shape[-1]),
                                cfg["block_m"], cfg["block_n"], True)
+            persistent = tiles is not None and _gluon_bwd_persistent(cfg)
+            launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
+                                                                   lo, hi, scale, name,
+                                                                   persistent)
+            if not accumulate:  # the preprocess zeroes the fp32 dQ sum (not yet allocated)
+                pre = _preprocess(name, pre_grid, pre_row64 or _rows_span_past_int32(
+                    pre_rows, acc_stride[2], d - 1), zero_dim=d)
             # (the plan's acc_shape field holds the dQ sum's strides, locks_shape the
-            # descriptors' boxes and layouts, None when the kernel makes its own)
+            # descriptors' boxes and layouts, None when the kernel makes its own, and tma
+            # whether it is the persistent form: _BWD_PERSISTENT)
             return (pre, pre_args, launch, args, None, (), (batch, h_q, n_q), _BWD_GLUON,
-                    acc_stride, boxes, True, tiles)
+                    acc_stride, boxes, _BWD_PERSISTENT if persistent else True, tiles)
         cfg = PLANNED[name]  # the `tl` kernels at the planner's tiles serve this call
     block_m, block_n = cfg["block_m"], cfg["block_n"]
     fused = _FUSED_DQ_MODES.get(cfg.get("fused_dq", False))
@@ -1174,6 +1182,37 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
 
 
 _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics
+_BWD_PERSISTENT = "persistent"  # a Gluon plan's `tma` field: the persistent block-mask form
+
+# The block-mask Gluon backward's persistent form (DRAFT, not yet run on a GPU; off by
+# default; on per call with override_config(persistent_bwd=True)): a grid of
+# GLUON_BWD_PERSISTENT_PER_SM programs an SM (at most one per key block), each taking key
+# blocks in _mods._program_order's sequence from a device counter -- the first one its
+# program id, then grid + the counter's next value -- so that the next key block's K and V,
+# and its first Q and dO blocks, load under the last one's dK / dV epilogue (issue 16: a
+# document mask's programs are ~35-40 us, of which ~7 us a launch gap, the K/V wait and
+# the epilogue; twentieth session). Dense batches only: a packed batch keeps a program per
+# key block. The kernel's shared memory (~199 KB at the default tiles) fits one program an
+# SM.
+GLUON_BWD_PERSISTENT_MASKS = False
+GLUON_BWD_PERSISTENT_PER_SM = 1
+
+
+def _gluon_bwd_persistent(cfg) -> bool:
+    """Whether a block-mask Gluon backward at config `cfg` runs persistent: the config key
+    `persistent_bwd` (override_config, A/B arms), else GLUON_BWD_PERSISTENT_MASKS."""
+    return bool(cfg.get("persistent_bwd", GLUON_BWD_PERSISTENT_MASKS))
+
+
+def _gluon_bwd_persistent_grid(cfg, device, items: int) -> int:
+    """Programs of the persistent Gluon backward over `items` key blocks: config key
+    `persistent_bwd_programs` (tests: a few programs walking many items), else
+    GLUON_BWD_PERSISTENT_PER_SM x the GPU's SMs; never more than the items."""
+    programs = cfg.get("persistent_bwd_programs")
+    if programs is None:
+        programs = (GLUON_BWD_PERSISTENT_PER_SM * gpu_key(device)[2] if device.type == "cuda"
+                    else items)
+    return max(1, min(items, int(programs)))
 
 
 def gluon_backward_reason(name, q, k, v, do, mask, mods=None) -> "str | None":
@@ -1206,16 +1245,19 @@ def _vec_row(n_q: int) -> int:
 GLUON_BWD_HOST_DESCRIPTORS = True
 
 
-def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name):
+def _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv, lo, hi, scale, name, persistent=False):
     """(Launcher, run-time arguments, descriptor boxes, the dQ sum's strides) of the Gluon
     dK/dV/dQ kernel for one call signature (the preprocess launch is the `tl` family's).
     The boxes: what _gluon_bwd_descriptors needs, None when the kernel makes its own
-    descriptors."""
+    descriptors. persistent: a block mask's PERSISTENT form (_gluon_bwd_persistent_grid's
+    programs)."""
     batch, h_q, n_q, d = q.shape
     h_kv, n_k = k.shape[1], k.shape[2]
     num_n = triton_cdiv(n_k, cfg["block_n"])
-    launch, boxes = _gluon_backward_launcher(name, cfg, q.dtype, d, batch * h_kv * num_n,
-                                             varlen=False)
+    items = batch * h_kv * num_n
+    launch, boxes = _gluon_backward_launcher(
+        name, cfg, q.dtype, d, _gluon_bwd_persistent_grid(cfg, q.device, items) if persistent
+        else items, varlen=False, persistent=persistent)
     # the dQ sum takes dQ's layout (as empty_like lays it out), so that its conversion
     # into dQ streams in order; a caller's fp32 sum (dq_accum, passed as dq) keeps its own
     acc_stride = (dq.stride() if dq.dtype != q.dtype  # only a caller's fp32 sum differs
@@ -1250,11 +1292,13 @@ def _gluon_bwd_head_group(cfg, name, q, kv_heads: int, num_n: int) -> int:
     return _families.bwd_head_group(kv_heads, num_n, gpu_key(q.device)[2])
 
 
-def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
+def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
+                             persistent: bool = False):
     """(Launcher, descriptor boxes) of a Gluon backward (dense or VARLEN) at config `cfg`
     over `programs` key blocks: its compile-time meta and its grid (a program per key
-    block). The boxes and layouts are what the host's descriptors need, None when the
-    kernel makes its own (GLUON_BWD_HOST_DESCRIPTORS)."""
+    block; persistent: `programs` programs taking the key blocks from a counter). The
+    boxes and layouts are what the host's descriptors need, None when the kernel makes its
+    own (GLUON_BWD_HOST_DESCRIPTORS)."""
     from triton.experimental.gluon import language as gl
 
     d_pad = _families.head_dim_pad(d)
@@ -1278,8 +1322,13 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool):
         # words (a shared-memory exchange and a barrier a step; an override_config knob,
         # on by default, measured faster: _families.GLUON_BWD_PHILOX_SPLIT)
         meta["PHILOX_SPLIT"] = bool(cfg.get("philox_split", _families.GLUON_BWD_PHILOX_SPLIT))
+    fn = kernel(name, family="gluon")
+    if persistent or "PERSISTENT" in getattr(fn, "arg_names", ()):
+        # a block mask's kernel: named even when False (its default), since the Launcher's
+        # direct path needs every compile-time argument in the meta
+        meta["PERSISTENT"] = persistent
     boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
-    return Launcher(kernel(name, family="gluon"), (programs,), meta), boxes
+    return Launcher(fn, (programs,), meta), boxes
 
 
 def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv) -> tuple:
@@ -1728,8 +1777,9 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
             _descriptor_allocator()
             q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
         # a mask mod's lists per sequence, transposed; no PROG_ORDER (the walk is the
-        # kernel's own, _varlen_block); the rows' width (BM_NQB)
-        lists = ((*mods.sparse(*tiles, lo, hi), None, mods.extents(*tiles[1:3])[0])
+        # kernel's own, _varlen_block); the rows' width (BM_NQB); no WORK (a packed batch
+        # has no persistent form)
+        lists = ((*mods.sparse(*tiles, lo, hi), None, mods.extents(*tiles[1:3])[0], None)
                  if tiles else ())
         # dropout: the forward's stream (_gluon_dropout_args) and, without mods, (Q_POS,
         # KV_POS) = (0, 0): each sequence draws from its own row 0 (Call.args with mods)

@@ -592,6 +592,333 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
 
 
 # ----------------------------------------------------------------------------------------
+# PERSISTENT (a block mask, dense batches; the runtime's GLUON_BWD_PERSISTENT_MASKS, off by
+# default): a grid of about one program per SM, each taking key blocks -- work items, in
+# PROG_ORDER's sequence -- until none is left: program p first takes item p, then items
+# grid + (a device counter's next value), so that an SM that finishes early takes the next
+# item (a static deal of the longest-first order lost to the hardware's own dispatch,
+# twentieth session). The producer claims the items and hands each to the consumers through
+# a two-slot shared-memory ring (item_full / item_empty), so every partition walks the same
+# sequence. A key block's dK and dV leave through the consumer's own dS^T slots and dQ
+# staging tile rather than its K and V slots, so the next item's K and V (kv_empty: every
+# consumer's last dQ product of this one is done) and its first Q and dO blocks load under
+# the epilogue. The Q/dO ring, the dS^T hand-over and the dQ reduce-adds run as in the
+# program-per-key-block kernel, their counters carried from one item to the next.
+# ----------------------------------------------------------------------------------------
+@gluon.jit
+def _opaque_zero_i32():
+    """0, computed where it is used (the compiler cannot move or fold it)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
+    """(batch, K/V head, first key row) of work item `item` (_block_coords' PROG_ORDER
+    branch for an item rather than a program id)."""
+    o = gl.load(PROG_ORDER + item)
+    bkv = o // NUM_N
+    return bkv // H_KV, bkv % H_KV, (o % NUM_N) * BLOCK_N
+
+
+@gluon.jit
+def _claim(WORK, layout: gl.constexpr):
+    """The counter's next value: lane 0 of the producer's warp adds 1 (relaxed: the items
+    need no order beyond their indices), a shuffle hands every lane the old value."""
+    at = WORK + gl.zeros([1], gl.int32, layout=layout)  # [1]: the same address every lane
+    old = gl.inline_asm_elementwise(
+        "{ .reg .pred p; .reg .b32 l; mov.u32 $0, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
+        "@p atom.global.add.u32 $0, [$1], 1; shfl.sync.idx.b32 $0, $0, 0, 0x1f, 0xffffffff; }",
+        "=r,l", [at], dtype=gl.int32, is_pure=False, pack=1)
+    return gl.max(old, axis=0)
+
+
+@gluon.jit
+def _publish(item_smem, item_full, item_empty, item, t, layout: gl.constexpr):
+    """The producer hands the t-th item of this program to the consumers (slot t % 2)."""
+    s = t % 2
+    mbarrier.wait(item_empty.index(s), ((t // 2) & 1) ^ 1)
+    item_smem.index(s).store(gl.full([1], item, gl.int32, layout=layout))
+    gl.thread_barrier()  # the store before the arrival that publishes it
+    mbarrier.arrive(item_full.index(s), count=1)
+
+
+@gluon.jit
+def _take(item_smem, item_full, item_empty, t, layout: gl.constexpr):
+    """A consumer reads the t-th item of this program (_publish's) and frees its slot."""
+    s = t % 2
+    mbarrier.wait(item_full.index(s), (t // 2) & 1)
+    item = gl.max(item_smem.index(s).load(layout), axis=0)
+    gl.thread_barrier()  # every warp has read the slot before it is handed back
+    mbarrier.arrive(item_empty.index(s), count=1)
+    return item
+
+
+@gluon.jit
+def _producer_persistent(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                         k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, kv_empty,
+                         item_smem, item_full, item_empty, q_full, q_empty, do_full, do_empty,
+                         N_Q, N_K, H_KV, KV_GROUP, NUM_N, VEC_ROW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, WORK, SEQS,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_BUFFERS: gl.constexpr):
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])  # a scalar, every lane a copy
+    # the mask's per-query loads: a lane's rows of the block
+    mq_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    mq_rows = gl.arange(0, BLOCK_M, layout=mq_layout)
+    total = SEQS * H_KV * NUM_N  # work items: key blocks of every (batch, K/V head)
+    item = gl.program_id(0)
+    t = 0  # items of this program so far: kv_ready / kv_empty phase t & 1
+    cnt = 0  # query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
+    _publish(item_smem, item_full, item_empty, item, t, one)
+    while item < total:
+        b, kv_h, n_start = _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N)
+        if t > 0:
+            # every consumer's last dQ product of the previous item has read the K slots
+            # (its dK and dV leave through other slots, under these loads)
+            mbarrier.wait(kv_empty, (t - 1) & 1)
+        mbarrier.expect(kv_ready, 2 * NUM_CONSUMERS * desc_k.block_type.nbytes)
+        for c in gl.static_range(NUM_CONSUMERS):
+            tma.async_copy_global_to_shared(desc_k, [b, kv_h, n_start + c * SPLIT_N, 0],
+                                            kv_ready, k_smem.index(c))
+            tma.async_copy_global_to_shared(desc_v, [b, kv_h, n_start + c * SPLIT_N, 0],
+                                            kv_ready, v_smem.index(c))
+        for g in range(0, KV_GROUP):
+            h = kv_h * KV_GROUP + g  # GQA: the query heads that share this K/V head
+            row0 = (b * (H_KV * KV_GROUP) + h) * VEC_ROW  # this head's first row of LSE and D
+            n_full, n_steps, bm_row = _block_steps(FULL_CNT, PART_CNT, b, h, BM_SB, BM_SH, NUM_N,
+                                                   n_start, N_K, BLOCK_N, False)
+            for i in range(0, n_steps):
+                m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M,
+                                   False)
+                s = cnt % NUM_BUFFERS
+                ph = (cnt // NUM_BUFFERS) & 1
+                # Q with its rows' LSE, dO with their D: the consumers read both vectors from
+                # shared memory when they need them rather than hold them in registers from
+                # the start of the step (at d=128 that spilled). A box running past N_Q reads
+                # padding or the next head's rows; the consumers mask them.
+                # the mask's per-query loads of this block (a partial block's consumers read
+                # them from the slot, not from global memory after their S^T wait), issued
+                # before the wait so that their latency hides behind it
+                pq_idx = m0 + Q_POS + mq_rows  # [BLOCK_M]
+                mqv0 = (gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(pq_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)).to(gl.int32)
+                mbarrier.wait(q_empty.index(s), ph ^ 1)
+                MQ_SMEM0.index(s).store(mqv0)
+                gl.thread_barrier()  # every lane's store before the arrival that publishes it
+                mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_full.index(s), q_smem.index(s))
+                tma.async_copy_global_to_shared(desc_lse, [row0 + m0], q_full.index(s), lse_smem.index(s))
+                mbarrier.wait(do_empty.index(s), ph ^ 1)
+                mbarrier.expect(do_full.index(s), desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_do, [b, h, m0, 0], do_full.index(s), do_smem.index(s))
+                tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(s), delta_smem.index(s))
+                cnt += 1
+        # the next item, claimed once this one's loads are issued (the consumers have a
+        # couple of steps left: the atomic's round trip hides behind them)
+        item = gl.num_programs(0) + _claim(WORK, one)
+        t += 1
+        _publish(item_smem, item_full, item_empty, item, t, one)
+
+
+@gluon.jit
+def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem,
+                         dq_smem, desc_dq, desc_dk, desc_dv, kv_ready, kv_empty, item_smem,
+                         item_full, item_empty, q_full, q_empty, do_full, do_empty, ds_ready,
+                         ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                         stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2, SCALE,
+                         LO_OFF, HI_OFF, NUM_N, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, SEQS,
+                         CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         NUM_BUFFERS: gl.constexpr):
+    # (the layouts of _consumer)
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    d_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM_PAD, 16])
+    q_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DQ_COLS, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=d_layout, k_width=2)
+    col_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # along the query rows of S^T
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)  # along its keys
+    dtype: gl.constexpr = q_smem.dtype
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # a scalar, every thread a copy
+
+    total = SEQS * H_KV * NUM_N
+    # a dense batch: the names the steps read (_program's dense branch)
+    q0 = 0
+    k0 = 0
+    n_q = N_Q
+    n_k = N_K
+    lo_off = LO_OFF
+    hi_off = HI_OFF
+    qcols = gl.arange(0, BLOCK_M, layout=col_s)  # [BLOCK_M]
+    d_cols = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, d_layout))  # [HEAD_DIM_PAD]
+    dq_buf = dq_smem.index(CID)  # [1, 1, BLOCK_M, DQ_COLS] fp32
+    # dK and dV leave through this consumer's dQ staging tile and its two dS^T slots (slot
+    # CID * 2 + j here, so that they are adjacent), as [1, 1, SPLIT_N, HEAD_DIM_PAD] boxes
+    # in K's layout: 4 BLOCK_M HEAD_DIM_PAD bytes of dQ tiles hold BLOCK_M // 32 boxes, the
+    # dS^T slots 2 NUM_CONSUMERS BLOCK_M // HEAD_DIM_PAD
+    gl.static_assert(BLOCK_M % (32 * NUM_CONSUMERS) == 0, "a dK box per consumer's dQ tile")
+    gl.static_assert((2 * BLOCK_M) % HEAD_DIM_PAD == 0, "a dV box per consumer's dS^T slots")
+    dk_stage = dq_smem._reinterpret(dtype, [BLOCK_M // 32, 1, 1, SPLIT_N, HEAD_DIM_PAD],
+                                    k_smem.layout).index(CID * (BLOCK_M // (32 * NUM_CONSUMERS)))
+    dv_stage = ds_smem._reinterpret(dtype, [2 * NUM_CONSUMERS * BLOCK_M // HEAD_DIM_PAD, 1, 1,
+                                            SPLIT_N, HEAD_DIM_PAD],
+                                    k_smem.layout).index(CID * (2 * BLOCK_M // HEAD_DIM_PAD))
+    zero_s = gl.zeros([SPLIT_N, BLOCK_M], gl.float32, layout=s_layout)
+    zero_q = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, layout=q_layout)
+
+    cnt = 0  # steps so far, every item: the Q/dO ring's and the dS^T buffers' counter
+    t = 0  # items so far
+    item = _take(item_smem, item_full, item_empty, t, one)
+    while item < total:
+        b, kv_h, n_start = _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N)
+        db = b
+        keys = n_start + CID * SPLIT_N + gl.arange(0, SPLIT_N, layout=row_s)  # [SPLIT_N]
+        # the mask's per-key loads: this item's keys
+        kv_idx0 = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]
+        mkv0 = gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(kv_idx0, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)
+        dk = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
+        dv = gl.zeros([SPLIT_N, HEAD_DIM_PAD], gl.float32, layout=d_layout)
+        mbarrier.wait(kv_ready, t & 1)
+        for g in range(0, KV_GROUP):
+            h = kv_h * KV_GROUP + g  # the query head (as the mods see it; the mask's slice)
+            n_full, n_steps, bm_row = _block_steps(FULL_CNT, PART_CNT, b, h, BM_SB, BM_SH,
+                                                   NUM_N, n_start, n_k, BLOCK_N, False)
+            for i in range(0, n_steps):
+                m0 = _listed_block(FULL_IDX, PART_IDX, bm_row, i, n_full, N_Q, BM_NQB, BLOCK_M,
+                                   False)
+                # K's and V's slots through an index ptxas cannot see (0): else it kept their
+                # wgmma descriptors for every k-step from one item to the next, 16 64-bit values
+                # that the first consumer spilled and reloaded every step (sm_90 offline)
+                slot = CID + _opaque_zero_i32()
+                k_buf = k_smem.index(slot).reshape([SPLIT_N, HEAD_DIM_PAD])
+                v_buf = v_smem.index(slot).reshape([SPLIT_N, HEAD_DIM_PAD])
+                s = cnt % NUM_BUFFERS
+                ph = (cnt // NUM_BUFFERS) & 1
+                mbarrier.wait(q_full.index(s), ph)
+                q_buf = q_smem.index(s).reshape([BLOCK_M, HEAD_DIM_PAD])
+                st = warpgroup_mma(k_buf, q_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                mbarrier.wait(do_full.index(s), ph)
+                do_buf = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM_PAD])
+                dpt = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                # both products first: the derivative needs a tile of registers beside P^T,
+                # which only fits once dP^T's accumulator holds its result (waiting for S^T
+                # alone, as the plain kernel does, spilled 192-400 bytes)
+                st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+                lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]
+                # a row that saw no key has LSE = -inf; +inf makes its P exactly 0, not NaN
+                lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+                # global positions (Q_POS / KV_POS: a context-parallel piece's starts, else 0)
+                # (the order of the additions is what spilled least, sm_90, d=128, in stack
+                # bytes against no positions: ALiBi 120 -> 120 (176 with the positions added
+                # before the fp32 conversion), document 192 -> 160, prefix-LM 112 -> 120
+                # (104 but document 240 with q's added after the expand), window+sinks 120 -> 112)
+                kv_idx = gl.expand_dims(keys, 1) + KV_POS  # [SPLIT_N, 1]: S^T's rows are keys
+                q_idx = gl.expand_dims(m0 + Q_POS + qcols, 0)  # [1, BLOCK_M], its columns queries
+                # fp32 copies for index arithmetic that feeds a float (mods.to_triton)
+                kv_idx_f = gl.expand_dims(keys.to(gl.float32), 1) + KV_POS.to(gl.float32)
+                q_idx_f = gl.expand_dims((m0 + qcols).to(gl.float32), 0) + Q_POS.to(gl.float32)
+                score = st * SCALE  # natural units, what the score mod sees
+                pt = gl.exp2(((P_cap * _tanh(((score / P_cap)).to(gl.float32)))) * LOG2E - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
+                if i >= n_full:
+                    # a partial block of the lists: hide what it may not see
+                    kj = gl.expand_dims(keys, 1)
+                    qi = gl.expand_dims(m0 + qcols, 0)
+                    visible = (kj < n_k) & (qi < n_q)
+                    if MASK_RIGHT:
+                        visible = visible & (kj <= qi + hi_off)
+                    if MASK_LEFT:
+                        visible = visible & (kj >= qi + lo_off)
+                    mq0 = gl.expand_dims(MQ_SMEM0.index(s).load(col_s), 0)  # [1, BLOCK_M]
+                    visible = visible & ((mq0 == mkv0))
+                    pt = gl.where(visible, pt, 0.0)
+                # P^T becomes the dV product's operand now and, in fp32, P^T times d(mod)/d(score)
+                # (0 where P^T is, whatever the derivative), so that `score` dies here
+                p_op = gl.convert_layout(pt.to(dtype), a_layout)
+                pt = gl.where(pt == 0.0, 0.0, pt * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(gl.float32)) * _tanh(((score / P_cap)).to(gl.float32)))) * (1.0 / P_cap)))))
+                delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]
+                # dS^T, with the softmax scale of both dK = scale dS^T Q and dQ = scale dS K
+                # folded in once here
+                # the chain rule through the score mod; where dP^T = D, dS^T is 0 whatever the
+                # derivative (an infinite one included)
+                dpt = dpt - gl.expand_dims(delta, 0)
+                dst = gl.where(dpt == 0.0, 0.0, pt * dpt) * SCALE  # [SPLIT_N, BLOCK_M]
+                dv = warpgroup_mma(p_op, do_buf, dv, is_async=True)
+                ds16 = dst.to(dtype)
+                ds_op = gl.convert_layout(ds16, a_layout)
+                dk = warpgroup_mma(ds_op, q_buf, dk, is_async=True)
+                # dQ = dS K sums over the program's keys, which the consumers share out: each
+                # puts its dS^T in shared memory (transposed, it is dQ's A operand) and computes
+                # DQ_COLS columns of dQ from every consumer's dS^T. One TMA reduction per
+                # column slice leaves the program (not one per consumer: half the L2 traffic),
+                # and a consumer holds a [BLOCK_M, DQ_COLS] accumulator, not a full row.
+                # dS^T buffers alternate between steps (j): a consumer may be one step ahead.
+                j = cnt % 2
+                jph = (cnt // 2) & 1
+                mbarrier.wait(ds_free.index(j), jph ^ 1)  # both read buffer j two steps ago
+                # the last item's dV store read this consumer's dS^T slots (else only the last
+                # step's dQ reduce-add is in flight, its read long done)
+                tma.store_wait(0)
+                ds_smem.index(CID * 2 + j).store(ds16)
+                fence_async_shared()
+                gl.thread_barrier()  # the whole warpgroup has stored before the hand-over
+                mbarrier.arrive(ds_ready.index(j), count=1)
+                # dV and dK are done with this slot's Q and dO (dQ reads neither); waiting for
+                # them before dQ's products start frees P^T and dS^T's registers for dQ's
+                # accumulator (issued together, the consumer spilled)
+                dv, dk, p_op, ds_op = warpgroup_mma_wait(0, deps=(dv, dk, p_op, ds_op))
+                mbarrier.arrive(q_empty.index(s), count=1)
+                mbarrier.arrive(do_empty.index(s), count=1)
+                mbarrier.wait(ds_ready.index(j), jph)
+                dq = zero_q
+                for c in gl.static_range(NUM_CONSUMERS):
+                    dq = warpgroup_mma(ds_smem.index(c * 2 + j).permute((1, 0)),
+                                       k_smem.index(c).reshape([SPLIT_N, HEAD_DIM_PAD]).slice(
+                                           CID * DQ_COLS, DQ_COLS, dim=1),
+                                       dq, use_acc=c > 0, is_async=True)
+                dq = warpgroup_mma_wait(0, deps=(dq, ))
+                mbarrier.arrive(ds_free.index(j), count=1)
+                # this consumer's columns of dQ into the fp32 sum, by TMA (rows past N_Q and
+                # columns past HEAD_DIM are clipped); the previous step's reduction must have
+                # read the staging buffer first
+                tma.store_wait(0)
+                dq_buf.reshape([BLOCK_M, DQ_COLS]).store(dq)
+                fence_async_shared()
+                _tma_reduce_add(desc_dq, [db, kv_h * KV_GROUP + g, q0 + m0, CID * DQ_COLS], dq_buf)
+                cnt += 1
+        # every step's products are done with this item's K and V (the last dQ product, on
+        # every consumer's K slot, counted by kv_empty): the producer loads the next item's
+        # under this epilogue
+        mbarrier.arrive(kv_empty, count=1)
+        if desc_dk is not None:
+            # every consumer's last dQ product has read this consumer's dS^T slots, and its
+            # own last dQ reduce-add (and the last item's dK / dV stores) its dQ tile (an
+            # item without steps waits for the last item's last step again: done)
+            if cnt > 0:
+                mbarrier.wait(ds_free.index((cnt - 1) % 2), ((cnt - 1) // 2) & 1)
+            tma.store_wait(0)
+            dk_stage.reshape([SPLIT_N, HEAD_DIM_PAD]).store(dk.to(dtype))
+            dv_stage.reshape([SPLIT_N, HEAD_DIM_PAD]).store(dv.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # the whole warpgroup has stored before the copies
+            row = n_start + CID * SPLIT_N
+            tma.async_copy_shared_to_global(desc_dk, [b, kv_h, row, 0], dk_stage)
+            tma.async_copy_shared_to_global(desc_dv, [b, kv_h, row, 0], dv_stage)
+        else:
+            out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
+            # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
+            out_ok = gl.expand_dims(out_rows < n_k, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
+            dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
+                       + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
+            gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
+            dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
+                       + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
+            gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
+        t += 1
+        item = _take(item_smem, item_full, item_empty, t, one)
+    tma.store_wait(0)
+
+
+# ----------------------------------------------------------------------------------------
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_KV", "KV_GROUP", "LO_OFF", "HI_OFF",
@@ -638,6 +965,8 @@ def bwd_causal_document_softcap_d128_fp16_kernel(
     # that program i runs (VARLEN: None, the walk is _varlen_block's); BM_NQB: the query
     # blocks of a row (cdiv(N_Q, BLOCK_M); VARLEN: the longest sequence's, b the sequence)
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB,
+    # PERSISTENT: an int32 work counter, zeroed by the caller (None otherwise)
+    WORK,
     BLOCK_M: gl.constexpr,  # query rows per step
     BLOCK_N: gl.constexpr,  # NUM_CONSUMERS * SPLIT_N key rows per program
     NUM_BUFFERS: gl.constexpr,  # Q/dO ring depth
@@ -650,6 +979,9 @@ def bwd_causal_document_softcap_d128_fp16_kernel(
     VEC_LAYOUT: gl.constexpr,  # and of the fp32 [BLOCK_M] LSE and D boxes
     HOST_DESC: gl.constexpr,  # Q, K, V, DO, LSE, DELTA, DQ_ACC are TMA descriptors (VARLEN: not LSE, DELTA)
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
+    # a grid of fewer programs than key blocks, each taking them from WORK (see
+    # _producer_persistent); dense batches only
+    PERSISTENT: gl.constexpr = False,
 ):
     H_Q = H_KV * KV_GROUP
     desc_b = BATCH
@@ -734,20 +1066,54 @@ def bwd_causal_document_softcap_d128_fp16_kernel(
         mbarrier.init(do_empty.index(i), count=NUM_CONSUMERS)
 
     # the first partition runs in this kernel's 4 warps, the others in the workers below
-    gl.warp_specialize([
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
-                     desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, seqs, 0, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN)),
-        (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
-                     desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
-                     stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
-                     SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, seqs, 1, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN)),
-        (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
-                     k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, q_full, q_empty, do_full,
-                     do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
-                     NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, CU_Q, CU_K, seqs, BLOCK_M,
-                     BLOCK_N, NUM_BUFFERS, VARLEN)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if PERSISTENT:
+        gl.static_assert(not VARLEN, "the persistent backward serves dense batches")
+        # the next item's K and V wait for every consumer's last product of this one; the
+        # items pass from the producer to the consumers through two slots
+        kv_empty = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
+        item_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], bar_layout)
+        item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        mbarrier.init(kv_empty, count=NUM_CONSUMERS)
+        for i in gl.static_range(2):
+            mbarrier.init(item_full.index(i), count=1)
+            mbarrier.init(item_empty.index(i), count=NUM_CONSUMERS)
+        gl.warp_specialize([
+            (_consumer_persistent, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem,
+                                    dq_smem, desc_dq, DK_DESC, DV_DESC, kv_ready, kv_empty, item_smem,
+                                    item_full, item_empty, q_full, q_empty, do_full, do_empty, ds_ready,
+                                    ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                                    stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2, SCALE,
+                                    LO_OFF, HI_OFF, NUM_N, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, seqs,
+                                    0, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+            (_consumer_persistent, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem,
+                                    dq_smem, desc_dq, DK_DESC, DV_DESC, kv_ready, kv_empty, item_smem,
+                                    item_full, item_empty, q_full, q_empty, do_full, do_empty, ds_ready,
+                                    ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn, stride_dvb,
+                                    stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2, SCALE,
+                                    LO_OFF, HI_OFF, NUM_N, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, seqs,
+                                    1, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+            (_producer_persistent, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                                    k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, kv_empty,
+                                    item_smem, item_full, item_empty, q_full, q_empty, do_full, do_empty,
+                                    N_Q, N_K, H_KV, KV_GROUP, NUM_N, VEC_ROW, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, WORK, seqs,
+                                    BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
+                         desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                         stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
+                         SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, seqs, 0, BLOCK_M,
+                         BLOCK_N, NUM_BUFFERS, VARLEN)),
+            (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, ds_smem, dq_smem,
+                         desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full, do_empty, ds_ready, ds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
+                         stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
+                         SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, CU_Q, CU_K, seqs, 1, BLOCK_M,
+                         BLOCK_N, NUM_BUFFERS, VARLEN)),
+            (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
+                         k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, kv_ready, q_full, q_empty, do_full,
+                         do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF,
+                         NUM_N, VEC_ROW, HEAD_GROUP, FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB, T_doc, T_doc_S0, T_doc_S1, T_doc_D0, T_doc_D1, P_cap, Q_POS, KV_POS, CU_Q, CU_K, seqs, BLOCK_M,
+                         BLOCK_N, NUM_BUFFERS, VARLEN)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
