@@ -394,6 +394,11 @@ MLA_DECODE = {"rows": 64, "block_n": 64, "num_buffers": 2, "o_regs": 192, "produ
               "num_warps": 4}
 
 
+# what describe() and the host say of it until an H100 run has checked and timed it
+MLA_DECODE_STATUS = ("a DRAFT (issue 16): compiled for sm_90 offline, never run on a GPU, so "
+                     "unverified; off unless _decode.MLA_GLUON = True or FLASHGEN_FAMILY=gluon")
+
+
 def mla_decode_shared_bytes(head_dim: int, dtype_bytes: int, block_n: int,
                             num_buffers: int) -> int:
     """Shared memory of the Gluon latent decode: Q [64, head_dim], the key ring
