@@ -278,14 +278,10 @@ def _output(OP, SEQLENS, k_smem, p_smem, a_smem, k_full, k_empty, p_full, p_empt
         acc1 = acc1 * alpha
         acc2 = acc2 * alpha
         acc3 = acc3 * alpha
-        acc0 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 0, BLOCK_N), acc0,
-                           is_async=True)
-        acc1 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 1, BLOCK_N), acc1,
-                           is_async=True)
-        acc2 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 2, BLOCK_N), acc2,
-                           is_async=True)
-        acc3 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 3, BLOCK_N), acc3,
-                           is_async=True)
+        acc0 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 0, BLOCK_N), acc0, is_async=True)
+        acc1 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 1, BLOCK_N), acc1, is_async=True)
+        acc2 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 2, BLOCK_N), acc2, is_async=True)
+        acc3 = warpgroup_mma(p_smem, _k_chunk(k_smem, s, FIRST + 3, BLOCK_N), acc3, is_async=True)
         acc0, acc1, acc2, acc3 = warpgroup_mma_wait(0, deps=(acc0, acc1, acc2, acc3))
         mbarrier.arrive(p_empty, count=1)
         mbarrier.arrive(k_empty.index(s), count=1)
