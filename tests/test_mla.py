@@ -576,13 +576,35 @@ def test_gpu_gluon_latent_decode_576_512(h_q, page, splits):
     token, paged (64-row pages, shuffled, spare pages holding NaN) or contiguous (NaN past
     every length), split-KV by the heuristic or none; the plan must have taken the Gluon
     kernel."""
+    _gluon_latent_case(h_q, page, splits, n_q=1, lengths=[0, 1, 64, 1000, 4095], cap=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q,page,int_lens,splits", [
+    (2, 128, False, 0),   # two query tokens (causal among them), 128-row pages
+    (65, None, False, 3),  # 65 tokens: a 64-row block's tokens wrap from 64 to 0
+    (65, 64, True, 0),    # the same with one int length for every element, paged
+], ids=["2-tokens-paged128", "65-tokens-contiguous-3-splits", "65-tokens-paged64-int-len"])
+def test_gpu_gluon_latent_decode_query_tokens(n_q, page, int_lens, splits):
+    """The Gluon latent decode with several query tokens a call (causal among them),
+    appended as new keys: with 65 tokens (16 heads: 1040 stacked rows, 17 row blocks) a
+    row block holds tokens 64, 0..62 of two heads, so its causal band must be taken over
+    every token, not from its first and last row (the review's fix of _split_keys)."""
+    cap = 1024
+    lengths = [300] * 3 if int_lens else [0, 70, cap - n_q]
+    _gluon_latent_case(16, page, splits, n_q=n_q, lengths=lengths, cap=cap, int_lens=int_lens)
+
+
+def _gluon_latent_case(h_q, page, splits, *, n_q, lengths, cap, int_lens=False):
+    """One call of the Gluon latent decode (MLA_GLUON on, the plan must take it) against
+    float64: `lengths` cached tokens an element before n_q new ones are appended, the
+    cache rows past every length NaN (paged: also the spare pages)."""
     if not torch.cuda.is_available():
         pytest.fail("-m gpu tests need a CUDA device")
     import generated.mla_attn as mla
     from generated.mla_attn import _decode
 
-    d, dv, n_new, batch, cap = 576, 512, 1, 5, 4096
-    lengths = [0, 1, 64, 1000, cap - n_new]
+    d, dv, n_new, batch = 576, 512, n_q, len(lengths)
     g = torch.Generator().manual_seed(1)
     bf = dict(dtype=torch.bfloat16, device="cuda")
     if page:
@@ -602,9 +624,9 @@ def test_gpu_gluon_latent_decode_576_512(h_q, page, splits):
             k_cache[b, n + n_new:] = float("nan")
     v_cache = k_cache[..., :dv]
     k_new = torch.randn(batch, n_new, 1, d, generator=g).to(**bf)
-    q = torch.randn(batch, 1, h_q, d, generator=g).to(**bf)
+    q = torch.randn(batch, n_q, h_q, d, generator=g).to(**bf)
     scale = 1.0 / math.sqrt(192)
-    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    seqlens = lengths[0] if int_lens else torch.tensor(lengths, dtype=torch.int32, device="cuda")
     _decode._plans.clear()
     _decode.MLA_GLUON = True
     try:
@@ -619,7 +641,7 @@ def test_gpu_gluon_latent_decode_576_512(h_q, page, splits):
         _decode.MLA_GLUON = False
         _decode._plans.clear()
     assert plans and all(p.mla is not None for p in plans), [p.mla_reason for p in plans]
-    assert out.shape == (batch, 1, h_q, dv)
+    assert out.shape == (batch, n_q, h_q, dv)
     total = [n + n_new for n in lengths]
     ref_out, ref_lse = dec_reference(q, k_cache, v_cache, table, total, causal=True,
                                      score=lambda s: s * (scale * math.sqrt(d)))

@@ -98,10 +98,15 @@ def _split_keys(SEQLENS, N_Q, LEN_ADD, KV_GROUP, H_KV, WIN_RIGHT, CAPACITY,
     n_rows = KV_GROUP * N_Q
     r_lo = rb * ROWS
     r_hi = gl.minimum(r_lo + ROWS, n_rows) - 1
-    # the earliest and latest query positions of the tile (row r is token r % N_Q)
-    every_token = r_hi - r_lo + 1 >= N_Q
-    pos_lo = n_k - N_Q + gl.where(every_token, 0, r_lo % N_Q)
-    pos_hi = n_k - N_Q + gl.where(every_token, N_Q - 1, r_hi % N_Q)
+    # the earliest and latest query positions of the tile (row r is token r % N_Q): its
+    # tokens run r_lo % N_Q .. r_hi % N_Q, unless it spans N_Q rows or more, or wraps from
+    # token N_Q - 1 to token 0 (N_Q > ROWS: rows 64..127 of N_Q = 65 are tokens 64, 0..62),
+    # when its earliest is token 0 and its latest N_Q - 1 (the `tl` kernel's min / max)
+    t_lo = r_lo % N_Q
+    t_hi = r_hi % N_Q
+    every_token = (r_hi - r_lo + 1 >= N_Q) | (t_lo > t_hi)
+    pos_lo = n_k - N_Q + gl.where(every_token, 0, t_lo)
+    pos_hi = n_k - N_Q + gl.where(every_token, N_Q - 1, t_hi)
     hi = n_k  # end of the keys any row sees
     full_hi = n_k  # keys below this every row sees
     if MASK_RIGHT:
