@@ -69,12 +69,14 @@ def _wgmma_notes(log: str) -> tuple:
                          for m in re.finditer(r"\(C(75\d\d)\)\s*([^\n]*)", log)}))
 
 
-def _key_loop_spills(cubin: bytes) -> int | None:
+def _key_loop_spills(cubin: bytes, any_wgmma: bool = False) -> int | None:
     """LDL/STL instructions in one iteration of the kernel's worst key loop, from
     nvdisasm's listing of the cubin: the innermost loops (a backward branch before the
     kernel's last EXIT, past which ptxas puts the barrier waits' retry stubs) that hold both
     a wgmma with its A operand in registers (P V, or the backward's P^T dO) and one reading A
-    from shared memory (S = Q K^T). None when nvdisasm is missing or finds no such loop."""
+    from shared memory (S = Q K^T). With any_wgmma, every innermost loop that holds a wgmma
+    (the latent decode's partitions read both operands from shared memory, S = Q K^T in one
+    loop and P V in another). None when nvdisasm is missing or finds no such loop."""
     import subprocess
 
     from triton import knobs
@@ -104,7 +106,8 @@ def _key_loop_spills(cubin: bytes) -> int | None:
         if target and labels.get(target.group(1), i + 1) <= i:
             body = code[labels[target.group(1)]:i + 1]
             products = [b for b in body if b.startswith("HGMMA")]
-            if (any(re.match(r"HGMMA\S* R\d+, R\d+,", b) for b in products)
+            if (any_wgmma and products) or (
+                    any(re.match(r"HGMMA\S* R\d+, R\d+,", b) for b in products)
                     and any(re.match(r"HGMMA\S* R\d+, gdesc", b) for b in products)):
                 loops.append((labels[target.group(1)], i))
     inner = [(s, e) for s, e in loops
@@ -263,6 +266,58 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
         wgmma_notes=_wgmma_notes(buf.getvalue()),
         loop_spills=_key_loop_spills(compiled.asm["cubin"]))
+
+
+def compile_mla_decode(module, name: str, dtype: str = "bf16", config: dict | None = None,
+                       paged: bool = True, per_row_lens: bool = True) -> GluonResources:
+    """Compile the Gluon latent decode `<name>_kernel` (templates/gluon/decode_mla.py.j2)
+    for sm_90 as the package's _decode launches it (config: families.MLA_DECODE's keys;
+    paged: a block table with pages of whole key blocks; per_row_lens: a cache_seqlens
+    tensor). Its key loops are two (S = Q K^T in the softmax warpgroup, P V in the output
+    warpgroups), both with operands in shared memory: loop_spills counts the worst."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    cfg = {**families.MLA_DECODE, **(config or {})}
+    fn = getattr(module, f"{name}_kernel")
+    gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
+    const = dict(PAGED=paged, PER_ROW_LENS=per_row_lens, BLOCK_N=cfg["block_n"],
+                 NUM_BUFFERS=cfg["num_buffers"], O_REGS=cfg["o_regs"],
+                 PRODUCER_REGS=cfg["producer_regs"],
+                 K_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, cfg["block_n"], 64], gdtype))
+    pointers = {"Q": dtype, "K": dtype, "OP": "fp32", "SEQLENS": "i32", "BT": "i32"}
+    sig, constexprs, attrs = {}, {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+            constexprs[(i,)] = const[arg]
+        elif arg in pointers:
+            sig[arg] = "*" + pointers[arg]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg == "QK_SCALE_LOG2":
+            sig[arg] = "fp32"
+        else:
+            sig[arg] = "i32"
+    knobs.nvidia.dump_ptxas_log = True
+    knobs.compilation.always_compile = True
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=cfg["num_warps"]))
+    ptx = compiled.asm["ptx"]
+    regs, stack = _ptxas_report(buf.getvalue())
+    tile = (f"{cfg['rows']}x{cfg['block_n']} s{cfg['num_buffers']} regs {cfg['o_regs']}/"
+            f"{cfg['producer_regs']}" + (" paged" if paged else " contiguous"))
+    return GluonResources(
+        variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
+        spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
+        wgmma_notes=_wgmma_notes(buf.getvalue()),
+        loop_spills=_key_loop_spills(compiled.asm["cubin"], any_wgmma=True))
 
 
 def _descriptor_type(dtype, box, layout) -> str:

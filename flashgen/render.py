@@ -22,6 +22,9 @@ TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's cop
 PLANNER_SOURCE = Path(planner_core.__file__)
 FAMILIES_SOURCE = Path(families.__file__)
 GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2", "bwd": "gluon/bwd.py.j2"}
+# the Gluon latent (MLA) decode: a DRAFT (issue 16), compiled for sm_90 offline, never run
+# on a GPU; the package launches it only when asked (_decode.MLA_GLUON / FLASHGEN_FAMILY)
+GLUON_DECODE_TEMPLATE = "gluon/decode_mla.py.j2"
 
 # package file -> template that renders it
 PACKAGE_FILES = {
@@ -334,6 +337,47 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
     return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
 
 
+def gluon_decode_reason(variant: Variant) -> str | None:
+    """Why a decode variant has no Gluon latent-decode kernel (templates/gluon/
+    decode_mla.py.j2); None when it has one: DeepSeek's latent cache, Q/K 576 and V 512
+    (V read as K's first 512 columns), fp16/bf16, no mods, causal or no mask."""
+    if variant.kind != "decode":
+        return f"a {variant.kind} variant: the Gluon latent kernel is a decode kernel"
+    if (variant.head_dim, variant.v_dim) != (576, 512):
+        return (f"head dims {variant.head_dim}/{variant.v_dim}: the Gluon latent decode is "
+                "drafted for DeepSeek's 576/512 only")
+    if variant.dtype not in ("fp16", "bf16"):
+        return f"{variant.dtype}: wgmma takes fp16/bf16 operands"
+    if variant.mods:
+        return "a variant with mods: the `tl` decode kernel renders them"
+    if variant.mask not in ("causal", "none"):
+        return f"mask {variant.mask}: the Gluon latent decode is drafted for causal / none"
+    return None
+
+
+def gluon_decode_context(spec: Spec, variant: Variant) -> dict:
+    o_chunks = list(range(variant.v_dim // 128))  # [64, 64] accumulators a warpgroup
+    return {
+        "header": header(f"templates/{GLUON_DECODE_TEMPLATE}", spec),
+        "name": variant.name,
+        "head_dim": variant.head_dim,
+        "v_dim": variant.v_dim,
+        "dtype": variant.dtype,
+        "mask": variant.mask,
+        "mask_right": variant.mask == "causal",
+        "o_chunks": o_chunks,
+        "o_accs": ", ".join(f"acc{c}" for c in o_chunks),
+        "smem_estimate": families.mla_decode_shared_bytes(variant.head_dim, 2, 64, 2),
+        "gluon_triton": " / ".join(families.GLUON_TRITON),
+    }
+
+
+def render_gluon_decode_kernel(spec: Spec, variant: Variant,
+                               env: jinja2.Environment | None = None) -> str:
+    env = env or environment()
+    return env.get_template(GLUON_DECODE_TEMPLATE).render(**gluon_decode_context(spec, variant))
+
+
 def gluon_context(spec: Spec, variant: Variant) -> dict:
     template = GLUON_TEMPLATES[variant.kind]
     consumers = list(range(families.CONSUMERS))
@@ -396,6 +440,9 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
     gluon = {v.name: gluon_reason(v, spec) for v in plans}
+    # decode variants with a drafted Gluon latent-decode kernel (off unless asked for)
+    gluon_decode = {v.name: None for v in plans
+                    if v.kind == "decode" and gluon_decode_reason(v) is None}
     built_for = {
         "spec": Path(spec.path).name, "sha": spec.sha,
         "head_dims": spec.head_dims, "dtypes": spec.dtypes, "masks": spec.masks,
@@ -420,6 +467,7 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
         "planned": literal(planned),
         "tuned": literal(tuned),
         "gluon": literal(gluon),
+        "gluon_decode": literal(gluon_decode),
         **mods_registry(spec, plans),
     }
 
@@ -498,7 +546,8 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
     files["kernels/__init__.py"] = (header("flashgen/render.py", spec) + "\n"
                                     '"""One module per kernel variant, named canonically."""\n')
     gluon = [v for v in plans if gluon_reason(v, spec) is None]
-    if gluon:
+    gluon_decode = [v for v in plans if v.kind == "decode" and gluon_decode_reason(v) is None]
+    if gluon or gluon_decode:
         files["kernels/gluon/__init__.py"] = (
             header("flashgen/render.py", spec) + "\n"
             '"""The Gluon family (Hopper): one module per variant that has one, named like its\n'
@@ -507,4 +556,6 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
         files[f"kernels/{variant.name}.py"] = render_kernel(spec, variant, env)
     for variant in gluon:
         files[f"kernels/gluon/{variant.name}.py"] = render_gluon_kernel(spec, variant, env)
+    for variant in gluon_decode:
+        files[f"kernels/gluon/{variant.name}.py"] = render_gluon_decode_kernel(spec, variant, env)
     return files

@@ -438,21 +438,29 @@ def test_gluon_sink_logits_backward(pkg, poison):
 # the persistent form of the block-mask backward (GLUON_BWD_PERSISTENT_MASKS, off by
 # default; a DRAFT that no GPU had run when it was written)
 # ---------------------------------------------------------------------------------------
-def test_persistent_backward_is_off_by_default(pkg):
-    assert pkg._runtime.GLUON_BWD_PERSISTENT_MASKS is False
+def test_persistent_backward_is_on_by_default_from_d128(pkg):
+    """The H100 A/B (twenty-sixth session) measured d=128; d=64 keeps a program per key
+    block until measured. The tuned/default configs carry no key of their own."""
+    rt = pkg._runtime
+    assert rt.GLUON_BWD_PERSISTENT_MASKS is True and rt.GLUON_BWD_PERSISTENT_MIN_D == 128
     assert families.GLUON_BWD_DEFAULT.get("persistent_bwd") is None
+    assert rt._gluon_bwd_persistent({}, 128) and not rt._gluon_bwd_persistent({}, 64)
+    assert not rt._gluon_bwd_persistent({"persistent_bwd": False}, 128)
+    assert rt._gluon_bwd_persistent({"persistent_bwd": True}, 64)
 
 
 @pytest.mark.parametrize("knobs, persistent, grid", [
-    ({}, False, None),
+    ({}, True, None),
+    ({"persistent_bwd": False}, False, None),
     ({"persistent_bwd": True, "persistent_bwd_programs": 7}, True, 7),
     ({"persistent_bwd": True, "persistent_bwd_programs": 1000}, True, None),
-], ids=["default", "seven-programs", "capped-at-the-key-blocks"])
+], ids=["default-d128", "off", "seven-programs", "capped-at-the-key-blocks"])
 def test_persistent_backward_launch(pkg, monkeypatch, knobs, persistent, grid):
     """The persistent form is a launch of the same kernel with PERSISTENT=True on fewer
     programs (never more than the key blocks) and a zeroed int32 counter as WORK; off (the
     default), WORK is None and the meta has no PERSISTENT (the program-per-key-block
-    binary). A variant without a block mask has no persistent form."""
+    binary). At d=128 the default is persistent (on the CPU a program per item: no SM count).
+    A variant without a block mask has no persistent form."""
     rt, rec = _wired(pkg, monkeypatch)
     b, n, h, h_kv, d = 2, 300, 4, 2, 128
     g = torch.Generator().manual_seed(0)

@@ -475,3 +475,215 @@ def test_gpu_deepseek_latent_decode_576_512(latent, paged, h_q):
     ref_out, ref_lse = dec_reference(q, k_cache, v_cache, table, total, causal=True,
                                      score=lambda s: s * (scale * math.sqrt(d)))
     assert_decode_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# The Gluon latent decode (issue 16; a DRAFT: templates/gluon/decode_mla.py.j2): off by
+# default, compiled for sm_90 here, checked against float64 on the H100 with -m gpu
+# ---------------------------------------------------------------------------------------
+MLA_VARIANT = "decode_causal_d576v512_bf16"
+
+_MLA_COMPILE = r"""
+import importlib, io, contextlib, json, sys
+sys.path.insert(0, sys.argv[1])
+from flashgen import gluon_compile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+name = sys.argv[2]
+module = importlib.import_module("mla_attn.kernels.gluon." + name)
+rows = [gluon_compile.compile_mla_decode(module, name, paged=paged, per_row_lens=lens).__dict__
+        for paged, lens in ((True, True), (False, True), (False, False))]
+sig = {"OP": "*fp32", "O": "*bf16", "LSE": "*fp32", "N_Q": "i32", "H_Q": "i32",
+       "NUM_SPLITS": "i32", "N_ROWS": "i32", "LP_OFF": "i32", "STORE_LSE": "constexpr",
+       "SPLITS_PAD": "constexpr", "R": "constexpr"}
+buf = io.StringIO()
+with contextlib.redirect_stdout(buf):
+    triton.compile(ASTSource(getattr(module, name + "_combine"), sig, {(8,): True, (9,): 8, (10,): 4}),
+                   target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(rows))
+"""
+
+
+def _gluon_triton_ok():
+    import triton
+
+    from flashgen import families
+
+    return families.triton_ok(triton.__version__)
+
+
+@pytest.mark.skipif(not _gluon_triton_ok(),
+                    reason="the Gluon templates are verified on Triton 3.6 (CI pins it)")
+def test_gluon_latent_decode_compiles_for_sm90():
+    """generated/mla_attn's Gluon latent decode compiles for sm_90 (paged and contiguous,
+    per-row lengths or one): within the H100's shared memory, the registers split 192 / 192
+    (output warpgroups), 24 (producer) and the rest (104) for the softmax warpgroup, no
+    stack frame and no LDL/STL in its key loops, 68 wgmma (S = Q K^T: 9 chunks x 4 k-steps;
+    P V: 2 warpgroups x 4 chunks x 4), and no ptxas note that it serialised a wgmma; its
+    combine kernel compiles too."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _MLA_COMPILE, str(ROOT / "generated"), MLA_VARIANT],
+                         capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 3
+    for r in rows:
+        assert r["shared"] <= 232448, r
+        assert r["wgmma"] == 68, r
+        assert {24, 104, 192} <= set(r["setmaxnreg"]), r
+        assert r["spill_bytes"] == 0 and r["loop_spills"] == 0, r
+        assert not r["wgmma_notes"], r
+
+
+def test_gluon_latent_decode_is_on_by_default():
+    """The switch defaults on and the package lists the kernel in describe(); with it off (or
+    the `tl` family forced) the plan does not ask for it; with it on, a call the kernel
+    cannot serve (here: on the CPU) keeps the `tl` kernel and the plan says why."""
+    import generated.mla_attn as mla
+    from generated.mla_attn import _decode, _registry
+
+    from generated.mla_attn import _runtime
+
+    assert _decode.MLA_GLUON is True
+    assert MLA_VARIANT in _registry.GLUON_DECODE
+    assert "on by default" in mla.describe() and MLA_VARIANT in mla.describe()
+    q = torch.randn(1, 1, 16, 576).to(torch.bfloat16)
+    cache = torch.randn(1, 64, 1, 576).to(torch.bfloat16)
+
+    def plan():
+        return _decode._make_plan(q, cache, cache[..., :512], None, None, 5, None, None, True,
+                                  (-1, -1), 0)
+
+    _decode.MLA_GLUON = False
+    try:
+        off = plan()
+    finally:
+        _decode.MLA_GLUON = True
+    assert off.mla is None and off.mla_reason is None  # not asked for
+    before = _runtime._FORCED_FAMILY
+    _runtime.use_family("tl")
+    try:
+        forced = plan()
+    finally:
+        _runtime.use_family(before)
+    assert forced.mla is None and forced.mla_reason is None
+    on = plan()
+    assert on.mla is None and on.mla_reason  # the CPU: the `tl` kernel, with the reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [0, 1], ids=["auto-splits", "one-split"])
+@pytest.mark.parametrize("page", [64, None], ids=["paged64", "contiguous"])
+@pytest.mark.parametrize("h_q", [16, 128], ids=["16-heads", "128-heads"])
+def test_gpu_gluon_latent_decode_576_512(h_q, page, splits):
+    """The Gluon latent decode (MLA_GLUON on) against float64: 16 or 128 query heads on
+    one latent head, v_cache = k_cache[..., :512] (V_IS_K), ragged lengths (0, 1, a block
+    and a bit, a length that is not a multiple of 64, the whole cache) with one appended
+    token, paged (64-row pages, shuffled, spare pages holding NaN) or contiguous (NaN past
+    every length), split-KV by the heuristic or none; the plan must have taken the Gluon
+    kernel."""
+    _gluon_latent_case(h_q, page, splits, n_q=1, lengths=[0, 1, 64, 1000, 4095], cap=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_q,page,int_lens,splits", [
+    (2, 128, False, 0),   # two query tokens (causal among them), 128-row pages
+    (65, None, False, 3),  # 65 tokens: a 64-row block's tokens wrap from 64 to 0
+    (65, 64, True, 0),    # the same with one int length for every element, paged
+], ids=["2-tokens-paged128", "65-tokens-contiguous-3-splits", "65-tokens-paged64-int-len"])
+def test_gpu_gluon_latent_decode_query_tokens(n_q, page, int_lens, splits):
+    """The Gluon latent decode with several query tokens a call (causal among them),
+    appended as new keys: with 65 tokens (16 heads: 1040 stacked rows, 17 row blocks) a
+    row block holds tokens 64, 0..62 of two heads, so its causal band must be taken over
+    every token, not from its first and last row (the review's fix of _split_keys)."""
+    cap = 1024
+    lengths = [300] * 3 if int_lens else [0, 70, cap - n_q]
+    _gluon_latent_case(16, page, splits, n_q=n_q, lengths=lengths, cap=cap, int_lens=int_lens)
+
+
+def _gluon_latent_case(h_q, page, splits, *, n_q, lengths, cap, int_lens=False):
+    """One call of the Gluon latent decode (MLA_GLUON on, the plan must take it) against
+    float64: `lengths` cached tokens an element before n_q new ones are appended, the
+    cache rows past every length NaN (paged: also the spare pages)."""
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    import generated.mla_attn as mla
+    from generated.mla_attn import _decode
+
+    d, dv, n_new, batch = 576, 512, n_q, len(lengths)
+    g = torch.Generator().manual_seed(1)
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    if page:
+        pages = cap // page
+        k_cache = torch.randn(batch * pages + 5, page, 1, d, generator=g).to(**bf)
+        table = torch.randperm(batch * pages + 5, generator=g)[:batch * pages]
+        table = table.view(batch, pages).to(torch.int32).cuda()
+        # what no call should read: the rows past each length (after the append)
+        for b, n in enumerate(lengths):
+            for j in range(n + n_new, cap):
+                if j % page == 0 or j == n + n_new:
+                    k_cache[int(table[b, j // page]), j % page:] = float("nan")
+    else:
+        k_cache = torch.randn(batch, cap, 1, d, generator=g).to(**bf)
+        table = None
+        for b, n in enumerate(lengths):
+            k_cache[b, n + n_new:] = float("nan")
+    v_cache = k_cache[..., :dv]
+    k_new = torch.randn(batch, n_new, 1, d, generator=g).to(**bf)
+    q = torch.randn(batch, n_q, h_q, d, generator=g).to(**bf)
+    scale = 1.0 / math.sqrt(192)
+    seqlens = lengths[0] if int_lens else torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    _decode._plans.clear()
+    _decode.MLA_GLUON = True
+    try:
+        with torch.inference_mode():
+            out, lse = mla.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, k_new[..., :dv],
+                                                   cache_seqlens=seqlens, block_table=table,
+                                                   softmax_scale=scale, causal=True,
+                                                   num_splits=splits, return_lse=True)
+        torch.cuda.synchronize()
+        plans = list(_decode._plans.values())
+    finally:
+        _decode.MLA_GLUON = True
+        _decode._plans.clear()
+    assert plans and all(p.mla is not None for p in plans), [p.mla_reason for p in plans]
+    assert out.shape == (batch, n_q, h_q, dv)
+    total = [n + n_new for n in lengths]
+    ref_out, ref_lse = dec_reference(q, k_cache, v_cache, table, total, causal=True,
+                                     score=lambda s: s * (scale * math.sqrt(d)))
+    assert_decode_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_gluon_latent_decode_falls_back():
+    """With MLA_GLUON on, what the Gluon latent decode does not serve stays on `tl`, with a
+    reason: pages of 32 rows, a V of its own (not K's view)."""
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    import generated.mla_attn as mla
+    from generated.mla_attn import _decode
+
+    bf = dict(dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(2, 1, 16, 576, **bf)
+    paged = torch.randn(2 * 8, 32, 1, 576, **bf)
+    table = torch.arange(16, dtype=torch.int32, device="cuda").view(2, 8)
+    own_k = torch.randn(2, 256, 1, 576, **bf)
+    own_v = torch.randn(2, 256, 1, 512, **bf)
+    _decode._plans.clear()
+    _decode.MLA_GLUON = True
+    try:
+        with torch.inference_mode():
+            mla.flash_attn_with_kvcache(q, paged, paged[..., :512], cache_seqlens=100,
+                                        block_table=table, causal=True)
+            mla.flash_attn_with_kvcache(q, own_k, own_v, cache_seqlens=100, causal=True)
+        reasons = [p.mla_reason for p in _decode._plans.values()]
+    finally:
+        _decode.MLA_GLUON = True
+        _decode._plans.clear()
+    assert len(reasons) == 2 and all(reasons), reasons

@@ -386,6 +386,30 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     return None
 
 
+# The Gluon latent (MLA) decode (templates/gluon/decode_mla.py.j2, a DRAFT: compiled for
+# sm_90 offline, never run on a GPU): 64 stacked query rows a program, key blocks of
+# BLOCK_N in a NUM_BUFFERS-deep ring, two output warpgroups at O_REGS registers a thread
+# (each holds [64, 256] fp32 of O: 128), a 1-warp producer at PRODUCER_REGS; the softmax
+# warpgroup (the default partition) gets what is left of the 64K registers.
+MLA_DECODE = {"rows": 64, "block_n": 64, "num_buffers": 2, "o_regs": 192, "producer_regs": 24,
+              "num_warps": 4}
+
+
+# what describe() and the host say of it until an H100 run has checked and timed it
+MLA_DECODE_STATUS = ("on by default where the GPU runs Gluon (issue 16; verified on the H100 "
+                     "against float64, 3.7-5.5x the `tl` kernel at 128 heads); "
+                     "_decode.MLA_GLUON = False or FLASHGEN_FAMILY=tl keeps `tl`")
+
+
+def mla_decode_shared_bytes(head_dim: int, dtype_bytes: int, block_n: int,
+                            num_buffers: int) -> int:
+    """Shared memory of the Gluon latent decode: Q [64, head_dim], the key ring
+    (num_buffers x [block_n, head_dim]), P [64, block_n], the fp32 row factors [64] and the
+    barriers (256 bytes reserved for them)."""
+    rows = MLA_DECODE["rows"]
+    return ((rows + num_buffers * block_n) * head_dim + rows * block_n) * dtype_bytes + rows * 4 + 256
+
+
 def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int,
                  q_buffers: int = 1, consumers: int = CONSUMERS) -> int:
     """Shared memory of a Gluon forward tile: Q (q_buffers slots) and O staging per

@@ -99,6 +99,11 @@ GLUON = {'fwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` ke
  'bwd_sdpa_mask_d192v128_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
                                 'kv_idx)): the `tl` backward writes it'}
 
+# decode variants with a Gluon latent (MLA) decode kernel in kernels/gluon/ (a DRAFT,
+# templates/gluon/decode_mla.py.j2): unverified on a GPU, launched only when asked
+# (_decode.MLA_GLUON = True or FLASHGEN_FAMILY=gluon)
+GLUON_DECODE = {'decode_causal_d576v512_bf16': None}
+
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses
 MODS = {'sdpa_mask': {'kind': 'score',

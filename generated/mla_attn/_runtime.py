@@ -1116,7 +1116,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
             tiles = _mask_tile(mods, variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
                                                   names, v.shape[-1]),
                                cfg["block_m"], cfg["block_n"], True)
-            persistent = tiles is not None and _gluon_bwd_persistent(cfg)
+            persistent = tiles is not None and _gluon_bwd_persistent(cfg, d)
             launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
                                                                    lo, hi, scale, name,
                                                                    persistent)
@@ -1184,24 +1184,29 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
 _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics
 _BWD_PERSISTENT = "persistent"  # a Gluon plan's `tma` field: the persistent block-mask form
 
-# The block-mask Gluon backward's persistent form (DRAFT, not yet run on a GPU; off by
-# default; on per call with override_config(persistent_bwd=True)): a grid of
-# GLUON_BWD_PERSISTENT_PER_SM programs an SM (at most one per key block), each taking key
-# blocks in _mods._program_order's sequence from a device counter -- the first one its
-# program id, then grid + the counter's next value -- so that the next key block's K and V,
-# and its first Q and dO blocks, load under the last one's dK / dV epilogue (issue 16: a
-# document mask's programs are ~35-40 us, of which ~7 us a launch gap, the K/V wait and
-# the epilogue; twentieth session). Dense batches only: a packed batch keeps a program per
-# key block. The kernel's shared memory (~199 KB at the default tiles) fits one program an
-# SM.
-GLUON_BWD_PERSISTENT_MASKS = False
+# The block-mask Gluon backward's persistent form (override_config(persistent_bwd=...) per
+# call): a grid of GLUON_BWD_PERSISTENT_PER_SM programs an SM (at most one per key block),
+# each taking key blocks in _mods._program_order's sequence from a device counter -- the
+# first one its program id, then grid + the counter's next value -- so that the next key
+# block's K and V, and its first Q and dO blocks, load under the last one's dK / dV epilogue
+# (issue 16: a document mask's programs are ~35-40 us, of which ~7 us a launch gap, the K/V
+# wait and the epilogue; twentieth session). Dense batches only: a packed batch keeps a
+# program per key block. The kernel's shared memory (~199 KB at the default tiles) fits one
+# program an SM. On by default from GLUON_BWD_PERSISTENT_MIN_D: on the H100 (twenty-sixth
+# session, d=128, vs a program per key block) document 1.053x, window+sinks 1.042x,
+# prefix-LM 0.992x.
+GLUON_BWD_PERSISTENT_MASKS = True
+GLUON_BWD_PERSISTENT_MIN_D = 128
 GLUON_BWD_PERSISTENT_PER_SM = 1
 
 
-def _gluon_bwd_persistent(cfg) -> bool:
-    """Whether a block-mask Gluon backward at config `cfg` runs persistent: the config key
-    `persistent_bwd` (override_config, A/B arms), else GLUON_BWD_PERSISTENT_MASKS."""
-    return bool(cfg.get("persistent_bwd", GLUON_BWD_PERSISTENT_MASKS))
+def _gluon_bwd_persistent(cfg, d: int) -> bool:
+    """Whether a block-mask Gluon backward at config `cfg` and head dim d runs persistent:
+    the config key `persistent_bwd` (override_config, A/B arms), else
+    GLUON_BWD_PERSISTENT_MASKS from head dim GLUON_BWD_PERSISTENT_MIN_D."""
+    if "persistent_bwd" in cfg:
+        return bool(cfg["persistent_bwd"])
+    return GLUON_BWD_PERSISTENT_MASKS and d >= GLUON_BWD_PERSISTENT_MIN_D
 
 
 def _gluon_bwd_persistent_grid(cfg, device, items: int) -> int:

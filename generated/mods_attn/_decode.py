@@ -50,8 +50,8 @@ import os
 
 import torch
 
-from . import _planner, _runtime
-from ._registry import BUILT_FOR, PACKAGE, TARGET_GPU, VARIANTS
+from . import _families, _planner, _runtime
+from ._registry import BUILT_FOR, GLUON_DECODE, PACKAGE, TARGET_GPU, VARIANTS
 
 # Split-KV heuristic (num_splits=0): as many splits as keep the grid within ONE wave over
 # the SMs, but never a split shorter than MIN_BLOCKS_PER_SPLIT key blocks (each split pays
@@ -79,6 +79,57 @@ def _check_values_setting():
     if value in ("", "auto"):
         return None
     return value not in ("0", "false", "no", "off")
+
+
+# The Gluon latent (MLA) decode (kernels/gluon/<variant>.py, templates/gluon/decode_mla.py.j2;
+# GLUON_DECODE lists the variants that have one): one program holds 64 query heads and
+# reads the latent cache once for them, where the `tl` kernel stacks 32 and reads it once
+# per 32. On by default where the GPU runs Gluon (H100, twenty-sixth session, B=16, bf16:
+# 128 heads 3.7x / 5.5x the `tl` kernel at a 4k / 16k cache, 16 heads 1.29x / 1.30x);
+# False (or _runtime.use_family("tl")) keeps every call on `tl`; mla_gluon_reason says why a
+# call stays there. Read when a plan is made: set it before the first call of a shape, or
+# clear _plans.
+MLA_GLUON = True
+MLA_GLUON_STATUS = _families.MLA_DECODE_STATUS
+
+
+def _mla_gluon_wanted() -> bool:
+    forced = _runtime._FORCED_FAMILY
+    return bool(GLUON_DECODE) and (forced == "gluon" or (MLA_GLUON and forced != "tl"))
+
+
+def mla_gluon_reason(name, q, k_cache, v_cache, block_table, page_size, capacity, v_is_k,
+                     window, n_q, group, splits) -> "str | None":
+    """Why a decode call cannot take the Gluon latent kernel (None when it can). Never
+    raises: every answer but None keeps the call on the `tl` kernel."""
+    if name not in GLUON_DECODE:
+        return f"{name}: no Gluon latent decode kernel (head dims 576/512, fp16/bf16, no mods)"
+    why = _runtime.gluon_ready(q.device)
+    if why is not None:
+        return why
+    if not v_is_k:
+        return "v_cache is not a view of k_cache's first columns (V_IS_K)"
+    if tuple(window) != (-1, -1):
+        return f"window_size {tuple(window)}: the Gluon latent decode is causal or unmasked only"
+    if capacity <= 0:
+        return "an empty cache"
+    cfg = _families.MLA_DECODE
+    if block_table is not None and page_size % cfg["block_n"]:
+        return (f"pages of {page_size} rows: the Gluon latent decode reads whole key blocks "
+                f"of {cfg['block_n']} from one page")
+    es = k_cache.element_size()
+    # TMA: a 16-byte aligned base, 16-byte multiples for every stride but the unit one
+    if k_cache.data_ptr() % 16 or k_cache.stride(3) != 1 or any(
+            (st * es) % 16 for st in k_cache.stride()[:3]):
+        return f"k_cache strides {tuple(k_cache.stride())}: TMA needs 16-byte aligned rows"
+    if q.stride(3) != 1:
+        return "q's head dim is not unit-stride"
+    rows = q.shape[0] * q.shape[2] * n_q
+    if rows * splits * (v_cache.shape[3] + 1) >= 2 ** 31:
+        return "the split workspace exceeds int32 offsets"
+    if block_table is None and k_cache.shape[1] >= 2 ** 31:
+        return "the cache exceeds int32 TMA coordinates"
+    return None
 
 
 # Whether to check cache_seqlens and block-table values on the host (module docstring).
@@ -313,6 +364,7 @@ class _Plan:
         "out_shape", "lse_shape", "dtype", "device", "split", "ws_numel",
         "kernel", "kernel_lse", "strides", "tail", "tiles",
         "append", "append_strides", "append_tail",
+        "mla", "mla_reason",
     )
 
 
@@ -344,6 +396,7 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
         window_size if type(window_size) is tuple else tuple(window_size),
         num_splits, type(num_splits),
         tuple(sorted(override.items())) if override else None,
+        _mla_gluon_wanted(),  # the Gluon latent decode asked for (MLA_GLUON / FLASHGEN_FAMILY)
         # Triton specialises pointers on 16-byte alignment; a plan's launchers keep the
         # kernels compiled for the alignment they first saw
         _runtime.alignments(*(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
@@ -460,7 +513,59 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     plan.tiles = batch * h_kv * row_blocks
     if plan.split:
         _ticket_counters(q.device, plan.tiles)  # allocated now, not on the hot path
+    plan.mla = plan.mla_reason = None
+    if _mla_gluon_wanted() and not mods:
+        _mla_gluon_plan(plan, name, q, k_cache, v_cache, block_table, paged, page_size,
+                        capacity, v_is_k, window, causal, per_row, scale, num_splits, sms)
     return plan
+
+
+def _mla_gluon_plan(plan, name, q, k_cache, v_cache, block_table, paged, page_size, capacity,
+                    v_is_k, window, causal, per_row, scale, num_splits, sms):
+    """Fill plan.mla with the Gluon latent decode's launches (the attention kernel, the
+    combine kernel with and without the LSE, their grids and arguments), or leave it None
+    and say why in plan.mla_reason."""
+    batch, n_q, h_q, d = q.shape
+    h_kv, dv = k_cache.shape[2], v_cache.shape[3]
+    group = h_q // h_kv
+    cfg = _families.MLA_DECODE
+    row_blocks = _cdiv(group * n_q, cfg["rows"])
+    programs = batch * h_kv * row_blocks
+    n_blocks = _cdiv(capacity, cfg["block_n"])
+    splits = num_splits or num_splits_heuristic(programs, n_blocks, sms)
+    splits = max(1, min(splits, MAX_SPLITS, max(n_blocks, 1)))
+    why = mla_gluon_reason(name, q, k_cache, v_cache, block_table, page_size, capacity, v_is_k,
+                           window, n_q, group, splits)
+    plan.mla_reason = why
+    if why is not None:
+        return
+    from triton.experimental.gluon import language as gl
+
+    gl_dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    rows = batch * h_q * n_q
+    lp_off = rows * splits * dv
+    meta = dict(PAGED=paged, PER_ROW_LENS=per_row, BLOCK_N=cfg["block_n"],
+                NUM_BUFFERS=cfg["num_buffers"], O_REGS=cfg["o_regs"],
+                PRODUCER_REGS=cfg["producer_regs"],
+                K_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, cfg["block_n"], 64], gl_dtype),
+                num_warps=cfg["num_warps"])
+    attn = _runtime.Launcher(_runtime.kernel(name, family="gluon"), (batch * h_kv, row_blocks, splits),
+                             meta)
+    strides = (q.stride(0), q.stride(1), q.stride(2),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+               block_table.stride(0) if paged else 0, n_q)
+    # the K descriptor's outer extents: (batch, N_cache), or (num_blocks, page_size)
+    desc = (k_cache.shape[0], k_cache.shape[1])
+    tail = (h_q, group, h_kv, page_size, scale * _runtime.LOG2E, 0 if causal else capacity + n_q + 1,
+            capacity, k_cache.shape[0] if paged else 1, lp_off) + desc
+    r = 4  # rows (b, h, i) a combine program
+    combine = _runtime.kernel(name, "combine", family="gluon")
+    comb_meta = dict(SPLITS_PAD=_next_pow2(splits), R=r, num_warps=4)
+    comb_grid = (_cdiv(rows, r),)
+    plan.mla = (attn, strides, tail,
+                _runtime.Launcher(combine, comb_grid, dict(comb_meta, STORE_LSE=False)),
+                _runtime.Launcher(combine, comb_grid, dict(comb_meta, STORE_LSE=True)),
+                (n_q, h_q, splits, rows, lp_off), rows * splits * (dv + 1))
 
 
 # The split kernel's ticket counters, one int32 per tile, all 0 between launches (the last
@@ -592,6 +697,13 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
     lse = (torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
            if return_lse else out)  # without return_lse, out stands in (STORE_LSE=False)
     if plan.empty:
+        return (out, lse) if return_lse else out
+    if plan.mla is not None:  # the Gluon latent decode (MLA_GLUON; a DRAFT), then its combine
+        attn, strides, tail, combine, combine_lse, comb_args, ws_numel = plan.mla
+        _runtime._descriptor_allocator()  # its K descriptor is made on the device
+        ws = torch.empty(ws_numel, dtype=torch.float32, device=plan.device)
+        attn(q, k_cache, ws, seqlens, bt, *strides, start + plan.n_new, *tail)
+        (combine_lse if return_lse else combine)(ws, out, lse, *comb_args)
         return (out, lse) if return_lse else out
     if plan.split:
         ws = torch.empty(plan.ws_numel, dtype=torch.float32, device=plan.device)

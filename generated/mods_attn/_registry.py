@@ -1660,6 +1660,11 @@ GLUON = {'fwd_d64_fp16': None,
                                        'through shared memory by the `tl` kernel; the Gluon '
                                        'kernels would gather it in registers'}
 
+# decode variants with a Gluon latent (MLA) decode kernel in kernels/gluon/ (a DRAFT,
+# templates/gluon/decode_mla.py.j2): unverified on a GPU, launched only when asked
+# (_decode.MLA_GLUON = True or FLASHGEN_FAMILY=gluon)
+GLUON_DECODE = {}
+
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,
 # tensors as [name, extents, dtype]); only the mods some variant uses
 MODS = {'softcap': {'kind': 'score',
