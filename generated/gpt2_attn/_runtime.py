@@ -1116,7 +1116,7 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
             tiles = _mask_tile(mods, variant_name("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype],
                                                   names, v.shape[-1]),
                                cfg["block_m"], cfg["block_n"], True)
-            persistent = tiles is not None and _gluon_bwd_persistent(cfg, d)
+            persistent = tiles is not None and _gluon_bwd_persistent(cfg)
             launch, args, boxes, acc_stride = _gluon_backward_plan(cfg, q, k, v, do, dq, dk, dv,
                                                                    lo, hi, scale, name,
                                                                    persistent)
@@ -1192,21 +1192,17 @@ _BWD_PERSISTENT = "persistent"  # a Gluon plan's `tma` field: the persistent blo
 # (issue 16: a document mask's programs are ~35-40 us, of which ~7 us a launch gap, the K/V
 # wait and the epilogue; twentieth session). Dense batches only: a packed batch keeps a
 # program per key block. The kernel's shared memory (~199 KB at the default tiles) fits one
-# program an SM. On by default from GLUON_BWD_PERSISTENT_MIN_D: on the H100 (twenty-sixth
-# session, d=128, vs a program per key block) document 1.053x, window+sinks 1.042x,
-# prefix-LM 0.992x.
+# program an SM. On by default: on the H100 (twenty-sixth session, vs a program per key
+# block, d=128 / d=64) document 1.053x / 1.143x, window+sinks 1.042x / 1.056x, prefix-LM
+# 0.992x / 0.969x (its key blocks see most queries: long programs, little to hide).
 GLUON_BWD_PERSISTENT_MASKS = True
-GLUON_BWD_PERSISTENT_MIN_D = 128
 GLUON_BWD_PERSISTENT_PER_SM = 1
 
 
-def _gluon_bwd_persistent(cfg, d: int) -> bool:
-    """Whether a block-mask Gluon backward at config `cfg` and head dim d runs persistent:
-    the config key `persistent_bwd` (override_config, A/B arms), else
-    GLUON_BWD_PERSISTENT_MASKS from head dim GLUON_BWD_PERSISTENT_MIN_D."""
-    if "persistent_bwd" in cfg:
-        return bool(cfg["persistent_bwd"])
-    return GLUON_BWD_PERSISTENT_MASKS and d >= GLUON_BWD_PERSISTENT_MIN_D
+def _gluon_bwd_persistent(cfg) -> bool:
+    """Whether a block-mask Gluon backward at config `cfg` runs persistent: the config key
+    `persistent_bwd` (override_config, A/B arms), else GLUON_BWD_PERSISTENT_MASKS."""
+    return bool(cfg.get("persistent_bwd", GLUON_BWD_PERSISTENT_MASKS))
 
 
 def _gluon_bwd_persistent_grid(cfg, device, items: int) -> int:
