@@ -22,8 +22,8 @@ TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's cop
 PLANNER_SOURCE = Path(planner_core.__file__)
 FAMILIES_SOURCE = Path(families.__file__)
 GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2", "bwd": "gluon/bwd.py.j2"}
-# the Gluon latent (MLA) decode: a DRAFT (issue 16), compiled for sm_90 offline, never run
-# on a GPU; the package launches it only when asked (_decode.MLA_GLUON / FLASHGEN_FAMILY)
+# the Gluon latent (MLA) decode (issue 16): the package's default on Hopper for the calls it
+# serves (_decode.MLA_GLUON; FLASHGEN_FAMILY=tl turns it off)
 GLUON_DECODE_TEMPLATE = "gluon/decode_mla.py.j2"
 
 # package file -> template that renders it

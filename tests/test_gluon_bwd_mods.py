@@ -437,8 +437,8 @@ def test_gluon_sink_logits_backward(pkg, poison):
 
 
 # ---------------------------------------------------------------------------------------
-# the persistent form of the block-mask backward (GLUON_BWD_PERSISTENT_MASKS, off by
-# default; a DRAFT that no GPU had run when it was written)
+# the persistent form of the block-mask backward (GLUON_BWD_PERSISTENT_MASKS, on by
+# default since its first H100 run in the twenty-sixth session)
 # ---------------------------------------------------------------------------------------
 def test_persistent_backward_is_on_by_default(pkg):
     """The H100 A/B (twenty-sixth session) measured it at d=128 and 64; the tuned and
@@ -613,8 +613,8 @@ def test_gluon_persistent_block_mask_backward(pkg, poison, mods, make_kw, causal
 
 @pytest.mark.gpu
 def test_gluon_persistent_backward_by_the_switch(pkg, poison, monkeypatch):
-    """GLUON_BWD_PERSISTENT_MASKS = True alone sends a block mask's backward to the
-    persistent form (one program per SM)."""
+    """GLUON_BWD_PERSISTENT_MASKS = True (the default) alone sends a block mask's backward
+    to the persistent form (one program per SM)."""
     _skip_unless_hopper()
     monkeypatch.setattr(pkg._runtime, "GLUON_BWD_PERSISTENT_MASKS", True)
     doc = documents(2, 2048 + 77, "cuda", seed=5)

@@ -478,8 +478,8 @@ def test_gpu_deepseek_latent_decode_576_512(latent, paged, h_q):
 
 
 # ---------------------------------------------------------------------------------------
-# The Gluon latent decode (issue 16; a DRAFT: templates/gluon/decode_mla.py.j2): off by
-# default, compiled for sm_90 here, checked against float64 on the H100 with -m gpu
+# The Gluon latent decode (issue 16; templates/gluon/decode_mla.py.j2): on by default on
+# Hopper, compiled for sm_90 here, checked against float64 on the H100 with -m gpu
 # ---------------------------------------------------------------------------------------
 MLA_VARIANT = "decode_causal_d576v512_bf16"
 

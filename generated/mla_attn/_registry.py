@@ -99,9 +99,9 @@ GLUON = {'fwd_causal_d192v128_bf16': "V's head dim differs from Q's: the `tl` ke
  'bwd_sdpa_mask_d192v128_bf16': 'a mod tensor with a gradient (a bias read at every (q_idx, '
                                 'kv_idx)): the `tl` backward writes it'}
 
-# decode variants with a Gluon latent (MLA) decode kernel in kernels/gluon/ (a DRAFT,
-# templates/gluon/decode_mla.py.j2): unverified on a GPU, launched only when asked
-# (_decode.MLA_GLUON = True or FLASHGEN_FAMILY=gluon)
+# decode variants with a Gluon latent (MLA) decode kernel in kernels/gluon/
+# (templates/gluon/decode_mla.py.j2): the default on Hopper for the calls it serves
+# (_decode.MLA_GLUON; FLASHGEN_FAMILY=tl keeps `tl`)
 GLUON_DECODE = {'decode_causal_d576v512_bf16': None}
 
 # mod name -> its declaration in the spec (kind, expression, params with their defaults,

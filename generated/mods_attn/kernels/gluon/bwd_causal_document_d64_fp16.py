@@ -577,7 +577,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
 
 
 # ----------------------------------------------------------------------------------------
-# PERSISTENT (a block mask, dense batches; the runtime's GLUON_BWD_PERSISTENT_MASKS, off by
+# PERSISTENT (a block mask, dense batches; the runtime's GLUON_BWD_PERSISTENT_MASKS, on by
 # default): a grid of about one program per SM, each taking key blocks -- work items, in
 # PROG_ORDER's sequence -- until none is left: program p first takes item p, then items
 # grid + (a device counter's next value), so that an SM that finishes early takes the next
