@@ -25,7 +25,7 @@ from flashgen.build import build
 from flashgen.emit import GENERATED_MARK
 from flashgen.errors import SpecError
 from flashgen.plan import plan_spec
-from flashgen.render import environment, gluon_reason, kernel_context, mod_context, registry_context, render_kernel, \
+from flashgen.render import environment, gluon_decode_reason, gluon_reason, kernel_context, mod_context, registry_context, render_kernel, \
     render_package
 from flashgen.spec import load_spec, parse_spec
 from flashgen.variants import Variant, variants_for
@@ -254,6 +254,9 @@ def test_every_rendered_file_compiles(source):
             and not rel.startswith("kernels/gluon/")} == {f"kernels/{n}.py" for n in names}
     # the Gluon family: a kernel for each variant that can have one, named the same
     gluon = {v.name for v in variants_for(spec) if gluon_reason(v, spec) is None}
+    # and the latent (MLA) decode's Gluon kernel where a decode variant has one
+    gluon |= {v.name for v in variants_for(spec)
+              if v.kind == "decode" and gluon_decode_reason(v) is None}
     assert {rel for rel in files if rel.startswith("kernels/gluon/")
             and rel != "kernels/gluon/__init__.py"} == {f"kernels/gluon/{n}.py" for n in gluon}
     for rel, text in files.items():
