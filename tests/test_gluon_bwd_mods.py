@@ -447,6 +447,12 @@ def test_persistent_backward_is_on_by_default(pkg):
     assert rt.GLUON_BWD_PERSISTENT_MASKS is True
     assert families.GLUON_BWD_DEFAULT.get("persistent_bwd") is None
     assert rt._gluon_bwd_persistent({}) and not rt._gluon_bwd_persistent({"persistent_bwd": False})
+    # describe() says so for a block mask's backward, and only there
+    lines = pkg.describe().splitlines()
+    doc = next(line for line in lines if f" {_bwd_name(('document',), True)} " in line)
+    cap = next(line for line in lines if f" {_bwd_name(('softcap',), True)} " in line)
+    assert "gluon" in doc and doc.split(";")[1].count("persistent") == 1
+    assert "persistent" not in cap
 
 
 @pytest.mark.parametrize("knobs, persistent, grid", [

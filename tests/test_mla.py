@@ -553,6 +553,8 @@ def test_gluon_latent_decode_is_on_by_default():
     assert _decode.MLA_GLUON is True
     assert MLA_VARIANT in _registry.GLUON_DECODE
     assert "on by default" in mla.describe() and MLA_VARIANT in mla.describe()
+    row = next(line for line in mla.describe().splitlines() if line.startswith(f"    {MLA_VARIANT}"))
+    assert "gluon latent decode" in row and "tl (" not in row
     q = torch.randn(1, 1, 16, 576).to(torch.bfloat16)
     cache = torch.randn(1, 64, 1, 576).to(torch.bfloat16)
 

@@ -2,6 +2,7 @@
 """`describe()`: what this package was built for and what is tuned."""
 from ._families import (GLUON_CAPABILITIES, GLUON_TRITON, MLA_DECODE_STATUS, gluon_by_default,
                         gluon_min_n, variant_gluon_default)
+from . import _runtime
 from ._runtime import mod_kinds
 from ._registry import (BUCKETS, BUILT_FOR, GLUON, GLUON_DECODE, MOD_COMBOS, MODS, PACKAGE,
                         PLANNED, TARGET_GPU, TUNED, VARIANTS)
@@ -42,10 +43,18 @@ def describe() -> str:
             opt_in = f"; from N >= {min_n} (tl below, unless tuned)"
         else:
             opt_in = "; opt-in: tl unless tuned to it or FLASHGEN_FAMILY=gluon"
+        # a block mask's backward runs its persistent form (_runtime.GLUON_BWD_PERSISTENT_MASKS)
+        persistent = (v["kind"] == "bwd" and _runtime.GLUON_BWD_PERSISTENT_MASKS
+                      and v.get("mods")
+                      and MOD_COMBOS["+".join(v["mods"])]["block_sparse"])
         family = (f"gluon {g['block_m']}x{g['block_n']}, {g['num_stages']}-deep ring"
                   f"{', ping-pong' if g.get('pingpong') else ''}"
-                  f"{', 2 Q slots' if g.get('q_buffers', 1) > 1 else ''}{opt_in}"
+                  f"{', 2 Q slots' if g.get('q_buffers', 1) > 1 else ''}"
+                  f"{', persistent' if persistent else ''}{opt_in}"
                   if why is None else f"tl ({why})")
+        if name in GLUON_DECODE:
+            family = ("gluon latent decode, 64 query heads a program (a call it cannot serve "
+                      "stays tl: _decode.mla_gluon_reason)")
         lines.append(f"    {name:<32} {c['block_m']}x{c['block_n']}, {c['num_warps']} warps, "
                      f"{c['num_stages']} stages; {hopper}: {family}")
     for name in GLUON_DECODE:
