@@ -136,6 +136,15 @@ def _stream_k(config, facts: Facts) -> str | None:
             or ("stream-K is off with overlap anyway" if config.get("overlap") else None))
 
 
+def _persistent_bwd(config, facts: Facts) -> str | None:
+    """persistent_bwd=False (a program per key block) is a point of its own only for a
+    Gluon backward with a block mask: the persistent form exists there alone."""
+    if config["persistent_bwd"]:
+        return None
+    return (_gluon_only("persistent_bwd", True)(config, facts)
+            or (None if facts.block_sparse else "a block mask's backward knob (its persistent form)"))
+
+
 def _tma(config, facts: Facts) -> str | None:
     if not config["tma"]:
         return None
@@ -186,6 +195,11 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
         Knob("family", ("tl", "gluon"), "tl", _family),
         Knob("regs", families.REG_SPLITS, families.REG_SPLITS[0],
              _gluon_only("regs", families.REG_SPLITS[0])),
+        # a block mask's backward: one program an SM taking key blocks from a counter (the
+        # package's default, _runtime.GLUON_BWD_PERSISTENT_MASKS) or one per key block
+        # (H100: the persistent form 1.04-1.14x for documents and windows, 0.97-0.99x for
+        # prefix-LM; docs/PERF_NOTES.md, twenty-sixth session)
+        Knob("persistent_bwd", (True, False), True, _persistent_bwd),
         # Reachable through override_config but not tuned, both measured slower on the
         # H100 (docs/PERF_NOTES.md): `fused_dq=True` (dQ inside the dK/dV kernel) and
         # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: 0 to -12%

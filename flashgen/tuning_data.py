@@ -144,7 +144,7 @@ def update(path: Path, *, gpu: Mapping, versions: Mapping, spec_sha: str,
 # before the Gluon family existed, and the package reads that absence (on a GPU the Gluon
 # kernels run on, it takes the Gluon default over that `tl`-only winner).
 UNFILLED = ("family", "pingpong", "l2_share", "persistent", "regs", "q_buffers", "overlap",
-            "diag_first", "stream_k")
+            "diag_first", "stream_k", "persistent_bwd")
 
 
 def _config_only(kind: str, value: Mapping) -> dict:

@@ -184,8 +184,9 @@ def test_the_gluon_backward_is_searched_where_it_runs():
     """The backward's `family` knob: Gluon points take the backward's warpgroup tile
     (2 x 64 keys, 4 warps), 64 or 128 query rows a step and a 2- to 4-deep Q/dO ring where
     shared memory allows, each register split; `dq_tile` stays a `tl` knob and `regs` a
-    Gluon one, so no config is measured twice."""
-    assert [k.name for k in KNOBS["bwd"]] == ["dq_tile", "family", "regs"]
+    Gluon one, so no config is measured twice; `persistent_bwd` is a point of its own only
+    for a block mask's Gluon backward."""
+    assert [k.name for k in KNOBS["bwd"]] == ["dq_tile", "family", "regs", "persistent_bwd"]
     tiles = {}
     for d in (64, 96, 128):
         space = space_for("bwd", d, 2, **H100, gluon=None)
@@ -259,7 +260,8 @@ def test_the_backward_warm_starts_include_the_gluon_backward_default():
     # budget-starved study then writes what the package already runs)
     assert [tag for tag, _ in starts] == ["gluon", "planner"]
     assert starts[0][1] == {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2,
-                            "dq_tile": "mirror", "family": "gluon", "regs": "240/24"}
+                            "dq_tile": "mirror", "family": "gluon", "regs": "240/24",
+                            "persistent_bwd": True}
     assert all(bwd.check(cfg) is None for _, cfg in starts)
     # the forward keeps its own Gluon default; no Gluon kernel, no Gluon warm start
     fwd = space_for("fwd", 128, 2, **H100, gluon=None)
@@ -282,13 +284,14 @@ def test_the_backward_warm_starts_include_the_gluon_backward_default():
     # tile comes after the defaults
     assert [tag for tag, _ in starts] == ["tuned", "planner", "gluon", "stored", "try", "try"]
     assert starts[0] == ("tuned", starts[2][1]) and starts[0][1]["family"] == "gluon"
-    assert starts[3] == ("stored", {**old, "family": "tl", "regs": "240/24"})
+    assert starts[3] == ("stored", {**old, "family": "tl", "regs": "240/24",
+                            "persistent_bwd": True})
     assert starts[4][1]["family"] == "gluon" and starts[4][1]["regs"] == "232/40"
     assert bwd.check(starts[4][1]) is None and "shared memory" in bwd.check(starts[5][1])
     # an entry that names its family is run as stored
     named = {**old, "family": "tl"}
     assert _warm_starts(spec, "bwd", bwd, incumbent=named, bucket=4096)[0] == (
-        "tuned", {**named, "regs": "240/24"})
+        "tuned", {**named, "regs": "240/24", "persistent_bwd": True})
 
 
 def test_a_deterministic_process_tunes_the_tl_backward_only():
@@ -310,6 +313,22 @@ def test_a_deterministic_process_tunes_the_tl_backward_only():
         assert _warm_starts(load_spec(ROOT / "specs" / "llama.yaml"), "bwd", space)[-1][0] == "planner"
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_the_persistent_block_mask_backward_is_a_knob_of_block_masks_only():
+    """persistent_bwd=False (a program per key block) is searched for a mask mod's Gluon
+    backward only: doubled Gluon points there, none added elsewhere, never on `tl`."""
+    plain = space_for("bwd", 128, 2, **H100, gluon=None)
+    masked = space_for("bwd", 128, 2, **H100, gluon=None, block_sparse=True)
+    assert all(p["persistent_bwd"] for p in plain.points())
+    off = [p for p in masked.points() if not p["persistent_bwd"]]
+    on = [p for p in masked.points() if p["persistent_bwd"] and p["family"] == "gluon"]
+    assert off and all(p["family"] == "gluon" for p in off)
+    assert sorted(map(str, ({**p, "persistent_bwd": True} for p in off))) == sorted(map(str, on))
+    gluon_point = next(p for p in plain.points() if p["family"] == "gluon")
+    assert "block mask" in plain.check({**gluon_point, "persistent_bwd": False})
+    assert "Gluon knob" in masked.check({**masked.default(), "family": "tl",
+                                         "persistent_bwd": False})
 
 
 def test_a_gluon_backward_winner_round_trips_through_the_tuning_data():
