@@ -657,7 +657,7 @@ def test_progress_lines_and_summary_table(storage):
     table = format_summary([result, StudyResult(name="x", variant="bwd_d64_fp16", bucket=512,
                                                 failed=2, stopped="2 failures")])
     head, rule, row, empty = table.splitlines()
-    assert head.split() == ["variant", "bucket", "default", "ms", "tuned", "ms", "speedup",
+    assert head.split() == ["variant", "bucket", "planner", "ms", "tuned", "ms", "vs", "planner",
                             "done/failed", "tuned", "config", "stopped"]
     assert row.split()[:3] == ["fwd_d64_fp16", "1024", f"{result.default_ms:.4f}"]
     assert f"{result.default_ms / result.best_ms:.3f}x" in row and "3/0" in row
