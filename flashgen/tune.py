@@ -53,6 +53,9 @@ ATTR_FAIL = "fail_reason"
 ATTR_INFEASIBLE = "infeasible"
 ATTR_WARM = "warm_start"
 ATTR_CONFIRMED = "confirmed"    # study attr: {"complete": n, "entries": [[config, ms, [ms...]]]}
+# study attr: the config the package ran before this study (its first warm start: the
+# tuning file's entry, else the untuned default -- on Hopper often the Gluon one)
+ATTR_BEFORE = "before_config"
 CONFIRM_TOP = 4                 # re-time this many best configs (and the default) at the end
 CONFIRM_ROUNDS = 3
 INTERRUPTED = "interrupted"
@@ -250,6 +253,7 @@ class StudyResult:
     best_config: dict | None = None
     best_ms: float | None = None
     default_ms: float | None = None
+    before_ms: float | None = None  # the config the package ran before (ATTR_BEFORE)
     complete: int = 0
     failed: int = 0
     pruned: int = 0
@@ -262,6 +266,13 @@ class StudyResult:
     def speedup(self) -> float | None:
         if self.best_ms and self.default_ms:
             return self.default_ms / self.best_ms
+        return None
+
+    @property
+    def gain(self) -> float | None:
+        """What the study adds over what the package ran before it (1.0: it kept it)."""
+        if self.best_ms and self.before_ms:
+            return self.before_ms / self.best_ms
         return None
 
 
@@ -302,6 +313,8 @@ def summarize(study, space: Space, *, variant: str = "", bucket: int = 0,
             result.best_config, result.best_ms = min(entries, key=lambda e: e[1])
             default = space.default()
             result.default_ms = next((ms for cfg, ms in entries if cfg == default), None)
+            before = _before(study, space)
+            result.before_ms = next((ms for cfg, ms in entries if cfg == before), None)
             result.confirmed = True
             return result
     if f["complete"]:
@@ -312,7 +325,24 @@ def summarize(study, space: Space, *, variant: str = "", bucket: int = 0,
         defaults = [t for t in f["complete"] if space.key(space.config(t.params)) == default_key]
         if defaults:
             result.default_ms = defaults[0].value
+        before = _before(study, space)
+        if before is not None:
+            result.before_ms = next((t.value for t in f["complete"]
+                                     if space.key(space.config(t.params)) == space.key(before)),
+                                    None)
     return result
+
+
+def _before(study, space: Space) -> dict | None:
+    """The study's ATTR_BEFORE config (None when it has none or it no longer fits)."""
+    raw = study.user_attrs.get(ATTR_BEFORE)
+    if raw is None:
+        return None
+    try:
+        cfg = space.config(raw)
+    except (KeyError, ValueError, TypeError):
+        return None
+    return cfg if space.check(cfg) is None else None
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -369,12 +399,16 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
             study.set_user_attr(key, value)
 
     dists = space.distributions()
-    for tag, cfg in warm_starts:
+    for i, (tag, cfg) in enumerate(warm_starts):
         cfg = space.config(cfg)
         reason = space.check(cfg)
         if reason is not None:
             say(f"{label}: warm start {tag} {_fmt_config(cfg)} skipped: {reason}")
             continue
+        if i == 0 and study.user_attrs.get(ATTR_BEFORE) is None:
+            # _warm_starts puts what the package runs today first; a resumed study keeps
+            # the first run's (a re-tune's own entry is not "before")
+            study.set_user_attr(ATTR_BEFORE, dict(cfg))
         study.enqueue_trial(cfg, user_attrs={ATTR_WARM: tag}, skip_if_exists=True)
 
     started = time.monotonic()
@@ -492,6 +526,7 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
     say(f"{label}: done ({stopped}): {result.complete} complete, {result.failed} failed"
         + (f", best {result.best_ms:.4f} ms [{_fmt_config(result.best_config)}]"
            if result.best_ms else "")
+        + (f", before {result.before_ms:.4f} ms" if result.before_ms else "")
         + (f", planner's config {result.default_ms:.4f} ms" if result.default_ms else "")
         + (" (re-timed back to back)" if result.confirmed else ""))
     return result
@@ -499,8 +534,9 @@ def tune_study(*, storage, name: str, space: Space, measure: Measure, n_trials: 
 
 def confirm(study, space: Space, retime: Callable[[dict], float], *, top: int = CONFIRM_TOP,
             rounds: int = CONFIRM_ROUNDS, say=None) -> dict | None:
-    """Re-time the study's `top` fastest configs and the default config back to back,
-    `rounds` times in rotating order, and store the medians on the study (ATTR_CONFIRMED).
+    """Re-time the study's `top` fastest configs, the default config and the one the package
+    ran before the study (ATTR_BEFORE) back to back, `rounds` times in rotating order, and
+    store the medians on the study (ATTR_CONFIRMED).
     Skipped when the stored round already covers every completed trial."""
     from optuna.trial import TrialState
 
@@ -519,11 +555,19 @@ def confirm(study, space: Space, retime: Callable[[dict], float], *, top: int = 
         space.key(space.config(t.params)) == space.key(default) for t in complete)
     if with_default:
         ranked.append(default)
+        keys.add(space.key(default))
+    # and what the package ran before the study, so its gain is timed in the same round
+    before = _before(study, space)
+    with_before = before is not None and space.key(before) not in keys and any(
+        space.key(space.config(t.params)) == space.key(before) for t in complete)
+    if with_before:
+        ranked.append(before)
     if len(ranked) < 2:  # one config: nothing to compare, its trial time stands
         return stored
     if say:
-        say(f"re-timing the {len(keys)} fastest configs{' and the default' if with_default else ''}"
-            f", {rounds} rounds back to back")
+        fastest = len(ranked) - with_default - with_before
+        say(f"re-timing the {fastest} fastest configs{' and the default' if with_default else ''}"
+            f"{' and the one before' if with_before else ''}, {rounds} rounds back to back")
     times: list[list[float]] = [[] for _ in ranked]
     for r in range(rounds):
         for j in range(len(ranked)):
@@ -786,15 +830,17 @@ def _incumbents(spec, gpu_key: str) -> dict:
 def format_summary(results: Sequence[StudyResult]) -> str:
     # "planner ms" / "vs planner": the planner's `tl` config, the study's fixed reference
     # (on Hopper the untuned package may run a Gluon default that is already faster)
-    head = ("variant", "bucket", "planner ms", "tuned ms", "vs planner", "done/failed",
-            "tuned config", "stopped")
+    head = ("variant", "bucket", "planner ms", "before ms", "tuned ms", "vs planner",
+            "vs before", "done/failed", "tuned config", "stopped")
     rows = [head]
     for r in results:
         rows.append((
             r.variant, str(r.bucket),
             f"{r.default_ms:.4f}" if r.default_ms else "-",
+            f"{r.before_ms:.4f}" if r.before_ms else "-",
             f"{r.best_ms:.4f}" if r.best_ms else "-",
             f"{r.speedup:.3f}x" if r.speedup else "-",
+            f"{r.gain:.3f}x" if r.gain else "-",
             f"{r.complete}/{r.failed}", _fmt_config(r.best_config), r.stopped or "-",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]

@@ -592,6 +592,47 @@ def test_the_winner_is_chosen_by_back_to_back_retiming(storage):
     assert r.best_config == truly_best and r.speedup == pytest.approx(1 / 0.9)
 
 
+def test_the_summary_times_what_the_package_ran_before(storage):
+    """The first warm start is what the package runs today (a tuned entry, or the untuned
+    default: on Hopper often the Gluon one, faster than the planner's `tl` config). It is
+    re-timed in the confirmation round beside the winner and the planner's config, and
+    `gain` (the summary's "vs before") is the winner against it, not against the planner."""
+    space = fwd_space()
+    base = cost_of(space)
+    default = space.default()
+    others = sorted((c for c in space.points() if space.key(c) != space.key(default)), key=base)
+    best, before = others[0], others[len(others) // 2]
+    assert len({space.key(c) for c in (best, before, default)}) == 3
+
+    def cost(cfg):   # the planner's config is far slower than what ran before
+        return 3.0 * base(best) if cfg == default else base(cfg)
+
+    retimed, lines = [], []
+
+    def retime(cfg):
+        retimed.append(cfg)
+        return cost(cfg)
+
+    r = tune_study(storage=storage, name="before", space=space, measure=cost, n_trials=4,
+                   warm_starts=[("gluon", before), ("planner", default), ("try", best)],
+                   progress=lines.append, retime=retime, confirm_top=1, confirm_rounds=2)
+    assert r.confirmed and r.best_config == best
+    assert r.before_ms == cost(before) and r.default_ms == cost(default)
+    assert r.gain == pytest.approx(cost(before) / cost(best))
+    assert r.speedup == pytest.approx(cost(default) / cost(best)) and r.speedup > r.gain
+    assert {space.key(c) for c in retimed} == {space.key(c) for c in (best, before, default)}
+    assert any("re-timing the 1 fastest configs and the default and the one before" in ln
+               for ln in lines)
+    assert any(f"before {cost(before):.4f} ms" in ln for ln in lines)
+    table = format_summary([r])
+    assert f"{r.gain:.3f}x" in table.splitlines()[2]
+    # a resumed study keeps its first run's "before", whatever the warm starts say now
+    again = tune_study(storage=storage, name="before", space=space, measure=cost, n_trials=5,
+                       warm_starts=[("tuned", best)], progress=lines.append, retime=retime,
+                       confirm_top=1, confirm_rounds=1)
+    assert again.before_ms == cost(before)
+
+
 def test_warm_starts_are_enqueued_once_and_first(storage):
     space = fwd_space()
     spec_tile = {"block_m": 64, "block_n": 32, "num_warps": 2, "num_stages": 2}
@@ -657,8 +698,9 @@ def test_progress_lines_and_summary_table(storage):
     table = format_summary([result, StudyResult(name="x", variant="bwd_d64_fp16", bucket=512,
                                                 failed=2, stopped="2 failures")])
     head, rule, row, empty = table.splitlines()
-    assert head.split() == ["variant", "bucket", "planner", "ms", "tuned", "ms", "vs", "planner",
-                            "done/failed", "tuned", "config", "stopped"]
+    assert head.split() == ["variant", "bucket", "planner", "ms", "before", "ms", "tuned", "ms",
+                            "vs", "planner", "vs", "before", "done/failed", "tuned", "config",
+                            "stopped"]
     assert row.split()[:3] == ["fwd_d64_fp16", "1024", f"{result.default_ms:.4f}"]
     assert f"{result.default_ms / result.best_ms:.3f}x" in row and "3/0" in row
     assert empty.split()[:4] == ["bwd_d64_fp16", "512", "-", "-"]
