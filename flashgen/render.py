@@ -345,13 +345,13 @@ def gluon_decode_reason(variant: Variant) -> str | None:
         return f"a {variant.kind} variant: the Gluon latent kernel is a decode kernel"
     if (variant.head_dim, variant.v_dim) != (576, 512):
         return (f"head dims {variant.head_dim}/{variant.v_dim}: the Gluon latent decode is "
-                "drafted for DeepSeek's 576/512 only")
+                "built for DeepSeek's 576/512 only")
     if variant.dtype not in ("fp16", "bf16"):
         return f"{variant.dtype}: wgmma takes fp16/bf16 operands"
     if variant.mods:
         return "a variant with mods: the `tl` decode kernel renders them"
     if variant.mask not in ("causal", "none"):
-        return f"mask {variant.mask}: the Gluon latent decode is drafted for causal / none"
+        return f"mask {variant.mask}: the Gluon latent decode is built for causal / none"
     return None
 
 
@@ -440,7 +440,7 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
     gluon = {v.name: gluon_reason(v, spec) for v in plans}
-    # decode variants with a drafted Gluon latent-decode kernel (off unless asked for)
+    # decode variants with a Gluon latent-decode kernel (the default on Hopper: _decode.MLA_GLUON)
     gluon_decode = {v.name: None for v in plans
                     if v.kind == "decode" and gluon_decode_reason(v) is None}
     built_for = {

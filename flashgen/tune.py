@@ -306,30 +306,23 @@ def summarize(study, space: Space, *, variant: str = "", bucket: int = 0,
                          pruned=len(f["pruned"]), space_size=len(space), stopped=stopped)
     result.failures = [(dict(t.params), t.user_attrs.get(ATTR_FAIL, "?")) for t in f["failed"]]
     confirmed = study.user_attrs.get(ATTR_CONFIRMED)
+    timed = []  # (config, ms): the confirmation round's medians, else the trials' times
     if confirmed and confirmed.get("complete") == len(f["complete"]):
-        entries = [(space.config(cfg), ms) for cfg, ms, _ in confirmed["entries"]
-                   if ms is not None and space.check(space.config(cfg)) is None]
-        if entries:
-            result.best_config, result.best_ms = min(entries, key=lambda e: e[1])
-            default = space.default()
-            result.default_ms = next((ms for cfg, ms in entries if cfg == default), None)
-            before = _before(study, space)
-            result.before_ms = next((ms for cfg, ms in entries if cfg == before), None)
-            result.confirmed = True
-            return result
-    if f["complete"]:
-        best = min(f["complete"], key=lambda t: (t.value, t.number))
-        result.best_config = space.config(best.params)
-        result.best_ms = best.value
-        default_key = space.key(space.default())
-        defaults = [t for t in f["complete"] if space.key(space.config(t.params)) == default_key]
-        if defaults:
-            result.default_ms = defaults[0].value
-        before = _before(study, space)
-        if before is not None:
-            result.before_ms = next((t.value for t in f["complete"]
-                                     if space.key(space.config(t.params)) == space.key(before)),
-                                    None)
+        timed = [(space.config(cfg), ms) for cfg, ms, _ in confirmed["entries"]
+                 if ms is not None and space.check(space.config(cfg)) is None]
+        result.confirmed = bool(timed)
+    if not timed:
+        trials = sorted(f["complete"], key=lambda t: t.number)
+        timed = [(space.config(t.params), t.value) for t in trials]
+    if timed:
+        result.best_config, result.best_ms = min(timed, key=lambda e: e[1])  # first of ties
+
+        def ms_of(cfg):
+            return None if cfg is None else next(
+                (ms for c, ms in timed if space.key(c) == space.key(cfg)), None)
+
+        result.default_ms = ms_of(space.default())
+        result.before_ms = ms_of(_before(study, space))
     return result
 
 

@@ -698,7 +698,7 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
            if return_lse else out)  # without return_lse, out stands in (STORE_LSE=False)
     if plan.empty:
         return (out, lse) if return_lse else out
-    if plan.mla is not None:  # the Gluon latent decode (MLA_GLUON; a DRAFT), then its combine
+    if plan.mla is not None:  # the Gluon latent decode (MLA_GLUON), then its combine
         attn, strides, tail, combine, combine_lse, comb_args, ws_numel = plan.mla
         _runtime._descriptor_allocator()  # its K descriptor is made on the device
         ws = torch.empty(ws_numel, dtype=torch.float32, device=plan.device)

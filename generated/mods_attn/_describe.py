@@ -43,10 +43,10 @@ def describe() -> str:
             opt_in = f"; from N >= {min_n} (tl below, unless tuned)"
         else:
             opt_in = "; opt-in: tl unless tuned to it or FLASHGEN_FAMILY=gluon"
-        # a block mask's backward runs its persistent form (_runtime.GLUON_BWD_PERSISTENT_MASKS)
-        persistent = (v["kind"] == "bwd" and _runtime.GLUON_BWD_PERSISTENT_MASKS
-                      and v.get("mods")
-                      and MOD_COMBOS["+".join(v["mods"])]["block_sparse"])
+        # a block mask's backward at this config runs persistent or not as the runtime decides
+        persistent = (v["kind"] == "bwd" and v.get("mods")
+                      and MOD_COMBOS["+".join(v["mods"])]["block_sparse"]
+                      and _runtime._gluon_bwd_persistent(g))
         family = (f"gluon {g['block_m']}x{g['block_n']}, {g['num_stages']}-deep ring"
                   f"{', ping-pong' if g.get('pingpong') else ''}"
                   f"{', 2 Q slots' if g.get('q_buffers', 1) > 1 else ''}"
