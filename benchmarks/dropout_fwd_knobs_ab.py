@@ -36,7 +36,14 @@ def main():
     ap.add_argument("--n", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--out")
+    ap.add_argument("--arm", action="append", default=[], metavar="NAME=JSON",
+                    help="an extra arm: a name and the override_config knobs as JSON, timed "
+                         "at p = 0.1 and (as 'NAME p=0') at p = 0")
     args = ap.parse_args()
+    extra = {}
+    for spec in args.arm:
+        label, _, knobs = spec.partition("=")
+        extra[label] = json.loads(knobs)
     import triton
 
     pkg, sha = load_package(SPEC)
@@ -48,8 +55,12 @@ def main():
         q, k, v = (torch.randn(b, n, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * b * H * n * n * D / 2
         base = dict(rt.launch_config(name, q.device, n))
-        arms = {label: ({**base, **change}, P) for label, change in ARMS.items()}
+        arms = {label: ({**base, **change}, P)
+                for label, change in (ARMS.items() if not extra else [("base", {})])}
         arms["base p=0"] = (base, 0.0)
+        for label, change in extra.items():
+            arms[label] = ({**base, **change}, P)
+            arms[label + " p=0"] = ({**base, **change}, 0.0)
         times = {label: [] for label in arms}
         errors = {}
         for _ in range(args.rounds):
