@@ -262,9 +262,10 @@ KEY_SPAN_FWD_KNOBS = {
 
 
 # The dropout forward at d > 64 loads a tile's Q while the tile before it runs (q_buffers
-# 2). Its consumers are issue-bound (the Philox rounds), so a tile's start, where the Q
-# wait and a first block with no P V behind it sit, costs more of the tile than without
-# dropout. H100, causal d=128 bf16 p=0.1, H=16 B*N=16k (benchmarks/dropout_fwd_knobs_ab.py,
+# 2). Its consumers' key loop is longer (the Philox rounds) and latency-bound (ncu,
+# twenty-seventh session: issue slots 37% busy, the consumers' stalls mostly fixed-latency
+# dependencies and dispatch), so a tile's start, where the Q wait and a first block with
+# no P V behind it sit, costs more of the tile than without dropout. H100, causal d=128 bf16 p=0.1, H=16 B*N=16k (benchmarks/dropout_fwd_knobs_ab.py,
 # 4 interleaved rounds, twenty-second session): 336.4 vs 330.0 TFLOP/s at N=1k (1.020x),
 # 409.2 vs 408.8 at 4k (1.001x); overlap, diag_first and no ping-pong 0.975-1.011x. Not
 # taken at d=64, where q_buffers 2 cost the causal forward 4% without dropout.
