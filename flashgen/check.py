@@ -90,42 +90,70 @@ def _mod_inputs(spec, variant, b, n_q, n_k, h_q, device):
     """(keyword arguments, reference score mod, reference mask, reference sink) for a
     variant's mods: random tensors of the declared shapes (ids sorted along their last
     extent, like document ids), params at their defaults; the reference evaluates the
-    same expression trees in float64 on the host."""
+    same expression trees in float64 on the host (mod_reference)."""
     if not variant.mods:
         return {}, None, None, None
-    from . import mods as M
-
     by_name = {m.name: m for m in spec.mods}
     ms = [by_name[n] for n in variant.mods]
-    extents = {"B": b, "H": h_q, "Nq": n_q, "Nk": n_k, "N": max(n_q, n_k)}
-    kw, env = {"mods": variant.mods}, {}
+    extents = mod_extents(b, h_q, n_q, n_k)
+    kw = {"mods": variant.mods}
     for m in ms:
         for t in m.tensors:
-            shape = [d if isinstance(d, int) else extents.get(d, 17) for d in t.dims]
-            if t.type == "int":
-                x = torch.sort(torch.randint(0, max(2, shape[-1] // 8), shape), -1).values
-            elif t.type == "bool":
-                x = torch.rand(shape) > 0.3
-            else:
-                x = torch.randn(shape) * 0.5
-            x = x.to(M_DTYPES[t.dtype])
-            kw[t.name] = x.to(device)
-            env[t.name] = x.double() if x.is_floating_point() else x.long()
-        env.update(dict(m.params))
+            kw[t.name] = random_tensor(t, extents).to(device)
+    return (kw, *mod_reference(ms, kw, b, h_q, n_q, n_k))
+
+
+def mod_extents(b, h_q, n_q, n_k) -> dict:
+    """The values of a mod tensor's symbolic extents for one call's shape."""
+    return {"B": b, "H": h_q, "Nq": n_q, "Nk": n_k, "N": max(n_q, n_k)}
+
+
+def random_tensor(t, extents: dict, generator=None, id_runs: int | None = None):
+    """A random CPU tensor for the mod tensor declaration `t` (flashgen.mods.TensorDecl) at
+    one call's `extents` (mod_extents; another name's extent is 17): integers sorted along
+    the last extent in `id_runs` runs (default: one per 8 elements), like document ids;
+    booleans True at 70%; floats normal with std 0.5."""
+    shape = [d if isinstance(d, int) else extents.get(d, 17) for d in t.dims]
+    if t.type == "int":
+        runs = id_runs if id_runs is not None else max(2, shape[-1] // 8)
+        x = torch.sort(torch.randint(0, runs, shape, generator=generator), -1).values
+    elif t.type == "bool":
+        x = torch.rand(shape, generator=generator) > 0.3
+    else:
+        x = torch.randn(shape, generator=generator) * 0.5
+    return x.to(M_DTYPES[t.dtype])
+
+
+def mod_reference(ms, kw: dict, b, h_q, n_q, n_k):
+    """(score mod, mask, sink) of the float64 reference (flashgen.reference.attention_ref)
+    for a call with the mods `ms` (flashgen.mods.Mod, in the call's order) and the keyword
+    arguments `kw` (their tensors; a param not in `kw` takes its default): the mods'
+    expression trees evaluated with torch on the host, in float64. The score mod takes
+    scores on any device and returns them there (differentiably); the mask is a bool
+    tensor broadcastable to (B, H, Nq, Nk), the sink (B, H) float64, both on the host."""
+    from . import mods as M
+
+    env = {}
+    for m in ms:
+        for t in m.tensors:
+            x = kw[t.name].detach().cpu()
+            env[t.name] = (x.double() if x.is_floating_point() else
+                           x if x.dtype == torch.bool else x.long())
+        env.update({p: kw.get(p, default) for p, default in m.params})
     grid = {"b": torch.arange(b)[:, None, None, None], "h": torch.arange(h_q)[None, :, None, None],
             "q_idx": torch.arange(n_q)[:, None], "kv_idx": torch.arange(n_k)[None, :]}
     score = M.combine([m.expr for m in ms if m.kind == "score"])
     masks = [m.expr for m in ms if m.kind == "mask"]
     sink = next((m.expr for m in ms if m.kind == "sink"), None)
     score_mod = None if score is None else (
-        lambda s: M.to_torch(score, {**env, **grid, "score": s}).to(s.device))
+        lambda s: M.to_torch(score, {**env, **grid, "score": s.cpu()}).to(s.device))
     mask = None
     for e in masks:
         m_ = torch.as_tensor(M.to_torch(e, {**env, **grid}))
         mask = m_ if mask is None else mask & m_
     sink_val = None if sink is None else torch.as_tensor(M.to_torch(sink, {
         **env, "b": torch.arange(b)[:, None], "h": torch.arange(h_q)[None, :]})).double().expand(b, h_q)
-    return kw, score_mod, mask, sink_val
+    return score_mod, mask, sink_val
 
 
 M_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,

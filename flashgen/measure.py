@@ -159,7 +159,15 @@ class Workload:
     """The calls one variant's trials make: a correctness check at a small shape and the
     timing at the bucket's shape, through the built package's public flash_attn_func
     (tensors allocated (B, H, N, d) like `flashgen bench` and passed as (B, N, H, d)
-    views), with `_runtime.override_config(**config)` selecting the config."""
+    views), with `_runtime.override_config(**config)` selecting the config.
+
+    A variant with mods is called as a user calls it, `mods=(...)` and the mods' tensors
+    and params as keywords, valued as a model would pass them (bench_mods.call_inputs:
+    documents of random lengths, prefixes of N/8..N/2 tokens, ...; a block mask's speed
+    depends on its sparsity), made once per shape and kept for the study; the check's
+    float64 reference applies the same mods to the same values (check.mod_reference).
+    The mod tensors are passed without requires_grad (a mask or ids never has one; a
+    bias's or sink's gradient is not what the tuned launch decides)."""
 
     def __init__(self, pkg, variant: str, facts: Mapping, bucket: int, device,
                  window=(-1, -1), gqa: bool = False, default: Mapping | None = None,
@@ -184,16 +192,61 @@ class Workload:
         self.gqa = gqa
         self.default = dict(default) if default is not None else None
         self.check_n = check_n
+        self.mods = tuple(facts.get("mods") or ())
+        self._mod_args = {}   # (B, Hq, N, small) -> the mods' keyword arguments
+        self._mod_refs = {}   # (B, Hq, N) -> the check's (score mod, mask, sink)
         self._seed = 0
         self._timed = None
 
     # -- calls ------------------------------------------------------------------------
-    def call(self, q, k, v, window=None):
-        """(B, H, N, d) tensors -> out (B, N, H, d)."""
+    def call(self, q, k, v, window=None, small=False):
+        """(B, H, N, d) tensors -> out (B, N, H, d); with the variant's mods and their
+        arguments for this shape (mod_args; `small`: the check's)."""
         p = DROPOUT_P if self.dropout else 0.0
+        b, h_q, n, _ = q.shape
+        mods = {"mods": self.mods, **self.mod_args(b, h_q, n, small)} if self.mods else {}
         return self.pkg.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                         dropout_p=p, causal=self.mask == "causal",
-                                        window_size=self.window if window is None else window)
+                                        window_size=self.window if window is None else window,
+                                        **mods)
+
+    def _mod_objects(self) -> list:
+        """The variant's mods (flashgen.mods.Mod), from the package's registry."""
+        from .mods import make_mod
+
+        out = []
+        for name in self.mods:
+            m = self.pkg._registry.MODS[name]
+            tensors = {t: f"[{', '.join(map(str, dims))}] {dtype}"
+                       for t, dims, dtype in m["tensors"]}
+            out.append(make_mod(name, m["kind"], m["source"], dict(m["params"]), tensors,
+                                m.get("builtin")))
+        return out
+
+    def mod_args(self, b: int, h_q: int, n: int, small: bool = False) -> dict:
+        """The mods' tensors and params of a call of this shape (bench_mods.call_inputs),
+        made on the first call of the shape and kept."""
+        key = (b, h_q, n, small)
+        if key not in self._mod_args:
+            from .bench_mods import call_inputs
+
+            self._mod_args[key] = call_inputs(self._mod_objects(), b, h_q, n, n, self.device,
+                                              small=small)
+        return self._mod_args[key]
+
+    def mod_reference(self, b: int, h_q: int, n: int) -> tuple:
+        """(score mod, mask, sink) of the check's float64 reference at this shape
+        (check.mod_reference over the check's mod arguments); Nones without mods."""
+        if not self.mods:
+            return None, None, None
+        key = (b, h_q, n)
+        if key not in self._mod_refs:
+            from .check import mod_reference
+
+            self._mod_refs[key] = mod_reference(self._mod_objects(),
+                                                self.mod_args(b, h_q, n, small=True),
+                                                b, h_q, n, n)
+        return self._mod_refs[key]
 
     def _inputs(self, b, h_q, h_kv, n, grad: bool):
         torch = self.torch
@@ -210,15 +263,16 @@ class Workload:
         return q, k, v
 
     def _run(self, config, q, k, v, do=None, window=None):
-        """Forward (and with `do`, the backward) of one call; `config` applies to this
-        variant's kind only: a backward config is never launched on the forward kernel."""
+        """Forward (and with `do`, the backward) of one call at the check's shape; `config`
+        applies to this variant's kind only: a backward config is never launched on the
+        forward kernel."""
         torch = self.torch
         override = self.pkg._runtime.override_config
         torch.manual_seed(DROPOUT_SEED)  # the dropout stream, identical for every config
         if self.kind == "fwd":
             with override(**config):
-                return (self.call(q, k, v, window),)
-        out = self.call(q, k, v, window)
+                return (self.call(q, k, v, window, small=True),)
+        out = self.call(q, k, v, window, small=True)
         with override(**config):
             return torch.autograd.grad(out, (q, k, v), do)
 
@@ -226,7 +280,8 @@ class Workload:
     def check(self, config: Mapping) -> str | None:
         """None if `config` computes this variant correctly on fresh random inputs, else why
         not. Reference: float64 (flashgen.reference); for dropout variants with the keep mask
-        the call drew, replayed by the package's `dropout_mask` hook."""
+        the call drew, replayed by the package's `dropout_mask` hook; with mods, their
+        arguments for this shape (mod_args(small=True)) applied by the reference too."""
         torch = self.torch
         from .reference import attention_ref, visible_mask
 
@@ -250,9 +305,15 @@ class Workload:
         else:
             vis = visible_mask(n, n, causal=self.mask == "causal", window=window,
                                bottom_right=True)
+            score_mod, mod_mask, sink = self.mod_reference(2, h_q, n)
+            if mod_mask is not None:
+                vis = vis & mod_mask
+            if self.mods:
+                against += f" with the mods {'+'.join(self.mods)}"
             q64, k64, v64 = (t.detach().double().requires_grad_(grad) for t in (q, k, v))
             ref, _ = attention_ref(q64, k64, v64, vis, keep=keep,
-                                   dropout_p=DROPOUT_P if keep is not None else 0.0)
+                                   dropout_p=DROPOUT_P if keep is not None else 0.0,
+                                   score_mod=score_mod, sink=sink)
             if grad:
                 want = torch.autograd.grad(ref, (q64, k64, v64), do.double().transpose(1, 2))
             else:
@@ -298,6 +359,8 @@ class Workload:
 
     def close(self):
         self._timed = None
+        self._mod_args.clear()
+        self._mod_refs.clear()
         self.torch.cuda.empty_cache()
 
     # -- the measure --------------------------------------------------------------------
@@ -392,6 +455,9 @@ def gpu_measure(pkg, variant: str, bucket: int, device, *, spec=None,
     """The default measure: check then time `variant` of the imported package `pkg` at
     `bucket` on `device` (see Workload)."""
     facts = pkg._registry.VARIANTS[variant]
+    if facts["kind"] == "decode" and facts.get("mods"):
+        raise FlashgenError(f"{variant}: the decode measure makes no mod inputs (a decode "
+                            "variant with mods is not tuned; it runs its base variant's configs)")
     window = (spec.window.left, spec.window.right) if spec is not None and spec.window else (-1, -1)
     gqa = bool(spec.gqa) if spec is not None else False
     workload = DecodeWorkload if facts["kind"] == "decode" else Workload

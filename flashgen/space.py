@@ -45,6 +45,9 @@ class Facts:
     # the Gluon forward's consumer counts this variant is rendered for
     # (families.fwd_consumer_counts; 3 runs 192-row tiles)
     consumers: tuple = (families.CONSUMERS,)
+    # bytes the variant's mods read per score element as [block_m, block_n] tiles (a bias:
+    # planner_core.smem_estimate stages them, as the package plans such a variant)
+    score_bytes: int = 0
 
 
 Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
@@ -89,7 +92,8 @@ def _dq_tile(config, facts: Facts) -> str | None:
     m, n, w, st = planner_core.dq_tile(config)
     cand = planner_core.evaluate("bwd", TileConfig(n, m, w, st),
                                  planner_core.padded_head_dim(facts.head_dim),
-                                 facts.dtype_bytes, facts.sram_bytes, _arch(facts.capability))
+                                 facts.dtype_bytes, facts.sram_bytes, _arch(facts.capability),
+                                 facts.score_bytes)
     return None if cand.rejected is None else cand.rejected
 
 
@@ -345,16 +349,17 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
               knobs: Mapping[str, tuple[Knob, ...]] | None = None,
               gluon: str | None = "no Gluon kernel considered",
               mask: str | None = None, block_sparse: bool = False,
-              consumers: tuple = (families.CONSUMERS,)) -> Space:
+              consumers: tuple = (families.CONSUMERS,), score_bytes: int = 0) -> Space:
     """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
     memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
-    Triton (None when it can: the space then holds the Gluon family's points too). Raises
+    Triton (None when it can: the space then holds the Gluon family's points too).
+    `score_bytes`: what the variant's mods read per score element as a tile (Facts). Raises
     ValueError (the planner's message) if no tile fits."""
     plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
-                             arch=_arch(capability))
+                             arch=_arch(capability), score_bytes=score_bytes)
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                   tuple(capability) if capability is not None else None, gluon, mask,
-                  block_sparse, tuple(consumers))
+                  block_sparse, tuple(consumers), score_bytes)
     return Space(
         facts=facts,
         knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),

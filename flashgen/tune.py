@@ -18,6 +18,14 @@ next `flashgen build` embeds into the package's TUNED table.
   then times it with CUDA events (triton.testing.do_bench, median, L2 flushed) at a shape
   that fills the GPU: B*N = 16k tokens, H*d = 2048 (as `flashgen bench`'s training suite).
   Compile errors, out-of-resources and wrong answers fail the trial; the study goes on.
+* A variant with mods is tuned as any other, under its own name: its check and timing call
+  the package as a user does, `mods=(...)` with the mods' tensors and params, valued as a
+  model passes them (bench_mods.call_inputs: documents of random lengths, prefixes of
+  N/8..N/2 tokens, ...; a block-sparse kernel's speed depends on the mask), and the float64
+  reference applies the same mods. A mask mod's backward searches `persistent_bwd` (its
+  persistent Gluon form or a program per key block). Until it is tuned a variant with mods
+  runs its base variant's tuned configs (its first warm start). Decode variants with mods
+  are skipped (the decode measure makes no mod inputs yet).
 
 The measurement is injectable: ``tune_study(..., measure=callable)``; the tests use a
 synthetic cost on the CPU, and :func:`gpu_measure` (flashgen/measure.py, with the check and
@@ -649,9 +657,12 @@ def select_variants(registry: Mapping, patterns: Sequence[str] | None, say) -> l
         if kind not in MEASURED_KINDS:
             say(f"{n}: skipped, `flashgen tune` cannot measure {kind} kernels yet")
             continue
-        if registry[n].get("mods"):
-            say(f"{n}: skipped, `flashgen tune` does not make mod inputs yet (the variant "
-                "runs its base variant's tuned config)")
+        if kind == "decode" and registry[n].get("mods"):
+            # (the forward and backward with mods are measured with their mod inputs:
+            # measure.Workload)
+            say(f"{n}: skipped, the decode measure makes no mod inputs yet (a decode call's "
+                "q_idx is its cache position; the variant runs its base variant's tuned "
+                "config)")
             continue
         out.append(n)
     return out
@@ -682,9 +693,13 @@ def _import_built(spec, folder: Path):
         sys.path.remove(str(folder))
 
 
-def _space(kind, facts, gpu: GpuInfo, mod_kinds=()) -> Space:
+def _space(kind, facts, gpu: GpuInfo, mod_kinds=(), no_gluon: str | None = None) -> Space:
     """The variant's search space on this GPU; mod_kinds: the kinds of its mods (a mask mod
-    makes the Gluon forward block-sparse: no stream-K point)."""
+    makes the kernels block-sparse: no stream-K point, and the backward's persistent_bwd
+    knob); no_gluon: why the package has no Gluon kernel for this variant (its registry's
+    GLUON entry, e.g. mods reading a [q, kv] tile), None when it has one. The planner's
+    tiles count the shared memory a mod's [q, kv] tile takes (the registry's score_bytes),
+    as the package plans them."""
     from .variants import DTYPE_BYTES
 
     consumers = (families.fwd_consumer_counts(facts["head_dim"],
@@ -694,9 +709,10 @@ def _space(kind, facts, gpu: GpuInfo, mod_kinds=()) -> Space:
     # (an MLA variant's V has its own; its kernels are `tl` only, so no Gluon points)
     plan_dim = max(facts["head_dim"], facts.get("v_head_dim") or 0)
     return space_for(kind, plan_dim, DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
-                     gpu.sm_count, gpu.capability, gluon=gluon_here(kind, facts, gpu),
+                     gpu.sm_count, gpu.capability,
+                     gluon=no_gluon or gluon_here(kind, facts, gpu),
                      mask=facts.get("mask"), block_sparse="mask" in mod_kinds,
-                     consumers=consumers)
+                     consumers=consumers, score_bytes=facts.get("score_bytes", 0))
 
 
 
@@ -755,7 +771,8 @@ def _try_config(space: Space, raw: Mapping) -> dict | None:
 
 def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = None,
                  tries: Sequence[Mapping] = (), variant: Mapping | None = None,
-                 bucket: int | None = None) -> list:
+                 bucket: int | None = None, mod_kinds: Sequence[str] = (),
+                 inherited: bool = False) -> list:
     """What a study measures first: the config the package runs today at this bucket
     ("tuned": the tuning file's entry as the runtime reads it, so a re-tune starts from the
     last winner and cannot end slower -- and a budgeted run, whose first phase measures
@@ -767,7 +784,13 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
 
     An entry tuned before the `family` knob is run by the package as the Gluon default on a
     GPU and Triton the Gluon kernels run on, where families.gluon_by_default says so
-    (runtime.launch_config); its "tuned" start is that config."""
+    (runtime.launch_config); its "tuned" start is that config. A Gluon entry where the
+    variant cannot run its Gluon kernel (space.facts.gluon) is run as the planner's `tl`
+    config, and that is its "tuned" start.
+
+    A variant with mods (`mod_kinds`: their kinds) that has no entry of its own runs its
+    base variant's (`incumbent` with `inherited`, started as "base's tuned"), but not a
+    Gluon one where its own Gluon kernel is not the default (as runtime.launch_config)."""
     v = variant or {}
     has_family = any(k.name == "family" for k in space.knobs)
     gluon_cfg = None
@@ -778,15 +801,21 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
         gluon_cfg = space.config(families.variant_gluon_default(
             {**v, "head_dim": space.facts.head_dim, "kind": kind, "mask": v.get("mask")},
             bucket))
-    gluon_runs = (gluon_cfg is not None and not v.get("mods")
-                  and families.gluon_by_default(kind, bool(v.get("dropout")),
-                                                space.facts.head_dim, (), bucket))
+    # (a variant with mods whose kinds the caller did not give: as `tl` by default)
+    default = ((not v.get("mods") or bool(mod_kinds))
+               and families.gluon_by_default(kind, bool(v.get("dropout")),
+                                             space.facts.head_dim, tuple(mod_kinds), bucket))
+    gluon_runs = gluon_cfg is not None and default
+    if inherited and incumbent is not None and incumbent.get("family") == "gluon" and not default:
+        incumbent = None  # the base variant's Gluon winner does not carry over
     current = stored = None
     if incumbent is not None:
         current = stored = space.config(incumbent)
         if "family" not in incumbent and gluon_runs:
             current = gluon_cfg
-    starts = [("tuned", current)] if current is not None else []
+        elif current.get("family") == "gluon" and space.facts.gluon is not None:
+            current = space.default()  # no Gluon kernel here: the planner's `tl` config runs
+    starts = [("base's tuned" if inherited else "tuned", current)] if current is not None else []
     if gluon_runs and incumbent is None:
         # untuned, the package runs the Gluon default here: that is the first to measure
         starts.append(("gluon", gluon_cfg))
@@ -806,6 +835,21 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
         if cfg is not None:
             starts.append(("try", cfg))
     return starts
+
+
+def _incumbent(incumbents: Mapping, name: str, facts: Mapping,
+               bucket: int) -> tuple[dict | None, bool]:
+    """(the tuning file's entry the package runs for `name` at `bucket`, whether it is its
+    base variant's): a variant with mods and no entries of its own runs its base variant's
+    (the variant without the mods; runtime.launch_config)."""
+    if name in incumbents or not facts.get("mods"):
+        return incumbents.get(name, {}).get(str(bucket)), False
+    from .variants import Variant
+
+    base = Variant(facts["kind"], facts["mask"], bool(facts.get("dropout")), facts["head_dim"],
+                   facts["dtype"], (), facts.get("v_head_dim")).name
+    entry = incumbents.get(base, {}).get(str(bucket))
+    return entry, entry is not None
 
 
 def _incumbents(spec, gpu_key: str) -> dict:
@@ -988,7 +1032,8 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         for name in names:
             try:
                 spaces[name] = _space(registry[name]["kind"], registry[name], gpu,
-                                      pkg._runtime.mod_kinds(name))
+                                      pkg._runtime.mod_kinds(name),
+                                      pkg._registry.GLUON.get(name))
             except ValueError as e:
                 log(f"{name}: skipped, no feasible config on this GPU: {e}")
         studies = [(name, bucket) for name in names if name in spaces for bucket in bucket_list]
@@ -998,9 +1043,10 @@ def tune(spec_path, *, trials: int = DEFAULT_TRIALS, timeout: float | None = Non
         incumbents = _incumbents(spec, gpu.key)
 
         def starts_for(name, bucket):
-            return _warm_starts(spec, registry[name]["kind"], spaces[name],
-                                incumbent=incumbents.get(name, {}).get(str(bucket)),
-                                tries=tried, variant=registry[name], bucket=bucket)
+            entry, inherited = _incumbent(incumbents, name, registry[name], bucket)
+            return _warm_starts(spec, registry[name]["kind"], spaces[name], incumbent=entry,
+                                tries=tried, variant=registry[name], bucket=bucket,
+                                mod_kinds=pkg._runtime.mod_kinds(name), inherited=inherited)
 
         ahead = None
         if compile_workers > 1 and not spawned:

@@ -41,3 +41,19 @@ def test_check_fails_when_results_disagree(tmp_path, monkeypatch):
     out = io.StringIO()
     assert not check(spec, quick=True, out=out)
     assert "FAIL fwd_causal_d16_fp32" in out.getvalue()
+
+
+def test_check_takes_a_boolean_mod_tensor(tmp_path):
+    """A mask mod reading a bool tensor (key_padding's `keep`): its reference mask stays
+    boolean (the check's reference turned it into int64, which masked_fill refused)."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC.replace("dropout: true", "dropout: false").replace("gqa: true", """\
+gqa: true
+attn_mask: false
+mods:
+  pad: {builtin: key_padding}
+variants:
+  - {mask: causal, mods: [pad]}"""))
+    out = io.StringIO()
+    assert check(spec, quick=True, out=out)
+    assert "ok   fwd_causal_pad_d16_fp32 (+ bwd)" in out.getvalue()

@@ -23,7 +23,7 @@ optuna = pytest.importorskip("optuna")
 from flashgen import families, planner_core, tuning_data  # noqa: E402
 from flashgen.build import build  # noqa: E402
 from flashgen.cli import main as cli_main  # noqa: E402
-from flashgen.space import KNOBS, Knob, space_for  # noqa: E402
+from flashgen.space import KNOBS, TILE_PARAMS, Knob, space_for  # noqa: E402
 from flashgen.spec import load_spec  # noqa: E402
 from flashgen.measure import DecodeWorkload, Workload, WrongAnswer, gpu_measure  # noqa: E402
 from flashgen.tune import (ATTR_FAIL, ATTR_INFEASIBLE, ATTR_WARM, Budget,  # noqa: E402
@@ -793,15 +793,25 @@ def tuned_pkg(tmp_path_factory):
                        spec_sha="x", results={"fwd_window_d64_fp16": {
                            1024: tuning_data.entry(space.default(), 1.0, 1.0)}})
     with pytest.warns(tuning_data.TuningDataWarning, match="fwd_window_d64_fp16 is no longer"):
-        build(spec_path, root / "out")
-    sys.path.insert(0, str(root / "out"))
-    try:
-        pkg = importlib.import_module(name)
-    finally:
-        sys.path.remove(str(root / "out"))
+        pkg = _build_import(spec_path, root / "out", name)
     best = {r.bucket: r.best_config for r in results}
     assert best[1024] != best[8192]
     yield pkg, spec, best
+    _forget(name)
+
+
+def _build_import(spec_path, out, name):
+    """Build the spec into `out` and import its package `name`."""
+    build(spec_path, out)
+    sys.path.insert(0, str(out))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(out))
+
+
+def _forget(name):
+    """Drop an imported test package (and its modules) from sys.modules."""
     for mod in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
         del sys.modules[mod]
 
@@ -1194,3 +1204,266 @@ def test_compile_ahead_worker_keeps_one_measure_and_reports_failures(monkeypatch
     assert ahead._compile("fwd_d64_bf16", 2048, {"block_n": 64}) is None
     assert [m.key for m in made] == [("fwd_d64_bf16", 4096), ("fwd_d64_bf16", 2048)]
     assert made[0].ran == [{"block_n": 64}, {"block_n": 128}] and closed == [("fwd_d64_bf16", 4096)]
+
+
+# ----------------------------------------------------------------------------------------
+# variants with mods
+# ----------------------------------------------------------------------------------------
+
+MODS_BODY = """
+head_dims: [32]
+dtypes: [fp32]
+masks: [none, causal]
+gqa: true
+decode: true
+mods:
+  softcap: {builtin: softcap, params: {cap: 2.0}}
+  document: {builtin: document}
+  prefix_lm: {builtin: prefix_lm}
+variants:
+  - {mask: causal, mods: [document, softcap]}
+  - {mask: none, mods: [prefix_lm]}
+"""
+
+
+@pytest.fixture(scope="module")
+def mods_pkg(tmp_path_factory):
+    name = f"fgtunemods_{uuid.uuid4().hex[:8]}"
+    yield build_and_import(tmp_path_factory.mktemp("mods"), name, MODS_BODY)
+    _forget(name)
+
+
+def _shipped_mods_registry():
+    """generated/mods_attn's registry (bf16/fp16, d=64/128: the Gluon kernels' variants)."""
+    path = ROOT / "generated" / "mods_attn" / "_registry.py"
+    spec = importlib.util.spec_from_file_location("mods_attn_registry_tune", path)
+    reg = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reg)
+    return reg
+
+
+def _mod_kinds(reg, name):
+    return tuple(sorted({reg.MODS[m]["kind"] for m in reg.VARIANTS[name].get("mods", ())}))
+
+
+def test_variants_with_mods_are_selected_and_only_decode_ones_skipped(mods_pkg):
+    """The forward and backward with mods are tuned under their own names (they were all
+    skipped before); a decode variant with mods is skipped with the reason."""
+    from flashgen.tune import select_variants
+
+    said = []
+    names = select_variants(mods_pkg._registry.VARIANTS, ["*document*", "*prefix_lm*"],
+                            said.append)
+    assert names == ["fwd_causal_document_softcap_d32_fp32",
+                     "bwd_causal_document_softcap_d32_fp32",
+                     "fwd_prefix_lm_d32_fp32", "bwd_prefix_lm_d32_fp32"]
+    assert said == [f"{v}: skipped, the decode measure makes no mod inputs yet (a decode "
+                    "call's q_idx is its cache position; the variant runs its base variant's "
+                    "tuned config)" for v in ("decode_causal_document_softcap_d32_fp32",
+                                              "decode_prefix_lm_d32_fp32")]
+    # a whole-spec run takes SDPA's attn_mask variants (the sdpa_mask mod) as well
+    every = select_variants(mods_pkg._registry.VARIANTS, None, quiet)
+    assert {"fwd_sdpa_mask_d32_fp32", "bwd_sdpa_mask_d32_fp32"} <= set(every)
+    with pytest.raises(FlashgenError, match="makes no mod inputs"):
+        gpu_measure(mods_pkg, "decode_prefix_lm_d32_fp32", 4096, "cpu")
+
+
+def test_a_mods_trial_checks_and_times_the_call_with_its_mod_inputs(mods_pkg, monkeypatch,
+                                                                   storage):
+    """A study of a variant with mods, through the GPU measure's own check and timed call
+    (the timing itself a stand-in: one run of the timed backward, a fixed time): both call
+    flash_attn_func with mods=(...) and the mods' arguments at their own shape -- the
+    check's document ids and cap at the check's (B, N), the timed call's at the bucket's,
+    made once per shape with the mods bench's generator (ragged documents) -- and the
+    check's reference applies them."""
+    from flashgen import bench_mods, measure
+    from flashgen.mods import builtin_mod
+
+    name = "bwd_causal_document_softcap_d32_fp32"
+    monkeypatch.setattr(measure, "TOKENS", 128)   # the timed shape: B = 2, H = 2, N = 64
+    monkeypatch.setattr(measure, "HIDDEN", 64)
+    monkeypatch.setattr(measure, "bench_ms", lambda fn, grads=None: (fn(), 1.0)[1])
+    real = mods_pkg.flash_attn_func
+    calls = []
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((tuple(q.shape), kwargs))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(mods_pkg, "flash_attn_func", spy)
+    work = Workload(mods_pkg, name, mods_pkg._registry.VARIANTS[name], 64, "cpu", gqa=True,
+                    check_n=40)
+    space = space_for("bwd", 32, 4, **{**H100, "knobs": {}})
+    r = tune_study(storage=storage, name="mods", space=space, measure=work, n_trials=2,
+                   warm_starts=[("planner", space.default())], progress=quiet, confirm_top=0)
+    assert (r.complete, r.failed) == (2, 0)
+    by_shape = {}
+    for shape, kw in calls:
+        assert kw["mods"] == ("document", "softcap") and kw["cap"] == 2.0
+        assert kw["doc"].dtype == torch.int32 and kw["doc"].shape == (shape[0], shape[1])
+        by_shape.setdefault(shape[:3], []).append(kw["doc"])
+    # the check (B=2, N=40, 4 query heads: GQA) twice, the timed forward once
+    assert {s: len(d) for s, d in by_shape.items()} == {(2, 40, 4): 2, (2, 64, 2): 1}
+    assert by_shape[(2, 40, 4)][0] is by_shape[(2, 40, 4)][1]   # made once per shape
+    mods = [builtin_mod("document", "document"), builtin_mod("softcap", "softcap", {"cap": 2.0})]
+    timed = by_shape[(2, 64, 2)][0]
+    assert torch.equal(timed, bench_mods.call_inputs(mods, 2, 2, 64, 64, "cpu")["doc"])
+    assert all(2 <= len(row.unique()) <= 8 for row in timed)   # 2..8 documents a sequence
+    assert all(bool((row[1:] >= row[:-1]).all()) for row in timed)
+
+
+def test_the_check_of_a_mods_variant_rejects_a_call_that_ignores_its_mods(mods_pkg,
+                                                                         monkeypatch):
+    """A config whose result is right without the mods but wrong with them fails its trial:
+    the float64 reference applies the mods (a prefix-LM call computed as plain causal)."""
+    name = "fwd_prefix_lm_d32_fp32"
+    work = Workload(mods_pkg, name, mods_pkg._registry.VARIANTS[name], 4096, "cpu",
+                    check_n=40)
+    cfg = {"block_m": 16, "block_n": 16, "num_warps": 2, "num_stages": 1}
+    assert work.check(cfg) is None
+    prefix = work.mod_args(2, 2, 40, small=True)["prefix_len"]
+    assert prefix.shape == (2,) and bool(((prefix >= 5) & (prefix < 20)).all())  # N/8..N/2
+    real = mods_pkg.flash_attn_func
+
+    def no_prefix(q, k, v, *args, **kwargs):
+        return real(q, k, v, *args, **{**kwargs, "prefix_len": torch.zeros_like(prefix)})
+
+    monkeypatch.setattr(mods_pkg, "flash_attn_func", no_prefix)
+    reason = work.check(cfg)
+    assert reason is not None and reason.startswith(
+        "out differs from the float64 reference with the mods prefix_lm"), reason
+
+
+def test_the_space_of_a_block_mask_backward_with_mods_has_persistent_bwd(monkeypatch):
+    """The shipped mods package's variants as `flashgen tune` sees them on an H100: a mask
+    mod's Gluon backward searches persistent_bwd (a program per key block as well as the
+    persistent form), a score mod's does not; a variant the package has no Gluon kernel
+    for (a bias tile: sdpa_mask) gets no Gluon point, and its tiles are planned with the
+    bias's shared memory, as the package plans them; the first warm start is what the
+    untuned package runs (the mods variant's own Gluon default)."""
+    from flashgen.tune import _space
+
+    monkeypatch.setattr(families, "triton_ok", lambda version: True)
+    reg = _shipped_mods_registry()
+    gpu = GpuInfo(key=FAKE_KEY, name="Fake GPU", **H100)
+    spec = load_spec(ROOT / "specs" / "mods.yaml")
+
+    def space_of(name):
+        facts = reg.VARIANTS[name]
+        return _space(facts["kind"], facts, gpu, _mod_kinds(reg, name), reg.GLUON.get(name))
+
+    for d in (64, 128):
+        doc = space_of(f"bwd_causal_document_d{d}_bf16")
+        off = [p for p in doc.points() if not p["persistent_bwd"]]
+        assert off and all(p["family"] == "gluon" for p in off)
+        assert len(off) == sum(p["family"] == "gluon" for p in doc.points()) // 2
+        starts = _warm_starts(spec, "bwd", doc,
+                              variant=reg.VARIANTS[f"bwd_causal_document_d{d}_bf16"],
+                              bucket=4096, mod_kinds=("mask",))
+        assert starts[0][0] == "gluon" and starts[0][1]["persistent_bwd"] is True
+        assert starts[0][1]["family"] == "gluon" and doc.check(starts[0][1]) is None
+        cap = space_of(f"bwd_causal_softcap_d{d}_bf16")
+        assert all(p["persistent_bwd"] for p in cap.points())
+        assert any(p["family"] == "gluon" for p in cap.points())
+    for name in ("fwd_sdpa_mask_d128_bf16", "bwd_sdpa_mask_d128_bf16",
+                 "bwd_relative_bias_d64_bf16"):
+        space = space_of(name)
+        assert {p["family"] for p in space.points()} == {"tl"}, name
+        assert {k: space.default()[k] for k in TILE_PARAMS} == reg.PLANNED[name], name
+    assert reg.PLANNED["fwd_sdpa_mask_d128_bf16"] != reg.PLANNED["fwd_d128_bf16"]
+
+
+def test_a_mods_variant_starts_from_its_base_variants_entry_until_it_has_its_own():
+    """What the package runs before a mods variant is tuned (the study's first warm start
+    and its "before"): its base variant's entry, but not a Gluon one where its own Gluon
+    kernel is not the default, and a Gluon entry where it has no Gluon kernel runs the
+    planner's `tl` config; once it has entries of its own, those."""
+    from flashgen.tune import _incumbent
+
+    spec = load_spec(ROOT / "specs" / "mods.yaml")
+    facts = {"kind": "bwd", "mask": "causal", "dropout": False, "head_dim": 128,
+             "dtype": "bf16", "mods": ["document"], "key_span": "segment"}
+    tl = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3, "dq_tile": "mirror",
+          "family": "tl", "regs": "240/24", "persistent_bwd": True}
+    gl = {**tl, "block_m": 64, "num_warps": 4, "num_stages": 2, "family": "gluon"}
+    incumbents = {"bwd_causal_d128_bf16": {"4096": tl}}
+    assert _incumbent(incumbents, "bwd_causal_document_d128_bf16", facts, 4096) == (tl, True)
+    assert _incumbent(incumbents, "bwd_causal_document_d128_bf16", facts, 1024) == (None, False)
+    own = {**incumbents, "bwd_causal_document_d128_bf16": {"1024": gl}}
+    assert _incumbent(own, "bwd_causal_document_d128_bf16", facts, 1024) == (gl, False)
+    assert _incumbent(own, "bwd_causal_document_d128_bf16", facts, 4096) == (None, False)
+    plain = {**facts, "mods": []}
+    assert _incumbent(incumbents, "bwd_causal_d128_bf16", plain, 4096) == (tl, False)
+
+    space = space_for("bwd", 128, 2, **H100, gluon=None, block_sparse=True)
+    starts = _warm_starts(spec, "bwd", space, incumbent=tl, inherited=True, variant=facts,
+                          bucket=4096, mod_kinds=("mask",))
+    assert starts[0] == ("base's tuned", tl)
+    starts = _warm_starts(spec, "bwd", space, incumbent=gl, inherited=True, variant=facts,
+                          bucket=4096, mod_kinds=("mask",))
+    assert starts[0] == ("base's tuned", gl)
+    # a mods variant whose Gluon backward is opt-in does not run the base's Gluon winner
+    # (runtime.launch_config): its first start is the planner's tile
+    kinds = families.GLUON_MOD_KINDS_BY_DEFAULT
+    try:
+        families.GLUON_MOD_KINDS_BY_DEFAULT = {**kinds, "bwd": frozenset()}
+        starts = _warm_starts(spec, "bwd", space, incumbent=gl, inherited=True, variant=facts,
+                              bucket=4096, mod_kinds=("mask",))
+    finally:
+        families.GLUON_MOD_KINDS_BY_DEFAULT = kinds
+    assert starts[0] == ("planner", space.default())
+    # no Gluon kernel for the variant here: a Gluon entry runs the planner's `tl` config
+    no_gluon = space_for("bwd", 128, 2, **H100, gluon="a bias tile", block_sparse=True)
+    starts = _warm_starts(spec, "bwd", no_gluon, incumbent=gl, variant=facts, bucket=4096,
+                          mod_kinds=("mask",))
+    assert starts[0] == ("tuned", no_gluon.default())
+
+
+@pytest.fixture(scope="module")
+def tuned_mods_pkg(tmp_path_factory):
+    """A tiny package with mods whose tuning file holds an entry for a mods variant (as
+    `flashgen tune` writes it) and one for a base variant: (pkg, entries)."""
+    root = tmp_path_factory.mktemp("tunedmods")
+    name = f"fgtunedmods_{uuid.uuid4().hex[:8]}"
+    spec_path = root / f"{name}.yaml"
+    spec_path.write_text(
+        f"package: {name}\nhead_dims: [64]\ndtypes: [fp16]\nmasks: [causal]\n"
+        "seqlen_buckets: [1024, 4096]\nattn_mask: false\n"
+        "mods: {document: {builtin: document}, softcap: {builtin: softcap}}\n"
+        "variants: [{mask: causal, mods: [document]}, {mask: causal, mods: [softcap]}]\n"
+        "gpu: {name: H100, sram_bytes: 232448, sm_count: 132}\n")
+    spec = load_spec(spec_path)
+    own = {"block_m": 64, "block_n": 128, "num_warps": 4, "num_stages": 2, "dq_tile": "mirror",
+           "family": "gluon", "regs": "232/40", "persistent_bwd": False}
+    base = {"block_m": 32, "block_n": 128, "num_warps": 8, "num_stages": 3, "dq_tile": "mirror",
+            "family": "tl", "regs": "240/24", "persistent_bwd": True}
+    results = [StudyResult(name="x", variant="bwd_causal_document_d64_fp16", bucket=4096,
+                           best_config=own, best_ms=1.0, default_ms=1.5),
+               StudyResult(name="y", variant="bwd_causal_d64_fp16", bucket=4096,
+                           best_config=base, best_ms=1.2, default_ms=1.5)]
+    gpu = GpuInfo(key=FAKE_KEY, name="Fake GPU 80GB", capability=(9, 0), sm_count=132,
+                  sram_bytes=232448)
+    said = []
+    _write_results(spec, gpu, results, said.append)
+    assert "bwd_causal_document_d64_fp16@4096" in said[0]
+    yield _build_import(spec_path, root / "out", name), own, base
+    _forget(name)
+
+
+def test_a_tuned_mods_variant_runs_its_own_entry(tuned_mods_pkg, monkeypatch):
+    """The entry written under a mods variant's name is what the built package launches for
+    it (its persistent_bwd included); an untuned mods variant keeps running its base
+    variant's entry; describe() counts the mods variants tuned under their own name."""
+    pkg, own, base = tuned_mods_pkg
+    rt = pkg._runtime
+    assert rt.TUNED[FAKE_KEY]["bwd_causal_document_d64_fp16"] == {4096: own}
+    monkeypatch.setattr(rt, "gpu_key", lambda device: (FAKE_KEY, 232448, 132))
+    monkeypatch.setattr(rt, "_configs", {})
+    got = rt.launch_config("bwd_causal_document_d64_fp16", _fake_cuda(), 4096)
+    assert got == own and rt._gluon_bwd_persistent(got) is False
+    assert rt.launch_config("bwd_causal_softcap_d64_fp16", _fake_cuda(), 4096) == base
+    assert rt.launch_config("bwd_causal_d64_fp16", _fake_cuda(), 4096) == base
+    text = pkg.describe()
+    assert f"{FAKE_KEY}: 2 of 6 variants, 2 (variant, bucket) configs" in text
+    assert ("variants with mods: 1 of 4 tuned under their own name "
+            "(bwd_causal_document_d64_fp16); the others run their base variant's configs") in text

@@ -444,8 +444,9 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
         tuned = TUNED.get(gpu, {}).get(name)
         facts = VARIANTS[name]
         if not tuned and facts.get("mods"):
-            # a variant with mods is not tuned yet: its base variant's configs (the same
-            # kernel but for the mods' few extra operations per score) are the best guess
+            # a variant with mods without tuned configs of its own on this GPU (`flashgen
+            # tune` writes them under its own name): its base variant's (the same kernel
+            # but for the mods' few extra operations per score) are the best guess
             base = variant_name(facts["kind"], facts["mask"], facts["dropout"],
                                 facts["head_dim"], facts["dtype"], (), facts.get("v_head_dim"))
             tuned = TUNED.get(gpu, {}).get(base)

@@ -86,6 +86,14 @@ def describe() -> str:
             lines.append(f"    {gpu}: {len(table)} of {len(VARIANTS)} variants, {buckets} "
                          f"(variant, bucket) configs; tuned with triton {about.get('triton')}, "
                          f"torch {about.get('torch')}")
+            modded = [n for n in VARIANTS if VARIANTS[n].get("mods")]
+            if modded:
+                own = [n for n in modded if n in table]
+                lines.append(f"      variants with mods: {len(own)} of {len(modded)} tuned "
+                             "under their own name"
+                             + (f" ({', '.join(own)})" if 0 < len(own) <= 8 else "")
+                             + ("; the others run their base variant's configs"
+                                if len(own) < len(modded) else ""))
     else:
         lines.append("  tuned GPUs: none (run `flashgen tune` on a GPU)")
     return "\n".join(lines)
