@@ -9,7 +9,8 @@ from the returned D, the `tl` fallback for a mod tensor whose gradient is wanted
 offline sm_90 compile of every such kernel (resources in the assertions). On the GPU (-m
 gpu): every mod's dq, dk, dv (and the sink's gradient) against float64 autograd, odd
 shapes, Nq != Nk, GQA 4:1, batch 3, rows that see no key, with a check that the Gluon
-backward is what ran.
+backward is what ran; the persistent block-mask form, and its work counter, which each
+launch leaves at 0 (back-to-back calls at two shapes, replays of a CUDA graph).
 """
 from __future__ import annotations
 
@@ -463,10 +464,11 @@ def test_persistent_backward_is_on_by_default(pkg):
 ], ids=["default", "off", "seven-programs", "capped-at-the-key-blocks"])
 def test_persistent_backward_launch(pkg, monkeypatch, knobs, persistent, grid):
     """The persistent form is a launch of the same kernel with PERSISTENT=True on fewer
-    programs (never more than the key blocks) and a zeroed int32 counter as WORK; off (the
-    default), WORK is None and the meta has no PERSISTENT (the program-per-key-block
-    binary). The default is persistent (on the CPU a program per item: no SM count). A
-    variant without a block mask has no persistent form."""
+    programs (never more than the key blocks) and the stream's int32 counter, 0, as WORK --
+    the same tensor call after call (_bwd_work_counter: the kernel leaves it at 0, nothing
+    zeroes it per call); off, WORK is None and the meta has no PERSISTENT (the
+    program-per-key-block binary). The default is persistent (on the CPU a program per
+    item: no SM count). A variant without a block mask has no persistent form."""
     rt, rec = _wired(pkg, monkeypatch)
     b, n, h, h_kv, d = 2, 300, 4, 2, 128
     g = torch.Generator().manual_seed(0)
@@ -488,8 +490,15 @@ def test_persistent_backward_launch(pkg, monkeypatch, knobs, persistent, grid):
         assert meta["PERSISTENT"] is True
         assert programs == (grid if grid is not None else items)
         assert work.dtype == torch.int32 and work.shape == (1, ) and int(work) == 0
+        assert work is rt._bwd_work_counters[(torch.device("cpu"), 0)]
     else:
         assert not meta.get("PERSISTENT", False) and programs == items and work is None
+    # a second call (another length: another plan) takes the same counter, or None
+    q2, k2, v2 = (t[:, :200].detach().requires_grad_() for t in (q, k, v))
+    out = pkg.flash_attn_func(q2, k2, v2, causal=True, mods=("document",), doc=doc[:, :200])
+    with rt.override_config(family="gluon", **knobs):
+        out.backward(torch.randn_like(out))
+    assert len(rec.calls) == 2 and (rec.calls[1][1][-1] is work)
     # a score mod alone: no block mask, no persistent form, whatever the knob
     rec.calls.clear()
     out = pkg.flash_attn_func(q, k, v, causal=True, mods=("softcap",), cap=20.0)
@@ -498,6 +507,43 @@ def test_persistent_backward_launch(pkg, monkeypatch, knobs, persistent, grid):
     (programs, _, _), args, meta = rec.calls[0]
     assert "PERSISTENT" not in meta and "WORK" not in _runtime_params(
         _kernel_text(pkg, _bwd_name(("softcap",), True)), _bwd_name(("softcap",), True))
+
+
+def test_persistent_backward_work_counter_per_stream(pkg, monkeypatch):
+    """_bwd_work_counter: one counter per (device, stream), made zeroed once and then handed
+    out as it is (the kernel leaves it at 0); one made during a CUDA graph capture lives in
+    the graph's pool and is not kept (the capture's next call, or a later one, makes or
+    finds another). A stand-in CUDA device: the stream and the capture state are patched,
+    the tensors are CPU ones."""
+    rt = pkg._runtime
+    state = {"stream": 11, "capturing": False}
+    monkeypatch.setattr(rt, "_bwd_work_counters", {})
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: state["stream"],
+                        raising=False)  # (a CPU build of torch has none)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: state["capturing"])
+    made = []
+    zeros = torch.zeros
+
+    def fake_zeros(*args, device=None, **kw):  # a CPU tensor for the stand-in device
+        made.append(device)
+        return zeros(*args, **kw)
+
+    monkeypatch.setattr(torch, "zeros", fake_zeros)
+    dev0, dev1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    a = rt._bwd_work_counter(dev0)
+    assert a.dtype == torch.int32 and a.shape == (1, ) and int(a) == 0 and made == [dev0]
+    assert rt._bwd_work_counter(dev0) is a and len(made) == 1  # no allocation, no fill
+    assert rt._bwd_work_counter(dev1) is not a  # another device
+    state["stream"] = 12
+    b = rt._bwd_work_counter(dev0)
+    assert b is not a and rt._bwd_work_counter(dev0) is b  # another stream: its own
+    state["stream"], state["capturing"] = 13, True
+    c = rt._bwd_work_counter(dev0)
+    assert c is not a and c is not b and rt._bwd_work_counter(dev0) is not c  # not kept
+    assert (dev0, 13) not in rt._bwd_work_counters
+    state["stream"] = 11  # a capture on a stream that has one uses it
+    assert rt._bwd_work_counter(dev0) is a
+    assert set(rt._bwd_work_counters) == {(dev0, 11), (dev1, 11), (dev0, 12)}
 
 
 _PERSISTENT_COMPILE = r"""
@@ -628,3 +674,106 @@ def test_gluon_persistent_backward_by_the_switch(pkg, poison, monkeypatch):
     _gpu_check(pkg, ("document",), {"doc": doc}, causal=True, b=2, n_q=2048 + 77,
                n_k=2048 + 77, h=4, h_kv=2, d=128, dtype=torch.bfloat16,
                mask=lambda b, h, i, j: dd[b, i] == dd[b, j])
+
+
+def _persistent_counter_inputs(b, n, h, h_kv, d, dt, seed, doc=None):
+    """q, k, v, dO and a document mask (`doc`, else one drawn from `seed`) on the GPU, and
+    the float64 gradients of q, k, v."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, n, h, d, generator=g).to(dt)
+    k, v = (torch.randn(b, n, h_kv, d, generator=g).to(dt) for _ in range(2))
+    dout = torch.randn(b, n, h, d, generator=g).to(dt)
+    doc = documents(b, n, "cpu", seed=seed) if doc is None else doc.cpu()
+    dd = doc.long()
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, _ = reference(*leaves, causal=True, mask=lambda b_, h_, i, j: dd[b_, i] == dd[b_, j])
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    gpu = [t.cuda().requires_grad_() for t in (q, k, v)]
+    return (*gpu, dout.cuda(), doc.cuda()), want
+
+
+# (b, n, h, h_kv, d, dtype): A has 4 * 16 * 3 = 192 key blocks, more than the H100's and
+# the H200's 132 SMs, so the one-per-SM grid claims too; B (MQA, d=64: another kernel,
+# the same counter) has 3 * 1 * 8 = 24
+_COUNTER_SHAPES = [(4, 257, 16, 16, 128, torch.bfloat16), (3, 1000, 4, 1, 64, torch.float16)]
+
+
+def _check_grads(got, want, dt, what):
+    atol, rtol = GRAD_TOL[dt]
+    for name, gr, r in zip(("dq", "dk", "dv"), got, want):
+        assert not torch.isnan(gr).any(), f"{what}: NaN in {name}"
+        torch.testing.assert_close(gr.double().cpu(), r, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{what}: {name}: {m}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("programs", [3, None], ids=["3-programs", "one-per-sm"])
+def test_gluon_persistent_backward_counter_resets_itself(pkg, poison, programs):
+    """The work counter is made once per (device, stream) and never zeroed again
+    (_bwd_work_counter): each launch's last claim leaves it at 0 (_claim's atom.inc). Two
+    shapes, A B A B A B back to back on one stream with no host sync between the calls,
+    every call's gradients against float64: a counter left anywhere but 0 makes the next
+    launch skip key blocks (NaN dK / dV under `poison`) or run some twice. The stream kept
+    one counter throughout, at 0 at the end. Run it under `timeout`."""
+    _skip_unless_hopper()
+    rt = pkg._runtime
+    knobs = {"persistent_bwd": True}
+    if programs is not None:
+        knobs["persistent_bwd_programs"] = programs
+    cases = [_persistent_counter_inputs(*shape, seed=i)
+             for i, shape in enumerate(_COUNTER_SHAPES)]
+    key = (cases[0][0][0].device, torch.cuda.current_stream().cuda_stream)
+    counters, grads = [], []
+    with rt.override_config(family="gluon", **knobs):
+        for i in range(6):
+            (q, k, v, dout, doc), _ = cases[i % 2]
+            out = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+            grads.append(torch.autograd.grad(out, (q, k, v), dout))
+            counters.append(rt._bwd_work_counters.get(key))
+        plans = [p for p in rt._backward_plans.values() if p is not None]
+        assert len(plans) == 2 and all(p[7] == rt._BWD_GLUON and p[10] == rt._BWD_PERSISTENT
+                                       for p in plans), "the persistent backward did not run"
+    assert counters[0] is not None and all(c is counters[0] for c in counters)
+    for i, got in enumerate(grads):
+        _check_grads(got, cases[i % 2][1], _COUNTER_SHAPES[i % 2][-1], f"call {i}")
+    assert int(counters[0]) == 0
+
+
+@pytest.mark.gpu
+def test_gluon_persistent_backward_replays_in_a_cuda_graph(pkg):
+    """Captured on a stream that already has a counter (made by an eager call on it), the
+    graph launches the persistent backward on that counter and zeroes nothing: each replay
+    finds it at 0 only because the last launch left it so. Three replays on fresh inputs
+    (the captured mask) against float64, then an eager call on the stream."""
+    _skip_unless_hopper()
+    rt = pkg._runtime
+    b, n, h, h_kv, d, dt = _COUNTER_SHAPES[0]
+    (q, k, v, dout, doc), want = _persistent_counter_inputs(b, n, h, h_kv, d, dt, seed=0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with rt.override_config(family="gluon", persistent_bwd=True, persistent_bwd_programs=3), \
+            torch.cuda.stream(stream):
+        for _ in range(2):  # compile, make the plans, the block lists and the counter
+            out = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+            torch.autograd.grad(out, (q, k, v), dout)
+        key = (q.device, stream.cuda_stream)
+        counter = rt._bwd_work_counters[key]
+        kept = list(rt._bwd_work_counters.items())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+            static = torch.autograd.grad(out, (q, k, v), dout)
+        now = list(rt._bwd_work_counters.items())
+        assert [x for x, _ in now] == [x for x, _ in kept]
+        assert all(a is c for (_, a), (_, c) in zip(now, kept))
+        for seed in (1, 2, 3):
+            fresh, want = _persistent_counter_inputs(b, n, h, h_kv, d, dt, seed=seed, doc=doc)
+            with torch.no_grad():
+                for s, x in zip((q, k, v, dout), fresh[:4]):
+                    s.copy_(x)
+            graph.replay()
+            _check_grads(static, want, dt, f"replay {seed}")
+            assert int(counter) == 0
+        out = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+        _check_grads(torch.autograd.grad(out, (q, k, v), dout), want, dt, "eager after")
+    torch.cuda.current_stream().wait_stream(stream)

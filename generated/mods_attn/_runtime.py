@@ -1058,10 +1058,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         # (_gluon_dropout_args) and, without mods, its (Q_POS, KV_POS); with mods Call.args
         # carries them
         # a block mask's persistent form (the plan's tma field, GLUON_BWD_PERSISTENT_MASKS)
-        # takes its key blocks from a counter zeroed here, per call (no sync); else WORK is
-        # None
-        work = (torch.zeros(1, device=q.device, dtype=torch.int32)
-                if tma == _BWD_PERSISTENT else None)
+        # takes its key blocks from the stream's work counter (_bwd_work_counter: 0, and
+        # left 0 by the kernel); else WORK is None
+        work = _bwd_work_counter(q.device) if tma == _BWD_PERSISTENT else None
         dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
              *(mods.args if mods is not None else drop_pos),
              *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1])
@@ -1184,6 +1183,29 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
 
 _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics
 _BWD_PERSISTENT = "persistent"  # a Gluon plan's `tma` field: the persistent block-mask form
+
+# The persistent Gluon backward's work counters by (device, stream): one int32 each, 0
+# between launches -- the kernel's last claim of a launch wraps it back to 0 (its _claim),
+# so it is zeroed once, when made, and not per call (a fill launch and an allocation a
+# backward). A stream has its own, so launches on two streams never share one. Never
+# freed: a CUDA graph captured with a launch keeps using its counter.
+_bwd_work_counters = {}
+
+
+def _bwd_work_counter(device) -> "torch.Tensor":
+    """WORK for a persistent backward launch on the current stream."""
+    stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
+              else 0)  # (off a GPU: the tests' recorded launches)
+    key = (device, stream)
+    work = _bwd_work_counters.get(key)
+    if work is None:
+        work = torch.zeros(1, device=device, dtype=torch.int32)
+        # made during a capture, it lives in the graph's memory pool: only that graph's
+        # replays may use it (the zeroing is captured too)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _bwd_work_counters[key] = work
+    return work
+
 
 # The block-mask Gluon backward's persistent form (override_config(persistent_bwd=...) per
 # call): a grid of GLUON_BWD_PERSISTENT_PER_SM programs an SM (at most one per key block),

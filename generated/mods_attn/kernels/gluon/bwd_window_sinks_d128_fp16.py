@@ -563,12 +563,13 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
 # PROG_ORDER's sequence -- until none is left: program p first takes item p, then items
 # grid + (a device counter's next value), so that an SM that finishes early takes the next
 # item (a static deal of the longest-first order lost to the hardware's own dispatch,
-# twentieth session). The producer claims the items and hands each to the consumers through
-# a two-slot shared-memory ring (item_full / item_empty), so every partition walks the same
-# sequence. A key block's dK and dV leave through the consumer's own dS^T slots and dQ
-# staging tile rather than its K and V slots, so the next item's K and V (kv_empty: every
-# consumer's last dQ product of this one is done) and its first Q and dO blocks load under
-# the epilogue. The Q/dO ring, the dS^T hand-over and the dQ reduce-adds run as in the
+# twentieth session); the launch's last claim leaves the counter at 0 again (_claim). The
+# producer claims the items and hands each to the consumers through a two-slot
+# shared-memory ring (item_full / item_empty), so every partition walks the same sequence.
+# A key block's dK and dV leave through the consumer's own dS^T slots and dQ staging tile
+# rather than its K and V slots, so the next item's K and V (kv_empty: every consumer's
+# last dQ product of this one is done) and its first Q and dO blocks load under the
+# epilogue. The Q/dO ring, the dS^T hand-over and the dQ reduce-adds run as in the
 # program-per-key-block kernel, their counters carried from one item to the next.
 # ----------------------------------------------------------------------------------------
 @gluon.jit
@@ -588,14 +589,23 @@ def _item_coords(item, NUM_N, H_KV, PROG_ORDER, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _claim(WORK, layout: gl.constexpr):
-    """The counter's next value: lane 0 of the producer's warp adds 1 (relaxed: the items
-    need no order beyond their indices), a shuffle hands every lane the old value."""
+def _claim(WORK, LAST, layout: gl.constexpr):
+    """The counter's next value: lane 0 of the producer's warp takes it, a shuffle hands
+    every lane the old value. `atom.inc` bounded by LAST (the launch's items - 1) stores
+    old + 1, or 0 where old is LAST: a launch makes exactly LAST + 1 claims (see
+    _producer_persistent), so its last one, and only that one, gets LAST and leaves the
+    counter at 0 for the next launch -- the runtime keeps one counter per (device, stream)
+    and never zeroes it again (_bwd_work_counter). Relaxed, gpu scope: the items need no
+    order beyond their indices, and the claims, the wrap among them, are read-modify-writes
+    of one address, so every claim of the launch comes before the wrap in its order; the
+    next launch on the stream starts after this one has finished."""
     at = WORK + gl.zeros([1], gl.int32, layout=layout)  # [1]: the same address every lane
+    last = gl.zeros([1], gl.int32, layout=layout) + LAST
     old = gl.inline_asm_elementwise(
         "{ .reg .pred p; .reg .b32 l; mov.u32 $0, 0; mov.u32 l, %laneid; setp.eq.u32 p, l, 0; "
-        "@p atom.global.add.u32 $0, [$1], 1; shfl.sync.idx.b32 $0, $0, 0, 0x1f, 0xffffffff; }",
-        "=r,l", [at], dtype=gl.int32, is_pure=False, pack=1)
+        "@p atom.relaxed.gpu.global.inc.u32 $0, [$1], $2; "
+        "shfl.sync.idx.b32 $0, $0, 0, 0x1f, 0xffffffff; }",
+        "=r,l,r", [at, last], dtype=gl.int32, is_pure=False, pack=1)
     return gl.max(old, axis=0)
 
 
@@ -669,8 +679,11 @@ def _producer_persistent(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                 tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(s), delta_smem.index(s))
                 cnt += 1
         # the next item, claimed once this one's loads are issued (the consumers have a
-        # couple of steps left: the atomic's round trip hides behind them)
-        item = gl.num_programs(0) + _claim(WORK, one)
+        # couple of steps left: the atomic's round trip hides behind them). A program
+        # claims once per item after its first and once more, past the end, to stop: with
+        # the grid never more programs than items, a launch's claims are (total - grid) +
+        # grid = total, handed 0 .. total - 1 in turn, and the last wraps the counter to 0
+        item = gl.num_programs(0) + _claim(WORK, total - 1, one)
         t += 1
         _publish(item_smem, item_full, item_empty, item, t, one)
 
@@ -908,7 +921,8 @@ def bwd_window_sinks_d128_fp16_kernel(
     # that program i runs (VARLEN: None, the walk is _varlen_block's); BM_NQB: the query
     # blocks of a row (cdiv(N_Q, BLOCK_M); VARLEN: the longest sequence's, b the sequence)
     FULL_CNT, FULL_IDX, PART_CNT, PART_IDX, BM_SB, BM_SH, PROG_ORDER, BM_NQB,
-    # PERSISTENT: an int32 work counter, zeroed by the caller (None otherwise)
+    # PERSISTENT: an int32 work counter, 0 at the launch and left 0 by it (_claim: the
+    # runtime keeps one per (device, stream)); None otherwise
     WORK,
     BLOCK_M: gl.constexpr,  # query rows per step
     BLOCK_N: gl.constexpr,  # NUM_CONSUMERS * SPLIT_N key rows per program
