@@ -8,7 +8,12 @@ from ._registry import (BUCKETS, BUILT_FOR, GLUON, GLUON_DECODE, MOD_COMBOS, MOD
                         PLANNED, TARGET_GPU, TUNED, VARIANTS)
 
 # GPU key -> what its tuning data was measured with (from specs/tuning/<package>/*.json)
-TUNING = {}
+TUNING = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'triton': '3.6.0',
+                                      'torch': '2.11.0',
+                                      'flashgen': '0.1.0',
+                                      'spec_sha': '5474083dad47',
+                                      'variants': 6,
+                                      'buckets': 6}}
 
 
 def describe() -> str:
