@@ -12,8 +12,8 @@ TUNING = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'triton': '3.6.0',
                                       'torch': '2.11.0',
                                       'flashgen': '0.1.0',
                                       'spec_sha': '5474083dad47',
-                                      'variants': 6,
-                                      'buckets': 6}}
+                                      'variants': 4,
+                                      'buckets': 4}}
 
 
 def describe() -> str:
