@@ -16,6 +16,31 @@ sys.path.insert(0, ".")
 from generated.mla_attn import flash_attn_with_kvcache  # noqa: E402
 
 
+def latent_decode(b: int, n: int, hq: int, paged: bool):
+    """One case's inputs, seeded (torch.manual_seed(0)): a bf16 latent cache of b x n tokens
+    (paged: 64-token pages in a shuffled block table), hq query heads on its one latent
+    head, every row's length n. Returns (call, moved): a function that runs the decode
+    (V = the cache's first 512 dims) and the bytes it moves (the cache read once, q and
+    the output). benchmarks/mla_decode_gluon.py times the same cases."""
+    torch.manual_seed(0)
+    if paged:
+        pages = b * n // 64
+        cache = torch.randn(pages, 64, 1, 576, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(pages, device="cuda").view(b, n // 64).to(torch.int32)
+    else:
+        cache = torch.randn(b, n, 1, 576, device="cuda", dtype=torch.bfloat16)
+        table = None
+    q = torch.randn(b, 1, hq, 576, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+    moved = b * n * 576 * 2 + q.numel() * 2 + b * hq * 512 * 2
+
+    def call():
+        return flash_attn_with_kvcache(q, cache, cache[..., :512], cache_seqlens=lens,
+                                       block_table=table, softmax_scale=576 ** -0.5,
+                                       causal=True)
+    return call, moved
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=16)
@@ -25,22 +50,9 @@ def main() -> int:
     for n in args.lengths:
         for hq in (16, 128):
             for paged in (False, True):
-                torch.manual_seed(0)
-                if paged:
-                    pages = b * n // 64
-                    cache = torch.randn(pages, 64, 1, 576, device="cuda", dtype=torch.bfloat16)
-                    table = torch.randperm(pages, device="cuda").view(b, n // 64).to(torch.int32)
-                else:
-                    cache = torch.randn(b, n, 1, 576, device="cuda", dtype=torch.bfloat16)
-                    table = None
-                q = torch.randn(b, 1, hq, 576, device="cuda", dtype=torch.bfloat16)
-                lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
-                call = lambda: flash_attn_with_kvcache(  # noqa: E731
-                    q, cache, cache[..., :512], cache_seqlens=lens, block_table=table,
-                    softmax_scale=576 ** -0.5, causal=True)
+                call, moved = latent_decode(b, n, hq, paged)
                 call()
                 ms = triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
-                moved = b * n * 576 * 2 + q.numel() * 2 + b * hq * 512 * 2
                 print(json.dumps({"batch": b, "cache": n, "hq": hq, "paged": paged,
                                   "ms": round(ms, 4), "gbps": round(moved / ms / 1e6, 1),
                                   "gpu": torch.cuda.get_device_name()}), flush=True)

@@ -19,7 +19,8 @@ import torch
 import triton
 
 sys.path.insert(0, ".")
-from generated.mla_attn import _decode, flash_attn_with_kvcache  # noqa: E402
+from generated.mla_attn import _decode  # noqa: E402
+from mla_decode import latent_decode  # noqa: E402  (benchmarks/mla_decode.py: the same cases)
 
 
 def main() -> int:
@@ -34,24 +35,11 @@ def main() -> int:
     for n in args.lengths:
         for hq in args.heads:
             for paged in (False,) if args.contiguous_only else (False, True):
-                torch.manual_seed(0)
-                if paged:
-                    pages = b * n // 64
-                    cache = torch.randn(pages, 64, 1, 576, device="cuda", dtype=torch.bfloat16)
-                    table = torch.randperm(pages, device="cuda").view(b, n // 64).to(torch.int32)
-                else:
-                    cache = torch.randn(b, n, 1, 576, device="cuda", dtype=torch.bfloat16)
-                    table = None
-                q = torch.randn(b, 1, hq, 576, device="cuda", dtype=torch.bfloat16)
-                lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
-                moved = b * n * 576 * 2 + q.numel() * 2 + b * hq * 512 * 2
+                call, moved = latent_decode(b, n, hq, paged)
                 outs = {}
                 for family in ("tl", "gluon", "tl", "gluon"):  # interleaved, twice
                     _decode.MLA_GLUON = family == "gluon"
                     _decode._plans.clear()
-                    call = lambda: flash_attn_with_kvcache(  # noqa: E731
-                        q, cache, cache[..., :512], cache_seqlens=lens, block_table=table,
-                        softmax_scale=576 ** -0.5, causal=True)
                     outs[family] = call()
                     torch.cuda.synchronize()
                     plan = next(iter(_decode._plans.values()))

@@ -117,6 +117,61 @@ def _key_loop_spills(cubin: bytes, any_wgmma: bool = False) -> int | None:
     return max(sum(c.startswith(("LDL", "STL")) for c in code[s:e + 1]) for s, e in inner)
 
 
+# scalar arguments compiled as fp32 (the softmax and dropout scales); any other scalar
+# that is not a mod argument is an i32
+_FP32_ARGS = ("qk_scale", "QK_SCALE_LOG2", "SCALE", "DROP_SCALE")
+
+
+def _compile_sm90(fn, name: str, tile: str, const: dict, pointers: dict, num_warps: int,
+                  descriptors: dict | None = None, mod_types: dict | None = None,
+                  any_wgmma: bool = False) -> GluonResources:
+    """Compile the Gluon kernel `fn` for sm_90 and read what came out: the signature from
+    its argument names (const: the constexprs; descriptors: host-made TMA descriptors'
+    signature types; pointers: element types, 16-byte aligned; _FP32_ARGS; mod_types: the
+    mod arguments' types; else i32), then ptxas's registers, stack frame and wgmma notes,
+    the PTX's wgmma count and setmaxnreg values, the shared memory and the key loops'
+    LDL/STL (any_wgmma: see _key_loop_spills) as a GluonResources row named name / tile."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    descriptors = descriptors or {}
+    sig, constexprs, attrs = {}, {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+            constexprs[(i,)] = const[arg]
+        elif arg in descriptors:
+            sig[arg] = descriptors[arg]
+        elif arg in pointers:
+            sig[arg] = "*" + pointers[arg]
+            attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
+        elif arg in _FP32_ARGS:
+            sig[arg] = "fp32"
+        elif mod_types and arg in mod_types:
+            sig[arg] = mod_types[arg]
+        else:
+            sig[arg] = "i32"
+    # Triton's own ptxas run prints its -v log (offline.py reads it the same way); a cached
+    # binary would skip ptxas, so compile afresh
+    knobs.nvidia.dump_ptxas_log = True
+    knobs.compilation.always_compile = True
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
+                                  target=GPUTarget("cuda", 90, 32),
+                                  options=dict(num_warps=num_warps))
+    ptx = compiled.asm["ptx"]
+    regs, stack = _ptxas_report(buf.getvalue())
+    return GluonResources(
+        variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
+        spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
+        wgmma_notes=_wgmma_notes(buf.getvalue()),
+        loop_spills=_key_loop_spills(compiled.asm["cubin"], any_wgmma=any_wgmma))
+
+
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                     mod_types: dict | None = None, varlen: bool = False,
                     persistent: bool = False) -> GluonResources:
@@ -125,11 +180,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
     packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one; persistent:
     a block-mask backward's PERSISTENT form, its WORK counter an int32 pointer -- the
     runtime's GLUON_BWD_PERSISTENT_MASKS -- else WORK is None, as the runtime passes it)."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     fn = getattr(module, f"{name}_kernel")
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
@@ -222,33 +273,6 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         pointers.update(CU_Q="i32", CU_K="i32")
     else:
         const.update(CU_Q=None, CU_K=None)  # a dense launch passes None
-    sig, constexprs, attrs = {}, {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in const:
-            sig[arg] = "constexpr"
-            constexprs[(i,)] = const[arg]
-        elif arg in descriptors:
-            sig[arg] = descriptors[arg]
-        elif arg in pointers:
-            sig[arg] = "*" + pointers[arg]
-            attrs[(i,)] = [["tt.divisibility", 16]]  # TMA bases are 16-byte aligned
-        elif arg in ("qk_scale", "QK_SCALE_LOG2", "SCALE", "DROP_SCALE"):
-            sig[arg] = "fp32"
-        elif mod_types and arg in mod_types:
-            sig[arg] = mod_types[arg]
-        else:
-            sig[arg] = "i32"
-    # Triton's own ptxas run prints its -v log (offline.py reads it the same way); a cached
-    # binary would skip ptxas, so compile afresh
-    knobs.nvidia.dump_ptxas_log = True
-    knobs.compilation.always_compile = True
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=config["num_warps"]))
-    ptx = compiled.asm["ptx"]
-    regs, stack = _ptxas_report(buf.getvalue())
     tile = ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
         "" if config.get("pingpong", True) else " no-pingpong") + (
         f" q{config['q_buffers']}" if config.get("q_buffers", 1) != 1 else "") + (
@@ -260,12 +284,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         " persistent" if const.get("PERSISTENT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
-    return GluonResources(
-        variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
-        spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
-        wgmma_notes=_wgmma_notes(buf.getvalue()),
-        loop_spills=_key_loop_spills(compiled.asm["cubin"]))
+    return _compile_sm90(fn, name, tile, const, pointers, config["num_warps"],
+                         descriptors=descriptors, mod_types=mod_types)
 
 
 def compile_mla_decode(module, name: str, dtype: str = "bf16", config: dict | None = None,
@@ -275,11 +295,7 @@ def compile_mla_decode(module, name: str, dtype: str = "bf16", config: dict | No
     paged: a block table with pages of whole key blocks; per_row_lens: a cache_seqlens
     tensor). Its key loops are two (S = Q K^T in the softmax warpgroup, P V in the output
     warpgroups), both with operands in shared memory: loop_spills counts the worst."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
 
     cfg = {**families.MLA_DECODE, **(config or {})}
     fn = getattr(module, f"{name}_kernel")
@@ -289,35 +305,9 @@ def compile_mla_decode(module, name: str, dtype: str = "bf16", config: dict | No
                  PRODUCER_REGS=cfg["producer_regs"],
                  K_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, cfg["block_n"], 64], gdtype))
     pointers = {"Q": dtype, "K": dtype, "OP": "fp32", "SEQLENS": "i32", "BT": "i32"}
-    sig, constexprs, attrs = {}, {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in const:
-            sig[arg] = "constexpr"
-            constexprs[(i,)] = const[arg]
-        elif arg in pointers:
-            sig[arg] = "*" + pointers[arg]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif arg == "QK_SCALE_LOG2":
-            sig[arg] = "fp32"
-        else:
-            sig[arg] = "i32"
-    knobs.nvidia.dump_ptxas_log = True
-    knobs.compilation.always_compile = True
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        compiled = triton.compile(GluonASTSource(fn, sig, constexprs, attrs),
-                                  target=GPUTarget("cuda", 90, 32),
-                                  options=dict(num_warps=cfg["num_warps"]))
-    ptx = compiled.asm["ptx"]
-    regs, stack = _ptxas_report(buf.getvalue())
     tile = (f"{cfg['rows']}x{cfg['block_n']} s{cfg['num_buffers']} regs {cfg['o_regs']}/"
             f"{cfg['producer_regs']}" + (" paged" if paged else " contiguous"))
-    return GluonResources(
-        variant=name, config=tile, shared=compiled.metadata.shared, registers=regs,
-        spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-        setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
-        wgmma_notes=_wgmma_notes(buf.getvalue()),
-        loop_spills=_key_loop_spills(compiled.asm["cubin"], any_wgmma=True))
+    return _compile_sm90(fn, name, tile, const, pointers, cfg["num_warps"], any_wgmma=True)
 
 
 def _descriptor_type(dtype, box, layout) -> str:
