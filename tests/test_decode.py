@@ -357,6 +357,55 @@ def test_return_lse_or_not_and_repeated_calls(pkg, device):
                 assert counters and not any(c.any() for c in counters)
 
 
+def test_ticket_counters_made_under_capture_are_not_kept(pkg, monkeypatch):
+    """A counter set made while a CUDA graph is being captured belongs to that graph's
+    memory pool (and only its replays zero it): the next call outside the capture must not
+    find it in the cache. Outside a capture a set is made once and reused."""
+    dev = torch.device("cpu")
+    monkeypatch.setattr(pkg._decode, "_tickets", {})
+    monkeypatch.setattr(pkg._decode, "_capturing", lambda device: True)
+    first = pkg._decode._ticket_counters(dev, 10)
+    assert pkg._decode._tickets == {} and not first.any()
+    assert pkg._decode._ticket_counters(dev, 10) is not first
+    monkeypatch.setattr(pkg._decode, "_capturing", lambda device: False)
+    kept = pkg._decode._ticket_counters(dev, 10)
+    assert pkg._decode._ticket_counters(dev, 10) is kept
+    assert list(pkg._decode._tickets.values()) == [kept]
+
+
+@pytest.mark.gpu
+def test_split_decode_in_two_cuda_graphs(pkg):
+    """Split decode captured into two graphs on the capture stream (no eager call there
+    first, so the counters are made under capture), the first graph freed, the second
+    replayed on new queries, then an eager call: each against the reference."""
+    lengths = [300, 1000, 77]
+    k_cache, v_cache, table = make_cache(3, 1024, page_size=32, device="cuda", seed=41)
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=4, return_lse=True)
+    static_q = queries(3, 1, 4, device="cuda", seed=42)
+    with pkg._runtime.override_config(**SMALL_TILES):
+        pkg.flash_attn_with_kvcache(static_q, k_cache, v_cache, **kw)  # plans, on this stream
+        torch.cuda.synchronize()
+        outs = []
+        for _ in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out, lse = pkg.flash_attn_with_kvcache(static_q, k_cache, v_cache, **kw)
+            outs.append((graph, out, lse))
+        del outs[0]
+        torch.cuda.empty_cache()
+        graph, out, lse = outs[0]
+        for seed in (43, 44):
+            q = queries(3, 1, 4, device="cuda", seed=seed)
+            static_q.copy_(q)
+            graph.replay()
+            torch.cuda.synchronize()
+            ref_out, ref_lse = reference(q, k_cache, v_cache, table, lengths)
+            assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+        assert_matches(*pkg.flash_attn_with_kvcache(static_q, k_cache, v_cache, **kw),
+                       ref_out, ref_lse, torch.float16)
+
+
 def test_split_heuristic(pkg):
     h = pkg._decode.num_splits_heuristic
     assert h(8 * 8, 32, 132) == 2  # 64 programs -> 128: one wave over 132 SMs

@@ -571,6 +571,9 @@ def _mla_gluon_plan(plan, name, q, k_cache, v_cache, block_table, paged, page_si
 # The split kernel's ticket counters, one int32 per tile, all 0 between launches (the last
 # split of a tile resets its counter). One set per (device, stream): launches on one
 # stream run in order, so they can share a set; two streams running at once cannot.
+# A set made while a CUDA graph is being captured lives in that graph's memory pool and
+# is zeroed only by its replays, so it is not kept: only that graph uses it (a capture
+# stream's next graph makes its own; the pool may be freed with the graph).
 _tickets = {}
 
 
@@ -580,8 +583,13 @@ def _ticket_counters(device, tiles):
     counters = _tickets.get((device, stream))
     if counters is None or counters.numel() < tiles:
         counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        _tickets[(device, stream)] = counters
+        if not _capturing(device):
+            _tickets[(device, stream)] = counters
     return counters
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 # ----------------------------------------------------------------------------------------
