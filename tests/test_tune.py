@@ -592,6 +592,35 @@ def test_the_winner_is_chosen_by_back_to_back_retiming(storage):
     assert r.best_config == truly_best and r.speedup == pytest.approx(1 / 0.9)
 
 
+def test_one_slow_retiming_round_does_not_unseat_the_default(storage):
+    """Two re-timing rounds (a budgeted run's) take the faster of each config's two times:
+    a single slow round of the default -- a clock dip -- must not hand the win to a config
+    that is slower in every other measurement."""
+    space = fwd_space()
+    base = cost_of(space)
+    default = space.default()
+    runner_up = next(c for c in sorted(space.points(), key=base)
+                     if space.key(c) != space.key(default))
+
+    def cost(cfg):  # the default is best; the runner-up 4% slower
+        return base(default) * (1.0 if space.key(cfg) == space.key(default) else 1.04 if
+                                space.key(cfg) == space.key(runner_up) else 2.0)
+
+    seen = []
+
+    def retime(cfg):  # the default's first re-timing reads 30% slow
+        seen.append(space.key(cfg))
+        slow = space.key(cfg) == space.key(default) and seen.count(space.key(default)) == 1
+        return cost(cfg) * (1.3 if slow else 1.0)
+
+    r = tune_study(storage=storage, name="slowround", space=space, measure=cost, n_trials=2,
+                   warm_starts=[("planner", default), ("other", runner_up)], progress=quiet,
+                   retime=retime, confirm_top=2, confirm_rounds=2)
+    assert r.confirmed and seen.count(space.key(default)) == 2
+    assert space.key(r.best_config) == space.key(default)
+    assert r.best_ms == pytest.approx(cost(default))
+
+
 def test_the_summary_times_what_the_package_ran_before(storage):
     """The first warm start is what the package runs today (a tuned entry, or the untuned
     default: on Hopper often the Gluon one, faster than the planner's `tl` config). It is
