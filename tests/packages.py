@@ -27,3 +27,14 @@ def build_and_import(root: Path, package: str, body: str):
     if str(out) not in sys.path:
         sys.path.insert(0, str(out))
     return importlib.import_module(package)
+
+
+def gluon_compiles() -> bool:
+    """Whether this Triton is one the Gluon templates are verified on (families.GLUON_TRITON;
+    CI pins it), so their offline sm_90 compile tests can run; another Triton runs the `tl`
+    kernels only."""
+    import triton
+
+    from flashgen import families
+
+    return families.triton_ok(triton.__version__)

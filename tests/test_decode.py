@@ -363,11 +363,11 @@ def test_ticket_counters_made_under_capture_are_not_kept(pkg, monkeypatch):
     find it in the cache. Outside a capture a set is made once and reused."""
     dev = torch.device("cpu")
     monkeypatch.setattr(pkg._decode, "_tickets", {})
-    monkeypatch.setattr(pkg._decode, "_capturing", lambda device: True)
+    monkeypatch.setattr(pkg._runtime, "_capturing", lambda device: True)
     first = pkg._decode._ticket_counters(dev, 10)
     assert pkg._decode._tickets == {} and not first.any()
     assert pkg._decode._ticket_counters(dev, 10) is not first
-    monkeypatch.setattr(pkg._decode, "_capturing", lambda device: False)
+    monkeypatch.setattr(pkg._runtime, "_capturing", lambda device: False)
     kept = pkg._decode._ticket_counters(dev, 10)
     assert pkg._decode._ticket_counters(dev, 10) is kept
     assert list(pkg._decode._tickets.values()) == [kept]

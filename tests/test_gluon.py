@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import LSE_TOL, OUT_TOL
-from packages import build_and_import
+from packages import build_and_import, gluon_compiles
 from flashgen import families
 from flashgen.reference import attention_ref, visible_mask
 
@@ -270,14 +270,8 @@ def _compile(package_dir, which="default", variants=None):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _gluon_compiles():
-    import triton
-
-    return families.triton_ok(triton.__version__)
-
-
 needs_gluon_triton = pytest.mark.skipif(
-    not _gluon_compiles(),
+    not gluon_compiles(),
     reason="the Gluon templates are verified on Triton 3.6 (CI pins it); another Triton "
            "runs the `tl` kernels only")
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from conftest import GRAD_TOL
-from packages import build_and_import
+from packages import build_and_import, gluon_compiles
 from test_mods import documents, reference
 
 from flashgen import families
@@ -242,13 +242,7 @@ print(json.dumps([r.__dict__ for r in res]))
 """
 
 
-def _gluon_compiles():
-    import triton
-
-    return families.triton_ok(triton.__version__)
-
-
-@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
+@pytest.mark.skipif(not gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
 def test_gluon_backwards_with_mods_compile_for_sm90(pkg):
     """Every served mod backward compiles for sm_90 into the design (wgmma, the 240/24
     split, shared memory within 227 KiB: 198176-198240 B at d=128, ~116300 at d=64) at the
@@ -566,7 +560,7 @@ print(json.dumps(rows))
 """
 
 
-@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
+@pytest.mark.skipif(not gluon_compiles(), reason="the Gluon templates are verified on Triton 3.6")
 def test_persistent_block_mask_backwards_compile_for_sm90(pkg):
     """The persistent form compiles for sm_90 into the design (wgmma, the 240/24 split,
     within 227 KiB: its item slots and barriers add ~200 B to the program-per-key-block

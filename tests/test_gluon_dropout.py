@@ -29,7 +29,7 @@ import torch
 from conftest import GRAD_TOL, LSE_TOL, OUT_TOL
 from flashgen import families
 from flashgen.reference import attention_ref, dropout_keep_rate, visible_mask
-from packages import build_and_import
+from packages import build_and_import, gluon_compiles
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -307,14 +307,8 @@ print(json.dumps(out))
 """
 
 
-def _gluon_compiles():
-    import triton
-
-    return families.triton_ok(triton.__version__)
-
-
 needs_gluon_triton = pytest.mark.skipif(
-    not _gluon_compiles(),
+    not gluon_compiles(),
     reason="the Gluon templates are verified on Triton 3.6 (CI pins it)")
 
 

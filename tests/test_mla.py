@@ -19,7 +19,7 @@ from flashgen.errors import SpecError
 from flashgen.reference import attention_ref, visible_mask
 from flashgen.spec import parse_spec
 from flashgen.variants import variants_for
-from packages import build_and_import
+from packages import build_and_import, gluon_compiles
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -505,15 +505,7 @@ print(json.dumps(rows))
 """
 
 
-def _gluon_triton_ok():
-    import triton
-
-    from flashgen import families
-
-    return families.triton_ok(triton.__version__)
-
-
-@pytest.mark.skipif(not _gluon_triton_ok(),
+@pytest.mark.skipif(not gluon_compiles(),
                     reason="the Gluon templates are verified on Triton 3.6 (CI pins it)")
 def test_gluon_latent_decode_compiles_for_sm90():
     """generated/mla_attn's Gluon latent decode compiles for sm_90 (paged and contiguous,

@@ -21,7 +21,7 @@ from flashgen import families  # noqa: E402
 from flashgen.measure import Workload  # noqa: E402
 from flashgen.space import space_for  # noqa: E402
 
-from packages import build_and_import  # noqa: E402
+from packages import build_and_import, gluon_compiles  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 H100 = dict(sram_bytes=232448, sm_count=132, capability=(9, 0))
@@ -86,13 +86,7 @@ print(json.dumps(rows))
 """
 
 
-def _gluon_compiles():
-    import triton
-
-    return families.triton_ok(triton.__version__)
-
-
-@pytest.mark.skipif(not _gluon_compiles(), reason="the Gluon templates are verified on "
+@pytest.mark.skipif(not gluon_compiles(), reason="the Gluon templates are verified on "
                     "Triton 3.6; another Triton runs the `tl` kernels only")
 def test_the_gluon_backward_knobs_compile_within_the_estimate():
     """A 3-deep ring at d=128 (the space's largest tile there: 231520 of 232448 bytes) and

@@ -730,10 +730,32 @@ def _arg_slot(launch, arg: str, first: str) -> int:
     return slot
 
 
-# STREAM_K workspaces by (device, stream, floats): a part-tile slot per (program, consumer)
-# and its counter. The counters must be 0 between launches, and the kernel leaves them so;
-# a stream has its own, so launches on two streams never share one. Never freed: a CUDA
-# graph captured with a launch keeps using its workspace.
+def stream_buffers(cache: dict, device, make, *, extra: tuple = (), fits=None):
+    """`make()`'s buffers for the launches on `device`'s current stream, kept in `cache` by
+    (device, stream, *extra): work counters and workspaces that a kernel leaves at 0
+    between launches, so they are zeroed once, when made, and not per call. A stream has
+    its own, so launches on two streams never share one. Made during a CUDA graph capture
+    they live in the graph's memory pool and only its replays zero them, so they are not
+    kept (that graph alone uses them; the pool may go with it); the rest are never freed,
+    since a graph captured with a launch keeps using them. `fits(buffers)`: whether kept
+    ones still serve this launch (else new ones replace them)."""
+    stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
+              else 0)  # (off a GPU: the tests' recorded launches)
+    key = (device, stream, *extra)
+    buffers = cache.get(key)
+    if buffers is None or (fits is not None and not fits(buffers)):
+        buffers = make()
+        if not _capturing(device):
+            cache[key] = buffers
+    return buffers
+
+
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# STREAM_K workspaces (stream_buffers, keyed by their floats too): a part-tile slot per
+# (program, consumer) and its counter; the counters are left 0 by the kernel.
 _sk_workspaces = {}
 _SK_FLAG_STRIDE = 32  # int32s between two slots' counters (the kernel's SK_FLAG_STRIDE)
 
@@ -742,16 +764,10 @@ def _sk_workspace(launch, device, d) -> tuple:
     """(SK_WS, SK_FLAGS) for a STREAM_K launch on the current stream."""
     slots = launch.grid[0] * (launch.meta["BLOCK_M"] // _families.QUERY_ROWS_PER_CONSUMER)
     floats = slots * _families.QUERY_ROWS_PER_CONSUMER * (_families.head_dim_pad(d) + 2)
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index), floats)
-    buffers = _sk_workspaces.get(key)
-    if buffers is None:
-        buffers = (torch.empty(floats, device=device, dtype=torch.float32),
-                   torch.zeros(slots * _SK_FLAG_STRIDE, device=device, dtype=torch.int32))
-        # made during a capture, they live in the graph's memory pool: only that graph's
-        # replays may use them (the zeroing is captured too)
-        if not torch.cuda.is_current_stream_capturing():
-            _sk_workspaces[key] = buffers
-    return buffers
+    return stream_buffers(
+        _sk_workspaces, device, extra=(floats,),
+        make=lambda: (torch.empty(floats, device=device, dtype=torch.float32),
+                      torch.zeros(slots * _SK_FLAG_STRIDE, device=device, dtype=torch.int32)))
 
 
 # The tile tables (_band_tile_table), kept apart from the launch plans and never freed: a
@@ -1184,27 +1200,16 @@ def _backward_plan(do, q, k, v, o, dq, dk, dv, mask, lo, hi, scale, dropout, mod
 _BWD_GLUON = "gluon"  # a backward plan's `fused` field: the Gluon kernel, dQ by atomics
 _BWD_PERSISTENT = "persistent"  # a Gluon plan's `tma` field: the persistent block-mask form
 
-# The persistent Gluon backward's work counters by (device, stream): one int32 each, 0
-# between launches -- the kernel's last claim of a launch wraps it back to 0 (its _claim),
-# so it is zeroed once, when made, and not per call (a fill launch and an allocation a
-# backward). A stream has its own, so launches on two streams never share one. Never
-# freed: a CUDA graph captured with a launch keeps using its counter.
+# The persistent Gluon backward's work counters (stream_buffers): one int32 each, left 0 by
+# the kernel's last claim of a launch (its _claim), so not zeroed per call (a fill launch
+# and an allocation a backward).
 _bwd_work_counters = {}
 
 
 def _bwd_work_counter(device) -> "torch.Tensor":
     """WORK for a persistent backward launch on the current stream."""
-    stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
-              else 0)  # (off a GPU: the tests' recorded launches)
-    key = (device, stream)
-    work = _bwd_work_counters.get(key)
-    if work is None:
-        work = torch.zeros(1, device=device, dtype=torch.int32)
-        # made during a capture, it lives in the graph's memory pool: only that graph's
-        # replays may use it (the zeroing is captured too)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _bwd_work_counters[key] = work
-    return work
+    return stream_buffers(_bwd_work_counters, device,
+                          lambda: torch.zeros(1, device=device, dtype=torch.int32))
 
 
 # The block-mask Gluon backward's persistent form (override_config(persistent_bwd=...) per

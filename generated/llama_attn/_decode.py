@@ -569,27 +569,15 @@ def _mla_gluon_plan(plan, name, q, k_cache, v_cache, block_table, paged, page_si
 
 
 # The split kernel's ticket counters, one int32 per tile, all 0 between launches (the last
-# split of a tile resets its counter). One set per (device, stream): launches on one
-# stream run in order, so they can share a set; two streams running at once cannot.
-# A set made while a CUDA graph is being captured lives in that graph's memory pool and
-# is zeroed only by its replays, so it is not kept: only that graph uses it (a capture
-# stream's next graph makes its own; the pool may be freed with the graph).
+# split of a tile resets its counter): one set per stream (_runtime.stream_buffers), grown
+# when a launch has more tiles.
 _tickets = {}
 
 
 def _ticket_counters(device, tiles):
-    stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
-              else 0)
-    counters = _tickets.get((device, stream))
-    if counters is None or counters.numel() < tiles:
-        counters = torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device)
-        if not _capturing(device):
-            _tickets[(device, stream)] = counters
-    return counters
-
-
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return _runtime.stream_buffers(
+        _tickets, device, lambda: torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device),
+        fits=lambda counters: counters.numel() >= tiles)
 
 
 # ----------------------------------------------------------------------------------------
