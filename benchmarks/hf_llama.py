@@ -36,9 +36,11 @@ bias fallback with its warning; docs/TRANSFORMERS.md). The bar itself is unpadde
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -194,16 +196,32 @@ def time_steps(args, model, ids, mask, device):
             step(impl)
     times = {"sdpa": [], "fgen": []}
     peak = {}
-    for _ in range(args.reps):
-        for impl in ("sdpa", "fgen"):
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
-            times[impl].append(step(impl))
-            if cuda:
-                peak[impl] = max(peak.get(impl, 0), torch.cuda.max_memory_allocated() / 2**30)
+    # Python's cyclic garbage collector is kept out of the timed steps (collected before,
+    # paused during; as pyperf and timeit do): a full collection of a model's objects takes
+    # milliseconds and lands in whichever step happens to trigger it
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(args.reps):
+            for impl in ("sdpa", "fgen"):
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                times[impl].append(step(impl))
+                if cuda:
+                    peak[impl] = max(peak.get(impl, 0), torch.cuda.max_memory_allocated() / 2**30)
+    finally:
+        gc.enable()
     res = {f"step_ms_{impl}": statistics.median(t) for impl, t in times.items()}
     res.update({f"steps_ms_{impl}": t for impl, t in times.items()})
     res["fgen_over_sdpa"] = res["step_ms_fgen"] / res["step_ms_sdpa"]
+    # The machine's step time moves in streaks (whole runs of steps of both implementations
+    # ~3 ms apart on the H100), so each fgen step is also compared with the sdpa step just
+    # before it: the median of those ratios, with a bootstrap 95% interval
+    pairs = [f / s for s, f in zip(times["sdpa"], times["fgen"])]
+    res["paired_ratio_median"] = statistics.median(pairs)
+    rng = random.Random(0)
+    boot = sorted(statistics.median(rng.choices(pairs, k=len(pairs))) for _ in range(2000))
+    res["paired_ratio_ci95"] = [boot[50], boot[1949]]
     res["bar_time"] = res["step_ms_fgen"] <= res["step_ms_sdpa"]
     res.update({f"peak_gib_{impl}": v for impl, v in peak.items()})
     return res
@@ -296,6 +314,10 @@ def main():
           f"bf16{', pad ' + str(args.pad) if args.pad else ''}")
     print(f"  training step  sdpa {t['step_ms_sdpa']:.2f} ms   fgen {t['step_ms_fgen']:.2f} ms"
           f"   ratio {t['fgen_over_sdpa']:.3f}   bar (<= 1): {t['bar_time']}")
+    print(f"  paired (each fgen step / the sdpa step before it): median "
+          f"{t['paired_ratio_median']:.4f}, 95% interval {t['paired_ratio_ci95'][0]:.4f}-"
+          f"{t['paired_ratio_ci95'][1]:.4f}; fastest steps sdpa {min(t['steps_ms_sdpa']):.2f} "
+          f"fgen {min(t['steps_ms_fgen']):.2f} ms")
     print(f"  logits  max|fgen-sdpa| {lg['max_abs_fgen_vs_sdpa']:.3e}  "
           f"mean {lg['mean_abs_fgen_vs_sdpa']:.3e} (mean |logit| {lg['mean_abs_logit']:.3e})"
           f"  argmax agree {lg['argmax_agree']:.4f}")

@@ -1,9 +1,18 @@
 """Where the host time of a transformers-wrapped flashgen call goes (B=1 N=4096 H=16 d=128
-causal bf16, grad): each part timed alone, interleaved rounds, median us per call."""
-import os, statistics, sys, time, types
+causal bf16, grad): each part timed alone, interleaved rounds, median us per call.
+
+    python benchmarks/host_parts.py [--compare generated.llama_attn_head ...]
+
+--compare adds the wrapper's and flash_attn_bhnd's calls of other builds of the package
+(a copy of an older generated/llama_attn under another name), timed in the same rounds."""
+import argparse, importlib, os, statistics, sys, time, types
 import torch
 import torch.nn.functional as F
 sys.path.insert(0, os.getcwd())
+ap = argparse.ArgumentParser()
+ap.add_argument("--compare", nargs="*", default=[])
+ap.add_argument("--rounds", type=int, default=7)
+cli = ap.parse_args()
 import generated.llama_attn as pkg
 from generated.llama_attn import _hf, _api, _runtime, _ops
 
@@ -48,11 +57,17 @@ parts = {
     "sdpa grad (+T+contig)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2).contiguous(),
     "sdpa nograd": lambda: F.scaled_dot_product_attention(qn.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2), is_causal=True),
 }
+for name in cli.compare:
+    other = importlib.import_module(name)
+    parts[f"hf wrapper [{name}]"] = (lambda o: lambda: o._hf.attention_forward(
+        module, qt, kt, vt, None, dropout=0.0, scaling=scale))(other)
+    parts[f"flash_attn_bhnd grad [{name}]"] = (lambda o: lambda: o._api.flash_attn_bhnd(
+        qt, kt, vt, 0.0, scale, True, (-1, -1)))(other)
 for f in parts.values():
     f(); f()
 torch.cuda.synchronize()
 res = {n: [] for n in parts}
-for rnd in range(7):
+for rnd in range(cli.rounds):
     for n, f in parts.items():
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -62,4 +77,4 @@ for rnd in range(7):
         del r
         torch.cuda.synchronize()
 for n, r in res.items():
-    print(f"{n:26s} {statistics.median(r):7.1f} us  (min {min(r):6.1f})")
+    print(f"{n:48s} {statistics.median(r):7.1f} us  (min {min(r):6.1f})")

@@ -113,6 +113,56 @@ def test_backward_plans_are_made_once_per_signature(pkg, device):
                        for i in (0, 2, 4))
 
 
+def test_a_repeated_signature_reuses_its_launch_plan_until_plans_are_cleared(pkg, device,
+                                                                              monkeypatch):
+    """The API's signature cache keeps the forward's launch plan beside the signature; a
+    call with other pointer alignment, or after the runtime's plans are cleared (a new
+    config, a forced family), makes its plan again."""
+    rt = pkg._runtime
+    made, looked_up = [], []
+    real = rt._forward_plan
+
+    def counting(*args, **kwargs):
+        made.append(1)
+        return real(*args, **kwargs)
+
+    class CountingPlans(rt._Plans):
+        def get(self, key, default=None):
+            looked_up.append(1)
+            return super().get(key, default)
+    monkeypatch.setattr(rt, "_forward_plan", counting)
+    monkeypatch.setattr(rt, "_forward_plans", CountingPlans())
+
+    def call(t):
+        out = pkg.flash_attn_func(*t, causal=True)
+        ref = sdpa_ref(*(x.transpose(1, 2) for x in t), True).transpose(1, 2)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+    fresh = lambda: [x.transpose(1, 2) for x in qkv(n=37, device=device)]
+    call(fresh())
+    rt._forward_plans.clear()
+    made.clear()
+    call(fresh())
+    assert len(made) == 1
+    looked_up.clear()
+    for _ in range(2):
+        call(fresh())
+    assert len(made) == 1 and not looked_up, "the signature's kept plan was not reused"
+    # the same shapes and strides 4 bytes off a 16-byte boundary: its own plan
+    base = torch.randn(1 * 37 * 2 * 32 + 1, device=device)
+    q = base[1:].view(1, 37, 2, 32)
+    call([q, *fresh()[1:]])
+    assert len(made) == 2
+    call(fresh())
+    assert len(made) == 2
+    rt._forward_plans.clear()
+    call(fresh())
+    assert len(made) == 3, "a plan kept across a clear of the runtime's plans"
+    with rt.override_config(**TILES):
+        call(fresh())
+    assert len(made) == 4
+
+
 def test_torch_compile_uses_the_operators(pkg):
     torch._dynamo.reset()
     graphs = []

@@ -323,6 +323,40 @@ def test_other_masks_and_missing_kernels(fa, device):
                                  softcap=5.0, is_causal=False)
 
 
+def test_unmasked_calls_skip_the_mask_analysis(fa, device, monkeypatch):
+    """A call with no mask, window, cap or packed batch goes straight to the kernels (the
+    host-paced B = 1 forward), with the general path's result; anything else still reads
+    the mask and kwargs."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 16, device=device)
+    k, v = (torch.randn(2, 2, 8, 16, device=device) for _ in range(2))
+
+    def general(*args, **kwargs):
+        raise AssertionError("took the general path")
+    monkeypatch.setattr(fa._hf, "_packed_bounds", general)
+    for causal, kwargs in ((True, {}), (False, dict(position_ids=None, use_cache=False,
+                                                      output_attentions=False,
+                                                      cu_seq_lens_q=None))):
+        layer = _Layer()
+        layer.is_causal = causal
+        out, weights = fa._hf.attention_forward(layer, q, k, v, None, scaling=0.3, **kwargs)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), repeat_kv(k, 2).double(), repeat_kv(v, 2).double(), is_causal=causal,
+            scale=0.3).transpose(1, 2)
+        assert weights is None and out.shape == (2, 8, 4, 16) and out.is_contiguous()
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    # what changes the call (or warns) takes the general path
+    for kwargs in (dict(output_attentions=True), dict(cu_seq_lens_q=torch.tensor([0, 8])),
+                   dict(sliding_window=4), dict(softcap=5.0)):
+        with pytest.raises(AssertionError, match="general path"):
+            fa._hf.attention_forward(_Layer(), q, k, v, None, **kwargs)
+    # a causal prefill into a longer (static cache) key axis is cut by the general path
+    with pytest.raises(AssertionError, match="general path"):
+        fa._hf.attention_forward(_Layer(), q, torch.cat([k, k], 2), torch.cat([v, v], 2), None)
+
+
 def test_register_needs_transformers(fa, monkeypatch):
     with pytest.raises(ValueError, match="contains 'flash'"):
         fa.register_transformers("flashgen")

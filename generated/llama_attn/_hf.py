@@ -246,6 +246,18 @@ def _bias_of(mask):
 # ----------------------------------------------------------------------------------------
 # The attention function
 # ----------------------------------------------------------------------------------------
+# the keyword arguments that can change what a call computes (or refuse it); a call that
+# passes none of them, or passes them as None / False, takes attention_forward's fast path
+_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+_SPECIAL_KWARGS = frozenset(("position_bias", "cache", "output_attentions") + _PACKED_KEYS)
+_NO_WINDOW = (-1, -1)
+
+
+def _inert(kwargs) -> bool:
+    return all(kwargs[name] is None or kwargs[name] is False
+               for name in _SPECIAL_KWARGS.intersection(kwargs))
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                       is_causal=None, sliding_window=None, softcap=None, **kwargs):
     """transformers' attention interface (what `register_transformers` registers):
@@ -253,6 +265,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     True = attend, or additive float), `scaling`, `dropout`, `sliding_window` (a query sees
     the previous sliding_window - 1 keys and itself), `softcap` (Gemma 2's logit
     soft-capping). Returns (attn_output (B, N_q, H, d) contiguous, None)."""
+    if (attention_mask is None and not sliding_window and not softcap
+            and (not kwargs.keys() & _SPECIAL_KWARGS or _inert(kwargs))):
+        # the common call (no mask, no window, no cap, no packed batch) first: this B = 1
+        # prefill or training forward runs at the host's pace, and the general path below
+        # costs several microseconds more of it per layer. Same result as that path.
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if not (causal and 1 < query.shape[2] < key.shape[2]):
+            out = _api.flash_attn_bhnd(query, key, value, float(dropout or 0.0), scaling,
+                                       causal, _NO_WINDOW)
+            return out.transpose(1, 2).contiguous(), None
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
             f"{PACKAGE}: attention with a learned position_bias (T5-style) is not supported "
@@ -354,9 +376,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 # (cu_seq_lens_q / cu_seq_lens_k, max_length_q / max_length_k), as flash-attn's integration
 # expects. The row then runs the varlen kernels: each sequence attends within itself, with
 # no (1, 1, N, N) mask read and no document mod, and q, k, v stay views of the row.
-_PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
 def _packed_bounds(query, key, kwargs):
     """(cu_q, cu_k, max_q, max_k) for flash_attn_varlen_func when the call carries a
     flattened batch's boundaries (one row, as many keys as queries: training or prefill

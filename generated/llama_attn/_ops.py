@@ -34,13 +34,16 @@ def _out_like(q, v):
 
 
 def _run_forward(q, k, v, bnhd: bool, mask: str, lo: int, hi: int, scale: float,
-                 dropout_p: float, rng, need_lse: bool = True, keep_layout: bool = False):
+                 dropout_p: float, rng, need_lse: bool = True, keep_layout: bool = False,
+                 plans=None):
     # keep_layout (eager only; the operators' fake impl is contiguous): the output takes
-    # q's memory layout, see `eager`
+    # q's memory layout, see `eager`. plans: the API signature's own launch plans (eager
+    # args from the API's signature cache carry them)
     out = torch.empty_like(q) if keep_layout and v.shape[-1] == q.shape[-1] \
         else _out_like(q, v)  # = the fake impl
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
-                           dropout_p=dropout_p, rng=rng, bnhd=bnhd, need_lse=need_lse)
+                           dropout_p=dropout_p, rng=rng, bnhd=bnhd, need_lse=need_lse,
+                           plans=plans)
     return out, lse
 
 
@@ -207,7 +210,7 @@ class _Attention(torch.autograd.Function):
         bnhd, mask, lo, hi, scale, dropout_p = args
         rng = _draw_rng(q, dropout_p)
         out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng,
-                                keep_layout=keep_layout)
+                                keep_layout=keep_layout, plans=getattr(args, "plans", None))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args, ctx.rng = args, rng
         ctx.mark_non_differentiable(lse)
@@ -228,7 +231,7 @@ class _AttentionOut(torch.autograd.Function):
         bnhd, mask, lo, hi, scale, dropout_p = args
         rng = _draw_rng(q, dropout_p)
         out, lse = _run_forward(q, k, v, bnhd, mask, lo, hi, scale, dropout_p, rng,
-                                keep_layout=keep_layout)
+                                keep_layout=keep_layout, plans=getattr(args, "plans", None))
         ctx.save_for_backward(q, k, v, out)
         ctx.lse = lse  # produced here and used only by the backward: no version check needed
         ctx.args, ctx.rng = args, rng
@@ -322,7 +325,7 @@ def eager(q, k, v, args, need_lse, keep_layout=False):
         else _out_like(q, v)  # = the fake impl
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=scale,
                            dropout_p=dropout_p, rng=_draw_rng(q, dropout_p), bnhd=bnhd,
-                           need_lse=need_lse)
+                           need_lse=need_lse, plans=getattr(args, "plans", None))
     return out, lse
 
 

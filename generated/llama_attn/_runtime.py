@@ -569,7 +569,22 @@ def _dropout():
     return _dropout
 
 
-_forward_plans = {}
+class _Plans(dict):
+    """Launch plans by call signature. clear() also retires the plans callers keep beside
+    their own signature caches (`forward`'s `plans`): each holds the generation it was
+    taken in, and a clear -- a new config, a forced family, a test -- starts a new one."""
+    __slots__ = ("generation",)
+
+    def __init__(self):
+        super().__init__()
+        self.generation = 0
+
+    def clear(self):
+        self.generation += 1
+        super().clear()
+
+
+_forward_plans = _Plans()
 _MAX_PLANS = 1024
 
 
@@ -853,12 +868,17 @@ def _descriptor_allocator() -> None:
     """Tensor descriptors made inside a kernel need global scratch memory, which Triton
     takes from the allocator set with triton.set_allocator; set one (torch's caching
     allocator) unless the application already has."""
-    import triton
-    from triton.runtime import _allocation
-
+    global _allocation
+    if _allocation is None:
+        from triton.runtime import _allocation
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        import triton
+
         triton.set_allocator(
             lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+
+
+_allocation = None  # triton.runtime._allocation, imported on the first call
 
 
 _NO_DROP = (0, 0, 0, 1.0)
@@ -871,7 +891,7 @@ _SCRATCH_MAX = 1 << 20  # LSE elements: a no-grad call's LSE up to this size goe
 
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
             dropout_p: float = 0.0, rng=None, bnhd: bool = False, need_lse: bool = True,
-            mods=None, pos=(0, 0)):
+            mods=None, pos=(0, 0), plans=None):
     """Run the forward kernel on (B, H, N, d) tensors, or (B, N, H, d) ones with bnhd;
     writes o in place, returns the LSE as a contiguous (B, H, N_q) fp32 tensor. `rng` is
     the call's (seed, stream) tensor when dropout_p > 0. With need_lse=False (a call that
@@ -880,7 +900,11 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     `mods` is a `_mods.Call` (the call's validated mod tensors and params) for a variant
     with mods, else None. `pos`: the global (row, column) of q's first row and k's first
     key, where the dropout mask is drawn (a context-parallel piece; (0, 0) for a whole
-    call; with mods the Call's own positions, `Call.piece`, serve instead).
+    call; with mods the Call's own positions, `Call.piece`, serve instead). `plans`: a dict
+    the caller keeps for one validated API signature (which fixes shapes, strides, dtypes,
+    device, mask and scale; no mods), where the plan is found by what that signature leaves
+    open -- the output's strides, pointer alignment, the dropout seed's widths -- instead
+    of by the whole key a second time (host time: a B = 1 forward runs at the host's pace).
 
     This runs on every call: everything derived from the call's shapes, strides, dtype,
     device, mask and pointer alignment is computed once per signature (a launch plan) and
@@ -893,16 +917,26 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         drop_pos = _drop_positions(mods, pos)
     else:
         drop, widths, drop_pos = _NO_DROP, None, ()
-    key = (bnhd, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(), q.dtype,
-           q.device, mask, lo, hi, scale, widths, q.data_ptr() % 16 == 0,
-           k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
-           mods.signature if mods is not None else None)
-    plan = _forward_plans.get(key)
+    plan = None
+    if plans is not None:
+        short = (o.stride(), q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0,
+                 v.data_ptr() % 16 == 0, widths)
+        kept = plans.get(short)
+        if kept is not None and kept[0] == _forward_plans.generation:
+            plan = kept[1]
     if plan is None:
-        if len(_forward_plans) >= _MAX_PLANS:
-            _forward_plans.clear()
-        plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
-                                                   widths is not None, mods)
+        key = (bnhd, q.shape, k.shape, q.stride(), k.stride(), v.stride(), o.stride(),
+               q.dtype, q.device, mask, lo, hi, scale, widths, q.data_ptr() % 16 == 0,
+               k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
+               mods.signature if mods is not None else None)
+        plan = _forward_plans.get(key)
+        if plan is None:
+            if len(_forward_plans) >= _MAX_PLANS:
+                _forward_plans.clear()
+            plan = _forward_plans[key] = _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale,
+                                                       widths is not None, mods)
+        if plans is not None:
+            plans[short] = (_forward_plans.generation, plan)
     launch, args, tma, lse_shape, scratch, sparse = plan
     if need_lse or scratch is None:
         lse = torch.empty(lse_shape, device=q.device, dtype=torch.float32)

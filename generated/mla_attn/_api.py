@@ -32,12 +32,18 @@ _MAX_CHECKED = 4096
 _compiling = torch.compiler.is_compiling  # constant-folded to True when dynamo traces it
 
 
+class _Args(tuple):
+    """A validated call signature's eager args, (bnhd, mask, lo, hi, scale, dropout_p), with
+    `plans`, the runtime's launch plans for that signature (`_runtime.forward`'s `plans`)."""
+
+
 def _remember(signature, bnhd, band, scale, dropout_p):
     """Cache a validated call signature's args: (bnhd, mask, lo, hi, scale, dropout_p)."""
     if len(_checked) >= _MAX_CHECKED:
         _checked.clear()
     mask, lo, hi = band
-    _checked[signature] = (bnhd, mask, lo, hi, scale, float(dropout_p))
+    args = _checked[signature] = _Args((bnhd, mask, lo, hi, scale, float(dropout_p)))
+    args.plans = {}
 
 
 def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p,
