@@ -14,9 +14,12 @@ than with SDPA, and the logits must match.
 Timing: the same model (same weights, one copy) is switched between the two
 implementations with `model.set_attn_implementation`; each one runs `--warmup` steps, then
 `--reps` steps timed with CUDA events, alternating sdpa / fgen rep by rep so clock drift
-hits both alike; the median is reported. The optimizer steps on a copy of the weights that
-is restored before every step, so every step sees the same weights and both
-implementations do identical work.
+hits both alike; the median is reported, and the median of the paired ratios (each fgen
+step over the sdpa step just before it) with a bootstrap 95% interval. The optimizer steps
+on a copy of the weights that is restored before every step, so every step sees the same
+weights and both implementations do identical work. Python's garbage collector is
+collected before the timed steps and paused during them (`--gc on` leaves it running): a
+full collection takes milliseconds and lands in whichever step triggers it.
 
 --sdpa-backend pins SDPA's backend (flash, cudnn, ...) for the sdpa side; by default SDPA
 picks its own (on an H100 in bf16 that may be cuDNN, whose backward flashgen's trails at
@@ -65,6 +68,9 @@ def parse():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--fp32-ref", action="store_true", help="also compare with fp32 SDPA")
     p.add_argument("--package", default="generated.llama_attn")
+    p.add_argument("--gc", choices=("paused", "on"), default="paused",
+                   help="Python's garbage collector during the timed steps: collected before "
+                        "and paused (default), or left running as in a plain training loop")
     p.add_argument("--sdpa-backend", default="default",
                    choices=["default", "flash", "cudnn", "efficient", "math"],
                    help="pin PyTorch SDPA's backend for the sdpa runs (default: its own choice)")
@@ -200,7 +206,8 @@ def time_steps(args, model, ids, mask, device):
     # paused during; as pyperf and timeit do): a full collection of a model's objects takes
     # milliseconds and lands in whichever step happens to trigger it
     gc.collect()
-    gc.disable()
+    if args.gc == "paused":
+        gc.disable()
     try:
         for _ in range(args.reps):
             for impl in ("sdpa", "fgen"):
@@ -311,7 +318,7 @@ def main():
     t, lg = result["timing"], result["logits"]
     print(f"{result['device']}: Llama hidden {args.hidden}, {args.heads} heads "
           f"({args.kv_heads} kv), {args.layers} layers, seq {args.seqlen}, batch {args.batch}, "
-          f"bf16{', pad ' + str(args.pad) if args.pad else ''}")
+          f"bf16{', pad ' + str(args.pad) if args.pad else ''}, GC {args.gc} while timed")
     print(f"  training step  sdpa {t['step_ms_sdpa']:.2f} ms   fgen {t['step_ms_fgen']:.2f} ms"
           f"   ratio {t['fgen_over_sdpa']:.3f}   bar (<= 1): {t['bar_time']}")
     print(f"  paired (each fgen step / the sdpa step before it): median "
