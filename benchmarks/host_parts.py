@@ -57,6 +57,12 @@ parts = {
     "sdpa grad (+T+contig)": lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True).transpose(1, 2).contiguous(),
     "sdpa nograd": lambda: F.scaled_dot_product_attention(qn.transpose(1, 2), kn.transpose(1, 2), vn.transpose(1, 2), is_causal=True),
 }
+try:  # transformers' own SDPA path, what attn_implementation="sdpa" runs per layer
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    parts["transformers sdpa_attention_forward grad"] = lambda: sdpa_attention_forward(
+        module, qt, kt, vt, None, dropout=0.0, scaling=scale)
+except ImportError:
+    pass
 for name in cli.compare:
     other = importlib.import_module(name)
     parts[f"hf wrapper [{name}]"] = (lambda o: lambda: o._hf.attention_forward(
