@@ -119,6 +119,51 @@ def test_gluon_backward_against_float64(pkg, poison, case, knobs):
                                    msg=lambda m: f"d{name}: {m}")
 
 
+def test_descriptors_without_checks_are_the_checked_ones(pkg):
+    """After a plan's first call the backward makes its TMA descriptors without Gluon's
+    TensorDescriptor checks (_runtime._bare_descriptors): field for field the same
+    descriptor."""
+    import dataclasses
+
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from triton.experimental.gluon import language as gl
+
+    make = pkg._runtime._bare_descriptors()
+    assert make is not None, "this Triton's TensorDescriptor is not the dataclass read"
+    t = torch.randn(2, 3, 40, 64, dtype=torch.bfloat16)
+    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
+    args = (t, list(t.shape), list(t.stride()), [1, 1, 64, 64], layout)
+    bare, checked = make(*args), hopper.TensorDescriptor(*args)
+    assert type(bare) is type(checked)
+    assert dataclasses.asdict(bare).keys() == dataclasses.asdict(checked).keys()
+    for f in dataclasses.fields(checked):
+        assert getattr(bare, f.name) is getattr(checked, f.name) or \
+            getattr(bare, f.name) == getattr(checked, f.name), f.name
+
+
+@pytest.mark.gpu
+def test_repeated_backward_calls_reuse_the_plan_with_unchecked_descriptors(pkg, poison):
+    """The second and later calls of a signature make the descriptors without the checks;
+    each call's gradients against float64 (fresh inputs every call)."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rt = pkg._runtime
+    dt = torch.bfloat16
+    atol, rtol = GRAD_TOL[dt]
+    with rt.override_config(family="gluon"):  # (plans cleared on entry and on exit only)
+        for call in range(3):
+            q, k, v = (torch.randn(2, 300, h, 128, device="cuda", dtype=dt).requires_grad_()
+                       for h in (8, 2, 2))
+            do = torch.randn(2, 300, 8, 128, device="cuda", dtype=dt)
+            grads = _grads(pkg, q, k, v, do, True, (-1, -1))
+            assert len(rt._backward_plans) == 1 and _bwd_plan_kinds(pkg) == {"gluon"}
+            for name, g, r in zip("qkv", grads, _reference(q, k, v, do, True, (-1, -1))):
+                assert not torch.isnan(g).any(), f"call {call}: NaN in d{name}"
+                torch.testing.assert_close(g.double().cpu(), r.cpu(), atol=atol, rtol=rtol,
+                                           msg=lambda m: f"call {call}, d{name}: {m}")
+    assert callable(rt._bare_descriptor)
+
+
 @pytest.mark.gpu
 def test_deterministic_mode_takes_the_reproducible_tl_backward(pkg):
     if not _hopper():
