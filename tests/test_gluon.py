@@ -731,6 +731,57 @@ def test_gluon_stream_k_in_a_cuda_graph_and_with_dropout(pkg, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_launch_scratch_is_kept_per_stream_and_fresh_under_capture(pkg, poison):
+    """The Gluon forward's global scratch (its device-made tensor descriptors) comes from
+    one buffer per (device, stream), grown to the largest launch, instead of an allocation
+    per launch; another stream gets its own; a launch captured into a CUDA graph gets its
+    own from the graph's pool. Every call against float64, the graph's replays on fresh
+    inputs after eager calls on its capture stream with other inputs."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rt = pkg._runtime
+    dt = torch.bfloat16
+
+    def inputs(n):
+        return [torch.randn(2, n, h, 128, device="cuda", dtype=dt) for h in (8, 2, 2)]
+
+    with rt.override_config(family="gluon"):
+        rt._launch_scratches.clear()
+        for n in (300, 300, 1000, 300):
+            _check(pkg, *inputs(n), causal=True)
+        launcher = next(p[0] for p in rt._forward_plans.values() if p[0] is not None)
+        assert launcher.scratch > 0, "the Gluon forward took no scratch: nothing tested"
+        dev = torch.device("cuda", torch.cuda.current_device())
+        kept = {k: v for k, v in rt._launch_scratches.items() if k[0] == dev}
+        assert len(kept) == 1  # one buffer on this stream, grown for N = 1000
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            _check(pkg, *inputs(300), causal=True)
+        torch.cuda.current_stream().wait_stream(side)
+        assert len([k for k in rt._launch_scratches if k[0] == dev]) == 2
+        q, k, v = inputs(300)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side), torch.cuda.graph(graph):
+            out = pkg.flash_attn_func(q, k, v, causal=True)
+        torch.cuda.current_stream().wait_stream(side)
+        before = {key: buf.data_ptr() for key, buf in rt._launch_scratches.items()}
+        for _ in range(2):
+            for t in (q, k, v):
+                t.copy_(torch.randn_like(t))
+            with torch.cuda.stream(side):
+                _check(pkg, *inputs(300), causal=True)  # an eager call between replays
+                graph.replay()
+            torch.cuda.current_stream().wait_stream(side)
+            ref, _ = attention_ref(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                   visible_mask(300, 300, causal=True, bottom_right=True))
+            atol, rtol = OUT_TOL[dt]
+            torch.testing.assert_close(out.transpose(1, 2).double().cpu(), ref.cpu(),
+                                       atol=atol, rtol=rtol)
+        assert {key: buf.data_ptr() for key, buf in rt._launch_scratches.items()} == before
+
+
+@pytest.mark.gpu
 def test_unaligned_strides_fall_back_to_tl(pkg, poison):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")

@@ -279,21 +279,30 @@ class Launcher:
     Launcher belongs to one call signature (the plan caches key on shapes, strides, dtype,
     device and pointer alignment, everything Triton specialises on; the arguments that
     change per call are `do_not_specialize`). Launch hooks (profilers) and the CPU
-    interpreter always take Triton's own path. Where the kernel needs no per-launch scratch
-    memory and this Triton's launcher is one we know (_direct_launch), the call goes one
-    level lower still, to the C function under `compiled.run`."""
+    interpreter always take Triton's own path. Where this Triton's launcher is one we know
+    (_direct_launch), the call goes one level lower still, to the C function under
+    `compiled.run`, with the kernel's global scratch memory (device-made tensor
+    descriptors) from `_launch_scratch` instead of an allocation per launch."""
 
-    __slots__ = ("fn", "grid", "meta", "tail", "compiled", "device", "launch", "mid")
+    __slots__ = ("fn", "grid", "meta", "tail", "compiled", "device", "launch", "mid",
+                 "scratch", "after")
 
     def __init__(self, fn, grid, meta):
         self.fn, self.grid, self.meta = fn, tuple(grid) + (1,) * (3 - len(grid)), meta
         self.tail = self.compiled = self.device = self.launch = self.mid = None
+        self.scratch, self.after = 0, ()
 
     def __call__(self, *args):
         launch = self.launch
         if (launch is not None and _no_hooks(_launch_hooks.launch_enter_hook)
                 and _current_device() == self.device):
-            launch(*self.grid, _raw_stream(self.device), *self.mid, *args, *self.tail)
+            stream = _raw_stream(self.device)
+            if self.scratch:
+                launch(*self.grid, stream, *self.mid,
+                       _launch_scratch(self.device, stream, self.scratch), *self.after,
+                       *args, *self.tail)
+            else:
+                launch(*self.grid, stream, *self.mid, *args, *self.tail)
             return
         compiled = self.fn[self.grid](*args, **self.meta)
         if self.compiled is None and _fast_launch_ok(compiled):
@@ -301,30 +310,59 @@ class Launcher:
             if all(n in self.meta for n in names):  # the compile-time args come last
                 self.tail = tuple(self.meta[n] for n in names)
                 self.device = _current_device()
-                self.launch, self.mid = _direct_launch(compiled)
+                self.launch, self.mid, scratch = _direct_launch(compiled)
+                if scratch:
+                    self.scratch = scratch * self.grid[0] * self.grid[1] * self.grid[2]
+                    self.mid, self.after = self.mid[:3], self.mid[4:]
                 self.compiled = compiled
 
 
 def _direct_launch(compiled) -> tuple:
-    """(launch, the arguments between the stream and the kernel's own) for a compiled
-    kernel: `compiled.run` (Triton's CudaLauncher), or, on a Triton whose CudaLauncher we
-    know (3.6) and for a kernel that takes no per-launch scratch memory (no device-made
-    tensor descriptors), the C function it wraps: CudaLauncher.__call__ only computes the
-    two scratch buffers (None here) and passes everything on, and skipping its Python
+    """(launch, the arguments between the stream and the kernel's own, global scratch bytes
+    per program) for a compiled kernel: `compiled.run` (Triton's CudaLauncher, which
+    allocates the scratch itself; 0), or, on a Triton whose CudaLauncher we know (3.6) and
+    for a kernel without profiler scratch, the C function it wraps: CudaLauncher.__call__
+    only computes the two scratch buffers and passes everything on. Skipping its Python
     frame saved 2.8 us of the 9 us a launch took on the H100 host (host_profile
-    --breakdown)."""
+    --breakdown); a kernel with global scratch (the Gluon forward's device-made TMA
+    descriptors) also skips an allocation per launch (the scratch slot of the arguments is
+    None here and the Launcher fills it)."""
     import triton
 
     run = compiled.run
     if (triton.__version__.startswith("3.6.") and type(run).__name__ == "CudaLauncher"
-            and hasattr(run, "launch") and getattr(run, "global_scratch_size", 1) == 0
-            and getattr(run, "profile_scratch_size", 1) == 0):
+            and hasattr(run, "launch") and getattr(run, "profile_scratch_size", 1) == 0
+            and getattr(run, "num_ctas", 0) == 1
+            and getattr(run, "global_scratch_align", 1024) <= _SCRATCH_ALIGN):
         return run.launch, (compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-                            None, None, compiled.packed_metadata, None, None, None)
-    return run, (compiled.function, compiled.packed_metadata, None, None, None)
+                            None, None, compiled.packed_metadata, None, None, None), \
+            getattr(run, "global_scratch_size", 0)
+    return run, (compiled.function, compiled.packed_metadata, None, None, None), 0
 
 
-_launch_hooks = _current_device = _raw_stream = None
+# A launch's global scratch (the Gluon kernels' device-made tensor descriptors, written and
+# read by each program within the launch): one buffer per (device, stream), grown to the
+# largest launch (stream_buffers), since launches on one stream run one after another. A
+# launch being captured into a CUDA graph gets its own from the graph's pool, as Triton's
+# launcher does, so a graph never shares one with eager launches on another stream. (The
+# buffer comes from torch's caching allocator even where the application has set its own
+# with triton.set_allocator.)
+_launch_scratches = {}
+_SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
+
+
+def _launch_scratch(device, stream, nbytes: int):
+    if _stream_capturing():
+        return torch.empty(nbytes, dtype=torch.int8, device=device)
+    kept = _launch_scratches.get((device, stream))
+    if kept is not None and kept.numel() >= nbytes:
+        return kept
+    return stream_buffers(_launch_scratches, device,
+                          lambda: torch.empty(nbytes, dtype=torch.int8, device=device),
+                          fits=lambda b: b.numel() >= nbytes)
+
+
+_launch_hooks = _current_device = _raw_stream = _stream_capturing = None
 
 
 def _no_hooks(hook) -> bool:
@@ -335,7 +373,7 @@ def _no_hooks(hook) -> bool:
 def _fast_launch_ok(compiled) -> bool:
     """Whether compiled kernels may be launched directly (a CUDA kernel compiled by a
     Triton whose launcher we know; never in the interpreter)."""
-    global _launch_hooks, _current_device, _raw_stream
+    global _launch_hooks, _current_device, _raw_stream, _stream_capturing
     if _interpreting() or not all(hasattr(compiled, a) for a in
                                   ("run", "function", "packed_metadata")):
         return False
@@ -345,6 +383,7 @@ def _fast_launch_ok(compiled) -> bool:
             _launch_hooks = knobs.runtime
             _current_device = torch._C._cuda_getDevice
             _raw_stream = torch._C._cuda_getCurrentRawStream
+            _stream_capturing = torch._C._cuda_isCurrentStreamCapturing
         except (ImportError, AttributeError):
             return False
     return True
