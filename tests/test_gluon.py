@@ -751,7 +751,7 @@ def test_launch_scratch_is_kept_per_stream_and_fresh_under_capture(pkg, poison):
             _check(pkg, *inputs(n), causal=True)
         launcher = next(p[0] for p in rt._forward_plans.values() if p[0] is not None)
         assert launcher.scratch > 0, "the Gluon forward took no scratch: nothing tested"
-        dev = torch.device("cuda", torch.cuda.current_device())
+        dev = torch.cuda.current_device()
         kept = {k: v for k, v in rt._launch_scratches.items() if k[0] == dev}
         assert len(kept) == 1  # one buffer on this stream, grown for N = 1000
         side = torch.cuda.Stream()

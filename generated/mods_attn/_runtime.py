@@ -342,7 +342,8 @@ def _direct_launch(compiled) -> tuple:
 
 # A launch's global scratch (the Gluon kernels' device-made tensor descriptors, written and
 # read by each program within the launch): one buffer per (device, stream), grown to the
-# largest launch (stream_buffers), since launches on one stream run one after another. A
+# largest launch, since launches on one stream run one after another (a smaller one it
+# replaces goes back to torch's allocator, stream-ordered behind the launches that used it). A
 # launch being captured into a CUDA graph gets its own from the graph's pool, as Triton's
 # launcher does, so a graph never shares one with eager launches on another stream. (The
 # buffer comes from torch's caching allocator even where the application has set its own
@@ -351,15 +352,15 @@ _launch_scratches = {}
 _SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
 
 
-def _launch_scratch(device, stream, nbytes: int):
+def _launch_scratch(device: int, stream: int, nbytes: int):
+    """The scratch of a launch on CUDA device `device` (its index) and raw stream `stream`."""
     if _stream_capturing():
         return torch.empty(nbytes, dtype=torch.int8, device=device)
-    kept = _launch_scratches.get((device, stream))
-    if kept is not None and kept.numel() >= nbytes:
-        return kept
-    return stream_buffers(_launch_scratches, device,
-                          lambda: torch.empty(nbytes, dtype=torch.int8, device=device),
-                          fits=lambda b: b.numel() >= nbytes)
+    key = (device, stream)
+    kept = _launch_scratches.get(key)
+    if kept is None or kept.numel() < nbytes:
+        kept = _launch_scratches[key] = torch.empty(nbytes, dtype=torch.int8, device=device)
+    return kept
 
 
 _launch_hooks = _current_device = _raw_stream = _stream_capturing = None
