@@ -381,6 +381,30 @@ def test_gluon_varlen_many_sequences_and_rounds(pkg, poison, knobs):
 
 
 @pytest.mark.gpu
+def test_gluon_varlen_backward_repeated_calls(pkg, poison):
+    """Three calls of one signature: the second and third make the backward's TMA
+    descriptors without TensorDescriptor's checks (_runtime._descriptor_maker); each
+    against float64 on fresh inputs."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    rt = pkg._runtime
+    dt = torch.bfloat16
+    with rt.override_config(family="gluon"):  # plans cleared on entry and exit only
+        for call in range(3):
+            q, k, v = (torch.randn(n, h, 128, dtype=dt, device="cuda", requires_grad=True)
+                       for n, h in ((sum(LQ), 8), (sum(LK), 2), (sum(LK), 2)))
+            out, lse = pkg.flash_attn_varlen_func(q, k, v, cu(LQ, "cuda"), cu(LK, "cuda"),
+                                                  max(LQ), max(LK), causal=True,
+                                                  return_lse=True)
+            do = torch.randn_like(out)
+            out.backward(do)
+            assert _bwd_families_ran(pkg) == {"GluonJITFunction"}
+            ref = reference(q, k, v, LQ, LK, do, causal=True)
+            assert_all((out, lse, q.grad, k.grad, v.grad), ref, dt)
+    assert callable(rt._bare_descriptor)
+
+
+@pytest.mark.gpu
 def test_gluon_varlen_backward_many_sequences(pkg, poison):
     """The backward's device-side walk over more sequences than one 32-lane chunk and a
     long sequence of 16 key-block levels (the bisection over levels): every key block's

@@ -1443,13 +1443,8 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv,
     vectors, the dQ sum, and dK, dV (stored through; None where TMA cannot write them:
     the epilogue then stores from registers). checked: the plan's first call made them
     through TensorDescriptor's own checks, so these are made without them (_bare_descriptor)."""
-    global _bare_descriptor
     (qd_box, kv_box, dq_box, vec_box), lay = boxes
-    if checked and _bare_descriptor is False:
-        _bare_descriptor = _bare_descriptors()
-    make = _bare_descriptor if checked else None
-    if make is None:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as make
+    make = _descriptor_maker(checked)
 
     def desc(t, box, layout):
         return make(t, list(t.shape), list(t.stride()), box, layout)
@@ -1490,6 +1485,19 @@ def _bare_descriptors():
 
 
 _bare_descriptor = False  # _bare_descriptors(), looked up on first use
+
+
+def _descriptor_maker(checked: bool):
+    """Gluon's TensorDescriptor, or (checked: the plan's first call passed its checks) the
+    maker without them where this Triton allows it (_bare_descriptors)."""
+    global _bare_descriptor
+    if checked:
+        if _bare_descriptor is False:
+            _bare_descriptor = _bare_descriptors()
+        if _bare_descriptor is not None:
+            return _bare_descriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor
 
 
 # ----------------------------------------------------------------------------------------
@@ -1893,7 +1901,8 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
            alignments(q, k, v, do, cu_q, cu_k), torch.are_deterministic_algorithms_enabled(),
            mods.signature if mods is not None else None)
     plan = _backward_plans.get(key)
-    if plan is None:
+    fresh = plan is None
+    if fresh:
         if len(_backward_plans) >= _MAX_PLANS:
             _backward_plans.clear()
         plan = _backward_plans[key] = _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q,
@@ -1912,7 +1921,8 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         pre(o, do, delta, *pre_args, q.shape[0], dq_acc, 0, dq_acc.stride(1), dq_acc.stride(0))
         if dq_args is not None:  # the host's TMA descriptors (_gluon_varlen_bwd_descriptors)
-            q_, k_, v_, do_, acc_ = _gluon_varlen_bwd_descriptors(dq_args, q, k, v, do, dq_acc)
+            q_, k_, v_, do_, acc_ = _gluon_varlen_bwd_descriptors(dq_args, q, k, v, do, dq_acc,
+                                                                  checked=not fresh)
         else:
             _descriptor_allocator()
             q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
@@ -2071,18 +2081,17 @@ def _gluon_varlen_bwd_heads(h_kv: int, total_k: int, max_k: int) -> int:
     return max(g for g in range(1, most + 1) if h_kv % g == 0)
 
 
-def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc) -> tuple:
+def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc, checked=False) -> tuple:
     """The host-made TMA descriptors of the Gluon varlen backward: Q, K, V, dO and the dQ
     sum as (1, H, total, d) views of the packed tensors (a box past the total reads zeros;
     one past a sequence's end reads the next sequence, which the kernel masks). LSE and D
-    stay pointers: the kernel loads them."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    stay pointers: the kernel loads them. checked: as in _gluon_bwd_descriptors."""
+    make = _descriptor_maker(checked)
     (qd_box, kv_box, dq_box, _), lay = boxes
 
     def desc(t, box, layout):
-        return TensorDescriptor(t, [1, t.shape[1], t.shape[0], t.shape[2]],
-                                [t.stride(0), t.stride(1), t.stride(0), 1], box, layout)
+        return make(t, [1, t.shape[1], t.shape[0], t.shape[2]],
+                    [t.stride(0), t.stride(1), t.stride(0), 1], box, layout)
 
     return (desc(q, qd_box, lay["QD_LAYOUT"]), desc(k, kv_box, lay["KV_LAYOUT"]),
             desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
