@@ -163,6 +163,76 @@ def test_a_repeated_signature_reuses_its_launch_plan_until_plans_are_cleared(pkg
     assert len(made) == 4
 
 
+def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(pkg, monkeypatch):
+    """The Launcher's direct path for a kernel with global scratch (the Gluon forward's
+    device-made descriptors), with a stand-in for Triton 3.6's CudaLauncher: the C launch
+    gets the grid, the stream, the function, then a scratch buffer of (per-program bytes x
+    programs) in the global-scratch slot, kept per (device, stream) and grown, a fresh one
+    under CUDA-graph capture, and the kernel's own arguments after the metadata."""
+    import types
+
+    import triton
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip("the direct launch is for Triton 3.6's launcher")
+    rt = pkg._runtime
+    launched, made = [], []
+
+    class CudaLauncher:  # the name and fields _direct_launch reads
+        global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 64, 128, 0, 1
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def launch(self, *args):
+            launched.append(args)
+
+    compiled = types.SimpleNamespace(run=CudaLauncher(), function="FN", packed_metadata="META")
+
+    class Kernel:
+        arg_names = ["a", "b", "X"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: compiled
+
+    real_empty = torch.empty
+
+    def empty(*size, dtype=None, device=None, **kw):
+        made.append((size, device))
+        return real_empty(*size, dtype=dtype)
+
+    state = {"stream": 11, "capturing": False}
+    monkeypatch.setattr(rt, "_interpreting", lambda: False)
+    monkeypatch.setattr(rt, "_launch_hooks", types.SimpleNamespace(launch_enter_hook=None))
+    monkeypatch.setattr(rt, "_current_device", lambda: 0)
+    monkeypatch.setattr(rt, "_raw_stream", lambda device: state["stream"])
+    monkeypatch.setattr(rt, "_stream_capturing", lambda: state["capturing"])
+    monkeypatch.setattr(rt, "_launch_scratches", {})
+    monkeypatch.setattr(torch, "empty", empty)
+
+    small, big = rt.Launcher(Kernel(), (4, 2), {"X": 7}), rt.Launcher(Kernel(), (8, 2), {"X": 7})
+    small(1, 2)  # the first call: Triton's own path, which sets up the direct one
+    assert not launched and small.scratch == 64 * 4 * 2
+    small(1, 2)
+    small(3, 4)
+    (first, second) = launched
+    assert first[:5] == (4, 2, 1, 11, "FN") and first[5:7] == (False, False)
+    assert first[7].numel() == 512 and first[8] is None and first[9] == "META"
+    assert first[10:13] == (None, None, None) and first[13:] == (1, 2, 7)
+    assert second[7] is first[7] and second[13:] == (3, 4, 7)
+    assert made == [((512,), 0)]
+    big(1, 2)
+    big(1, 2)  # a larger launch on the stream grows its buffer
+    assert launched[-1][7].numel() == 1024 and rt._launch_scratches[(0, 11)] is launched[-1][7]
+    small(1, 2)  # ... which serves the smaller one too
+    assert launched[-1][7] is launched[-2][7] and len(made) == 2
+    state["stream"] = 12  # another stream: its own
+    small(1, 2)
+    assert launched[-1][7] is not launched[-2][7] and set(rt._launch_scratches) == {(0, 11), (0, 12)}
+    state["capturing"] = True  # under capture: a fresh one each launch, none kept
+    small(1, 2)
+    small(1, 2)
+    assert launched[-1][7] is not launched[-2][7] and len(made) == 5
+    assert launched[-1][7] is not rt._launch_scratches[(0, 12)]
+
+
 def test_torch_compile_uses_the_operators(pkg):
     torch._dynamo.reset()
     graphs = []
