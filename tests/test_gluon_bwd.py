@@ -134,7 +134,11 @@ def test_descriptors_without_checks_are_the_checked_ones(pkg):
     from triton.experimental.gluon import language as gl
 
     make = pkg._runtime._bare_descriptors()
-    assert make is not None, "this Triton's TensorDescriptor is not the dataclass read"
+    if make is None:  # another Triton's descriptor: the checked constructor serves every call
+        assert pkg._runtime._descriptor_maker(True) is hopper.TensorDescriptor
+        import triton
+        assert not triton.__version__.startswith("3.6."), "3.6's descriptor is the one read"
+        return
     t = torch.randn(2, 3, 40, 64, dtype=torch.bfloat16)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4)
     args = (t, list(t.shape), list(t.stride()), [1, 1, 64, 64], layout)
