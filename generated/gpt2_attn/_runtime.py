@@ -347,7 +347,9 @@ def _direct_launch(compiled) -> tuple:
 # launch being captured into a CUDA graph gets its own from the graph's pool, as Triton's
 # launcher does, so a graph never shares one with eager launches on another stream. (The
 # buffer comes from torch's caching allocator even where the application has set its own
-# with triton.set_allocator.)
+# with triton.set_allocator.) Not stream_buffers: this runs on every direct launch, with the
+# Launcher's device index and stream already at hand, and it must not hand a kept buffer
+# to a launch under capture, which stream_buffers does when one is kept.
 _launch_scratches = {}
 _SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
 

@@ -250,7 +250,6 @@ def _bias_of(mask):
 # passes none of them, or passes them as None / False, takes attention_forward's fast path
 _PACKED_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 _SPECIAL_KWARGS = frozenset(("position_bias", "cache", "output_attentions") + _PACKED_KEYS)
-_NO_WINDOW = (-1, -1)
 
 
 def _inert(kwargs) -> bool:
@@ -265,16 +264,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     True = attend, or additive float), `scaling`, `dropout`, `sliding_window` (a query sees
     the previous sliding_window - 1 keys and itself), `softcap` (Gemma 2's logit
     soft-capping). Returns (attn_output (B, N_q, H, d) contiguous, None)."""
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     if (attention_mask is None and not sliding_window and not softcap
-            and (not kwargs.keys() & _SPECIAL_KWARGS or _inert(kwargs))):
-        # the common call (no mask, no window, no cap, no packed batch) first: this B = 1
-        # prefill or training forward runs at the host's pace, and the general path below
-        # costs several microseconds more of it per layer. Same result as that path.
-        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-        if not (causal and 1 < query.shape[2] < key.shape[2]):
-            out = _api.flash_attn_bhnd(query, key, value, float(dropout or 0.0), scaling,
-                                       causal, _NO_WINDOW)
-            return out.transpose(1, 2).contiguous(), None
+            and (not kwargs.keys() & _SPECIAL_KWARGS or _inert(kwargs))
+            and not (causal and 1 < query.shape[2] < key.shape[2])):
+        # the common call (no mask, no window, no cap, no packed batch, no static cache to
+        # cut) first: this B = 1 prefill or training forward runs at the host's pace, and
+        # the general path below costs several microseconds more of it per layer. Same
+        # result as that path.
+        out = _api.flash_attn_bhnd(query, key, value, float(dropout or 0.0), scaling, causal,
+                                   _api._NO_WINDOW)
+        return out.transpose(1, 2).contiguous(), None
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
             f"{PACKAGE}: attention with a learned position_bias (T5-style) is not supported "
@@ -293,26 +293,24 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(f"{PACKAGE}: expected transformers' 4-D attention mask, got shape "
                          f"{tuple(attention_mask.shape)}")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     n_q, n_k = query.shape[2], key.shape[2]
     left = sliding_window - 1 if sliding_window else None
     bounds = _packed_bounds(query, key, kwargs)
-    packed_mods = _varlen_mods(bool(causal), left, softcap) if bounds is not None else None
+    packed_mods = _varlen_mods(causal, left, softcap) if bounds is not None else None
     if packed_mods is not None and (
-            attention_mask is None or _plain_packing(attention_mask, bool(causal), left,
+            attention_mask is None or _plain_packing(attention_mask, causal, left,
                                                      kwargs.get("position_ids"))):
-        return _varlen(query, key, value, bounds, float(dropout or 0.0), scaling, bool(causal),
+        return _varlen(query, key, value, bounds, float(dropout or 0.0), scaling, causal,
                        left, packed_mods, softcap), None
     if attention_mask is None:
         # as transformers' SDPA path, which is causal only with more than one query: one
         # query under the bottom-right causal band sees every key too. A causal prefill
         # into an empty static cache (more keys than queries) sees only its own keys.
-        causal = bool(causal)
         if causal and 1 < n_q < n_k:
             key, value, n_k = key[:, :, :n_q], value[:, :, :n_q], n_q
         layout = _Layout(causal=causal, left=left if causal else None)
     else:
-        layout = _layout(attention_mask, bool(causal), left, kwargs.get("position_ids"))
+        layout = _layout(attention_mask, causal, left, kwargs.get("position_ids"))
     if layout.left is not None and layout.left >= n_k - 1:
         layout = _Layout(causal=layout.causal, keep=layout.keep, doc=layout.doc)  # inert
     dropout = float(dropout or 0.0)
