@@ -506,8 +506,8 @@ def test_persistent_backward_launch(pkg, monkeypatch, knobs, persistent, grid):
 def test_persistent_backward_work_counter_per_stream(pkg, monkeypatch):
     """_bwd_work_counter: one counter per (device, stream), made zeroed once and then handed
     out as it is (the kernel leaves it at 0); one made during a CUDA graph capture lives in
-    the graph's pool and is not kept (the capture's next call, or a later one, makes or
-    finds another). A stand-in CUDA device: the stream and the capture state are patched,
+    the graph's pool and is not kept, and a launch under capture never takes a kept one
+    (a graph's replays would share it with eager launches). A stand-in CUDA device: the stream and the capture state are patched,
     the tensors are CPU ones."""
     rt = pkg._runtime
     state = {"stream": 11, "capturing": False}
@@ -535,9 +535,13 @@ def test_persistent_backward_work_counter_per_stream(pkg, monkeypatch):
     c = rt._bwd_work_counter(dev0)
     assert c is not a and c is not b and rt._bwd_work_counter(dev0) is not c  # not kept
     assert (dev0, 13) not in rt._bwd_work_counters
-    state["stream"] = 11  # a capture on a stream that has one uses it
-    assert rt._bwd_work_counter(dev0) is a
+    state["stream"] = 11  # a capture on a stream that has one still gets its own
+    d = rt._bwd_work_counter(dev0)
+    assert d is not a and int(d) == 0
     assert set(rt._bwd_work_counters) == {(dev0, 11), (dev1, 11), (dev0, 12)}
+    assert rt._bwd_work_counters[(dev0, 11)] is a
+    state["capturing"] = False  # and the eager launches after it find theirs
+    assert rt._bwd_work_counter(dev0) is a
 
 
 _PERSISTENT_COMPILE = r"""

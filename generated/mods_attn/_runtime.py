@@ -347,9 +347,9 @@ def _direct_launch(compiled) -> tuple:
 # launch being captured into a CUDA graph gets its own from the graph's pool, as Triton's
 # launcher does, so a graph never shares one with eager launches on another stream. (The
 # buffer comes from torch's caching allocator even where the application has set its own
-# with triton.set_allocator.) Not stream_buffers: this runs on every direct launch, with the
-# Launcher's device index and stream already at hand, and it must not hand a kept buffer
-# to a launch under capture, which stream_buffers does when one is kept.
+# with triton.set_allocator.) Not stream_buffers, though the rule under capture is the
+# same: this runs on every direct launch, with the Launcher's device index and stream
+# already at hand.
 _launch_scratches = {}
 _SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
 
@@ -791,19 +791,21 @@ def stream_buffers(cache: dict, device, make, *, extra: tuple = (), fits=None):
     """`make()`'s buffers for the launches on `device`'s current stream, kept in `cache` by
     (device, stream, *extra): work counters and workspaces that a kernel leaves at 0
     between launches, so they are zeroed once, when made, and not per call. A stream has
-    its own, so launches on two streams never share one. Made during a CUDA graph capture
-    they live in the graph's memory pool and only its replays zero them, so they are not
-    kept (that graph alone uses them; the pool may go with it); the rest are never freed,
-    since a graph captured with a launch keeps using them. `fits(buffers)`: whether kept
-    ones still serve this launch (else new ones replace them)."""
+    its own, so launches on two streams never share one. A launch being captured into a
+    CUDA graph always gets new ones, from the graph's memory pool (its replays zero them),
+    and they are not kept: a kept buffer handed to a graph would be shared by its replays,
+    on whatever stream they run, and by eager launches on the capture stream; a buffer of
+    the graph's pool may go with the graph. Kept ones are never freed, since a graph
+    captured before may still use them. `fits(buffers)`: whether kept ones still serve
+    this launch (else new ones replace them)."""
+    if _capturing(device):
+        return make()
     stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
               else 0)  # (off a GPU: the tests' recorded launches)
     key = (device, stream, *extra)
     buffers = cache.get(key)
     if buffers is None or (fits is not None and not fits(buffers)):
-        buffers = make()
-        if not _capturing(device):
-            cache[key] = buffers
+        buffers = cache[key] = make()
     return buffers
 
 
