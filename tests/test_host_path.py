@@ -233,6 +233,40 @@ def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(pkg, monkeypatch)
     assert launched[-1][7] is not rt._launch_scratches[(0, 12)]
 
 
+def test_per_stream_caches_drop_their_oldest_entry_when_full(pkg, monkeypatch):
+    """stream_buffers and the launch scratch keep _MAX_STREAM_ENTRIES entries each: a new
+    stream beyond that drops the oldest one (a program making streams without end does not
+    grow them), a stream that has one keeps using it, and a replaced entry is not a new one."""
+    rt = pkg._runtime
+    monkeypatch.setattr(rt, "_MAX_STREAM_ENTRIES", 3)
+    cache, made = {}, []
+
+    def make():
+        made.append(torch.zeros(1))
+        return made[-1]
+    cpu = torch.device("cpu")
+    first = [rt.stream_buffers(cache, cpu, make, extra=(i,)) for i in range(3)]
+    assert rt.stream_buffers(cache, cpu, make, extra=(0,)) is first[0] and len(made) == 3
+    fourth = rt.stream_buffers(cache, cpu, make, extra=(3,))
+    assert list(cache) == [(cpu, 0, 1), (cpu, 0, 2), (cpu, 0, 3)] and cache[(cpu, 0, 3)] is fourth
+    assert rt.stream_buffers(cache, cpu, make, extra=(0,)) is not first[0]  # dropped: made again
+    assert list(cache) == [(cpu, 0, 2), (cpu, 0, 3), (cpu, 0, 0)]
+    # a buffer that no longer fits is replaced in place, nothing dropped
+    rt.stream_buffers(cache, cpu, make, extra=(2,), fits=lambda b: False)
+    assert list(cache) == [(cpu, 0, 2), (cpu, 0, 3), (cpu, 0, 0)] and cache[(cpu, 0, 2)] is made[-1]
+
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *size, dtype=None, device=None: real_empty(*size, dtype=dtype))
+    monkeypatch.setattr(rt, "_stream_capturing", lambda: False)
+    monkeypatch.setattr(rt, "_launch_scratches", {})
+    kept = [rt._launch_scratch(0, stream, 64) for stream in (11, 12, 13)]
+    assert rt._launch_scratch(0, 11, 64) is kept[0]
+    rt._launch_scratch(0, 14, 64)
+    assert list(rt._launch_scratches) == [(0, 12), (0, 13), (0, 14)]
+    assert rt._launch_scratch(0, 12, 128) is not kept[1]  # grown in place
+    assert list(rt._launch_scratches) == [(0, 12), (0, 13), (0, 14)]
+
+
 def test_torch_compile_uses_the_operators(pkg):
     torch._dynamo.reset()
     graphs = []

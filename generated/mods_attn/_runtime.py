@@ -352,6 +352,19 @@ def _direct_launch(compiled) -> tuple:
 # already at hand.
 _launch_scratches = {}
 _SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
+# Per-stream caches keep this many entries each, the oldest dropped first: a program that
+# makes streams without end does not grow them without end. Dropping one is safe, since
+# only eager launches on its own stream used it (a captured launch never takes a kept one)
+# and torch's allocator reuses its memory in that stream's order.
+_MAX_STREAM_ENTRIES = 64
+
+
+def _keep(cache: dict, key, value):
+    """cache[key] = value, the oldest entry dropped when the cache is full."""
+    if key not in cache and len(cache) >= _MAX_STREAM_ENTRIES:
+        del cache[next(iter(cache))]
+    cache[key] = value
+    return value
 
 
 def _launch_scratch(device: int, stream: int, nbytes: int):
@@ -361,7 +374,7 @@ def _launch_scratch(device: int, stream: int, nbytes: int):
     key = (device, stream)
     kept = _launch_scratches.get(key)
     if kept is None or kept.numel() < nbytes:
-        kept = _launch_scratches[key] = torch.empty(nbytes, dtype=torch.int8, device=device)
+        kept = _keep(_launch_scratches, key, torch.empty(nbytes, dtype=torch.int8, device=device))
     return kept
 
 
@@ -795,9 +808,9 @@ def stream_buffers(cache: dict, device, make, *, extra: tuple = (), fits=None):
     CUDA graph always gets new ones, from the graph's memory pool (its replays zero them),
     and they are not kept: a kept buffer handed to a graph would be shared by its replays,
     on whatever stream they run, and by eager launches on the capture stream; a buffer of
-    the graph's pool may go with the graph. Kept ones are never freed, since a graph
-    captured before may still use them. `fits(buffers)`: whether kept ones still serve
-    this launch (else new ones replace them)."""
+    the graph's pool may go with the graph. A cache keeps _MAX_STREAM_ENTRIES entries, the
+    oldest dropped first. `fits(buffers)`: whether kept ones still serve this launch (else
+    new ones replace them)."""
     if _capturing(device):
         return make()
     stream = (torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda"
@@ -805,7 +818,7 @@ def stream_buffers(cache: dict, device, make, *, extra: tuple = (), fits=None):
     key = (device, stream, *extra)
     buffers = cache.get(key)
     if buffers is None or (fits is not None and not fits(buffers)):
-        buffers = cache[key] = make()
+        buffers = _keep(cache, key, make())
     return buffers
 
 
