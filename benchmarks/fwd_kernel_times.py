@@ -8,7 +8,9 @@ Each arm is the package's launch config for the variant with some knobs changed
 the variant without dropout, issue 14's denominator) always run. Per arm and round: five
 warm calls, then the median kernel duration of 20 calls under torch.profiler (the device's
 own clock for the kernel alone, L2 warm) and triton.testing.do_bench's median (L2 flushed
-between calls, host included where it is not hidden). Rounds interleave the arms.
+between calls, host included where it is not hidden). Rounds interleave the arms. Each
+row names the kernel the profiler saw, and the JSON keeps the launch meta of each arm's
+plans, so an arm that ran something other than what it asked for shows.
 
 Why both: in the twenty-ninth session two runs of dropout_fwd_knobs_ab.py (do_bench alone)
 read every p = 0.1 arm within 1.5% of the base -- among them arms whose mask work is
@@ -33,17 +35,18 @@ sys.path.insert(0, str(ROOT))
 from flashgen.bench_suite import load_package  # noqa: E402
 
 
-def kernel_us(fn, calls: int = 20) -> float:
-    """Median device duration (us) of the kernels `fn` launches, over `calls` calls."""
+def kernel_us(fn, calls: int = 20) -> tuple:
+    """(median device duration in us, kernel name) of the one kernel each of `calls` calls
+    of `fn` launches."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    times = [ev.device_time for ev in prof.events()
-             if ev.device_type == torch.autograd.DeviceType.CUDA]
-    if len(times) != calls:  # one kernel a call is what the ratio assumes
-        raise SystemExit(f"{len(times)} kernels in {calls} calls: {sorted({ev.name for ev in prof.events()})}")
-    return statistics.median(times)
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
+    names = sorted({ev.name for ev in events})
+    if len(events) != calls or len(names) != 1:  # one kernel a call is what the ratio assumes
+        raise SystemExit(f"{len(events)} kernels in {calls} calls: {names}")
+    return statistics.median(ev.device_time for ev in events), names[0]
 
 
 def main():
@@ -78,6 +81,7 @@ def main():
         flops = 4 * b * args.heads * n * n * d / (2 if causal else 1)
         base = dict(rt.launch_config(args.variant, q.device, n))
         kern = {label: [] for label, _ in arms}
+        names, metas = {}, {}
         bench = {label: [] for label, _ in arms}
         for _ in range(args.rounds):
             for label, knobs in arms:
@@ -89,18 +93,30 @@ def main():
                     for _ in range(5):
                         call()
                     torch.cuda.synchronize()
-                    kern[label].append(kernel_us(call))
+                    # the compile-time arguments of what this arm launched (override_config
+                    # cleared the plans on entry, so these are this arm's own)
+                    metas.setdefault(label, [
+                        {key: val for key, val in plan[0].meta.items() if "LAYOUT" not in key}
+                        for plan in rt._forward_plans.values() if plan[0] is not None])
+                    us, kernel = kernel_us(call)
+                    kern[label].append(us)
+                    # which kernel ran: an arm that silently ran another one reads as its twin
+                    names.setdefault(label, set()).add(kernel)
                     bench[label].append(triton.testing.do_bench(
                         call, warmup=25, rep=100, return_mode="median") * 1e3)
         print(f"N={n} B={b} H={args.heads} d={d} p={args.p}: TFLOP/s by kernel duration "
               f"(profiler) | by do_bench; each over p0's")
         p0k, p0b = statistics.median(kern["p0"]), statistics.median(bench["p0"])
         row = dict(n=n, b=b, h=args.heads, d=d, spec_sha=sha, base=base, arms=dict(arms),
-                   kernel_us=kern, do_bench_us=bench)
+                   kernel_us=kern, do_bench_us=bench,
+                   kernels={label: sorted(k) for label, k in names.items()},
+                   launch_meta={label: [{key: repr(val) for key, val in m.items()} for m in ms]
+                                for label, ms in metas.items()})
         for label, _ in arms:
             tk, tb = statistics.median(kern[label]), statistics.median(bench[label])
             print(f"  {label:16s} {flops / tk / 1e6:7.1f} | {flops / tb / 1e6:7.1f}"
-                  f"   {p0k / tk:.3f} | {p0b / tb:.3f}", flush=True)
+                  f"   {p0k / tk:.3f} | {p0b / tb:.3f}   {', '.join(sorted(names[label]))}",
+                  flush=True)
         rows.append(row)
     if args.out:
         Path(args.out).write_text(json.dumps(
