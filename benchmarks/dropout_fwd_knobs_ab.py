@@ -8,8 +8,11 @@ dropout` builds). The knobs the mods' short tiles gained from (`q_buffers` 2: th
 tile's Q loads while this one runs; `overlap`: a tile's stores behind the next tile's first
 product; `diag_first`) were measured on the training anchors without dropout only. Each arm
 is the package's launch config with one change (`override_config`), timed with
-triton.testing.do_bench (median), arms interleaved round by round; p = 0 at the base config
-gives the ratio. An arm the config check refuses (shared memory) prints its reason.
+triton.testing.do_bench (median) and by its kernel's device time under torch.profiler
+(`fwd_kernel_times.kernel_us`, with the kernel's name), arms interleaved round by round;
+p = 0 at the base config gives the ratio. An arm the config check refuses (shared memory)
+prints its reason. (The profiler's reading was added in the twenty-ninth session, after two
+runs of this script read every p = 0.1 arm level where kernel durations did not.)
 """
 import argparse
 import json
@@ -22,6 +25,9 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from flashgen.bench_suite import load_package  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from fwd_kernel_times import kernel_us  # noqa: E402
 
 SPEC = ROOT / "specs/bench/dropout_d128.yaml"
 H, D, TOKENS, P = 16, 128, 16384, 0.1
@@ -62,6 +68,8 @@ def main():
             arms[label] = ({**base, **change}, P)
             arms[label + " p=0"] = ({**base, **change}, 0.0)
         times = {label: [] for label in arms}
+        kernel = {label: [] for label in arms}  # the profiler's device time of the kernel
+        kernels = {}
         errors = {}
         for _ in range(args.rounds):
             for label, (cfg, p) in arms.items():
@@ -69,21 +77,33 @@ def main():
                     continue
                 try:
                     with rt.override_config(**cfg):
+                        def call(p=p):
+                            return pkg.flash_attn_func(q, k, v, dropout_p=p, causal=True)
                         times[label].append(triton.testing.do_bench(
-                            lambda: pkg.flash_attn_func(q, k, v, dropout_p=p, causal=True),
-                            warmup=25, rep=100, return_mode="median"))
+                            call, warmup=25, rep=100, return_mode="median"))
+                        # the same arm by its kernel's duration, with the kernel's name: in
+                        # the twenty-ninth session this script's do_bench readings put
+                        # arms level that kernel durations put 33% apart
+                        us, name_seen = kernel_us(call)
+                        kernel[label].append(us)
+                        kernels.setdefault(label, set()).add(name_seen)
                 except Exception as ex:  # a config the kernel family refuses
                     errors[label] = repr(ex)[:200]
         tf = {label: flops / statistics.median(t) / 1e9 for label, t in times.items() if t}
+        tk = {label: flops / statistics.median(t) / 1e6 for label, t in kernel.items() if t}
         shown = {key: base.get(key) for key in ("family", "block_n", "num_stages", "q_buffers",
                                                 "overlap", "diag_first", "pingpong")}
         print(f"N={n} B={b} base config {shown}")
         for label, t in tf.items():
             print(f"  {label:16s} {t:7.1f} TFLOP/s  x{t / tf['base']:.3f} of base"
-                  f"  p=0.1/p=0 {t / tf['base p=0']:.3f}")
+                  f"  p=0.1/p=0 {t / tf['base p=0']:.3f}   by kernel duration {tk[label]:7.1f}"
+                  f"  x{tk[label] / tk['base']:.3f}  p=0.1/p=0 {tk[label] / tk['base p=0']:.3f}"
+                  f"  ({', '.join(sorted(kernels[label]))})")
         for label, why in errors.items():
             print(f"  {label:16s} refused: {why}")
         rows.append(dict(n=n, b=b, h=H, d=D, spec_sha=sha, base=shown, tflops=tf,
+                         tflops_by_kernel_duration=tk,
+                         kernels={label: sorted(k) for label, k in kernels.items()},
                          errors=errors))
     if args.out:
         Path(args.out).write_text(json.dumps(
