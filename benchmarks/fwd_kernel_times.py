@@ -93,11 +93,12 @@ def main():
                     for _ in range(5):
                         call()
                     torch.cuda.synchronize()
-                    # the compile-time arguments of what this arm launched (override_config
-                    # cleared the plans on entry, so these are this arm's own)
-                    metas.setdefault(label, [
-                        {key: val for key, val in plan[0].meta.items() if "LAYOUT" not in key}
-                        for plan in rt._forward_plans.values() if plan[0] is not None])
+                    if label not in metas:
+                        # the compile-time arguments of what this arm launched
+                        # (override_config cleared the plans on entry: these are its own)
+                        metas[label] = [
+                            {key: val for key, val in plan[0].meta.items() if "LAYOUT" not in key}
+                            for plan in rt._forward_plans.values() if plan[0] is not None]
                     us, kernel = kernel_us(call)
                     kern[label].append(us)
                     # which kernel ran: an arm that silently ran another one reads as its twin
