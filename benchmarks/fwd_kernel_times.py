@@ -21,6 +21,12 @@ is, an arm's reading should come with its kernel duration.
 JSON's keys may include "p" (that arm's dropout_p instead of P). Defaults: the dropout
 suite's spec (specs/bench/dropout_d128.yaml), its causal d=128 bf16 forward, H = 16,
 B * N = 16k.
+
+--philox-rounds R renders the package with R Philox rounds instead of
+families.PHILOX_ROUNDS (a measurement of what each round costs, not a generator anyone may
+train with: below 7 rounds Philox4x32 fails BigCrush, and R = 0 makes the keep mask a
+function of the counters). One round count a process; the thirtieth session ran 7, 3 and
+0 (docs/PERF_NOTES.md).
 """
 import argparse
 import json
@@ -59,9 +65,14 @@ def main():
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--arm", action="append", default=[], metavar="NAME=JSON")
+    ap.add_argument("--philox-rounds", type=int, default=None, metavar="R")
     ap.add_argument("--out")
     args = ap.parse_args()
     import triton
+
+    from flashgen import families
+    if args.philox_rounds is not None:
+        families.PHILOX_ROUNDS = args.philox_rounds  # read when the package is rendered
 
     arms = [("base", {}), ("p0", {"p": 0.0})]
     for spec in args.arm:
@@ -105,10 +116,12 @@ def main():
                     names.setdefault(label, set()).add(kernel)
                     bench[label].append(triton.testing.do_bench(
                         call, warmup=25, rep=100, return_mode="median") * 1e3)
-        print(f"N={n} B={b} H={args.heads} d={d} p={args.p}: TFLOP/s by kernel duration "
+        print(f"N={n} B={b} H={args.heads} d={d} p={args.p} Philox rounds "
+              f"{families.PHILOX_ROUNDS}: TFLOP/s by kernel duration "
               f"(profiler) | by do_bench; each over p0's")
         p0k, p0b = statistics.median(kern["p0"]), statistics.median(bench["p0"])
-        row = dict(n=n, b=b, h=args.heads, d=d, spec_sha=sha, base=base, arms=dict(arms),
+        row = dict(n=n, b=b, h=args.heads, d=d, spec_sha=sha, philox_rounds=families.PHILOX_ROUNDS,
+                   base=base, arms=dict(arms),
                    kernel_us=kern, do_bench_us=bench,
                    kernels={label: sorted(k) for label, k in names.items()},
                    launch_meta={label: [{key: repr(val) for key, val in m.items()} for m in ms]

@@ -782,6 +782,37 @@ def test_launch_scratch_is_kept_per_stream_and_fresh_under_capture(pkg, poison):
 
 
 @pytest.mark.gpu
+def test_launch_scratch_comes_from_an_application_allocator(pkg, poison):
+    """An application that set its own allocator with triton.set_allocator gets the Gluon
+    forward's global scratch from it (through Triton's launcher), call after call, and the
+    package's kept buffer again once the application's allocator is gone."""
+    if not _hopper():
+        pytest.skip("the Gluon kernels run on Hopper only")
+    from triton.runtime import _allocation
+    rt = pkg._runtime
+    asked = []
+
+    def app_allocator(size, align, stream):
+        asked.append(size)
+        return torch.empty(size, dtype=torch.int8, device="cuda")
+
+    inputs = [torch.randn(2, 300, h, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2)]
+    with rt.override_config(family="gluon"):
+        _check(pkg, *inputs, causal=True)  # the plan and its direct launch
+        launcher = next(p[0] for p in rt._forward_plans.values() if p[0] is not None)
+        assert launcher.scratch > 0, "the Gluon forward took no scratch: nothing tested"
+        token = _allocation._allocator.set(app_allocator)
+        try:
+            for _ in range(2):
+                _check(pkg, *inputs, causal=True)
+        finally:
+            _allocation._allocator.reset(token)
+        assert len(asked) == 2 and all(size >= launcher.scratch for size in asked)
+        _check(pkg, *inputs, causal=True)
+        assert len(asked) == 2
+
+
+@pytest.mark.gpu
 def test_unaligned_strides_fall_back_to_tl(pkg, poison):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")

@@ -233,6 +233,74 @@ def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(pkg, monkeypatch)
     assert launched[-1][7] is not rt._launch_scratches[(0, 12)]
 
 
+def test_direct_launch_takes_the_scratch_from_an_application_allocator(pkg, monkeypatch):
+    """While the application has its own allocator set (triton.set_allocator), a direct
+    launch of a kernel with global scratch takes the scratch from it, through Triton's
+    launcher (the stand-in's __call__ does what 3.6's CudaLauncher does), not from the
+    package's kept buffer; with the package's allocator or none, the kept buffer again."""
+    import types
+
+    import triton
+    if not triton.__version__.startswith("3.6."):
+        pytest.skip("the direct launch is for Triton 3.6's launcher")
+    from triton.runtime import _allocation
+    rt = pkg._runtime
+    launched, asked = [], []
+
+    class CudaLauncher:
+        global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 64, 128, 0, 1
+        launch_cooperative_grid, launch_pdl = False, False
+
+        def launch(self, *args):
+            launched.append(args)
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            scratch = _allocation._allocator.get()(gx * gy * gz * 64, 128, stream)
+            self.launch(gx, gy, gz, stream, function, False, False, scratch, None, *args)
+
+    compiled = types.SimpleNamespace(run=CudaLauncher(), function="FN", packed_metadata="META")
+
+    class Kernel:
+        arg_names = ["a", "b", "X"]
+
+        def __getitem__(self, grid):
+            return lambda *args, **meta: compiled
+
+    def app_allocator(size, align, stream):
+        asked.append((size, align, stream))
+        return torch.zeros(size, dtype=torch.int8)
+
+    monkeypatch.setattr(rt, "_interpreting", lambda: False)
+    monkeypatch.setattr(rt, "_launch_hooks", types.SimpleNamespace(launch_enter_hook=None))
+    monkeypatch.setattr(rt, "_current_device", lambda: 0)
+    monkeypatch.setattr(rt, "_raw_stream", lambda device: 11)
+    monkeypatch.setattr(rt, "_stream_capturing", lambda: False)
+    monkeypatch.setattr(rt, "_launch_scratches", {})
+    monkeypatch.setattr(rt, "_allocation", _allocation)
+    monkeypatch.setattr(rt, "_our_allocator", rt._torch_scratch)
+    monkeypatch.setattr(torch, "empty", lambda *size, dtype=None, device=None, **kw:
+                        torch.zeros(*size, dtype=dtype))
+    launcher = rt.Launcher(Kernel(), (4, 2), {"X": 7})
+    launcher(1, 2)  # Triton's own path, which sets up the direct one
+    token = _allocation._allocator.set(app_allocator)
+    try:
+        launcher(3, 4)
+    finally:
+        _allocation._allocator.reset(token)
+    assert asked == [(512, 128, 11)], "the application's allocator was not asked"
+    assert launched[-1][:5] == (4, 2, 1, 11, "FN") and launched[-1][7].numel() == 512
+    assert launched[-1][9] == "META" and launched[-1][13:] == (3, 4, 7)
+    assert not rt._launch_scratches  # nothing kept from the application's memory
+    token = _allocation._allocator.set(rt._our_allocator)  # the package's own allocator
+    try:
+        launcher(5, 6)
+    finally:
+        _allocation._allocator.reset(token)
+    launcher(5, 6)  # none set (Triton's NullAllocator)
+    assert len(asked) == 1 and launched[-1][7] is launched[-2][7] is rt._launch_scratches[(0, 11)]
+    assert launched[-1][13:] == (5, 6, 7)
+
+
 def test_per_stream_caches_drop_their_oldest_entry_when_full(pkg, monkeypatch):
     """stream_buffers and the launch scratch keep _MAX_STREAM_ENTRIES entries each: a new
     stream beyond that drops the oldest one (a program making streams without end does not

@@ -285,11 +285,11 @@ class Launcher:
     descriptors) from `_launch_scratch` instead of an allocation per launch."""
 
     __slots__ = ("fn", "grid", "meta", "tail", "compiled", "device", "launch", "mid",
-                 "scratch", "after")
+                 "scratch", "after", "run")
 
     def __init__(self, fn, grid, meta):
         self.fn, self.grid, self.meta = fn, tuple(grid) + (1,) * (3 - len(grid)), meta
-        self.tail = self.compiled = self.device = self.launch = self.mid = None
+        self.tail = self.compiled = self.device = self.launch = self.mid = self.run = None
         self.scratch, self.after = 0, ()
 
     def __call__(self, *args):
@@ -297,12 +297,15 @@ class Launcher:
         if (launch is not None and _no_hooks(_launch_hooks.launch_enter_hook)
                 and _current_device() == self.device):
             stream = _raw_stream(self.device)
-            if self.scratch:
+            if not self.scratch:
+                launch(*self.grid, stream, *self.mid, *args, *self.tail)
+            elif _own_allocator():
                 launch(*self.grid, stream, *self.mid,
                        _launch_scratch(self.device, stream, self.scratch), *self.after,
                        *args, *self.tail)
-            else:
-                launch(*self.grid, stream, *self.mid, *args, *self.tail)
+            else:  # the application's allocator (triton.set_allocator) gives the scratch
+                run, mid = self.run
+                run(*self.grid, stream, *mid, *args, *self.tail)
             return
         compiled = self.fn[self.grid](*args, **self.meta)
         if self.compiled is None and _fast_launch_ok(compiled):
@@ -314,6 +317,10 @@ class Launcher:
                 if scratch:
                     self.scratch = scratch * self.grid[0] * self.grid[1] * self.grid[2]
                     self.mid, self.after = self.mid[:3], self.mid[4:]
+                    # Triton's launcher, which takes the scratch from the allocator in
+                    # effect, for a launch while the application's own allocator is set
+                    self.run = (compiled.run, (compiled.function, compiled.packed_metadata,
+                                               None, None, None))
                 self.compiled = compiled
 
 
@@ -345,11 +352,10 @@ def _direct_launch(compiled) -> tuple:
 # largest launch, since launches on one stream run one after another (a smaller one it
 # replaces goes back to torch's allocator, stream-ordered behind the launches that used it). A
 # launch being captured into a CUDA graph gets its own from the graph's pool, as Triton's
-# launcher does, so a graph never shares one with eager launches on another stream. (The
-# buffer comes from torch's caching allocator even where the application has set its own
-# with triton.set_allocator.) Not stream_buffers, though the rule under capture is the
+# launcher does, so a graph never shares one with eager launches on another stream. Not stream_buffers, though the rule under capture is the
 # same: this runs on every direct launch, with the Launcher's device index and stream
-# already at hand.
+# already at hand. While the application has its own allocator set (triton.set_allocator),
+# the scratch comes from that allocator through Triton's launcher instead (_own_allocator).
 _launch_scratches = {}
 _SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
 # Per-stream caches keep this many entries each, the oldest dropped first: a program that
@@ -925,17 +931,32 @@ def _descriptor_allocator() -> None:
     """Tensor descriptors made inside a kernel need global scratch memory, which Triton
     takes from the allocator set with triton.set_allocator; set one (torch's caching
     allocator) unless the application already has."""
-    global _allocation
+    global _allocation, _our_allocator
     if _allocation is None:
         from triton.runtime import _allocation
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         import triton
 
-        triton.set_allocator(
-            lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _our_allocator = _torch_scratch
+        triton.set_allocator(_our_allocator)
+
+
+def _torch_scratch(size, align, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _own_allocator() -> bool:
+    """No allocator but the package's own is in effect: the direct launch may pass its kept
+    scratch (_launch_scratch). False once the application has set one with
+    triton.set_allocator, whose memory the scratch must then come from."""
+    if _allocation is None:
+        return True
+    allocator = _allocation._allocator.get()
+    return allocator is _our_allocator or isinstance(allocator, _allocation.NullAllocator)
 
 
 _allocation = None  # triton.runtime._allocation, imported on the first call
+_our_allocator = None  # the allocator _descriptor_allocator set, if it set one
 
 
 _NO_DROP = (0, 0, 0, 1.0)
