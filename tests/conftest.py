@@ -40,6 +40,30 @@ def device(request):
 
 
 @pytest.fixture
+def gpu_memory_alone():
+    """For tests that take tens of GB of GPU memory: under pytest-xdist (`-m gpu -n 8`) at
+    most one of them runs at a time, across the worker processes (a file lock), and each
+    gives its cached blocks back before the next starts. Two of the 2**31-row tests at once
+    ran the 80 GB H100 out of memory, and their neighbours with them."""
+    try:
+        import fcntl
+    except ImportError:  # (no POSIX locks: run as is)
+        yield
+        return
+    import tempfile
+
+    with open(os.path.join(tempfile.gettempdir(), "flashgen-tests-gpu-memory.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.fixture
 def poison(monkeypatch):
     """Fill every floating-point torch.empty / empty_like with NaN during the test, so an
     output element the kernel forgets to write shows up as NaN."""

@@ -277,7 +277,6 @@ def test_direct_launch_takes_the_scratch_from_an_application_allocator(pkg, monk
     monkeypatch.setattr(rt, "_stream_capturing", lambda: False)
     monkeypatch.setattr(rt, "_launch_scratches", {})
     monkeypatch.setattr(rt, "_allocation", _allocation)
-    monkeypatch.setattr(rt, "_our_allocator", rt._torch_scratch)
     monkeypatch.setattr(torch, "empty", lambda *size, dtype=None, device=None, **kw:
                         torch.zeros(*size, dtype=dtype))
     launcher = rt.Launcher(Kernel(), (4, 2), {"X": 7})
@@ -291,14 +290,18 @@ def test_direct_launch_takes_the_scratch_from_an_application_allocator(pkg, monk
     assert launched[-1][:5] == (4, 2, 1, 11, "FN") and launched[-1][7].numel() == 512
     assert launched[-1][9] == "META" and launched[-1][13:] == (3, 4, 7)
     assert not rt._launch_scratches  # nothing kept from the application's memory
-    token = _allocation._allocator.set(rt._our_allocator)  # the package's own allocator
-    try:
-        launcher(5, 6)
-    finally:
-        _allocation._allocator.reset(token)
-    launcher(5, 6)  # none set (Triton's NullAllocator)
-    assert len(asked) == 1 and launched[-1][7] is launched[-2][7] is rt._launch_scratches[(0, 11)]
-    assert launched[-1][13:] == (5, 6, 7)
+    # a generated package's allocator (this one's, another's), then none (Triton's
+    # NullAllocator), set here since an earlier test in this thread may have left another
+    # one in effect
+    other = types.SimpleNamespace(flashgen_scratch=True)
+    for allocator in (rt._torch_scratch, other, _allocation.NullAllocator()):
+        token = _allocation._allocator.set(allocator)
+        try:
+            launcher(5, 6)
+        finally:
+            _allocation._allocator.reset(token)
+    assert len(asked) == 1 and launched[-1][7] is launched[-2][7] is launched[-3][7]
+    assert launched[-1][7] is rt._launch_scratches[(0, 11)] and launched[-1][13:] == (5, 6, 7)
 
 
 def test_per_stream_caches_drop_their_oldest_entry_when_full(pkg, monkeypatch):

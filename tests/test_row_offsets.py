@@ -249,7 +249,7 @@ def _gpu_family(family):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["tl", "gluon"])
-def test_a_shard_past_2_31_runs_on_the_gpu(family, poison):
+def test_a_shard_past_2_31_runs_on_the_gpu(family, gpu_memory_alone, poison):
     saved = _gpu_family(family)
     try:
         torch.manual_seed(0)
@@ -279,7 +279,7 @@ def test_a_shard_past_2_31_runs_on_the_gpu(family, poison):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["tl", "gluon"])
-def test_a_packed_batch_past_2_31_runs_on_the_gpu(family, poison):
+def test_a_packed_batch_past_2_31_runs_on_the_gpu(family, gpu_memory_alone, poison):
     """Two sequences, 1000 and GPU_N tokens: the second starts 1000 rows in (a 64-bit base)
     and its own rows FIRST_PAST.. lie past 2**31 from its first."""
     saved = _gpu_family(family)

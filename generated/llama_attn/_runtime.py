@@ -931,32 +931,35 @@ def _descriptor_allocator() -> None:
     """Tensor descriptors made inside a kernel need global scratch memory, which Triton
     takes from the allocator set with triton.set_allocator; set one (torch's caching
     allocator) unless the application already has."""
-    global _allocation, _our_allocator
+    global _allocation
     if _allocation is None:
         from triton.runtime import _allocation
     if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
         import triton
 
-        _our_allocator = _torch_scratch
-        triton.set_allocator(_our_allocator)
+        triton.set_allocator(_torch_scratch)
 
 
 def _torch_scratch(size, align, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
+# (any generated package's, so that two packages in one process keep their fast path)
+_torch_scratch.flashgen_scratch = True
+
+
 def _own_allocator() -> bool:
-    """No allocator but the package's own is in effect: the direct launch may pass its kept
-    scratch (_launch_scratch). False once the application has set one with
+    """No allocator but a generated package's is in effect: the direct launch may pass its
+    kept scratch (_launch_scratch). False once the application has set one with
     triton.set_allocator, whose memory the scratch must then come from."""
     if _allocation is None:
         return True
     allocator = _allocation._allocator.get()
-    return allocator is _our_allocator or isinstance(allocator, _allocation.NullAllocator)
+    return (getattr(allocator, "flashgen_scratch", False)
+            or isinstance(allocator, _allocation.NullAllocator))
 
 
 _allocation = None  # triton.runtime._allocation, imported on the first call
-_our_allocator = None  # the allocator _descriptor_allocator set, if it set one
 
 
 _NO_DROP = (0, 0, 0, 1.0)
