@@ -50,6 +50,8 @@ def gpu_memory_alone():
     except ImportError:  # (no POSIX locks: run as is)
         yield
         return
+    import gc
+    import sys
     import tempfile
 
     with open(os.path.join(tempfile.gettempdir(), "flashgen-tests-gpu-memory.lock"), "w") as lock:
@@ -57,6 +59,12 @@ def gpu_memory_alone():
         try:
             yield
         finally:
+            # a failed test's frames (pytest keeps them in sys.last_* for post-mortems) hold
+            # its tensors: let them go, or the next such test runs out of memory as well
+            for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+                if hasattr(sys, name):
+                    setattr(sys, name, None)
+            gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
                 torch.cuda.empty_cache()
