@@ -13,10 +13,10 @@ row names the kernel the profiler saw, and the JSON keeps the launch meta of eac
 plans, so an arm that ran something other than what it asked for shows.
 
 Why both: in the twenty-ninth session two runs of dropout_fwd_knobs_ab.py (do_bench alone)
-read every p = 0.1 arm within 1.5% of the base -- among them arms whose mask work is
-compiled out -- while this script, on the same code a few calls later, read them up to 33%
-apart, by both clocks (docs/PERF_NOTES.md, twenty-ninth session). Not explained; until it
-is, an arm's reading should come with its kernel duration.
+read every p = 0.1 arm of a branch within 1.5% of the base while this script read them up to
+33% apart. On main the thirtieth session found both scripts reading arms apart by both
+clocks (docs/PERF_NOTES.md); the branch's readings stay unexplained, so an arm's reading
+still comes with its kernel duration.
 
 JSON's keys may include "p" (that arm's dropout_p instead of P). Defaults: the dropout
 suite's spec (specs/bench/dropout_d128.yaml), its causal d=128 bf16 forward, H = 16,
@@ -24,9 +24,9 @@ B * N = 16k.
 
 --philox-rounds R renders the package with R Philox rounds instead of
 families.PHILOX_ROUNDS (a measurement of what each round costs, not a generator anyone may
-train with: below 7 rounds Philox4x32 fails BigCrush, and R = 0 makes the keep mask a
-function of the counters). One round count a process; the thirtieth session ran 7, 3 and
-0 (docs/PERF_NOTES.md).
+train with: below 7 rounds Philox4x32 is not known to pass BigCrush, and R = 0 makes the
+keep mask a function of the counters). One round count a process; the thirtieth session ran
+7, 5, 3, 1 and 0 (docs/PERF_NOTES.md).
 """
 import argparse
 import json

@@ -507,8 +507,8 @@ def test_persistent_backward_work_counter_per_stream(pkg, monkeypatch):
     """_bwd_work_counter: one counter per (device, stream), made zeroed once and then handed
     out as it is (the kernel leaves it at 0); one made during a CUDA graph capture lives in
     the graph's pool and is not kept, and a launch under capture never takes a kept one
-    (a graph's replays would share it with eager launches). A stand-in CUDA device: the stream and the capture state are patched,
-    the tensors are CPU ones."""
+    (a graph's replays would share it with eager launches). A stand-in CUDA device: the
+    stream and the capture state are patched, the tensors are CPU ones."""
     rt = pkg._runtime
     state = {"stream": 11, "capturing": False}
     monkeypatch.setattr(rt, "_bwd_work_counters", {})

@@ -163,26 +163,32 @@ def test_a_repeated_signature_reuses_its_launch_plan_until_plans_are_cleared(pkg
     assert len(made) == 4
 
 
-def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(pkg, monkeypatch):
-    """The Launcher's direct path for a kernel with global scratch (the Gluon forward's
-    device-made descriptors), with a stand-in for Triton 3.6's CudaLauncher: the C launch
-    gets the grid, the stream, the function, then a scratch buffer of (per-program bytes x
-    programs) in the global-scratch slot, kept per (device, stream) and grown, a fresh one
-    under CUDA-graph capture, and the kernel's own arguments after the metadata."""
+@pytest.fixture
+def direct_launch(pkg, monkeypatch):
+    """The runtime with a stand-in for Triton 3.6's CudaLauncher (the name and fields
+    _direct_launch reads; its __call__ does what 3.6's does: the scratch from the allocator
+    in effect, then the C launch), a Kernel whose compile returns it, and torch.empty on the
+    CPU recording what it made. Triton's NullAllocator is in effect for the test: an
+    earlier test in this thread may have left another one set."""
     import types
 
     import triton
     if not triton.__version__.startswith("3.6."):
         pytest.skip("the direct launch is for Triton 3.6's launcher")
+    from triton.runtime import _allocation
     rt = pkg._runtime
     launched, made = [], []
 
-    class CudaLauncher:  # the name and fields _direct_launch reads
+    class CudaLauncher:
         global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 64, 128, 0, 1
         launch_cooperative_grid, launch_pdl = False, False
 
         def launch(self, *args):
             launched.append(args)
+
+        def __call__(self, gx, gy, gz, stream, function, *args):
+            scratch = _allocation._allocator.get()(gx * gy * gz * 64, 128, stream)
+            self.launch(gx, gy, gz, stream, function, False, False, scratch, None, *args)
 
     compiled = types.SimpleNamespace(run=CudaLauncher(), function="FN", packed_metadata="META")
 
@@ -205,8 +211,25 @@ def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(pkg, monkeypatch)
     monkeypatch.setattr(rt, "_raw_stream", lambda device: state["stream"])
     monkeypatch.setattr(rt, "_stream_capturing", lambda: state["capturing"])
     monkeypatch.setattr(rt, "_launch_scratches", {})
+    monkeypatch.setattr(rt, "_allocation", _allocation)
     monkeypatch.setattr(torch, "empty", empty)
+    token = _allocation._allocator.set(_allocation.NullAllocator())
+    try:
+        yield types.SimpleNamespace(rt=rt, Kernel=Kernel, launched=launched, made=made,
+                                    state=state, allocation=_allocation)
+    finally:
+        _allocation._allocator.reset(token)
 
+
+def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(direct_launch):
+    """The Launcher's direct path for a kernel with global scratch (the Gluon forward's
+    device-made descriptors): the C launch gets the grid, the stream, the function, then a
+    scratch buffer of (per-program bytes x programs) in the global-scratch slot, kept per
+    (device, stream) and grown, a fresh one under CUDA-graph capture, and the kernel's own
+    arguments after the metadata."""
+    rt, Kernel, launched, made, state = (direct_launch.rt, direct_launch.Kernel,
+                                         direct_launch.launched, direct_launch.made,
+                                         direct_launch.state)
     small, big = rt.Launcher(Kernel(), (4, 2), {"X": 7}), rt.Launcher(Kernel(), (8, 2), {"X": 7})
     small(1, 2)  # the first call: Triton's own path, which sets up the direct one
     assert not launched and small.scratch == 64 * 4 * 2
@@ -233,73 +256,39 @@ def test_direct_launch_passes_a_scratch_buffer_kept_per_stream(pkg, monkeypatch)
     assert launched[-1][7] is not rt._launch_scratches[(0, 12)]
 
 
-def test_direct_launch_takes_the_scratch_from_an_application_allocator(pkg, monkeypatch):
+def test_direct_launch_takes_the_scratch_from_an_application_allocator(direct_launch):
     """While the application has its own allocator set (triton.set_allocator), a direct
     launch of a kernel with global scratch takes the scratch from it, through Triton's
-    launcher (the stand-in's __call__ does what 3.6's CudaLauncher does), not from the
-    package's kept buffer; with the package's allocator or none, the kept buffer again."""
+    launcher, not from the package's kept buffer; with a generated package's allocator or
+    none, the kept buffer again."""
     import types
 
-    import triton
-    if not triton.__version__.startswith("3.6."):
-        pytest.skip("the direct launch is for Triton 3.6's launcher")
-    from triton.runtime import _allocation
-    rt = pkg._runtime
-    launched, asked = [], []
-
-    class CudaLauncher:
-        global_scratch_size, global_scratch_align, profile_scratch_size, num_ctas = 64, 128, 0, 1
-        launch_cooperative_grid, launch_pdl = False, False
-
-        def launch(self, *args):
-            launched.append(args)
-
-        def __call__(self, gx, gy, gz, stream, function, *args):
-            scratch = _allocation._allocator.get()(gx * gy * gz * 64, 128, stream)
-            self.launch(gx, gy, gz, stream, function, False, False, scratch, None, *args)
-
-    compiled = types.SimpleNamespace(run=CudaLauncher(), function="FN", packed_metadata="META")
-
-    class Kernel:
-        arg_names = ["a", "b", "X"]
-
-        def __getitem__(self, grid):
-            return lambda *args, **meta: compiled
+    rt, launched, allocation = direct_launch.rt, direct_launch.launched, direct_launch.allocation
+    asked = []
 
     def app_allocator(size, align, stream):
         asked.append((size, align, stream))
         return torch.zeros(size, dtype=torch.int8)
 
-    monkeypatch.setattr(rt, "_interpreting", lambda: False)
-    monkeypatch.setattr(rt, "_launch_hooks", types.SimpleNamespace(launch_enter_hook=None))
-    monkeypatch.setattr(rt, "_current_device", lambda: 0)
-    monkeypatch.setattr(rt, "_raw_stream", lambda device: 11)
-    monkeypatch.setattr(rt, "_stream_capturing", lambda: False)
-    monkeypatch.setattr(rt, "_launch_scratches", {})
-    monkeypatch.setattr(rt, "_allocation", _allocation)
-    monkeypatch.setattr(torch, "empty", lambda *size, dtype=None, device=None, **kw:
-                        torch.zeros(*size, dtype=dtype))
-    launcher = rt.Launcher(Kernel(), (4, 2), {"X": 7})
+    launcher = rt.Launcher(direct_launch.Kernel(), (4, 2), {"X": 7})
     launcher(1, 2)  # Triton's own path, which sets up the direct one
-    token = _allocation._allocator.set(app_allocator)
+    token = allocation._allocator.set(app_allocator)
     try:
         launcher(3, 4)
     finally:
-        _allocation._allocator.reset(token)
+        allocation._allocator.reset(token)
     assert asked == [(512, 128, 11)], "the application's allocator was not asked"
     assert launched[-1][:5] == (4, 2, 1, 11, "FN") and launched[-1][7].numel() == 512
     assert launched[-1][9] == "META" and launched[-1][13:] == (3, 4, 7)
     assert not rt._launch_scratches  # nothing kept from the application's memory
-    # a generated package's allocator (this one's, another's), then none (Triton's
-    # NullAllocator), set here since an earlier test in this thread may have left another
-    # one in effect
+    # a generated package's allocator (this one's, another package's), then none
     other = types.SimpleNamespace(flashgen_scratch=True)
-    for allocator in (rt._torch_scratch, other, _allocation.NullAllocator()):
-        token = _allocation._allocator.set(allocator)
+    for allocator in (rt._torch_scratch, other, allocation.NullAllocator()):
+        token = allocation._allocator.set(allocator)
         try:
             launcher(5, 6)
         finally:
-            _allocation._allocator.reset(token)
+            allocation._allocator.reset(token)
     assert len(asked) == 1 and launched[-1][7] is launched[-2][7] is launched[-3][7]
     assert launched[-1][7] is rt._launch_scratches[(0, 11)] and launched[-1][13:] == (5, 6, 7)
 

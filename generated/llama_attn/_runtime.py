@@ -352,10 +352,11 @@ def _direct_launch(compiled) -> tuple:
 # largest launch, since launches on one stream run one after another (a smaller one it
 # replaces goes back to torch's allocator, stream-ordered behind the launches that used it). A
 # launch being captured into a CUDA graph gets its own from the graph's pool, as Triton's
-# launcher does, so a graph never shares one with eager launches on another stream. Not stream_buffers, though the rule under capture is the
-# same: this runs on every direct launch, with the Launcher's device index and stream
-# already at hand. While the application has its own allocator set (triton.set_allocator),
-# the scratch comes from that allocator through Triton's launcher instead (_own_allocator).
+# launcher does, so a graph never shares one with eager launches on another stream. While
+# the application has its own allocator set (triton.set_allocator), the scratch comes from
+# that allocator through Triton's launcher instead (_own_allocator). Not stream_buffers,
+# though the rule under capture is the same: this runs on every direct launch, with the
+# Launcher's device index and stream already at hand.
 _launch_scratches = {}
 _SCRATCH_ALIGN = 256  # torch's caching allocator aligns every block to 512 bytes
 # Per-stream caches keep this many entries each, the oldest dropped first: a program that
