@@ -19,6 +19,8 @@ def add_arguments(p) -> None:
 
 def _resolve(args):
     """(head dims, causalities, package name) of the run; a user error is a FlashgenError."""
+    if args.rounds < 1:
+        raise FlashgenError(f"--rounds {args.rounds}: give at least 1 round")
     unknown = [p for p in (args.providers or []) if p not in suite.PROVIDERS]
     if unknown:
         raise FlashgenError(f"unknown provider {', '.join(unknown)}; one of "
@@ -67,5 +69,5 @@ def bench(args) -> int:
                             "`flashgen bench --dry-run` to list the cases and providers)")
     suite.run(args.suite, args.n, args.d, args.mode,
               args.providers, args.out, args.plot, log=lambda s: print(s, flush=True),
-              spec=args.spec)
+              spec=args.spec, rounds=args.rounds)
     return 0

@@ -625,9 +625,32 @@ def _timed_call(fn, q, k, v, case):
     return (lambda: out.backward(do, retain_graph=True)), [q, k, v]
 
 
-def measure_attention(cases, meta, log=print, spec=None, progress=None):
+def interleaved_rounds(items, rounds, time_one):
+    """{item: [ms of round 0, 1, ...]}: `time_one(item)` for every item in every round,
+    the items in order in even rounds and in reverse order in odd ones, so that a clock
+    that drifts during the run (the GPU warming, its power state moving) lands on every
+    item alike instead of on whichever was timed last. An item whose `time_one` raises
+    drops out of the later rounds; its exception is returned in place of its list."""
+    times = {item: [] for item in items}
+    live = list(items)
+    for r in range(rounds):
+        for item in (live if r % 2 == 0 else live[::-1]):
+            try:
+                times[item].append(time_one(item))
+            except Exception as e:  # reported in the provider's cell, not fatal
+                times[item] = e
+        live = [item for item in live if not isinstance(times[item], Exception)]
+    return times
+
+
+def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1):
     """Rows for the training, dropout and small suites' cases. `spec`: a user's spec whose
-    package is flashgen (see Providers); `progress` advances once per provider measured."""
+    package is flashgen (see Providers); `progress` advances once per provider and round
+    measured. With `rounds` > 1 the providers of a case are timed in alternating order
+    `rounds` times (interleaved_rounds) and each row's ms is the median of its rounds
+    (`ms_rounds` in the JSON keeps them all)."""
+    import statistics
+
     import torch
     import triton
 
@@ -642,9 +665,11 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None):
             ref = bench_mods.reference(case.mod, provs.mods_inputs(case)[0], q, k, v)
         else:
             ref = _reference(q, k, v, case.causal)
+        case_rows, ready = [], {}
         for name in case.providers:
             row = {**meta, **{k_: v_ for k_, v_ in asdict(case).items() if k_ != "providers"},
                    "provider": name, "h_kv": case.h, "status": "ok"}
+            case_rows.append(row)
             try:
                 if name.startswith("flashgen") and case.suite != "mods":
                     row["spec_sha"] = provs.package(case.d, case.suite == "dropout")[1]
@@ -660,23 +685,43 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None):
                 if wrong:
                     row["status"] = wrong
                 else:
-                    call, grads = _timed_call(fn, q, k, v, case)
-                    ms = triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads,
-                                                 return_mode="median")
-                    row["ms"] = round(ms, 4)
-                    row["tflops"] = round(tflops(ms, case.b, case.h, case.n, case.d,
-                                                 case.causal, case.mode), 1)
-                    if case.suite == "small" and name == "flashgen":
-                        row["host_us"], row["wall_us"] = host_time_us(call)
-                    del call
+                    ready[name] = fn
             except Exception as e:  # a provider that refuses a shape is reported, not fatal
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:100]}"
+            if name not in ready and progress is not None:
+                progress.advance(f"{case.label().strip()} {name}", steps=rounds)
+
+        def time_one(name):
+            call, grads = _timed_call(ready[name], q, k, v, case)
+            try:
+                return triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads,
+                                               return_mode="median")
+            finally:
+                del call
+                torch.cuda.empty_cache()
+                if progress is not None:
+                    progress.advance(f"{case.label().strip()} {name}")
+
+        times = interleaved_rounds(list(ready), rounds, time_one)
+        for row in case_rows:
+            name = row["provider"]
+            got = times.get(name)
+            if isinstance(got, Exception):
+                row["status"] = f"error: {type(got).__name__}: {str(got)[:100]}"
+            elif got:
+                ms = statistics.median(got)
+                row["ms"] = round(ms, 4)
+                if rounds > 1:
+                    row["ms_rounds"] = [round(t, 4) for t in got]
+                row["tflops"] = round(tflops(ms, case.b, case.h, case.n, case.d,
+                                             case.causal, case.mode), 1)
+                if case.suite == "small" and name == "flashgen":
+                    call, _ = _timed_call(ready[name], q, k, v, case)
+                    row["host_us"], row["wall_us"] = host_time_us(call)
+                    del call
             rows.append(row)
             log(f"{case.label()} {name:14s} {_cell(row)}")
-            if progress is not None:
-                progress.advance(f"{case.label().strip()} {name}")
-            torch.cuda.empty_cache()
-        del q, k, v, ref
+        del q, k, v, ref, ready
         torch.cuda.empty_cache()
     return rows
 
@@ -734,10 +779,11 @@ def default_out_dir(gpu: str) -> Path:
 
 
 def run(suite="all", ns=None, ds=None, modes=("fwd", "bwd"), providers=None, out=None,
-        plot_it=True, log=print, spec=None, progress=True):
+        plot_it=True, log=print, spec=None, progress=True, rounds=1):
     """Measure every case of the suite(s); write JSON/CSV/markdown (and a PNG) under out
     (default: see default_out_dir); print the tables. `spec`: a user's spec, whose package
-    is timed as flashgen at its head dims (and only with its masks). Returns (rows, paths)."""
+    is timed as flashgen at its head dims (and only with its masks); `rounds`: see
+    measure_attention. Returns (rows, paths)."""
     from .progress import Progress
 
     causals, package, case_ds = (False, True), None, ds
@@ -747,12 +793,12 @@ def run(suite="all", ns=None, ds=None, modes=("fwd", "bwd"), providers=None, out
     cases = plan_cases(suite, ns, case_ds, modes, providers, causals)
     meta = environment()
     log(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, bf16; "
-        f"{len(cases)} cases")
+        f"{len(cases)} cases" + (f", {rounds} interleaved rounds" if rounds > 1 else ""))
     attention = [c for c in cases if c.suite != "decode"]
-    bar = Progress(sum(len(c.providers) for c in attention), "flashgen bench") if (
+    bar = Progress(sum(len(c.providers) for c in attention) * rounds, "flashgen bench") if (
         progress and attention) else None
     rows = []
-    rows += measure_attention(attention, meta, log, spec=spec, progress=bar)
+    rows += measure_attention(attention, meta, log, spec=spec, progress=bar, rounds=rounds)
     if bar is not None:
         bar.close()
     decode_cases = [c for c in cases if c.suite == "decode"]
@@ -812,5 +858,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "otherwise)")
     ap.add_argument("--no-plot", dest="plot", action="store_false",
                     help="skip the PNG (written whenever matplotlib is installed)")
+    ap.add_argument("--rounds", type=int, default=1, metavar="R",
+                    help="time each case's providers R times in alternating order and report "
+                    "each one's median round (default 1); use 3-5 when a ratio between "
+                    "providers is what you read: the GPU's clock drifts during a run")
     ap.add_argument("--dry-run", action="store_true",
                     help="list the cases and providers without running anything (no GPU needed)")

@@ -3,7 +3,7 @@
     python -m flashgen.bench_varlen [--dry-run] [--modes fwd bwd] [--providers ...]
                                     [--docs 16] [--total 16384] [--min-len 128]
                                     [--max-len 4096] [--d 128] [--h 16] [--seed 0]
-                                    [--dense-n 4096] [--out results.json]
+                                    [--dense-n 4096] [--rounds 1] [--out results.json]
 
 The workload: `--docs` documents of ragged lengths in [min-len, max-len] (drawn
 log-uniformly from a fixed seed, summing to `--total` tokens, packed in a shuffled order so
@@ -32,8 +32,9 @@ Providers, all on the same tokens:
 FLOPs count each document on its own (4 * H * n^2 * d per forward, halved for causal,
 backward 2.5x), so the TFLOP/s of the varlen-shaped providers (the matched row included)
 are comparable; the dense row counts its own equal sequences. Times:
-triton.testing.do_bench medians; the backward times one saved forward's backward. Every
-varlen-shaped provider's output is checked against flashgen's (bf16 tolerance 3e-2)
+triton.testing.do_bench medians (with --rounds R, the providers of a mode timed R times in
+alternating order and the median round kept); the backward times one saved forward's
+backward. Every varlen-shaped provider's output is checked against flashgen's (bf16 tolerance 3e-2)
 before it is timed. Results: a table on stdout and, with --out, JSON rows.
 
 The pure parts (lengths, cu_seqlens, FLOPs, the plan and the dry run) run anywhere and are
@@ -209,17 +210,28 @@ def _providers(case, q, k, v, cu, doc_ids):
     return out
 
 
-def measure(cases, log=print) -> list:
+def measure(cases, log=print, rounds=1) -> list:
+    """Rows for the planned cases. The providers of one mode are timed `rounds` times in
+    alternating order (bench_suite.interleaved_rounds: a clock drifting during the run
+    lands on all of them alike); each row's ms is the median round, `ms_rounds` (rounds >
+    1) keeps them all."""
+    import statistics
+
     import torch
-    import triton
+
+    from .bench_suite import interleaved_rounds
 
     rows = []
-    by_shape = {}
+    by_shape, groups = {}, {}
     for case in cases:
-        key = (tuple(case["lengths"]), case["h"], case["d"])
+        groups.setdefault((tuple(case["lengths"]), case["h"], case["d"], case["mode"]),
+                          []).append(case)
+    for (lengths, h, d, mode), group in groups.items():
+        key = (lengths, h, d)
         if key not in by_shape:
+            case = group[0]
             torch.manual_seed(case["seed"])
-            q, k, v = (torch.randn(case["total"], case["h"], case["d"], device="cuda",
+            q, k, v = (torch.randn(case["total"], h, d, device="cuda",
                                    dtype=torch.bfloat16) for _ in range(3))
             cu = torch.tensor(cu_seqlens(case["lengths"]), dtype=torch.int32, device="cuda")
             doc_ids = torch.repeat_interleave(
@@ -229,43 +241,54 @@ def measure(cases, log=print) -> list:
             ref = provs["flashgen_varlen"](q, k, v).float()
             by_shape[key] = (q, k, v, provs, ref)
         q, k, v, provs, ref = by_shape[key]
-        row = {k_: case[k_] for k_ in ("mode", "provider", "docs", "total", "h", "d",
-                                       "dense_n")}
-        row["status"] = "ok"
-        fn = provs.get(case["provider"])
-        try:
-            if case["provider"] == "flashgen_dense_matched":
-                ms = _matched_ms(case, log)
+        group_rows, timers = [], {}
+        for case in group:
+            row = {k_: case[k_] for k_ in ("mode", "provider", "docs", "total", "h", "d",
+                                           "dense_n")}
+            row["status"] = "ok"
+            group_rows.append((case, row))
+            name = case["provider"]
+            try:
+                if name == "flashgen_dense_matched":
+                    timers[name] = lambda case=case: _matched_ms(case, log)
+                    continue
+                fn = provs.get(name)
+                if fn is None:
+                    raise RuntimeError("not available in this torch")
+                if name != "flashgen_dense":
+                    err = (fn(q, k, v).float() - ref).abs().max().item()
+                    if not err <= TOL:
+                        raise RuntimeError(f"max |out - flashgen_varlen| = {err:.3g} > {TOL}")
+                timers[name] = lambda fn=fn: _time_provider(fn, q, k, v, mode)
+            except Exception as e:  # a provider that fails is reported, not fatal
+                row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
+        times = interleaved_rounds(list(timers), rounds, lambda name: timers[name]())
+        for case, row in group_rows:
+            got = times.get(case["provider"])
+            if isinstance(got, Exception):
+                row["status"] = f"error: {type(got).__name__}: {str(got)[:120]}"
+            elif got:
+                ms = statistics.median(got)
                 row["ms"] = round(ms, 4)
+                if rounds > 1:
+                    row["ms_rounds"] = [round(t, 4) for t in got]
                 row["tflops"] = round(case["flops"] / (ms * 1e-3) / 1e12, 1)
-                log(f"{row['mode']} {row['provider']:22s} {row['ms']} ms {row['tflops']} TFLOP/s")
-                rows.append(row)
-                continue
-            if fn is None:
-                raise RuntimeError("not available in this torch")
-            if case["provider"] != "flashgen_dense":
-                err = (fn(q, k, v).float() - ref).abs().max().item()
-                if not err <= TOL:
-                    raise RuntimeError(f"max |out - flashgen_varlen| = {err:.3g} > {TOL}")
-            grads = None
-            if case["mode"] == "fwd":
-                call = lambda: fn(q, k, v)  # noqa: E731
-            else:
-                qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
-                o = fn(qg, kg, vg)
-                do = torch.randn_like(o)
-                call = lambda: o.backward(do, retain_graph=True)  # noqa: E731
-                grads = [qg, kg, vg]  # no accumulation into the last call's gradients
-            ms = triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads,
-                                         return_mode="median")
-            row["ms"] = round(ms, 4)
-            row["tflops"] = round(case["flops"] / (ms * 1e-3) / 1e12, 1)
-        except Exception as e:  # a provider that fails is reported, not fatal
-            row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
-        log(f"{row['mode']} {row['provider']:22s} {row.get('ms', '-')} ms "
-            f"{row.get('tflops', '-')} TFLOP/s {row['status'] if row['status'] != 'ok' else ''}")
-        rows.append(row)
+            log(f"{row['mode']} {row['provider']:22s} {row.get('ms', '-')} ms "
+                f"{row.get('tflops', '-')} TFLOP/s {row['status'] if row['status'] != 'ok' else ''}")
+            rows.append(row)
     return rows
+
+
+def _time_provider(fn, q, k, v, mode) -> float:
+    """do_bench's median of fn's forward, or of the backward of one saved forward."""
+    import torch
+    if mode == "fwd":
+        return _time(lambda: fn(q, k, v))
+    qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+    o = fn(qg, kg, vg)
+    do = torch.randn_like(o)
+    # grad_to_none: no accumulation into the last call's gradients
+    return _time(lambda: o.backward(do, retain_graph=True), [qg, kg, vg])
 
 
 def _time(call, grads=None) -> float:
@@ -330,8 +353,14 @@ def main(argv=None) -> int:
     ap.add_argument("--providers", nargs="+", default=None, help=", ".join(PROVIDERS))
     for name in ("docs", "total", "min_len", "max_len", "d", "h", "seed", "dense_n"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=DEFAULTS[name])
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the providers this many times in alternating order and keep "
+                    "each one's median round (default 1)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        print(f"error: --rounds {args.rounds}: give at least 1 round", file=sys.stderr)
+        return 2
     try:
         cases = plan(args.providers, tuple(args.modes), docs=args.docs, total=args.total,
                      min_len=args.min_len, max_len=args.max_len, d=args.d, h=args.h,
@@ -347,7 +376,7 @@ def main(argv=None) -> int:
         print("error: the varlen benchmark needs a CUDA GPU (--dry-run prints the plan)",
               file=sys.stderr)
         return 2
-    rows = measure(cases)
+    rows = measure(cases, rounds=args.rounds)
     sys.stdout.write(bar_text(rows))
     if args.out:
         with open(args.out, "w") as f:

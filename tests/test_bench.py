@@ -81,6 +81,48 @@ def test_unknown_provider_is_a_usage_error(tmp_path):
     assert "unknown provider fa9" in res.stderr and "Traceback" not in res.stderr
 
 
+def test_zero_rounds_is_a_usage_error(tmp_path):
+    res = flashgen("bench", "--dry-run", "--rounds", "0", cwd=tmp_path)
+    assert res.returncode == 2
+    assert "--rounds 0" in res.stderr and "Traceback" not in res.stderr
+
+
+def drifting_clock(rates):
+    """A stand-in for do_bench on a GPU whose clock slows by 1% a call: item i's time is
+    rates[i] times the clock's current factor, so an order that times every round of one
+    item before the next one's would read equal items as different."""
+    calls = []
+
+    def time_one(item):
+        calls.append(item)
+        return rates[item] * (1.0 + 0.01 * len(calls))
+    return time_one, calls
+
+
+def test_interleaved_rounds_alternate_order_so_drift_lands_alike():
+    time_one, calls = drifting_clock({"a": 1.0, "b": 1.0, "c": 2.0})
+    times = suite.interleaved_rounds(["a", "b", "c"], 4, time_one)
+    assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
+    med = {k: sorted(v)[1:3] for k, v in times.items()}
+    # equal providers read equal: each one's rounds sit at mirrored places in the run
+    assert sum(med["a"]) == pytest.approx(sum(med["b"]), rel=0.01)
+    assert sum(med["c"]) / sum(med["a"]) == pytest.approx(2.0, rel=0.01)
+    # the same drift timed round after round (all of a, then all of b) reads them apart
+    time_one, _ = drifting_clock({"a": 1.0, "b": 1.0})
+    seq = {k: [time_one(k) for _ in range(4)] for k in ("a", "b")}
+    assert sum(seq["b"]) / sum(seq["a"]) > 1.03
+
+
+def test_interleaved_rounds_drop_an_item_that_raises():
+    def time_one(item):
+        if item == "bad":
+            raise RuntimeError("refused")
+        return 1.0
+    times = suite.interleaved_rounds(["ok", "bad"], 3, time_one)
+    assert times["ok"] == [1.0, 1.0, 1.0]
+    assert isinstance(times["bad"], RuntimeError)
+
+
 def test_no_cuda_exits_2_with_a_message(tmp_path):
     res = flashgen("bench", "--suite", "small", cwd=tmp_path,
                    env_extra={"CUDA_VISIBLE_DEVICES": ""})

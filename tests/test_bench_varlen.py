@@ -37,6 +37,7 @@ def test_plan_and_dry_run():
     with pytest.raises(ValueError, match="multiple"):
         bv.plan(dense_n=3000)
     assert bv.main(["--dry-run", "--modes", "fwd"]) == 0
+    assert bv.main(["--dry-run", "--rounds", "0"]) == 2
 
 
 def test_bar_text():
