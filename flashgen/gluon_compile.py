@@ -220,11 +220,10 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                  "V": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
                  "DQ_ACC": ([1, 1, config["block_m"], d_pad // families.CONSUMERS],
                             "DQ_LAYOUT", gl.float32)}
-        if varlen:  # its epilogue stores dK, dV from registers (rows past a sequence)
-            const.update(DK_DESC=None, DV_DESC=None)
-        else:  # the runtime stores them through host-made descriptors
-            boxes.update(DK_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
-                         DV_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype))
+        # the runtime stores dK, dV through host-made descriptors (VARLEN: the boxes inside
+        # their sequence; a sequence's last partial block from registers)
+        boxes.update(DK_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
+                     DV_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype))
         if persistent:
             pointers["WORK"] = "i32"
         if varlen:

@@ -97,7 +97,11 @@ def test_varlen_gluon_backward_compiles_for_sm90(pkg):
     """The backward's packed form keeps the dense design (the same wgmma products and
     register split) and shared memory (LSE and D reach the same slots by plain loads), with
     a small stack frame. Measured when written (bwd_causal_d128_bf16, 64x128, 2-deep ring):
-    198192 B shared in both forms, stack 56 B (dense 40); none 48 (32), window 80 (40)."""
+    198192 B shared in both forms, stack 56 B (dense 40); none 48 (32), window 80 (40).
+    Since dK / dV leave by TMA from boxes inside their sequence (thirty-first session; the
+    crossing box's masked stores stay beside the TMA path) the frames grew: causal d128
+    104 B (2 loop spills), window 128 (9), causal d64 at 128x128 168 (36; dense 80 / 13),
+    and the packed backward still ran 4.3% / 2.9% faster (H100, d128 / d64 causal)."""
     names = ["bwd_causal_d128_bf16", "bwd_d64_fp16", "bwd_window_d128_bf16", "bwd_d128_fp16"]
     pairs = list(_compile_dense_and_packed(pkg, names, "bwd").values())
     pairs += _compile_dense_and_packed(pkg, ["bwd_causal_d64_bf16"], "bwd128").values()
@@ -106,7 +110,7 @@ def test_varlen_gluon_backward_compiles_for_sm90(pkg):
         assert r["shared"] <= 232448 and r["shared"] <= d["shared"] + 256, r
         assert r["wgmma"] == d["wgmma"] > 0, r
         assert r["setmaxnreg"] == d["setmaxnreg"], r
-        assert r["spill_bytes"] <= 160, r  # a tile's coordinates, outside the key loops
+        assert r["spill_bytes"] <= 192, r
 
 
 def test_the_runtime_says_why_not_gluon(pkg, monkeypatch):
@@ -217,12 +221,20 @@ def test_varlen_backward_plans_the_gluon_kernel(pkg, monkeypatch):
         q = torch.randn(sum(lq), 8, 128, dtype=torch.bfloat16)
         k = torch.randn(sum(lk), 4, 2, 128, dtype=torch.bfloat16)[:, 1]  # strided K, V
         acc = torch.zeros(q.shape)
-        descs = rt._gluon_varlen_bwd_descriptors(boxes, q, k, k, q, acc)
+        dk = torch.empty(sum(lk), 2, 128, dtype=torch.bfloat16)
+        descs = rt._gluon_varlen_bwd_descriptors(boxes, q, k, k, q, acc, dk, dk)
         assert [d.shape for d in descs] == [[1, 8, sum(lq), 128], [1, 2, sum(lk), 128],
                                             [1, 2, sum(lk), 128], [1, 8, sum(lq), 128],
-                                            [1, 8, sum(lq), 128]]
+                                            [1, 8, sum(lq), 128], [1, 2, sum(lk), 128],
+                                            [1, 2, sum(lk), 128]]
         assert descs[1].strides == [4 * 2 * 128, 128, 4 * 2 * 128, 1]
         assert descs[4].strides == [8 * 128, 128, 8 * 128, 1]
+        assert descs[5].strides == [2 * 128, 128, 2 * 128, 1]
+        assert descs[5].block_shape == descs[1].block_shape  # dK leaves in K's boxes
+        # dK, dV that TMA cannot write (a row stride of 2 bytes past 16) take plain stores
+        odd = torch.empty(sum(lk) * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(sum(lk), 2, 128)
+        assert rt._gluon_varlen_bwd_descriptors(boxes, q, k, k, q, acc, odd, odd)[5:] == (
+            None, None)
         assert descs[0].block_shape == [1, 1, 64, 128] and descs[4].block_shape == [1, 1, 64, 64]
         # the d=64 backward is `tl` below GLUON_BWD_SMALL_D_MIN_N, but asked for here;
         # dropout too (VARLEN_GLUON_DROPOUT), its Philox calls split between the warps

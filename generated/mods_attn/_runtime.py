@@ -1963,11 +1963,11 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
         dq_acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         pre(o, do, delta, *pre_args, q.shape[0], dq_acc, 0, dq_acc.stride(1), dq_acc.stride(0))
         if dq_args is not None:  # the host's TMA descriptors (_gluon_varlen_bwd_descriptors)
-            q_, k_, v_, do_, acc_ = _gluon_varlen_bwd_descriptors(dq_args, q, k, v, do, dq_acc,
-                                                                  checked=not fresh)
+            q_, k_, v_, do_, acc_, dk_, dv_ = _gluon_varlen_bwd_descriptors(
+                dq_args, q, k, v, do, dq_acc, dk, dv, checked=not fresh)
         else:
             _descriptor_allocator()
-            q_, k_, v_, do_, acc_ = q, k, v, do, dq_acc
+            q_, k_, v_, do_, acc_, dk_, dv_ = q, k, v, do, dq_acc, None, None
         # a mask mod's lists per sequence, transposed; no PROG_ORDER (the walk is the
         # kernel's own, _varlen_block); the rows' width (BM_NQB); no WORK (a packed batch
         # has no persistent form)
@@ -1975,7 +1975,7 @@ def backward_varlen(do, q, k, v, o, lse, dq, dk, dv, cu_q, cu_k, max_q: int, max
                  if tiles else ())
         # dropout: the forward's stream (_gluon_dropout_args) and, without mods, (Q_POS,
         # KV_POS) = (0, 0): each sequence draws from its own row 0 (Call.args with mods)
-        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, None, None, cu_q, cu_k, *dkdv_args,
+        dkdv(q_, k_, v_, do_, lse, delta, dk, dv, acc_, dk_, dv_, cu_q, cu_k, *dkdv_args,
              *(_gluon_dropout_args(drop) if widths is not None else ()),
              *(mods.args if mods is not None else drop_pos), *lists)
         dq.copy_(dq_acc)
@@ -2123,11 +2123,14 @@ def _gluon_varlen_bwd_heads(h_kv: int, total_k: int, max_k: int) -> int:
     return max(g for g in range(1, most + 1) if h_kv % g == 0)
 
 
-def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc, checked=False) -> tuple:
-    """The host-made TMA descriptors of the Gluon varlen backward: Q, K, V, dO and the dQ
-    sum as (1, H, total, d) views of the packed tensors (a box past the total reads zeros;
-    one past a sequence's end reads the next sequence, which the kernel masks). LSE and D
-    stay pointers: the kernel loads them. checked: as in _gluon_bwd_descriptors."""
+def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc, dk, dv, checked=False) -> tuple:
+    """The host-made TMA descriptors of the Gluon varlen backward: Q, K, V, dO, the dQ sum,
+    and dK, dV (None, None where TMA cannot write them) as (1, H, total, d) views of the
+    packed tensors (a box past the total reads zeros; one past a sequence's end reads the
+    next sequence, which the kernel masks, and the kernel stores through dK / dV only boxes
+    inside their sequence). LSE and D stay pointers: the kernel loads them. checked: as in
+    _gluon_bwd_descriptors (dK / dV's alignment is checked every call: the plan's key does
+    not fix their addresses)."""
     make = _descriptor_maker(checked)
     (qd_box, kv_box, dq_box, _), lay = boxes
 
@@ -2135,6 +2138,10 @@ def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc, checked=False) -> 
         return make(t, [1, t.shape[1], t.shape[0], t.shape[2]],
                     [t.stride(0), t.stride(1), t.stride(0), 1], box, layout)
 
+    ready = _descriptor_ready((dk, (0, dk.stride(1), dk.stride(0))),
+                              (dv, (0, dv.stride(1), dv.stride(0))))
     return (desc(q, qd_box, lay["QD_LAYOUT"]), desc(k, kv_box, lay["KV_LAYOUT"]),
             desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
-            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]))
+            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]),
+            *((desc(dk, kv_box, lay["KV_LAYOUT"]), desc(dv, kv_box, lay["KV_LAYOUT"]))
+              if ready else (None, None)))

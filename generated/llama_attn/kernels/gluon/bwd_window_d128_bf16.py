@@ -43,7 +43,8 @@ sequence's end reads the *next* sequence's rows rather than zeros, so what TMA's
 gives a dense batch is explicit here: a key block that crosses its sequence's end masks
 every step (P^T = dS^T = 0 on those keys' rows, which makes them add nothing to dQ), query
 columns past the end get P^T = dS^T = 0 (so dQ's reduce-add adds exact zeros into the
-neighbour's rows), and dK, dV are stored row-masked. LSE and D come by plain loads: a
+neighbour's rows), and dK, dV leave by TMA from a consumer whose rows lie inside the
+sequence, row-masked from one whose rows cross its end. LSE and D come by plain loads: a
 sequence starts at any row, and a TMA box must start on a 16-byte boundary.
 
 Verified with Triton 3.6 (Gluon's API moves between versions).
@@ -469,19 +470,41 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     # Epilogue: this warpgroup's rows of dK and dV
     # ------------------------------------------------------------------------------------
     if desc_dk is not None:
-        # through shared memory and TMA: this consumer's K and V slots take dK and dV once
-        # every consumer's last dQ product has read the K slots (the last step's ds_free),
-        # and the bulk stores leave the address arithmetic and the row masks to TMA (the
-        # plain stores below are a good part of a short program's ~4 us epilogue)
-        if cnt > 0:
-            mbarrier.wait(ds_free.index((cnt - 1) % 2), ((cnt - 1) // 2) & 1)
-        k_buf.store(dk.to(dtype))
-        v_buf.store(dv.to(dtype))
-        fence_async_shared()
-        gl.thread_barrier()  # the whole warpgroup has stored before the copies
-        row = k0 + n_start + CID * SPLIT_N
-        tma.async_copy_shared_to_global(desc_dk, [db, kv_h, row, 0], k_smem.index(CID))
-        tma.async_copy_shared_to_global(desc_dv, [db, kv_h, row, 0], v_smem.index(CID))
+        # VARLEN: TMA clips only at the packed total, so a box that runs past this sequence
+        # would write the next one's rows: the keys of a sequence's last, partial block
+        # leave by the plain row-masked stores, every other block by TMA
+        whole_box = True
+        if VARLEN:
+            whole_box = n_start + (CID + 1) * SPLIT_N <= n_k
+        if whole_box:
+            # through shared memory and TMA: this consumer's K and V slots take dK and dV
+            # once every consumer's last dQ product has read the K slots (the last step's
+            # ds_free), and the bulk stores leave the address arithmetic and the row masks
+            # to TMA (the plain stores below are a good part of a short program's ~4 us
+            # epilogue)
+            if cnt > 0:
+                mbarrier.wait(ds_free.index((cnt - 1) % 2), ((cnt - 1) // 2) & 1)
+            k_buf.store(dk.to(dtype))
+            v_buf.store(dv.to(dtype))
+            fence_async_shared()
+            gl.thread_barrier()  # the whole warpgroup has stored before the copies
+            row = k0 + n_start + CID * SPLIT_N
+            tma.async_copy_shared_to_global(desc_dk, [db, kv_h, row, 0], k_smem.index(CID))
+            tma.async_copy_shared_to_global(desc_dv, [db, kv_h, row, 0], v_smem.index(CID))
+        if VARLEN:
+            # the rows of a box that crosses its sequence's end, from registers; masked
+            # rather than under `if not whole_box`: Triton 3.6 does not lower a global store
+            # inside a branch of this partition (ConvertTritonGPUToLLVM fails), so a
+            # consumer that stored by TMA runs these with every row masked off
+            out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
+            # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
+            out_ok = gl.expand_dims((out_rows < n_k) & (not whole_box), 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
+            dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
+                       + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
+            gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
+            dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
+                       + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
+            gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
     else:
         out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
         # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
@@ -507,8 +530,8 @@ def bwd_window_d128_bf16_kernel(
     DK, DV,  # like K and V (pointers)
     DQ_ACC,  # (B, H_Q, N_Q, HEAD_DIM) fp32 zeros: dQ (scaled) is added into it
     # host-made TMA descriptors over DK and DV, [1, 1, SPLIT_N, HEAD_DIM_PAD] boxes, that the
-    # epilogue stores through (rows past N_K clipped); None: plain stores (VARLEN, whose
-    # rows past a sequence are the next one's)
+    # epilogue stores through (rows past N_K clipped; VARLEN: boxes inside their sequence
+    # only, a sequence's last partial block by plain stores); None: plain stores
     DK_DESC, DV_DESC,
     # VARLEN: [B + 1] int32 cumulative sequence lengths (else None). Then Q, K, V, DO, DK, DV
     # and DQ_ACC are the packed (total, H, HEAD_DIM) tensors seen as (1, H, total,
