@@ -46,6 +46,7 @@ import io
 import json
 import math
 import re
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -643,14 +644,28 @@ def interleaved_rounds(items, rounds, time_one):
     return times
 
 
+def record_rounds(row, got, width=100):
+    """Put interleaved_rounds' result for one provider into its row: its error as the
+    status, or its median round as `ms` (and every round as `ms_rounds` when there were
+    several). Returns the median, or None."""
+    if isinstance(got, Exception):
+        row["status"] = f"error: {type(got).__name__}: {str(got)[:width]}"
+        return None
+    if not got:
+        return None
+    ms = statistics.median(got)
+    row["ms"] = round(ms, 4)
+    if len(got) > 1:
+        row["ms_rounds"] = [round(t, 4) for t in got]
+    return ms
+
+
 def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1):
     """Rows for the training, dropout and small suites' cases. `spec`: a user's spec whose
     package is flashgen (see Providers); `progress` advances once per provider and round
     measured. With `rounds` > 1 the providers of a case are timed in alternating order
     `rounds` times (interleaved_rounds) and each row's ms is the median of its rounds
     (`ms_rounds` in the JSON keeps them all)."""
-    import statistics
-
     import torch
     import triton
 
@@ -705,14 +720,8 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1
         times = interleaved_rounds(list(ready), rounds, time_one)
         for row in case_rows:
             name = row["provider"]
-            got = times.get(name)
-            if isinstance(got, Exception):
-                row["status"] = f"error: {type(got).__name__}: {str(got)[:100]}"
-            elif got:
-                ms = statistics.median(got)
-                row["ms"] = round(ms, 4)
-                if rounds > 1:
-                    row["ms_rounds"] = [round(t, 4) for t in got]
+            ms = record_rounds(row, times.get(name))
+            if ms is not None:
                 row["tflops"] = round(tflops(ms, case.b, case.h, case.n, case.d,
                                              case.causal, case.mode), 1)
                 if case.suite == "small" and name == "flashgen":

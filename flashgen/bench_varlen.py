@@ -215,11 +215,9 @@ def measure(cases, log=print, rounds=1) -> list:
     alternating order (bench_suite.interleaved_rounds: a clock drifting during the run
     lands on all of them alike); each row's ms is the median round, `ms_rounds` (rounds >
     1) keeps them all."""
-    import statistics
-
     import torch
 
-    from .bench_suite import interleaved_rounds
+    from .bench_suite import interleaved_rounds, record_rounds
 
     rows = []
     by_shape, groups = {}, {}
@@ -264,14 +262,8 @@ def measure(cases, log=print, rounds=1) -> list:
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:120]}"
         times = interleaved_rounds(list(timers), rounds, lambda name: timers[name]())
         for case, row in group_rows:
-            got = times.get(case["provider"])
-            if isinstance(got, Exception):
-                row["status"] = f"error: {type(got).__name__}: {str(got)[:120]}"
-            elif got:
-                ms = statistics.median(got)
-                row["ms"] = round(ms, 4)
-                if rounds > 1:
-                    row["ms_rounds"] = [round(t, 4) for t in got]
+            ms = record_rounds(row, times.get(case["provider"]), width=120)
+            if ms is not None:
                 row["tflops"] = round(case["flops"] / (ms * 1e-3) / 1e12, 1)
             log(f"{row['mode']} {row['provider']:22s} {row.get('ms', '-')} ms "
                 f"{row.get('tflops', '-')} TFLOP/s {row['status'] if row['status'] != 'ok' else ''}")

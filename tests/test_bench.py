@@ -123,6 +123,19 @@ def test_interleaved_rounds_drop_an_item_that_raises():
     assert isinstance(times["bad"], RuntimeError)
 
 
+def test_record_rounds_fills_a_row():
+    row = {"status": "ok"}
+    assert suite.record_rounds(row, [1.25, 1.0, 3.0]) == 1.25
+    assert row == {"status": "ok", "ms": 1.25, "ms_rounds": [1.25, 1.0, 3.0]}
+    row = {"status": "ok"}
+    assert suite.record_rounds(row, [0.123456]) == 0.123456
+    assert row == {"status": "ok", "ms": 0.1235}  # one round: no ms_rounds
+    row = {"status": "ok"}
+    assert suite.record_rounds(row, ValueError("x" * 300), width=10) is None
+    assert row == {"status": "error: ValueError: xxxxxxxxxx"}
+    assert suite.record_rounds({}, None) is None and suite.record_rounds({}, []) is None
+
+
 def test_no_cuda_exits_2_with_a_message(tmp_path):
     res = flashgen("bench", "--suite", "small", cwd=tmp_path,
                    env_extra={"CUDA_VISIBLE_DEVICES": ""})
