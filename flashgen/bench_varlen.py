@@ -34,8 +34,8 @@ backward 2.5x), so the TFLOP/s of the varlen-shaped providers (the matched row i
 are comparable; the dense row counts its own equal sequences. Times:
 triton.testing.do_bench medians (with --rounds R, the providers of a mode timed R times in
 alternating order and the median round kept); the backward times one saved forward's
-backward. Every varlen-shaped provider's output is checked against flashgen's (bf16 tolerance 3e-2)
-before it is timed. Results: a table on stdout and, with --out, JSON rows.
+backward. Every varlen-shaped provider's output is checked against flashgen's (bf16
+tolerance 3e-2) before it is timed. Results: a table on stdout and, with --out, JSON rows.
 
 The pure parts (lengths, cu_seqlens, FLOPs, the plan and the dry run) run anywhere and are
 tested on the CPU (tests/test_bench_varlen.py)."""

@@ -492,8 +492,8 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
     # ------------------------------------------------------------------------------------
     if desc_dk is not None:
         # VARLEN: TMA clips only at the packed total, so a box that runs past this sequence
-        # would write the next one's rows: the keys of a sequence's last, partial block
-        # leave by the plain row-masked stores, every other block by TMA
+        # would write the next one's rows: a consumer whose rows cross the sequence's end
+        # stores them row-masked from registers, every other one by TMA
         whole_box = True
         if VARLEN:
             whole_box = n_start + (CID + 1) * SPLIT_N <= n_k
