@@ -112,25 +112,26 @@ def case_mods(case, device):
     return kw
 
 
-def mod_reference(kw, n):
+def mod_reference(kw, n, device="cpu"):
     """(score_mod, visible) of the float64 reference for a case's position-based mods,
     written out from their definitions (docs/MODS.md's built-ins) over the global (B, H,
-    N, N) index grids."""
-    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
-    score, visible = (lambda s: s), torch.ones(n, n, dtype=torch.bool)
+    N, N) index grids, on the reference's device (the scores' own: a CUDA reference
+    mixing in CPU index grids failed on the first 2-GPU run)."""
+    i, j = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
+    score, visible = (lambda s: s), torch.ones(n, n, dtype=torch.bool, device=device)
     for name in kw.get("mods", ()):
         if name == "softcap":
             cap = kw["cap"]
             score = (lambda f, c: lambda s: c * torch.tanh(f(s) / c))(score, cap)
         elif name == "alibi":
-            slope = kw["slope"].double().cpu()[None, :, None, None]
+            slope = kw["slope"].double().to(device)[None, :, None, None]
             score = (lambda f, sl: lambda s: f(s) - sl * (i - j).abs())(score, slope)
         elif name == "relative_bias":
-            bias = kw["rel_bias"].double().cpu()  # [H, 2 * max_distance + 1]
+            bias = kw["rel_bias"].double().to(device)  # [H, 2 * max_distance + 1]
             idx = (j - i + (bias.shape[1] - 1) // 2).clamp(0, bias.shape[1] - 1)
             score = (lambda f, t: lambda s: f(s) + t)(score, bias[:, idx][None])
         elif name == "prefix_lm":
-            plen = kw["prefix_len"].cpu()[:, None, None, None]
+            plen = kw["prefix_len"].to(device)[:, None, None, None]
             visible = visible & ((j < plen) | (j <= i))
         elif name == "window_sinks":
             sinks, window = kw["sinks"], kw["window"]
@@ -176,8 +177,8 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         torch.manual_seed(rng_seed)
         keep = pkg.dropout_mask(b, h, n, n, p, device=device)
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
-    vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True)
-    score_mod, mod_vis = mod_reference(mods, n)
+    vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True).to(device)
+    score_mod, mod_vis = mod_reference(mods, n, device)
     r_out, r_lse = attention_ref(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2),
                                  vis & mod_vis, score_mod=score_mod, keep=keep, dropout_p=p)
     r_out = r_out.transpose(1, 2)

@@ -71,7 +71,8 @@ def test_32k_exactness(pkg_dir, tmp_path):
     """The bar's check, in one world (process start-up and compilation once): at 32k
     tokens every rank's results are as close to the single-GPU fp32 result as the
     single-GPU bf16 call is, within a margin -- both strategies, causal, a window and no
-    mask, and the ring with fp32 dK/dV sums as well as the default bf16 ones."""
+    mask, and the ring with the default fp32 dK/dV sums as well as the opt-in 16-bit ones
+    (grad_sum_dtype="input", which rounds once per piece and hop: a bar of its own)."""
     cases = []
     # (ordered so that cases sharing a mask follow each other: the worker computes the
     # single-GPU results once per mask)
@@ -80,9 +81,9 @@ def test_32k_exactness(pkg_dir, tmp_path):
             cases.append(dict(case(32768, causal=causal, window=window, strategy=strategy,
                                    dtype="bf16", heads=(8, 2)), vs_fp32=True))
         if causal and window == (-1, -1):
-            # fp32 dK/dV sums, and the backward in two head groups
+            # 16-bit dK/dV sums, and the backward in two head groups
             cases.append(dict(case(32768, causal=True, dtype="bf16", heads=(8, 2),
-                                   grad_sum="float32"), vs_fp32=True))
+                                   grad_sum="input"), vs_fp32=True))
             cases.append(dict(case(32768, causal=True, dtype="bf16", heads=(8, 2),
                                    head_groups=2), vs_fp32=True))
     for c in cases:
@@ -98,15 +99,17 @@ def test_32k_exactness(pkg_dir, tmp_path):
         for res in results:
             c = res["case"]
             what = (rank, c["strategy"], c["causal"], tuple(c["window"]),
-                    c.get("grad_sum", "input"), c.get("head_groups", "auto"))
+                    c.get("grad_sum", "float32"), c.get("head_groups", "auto"))
             table.append(f"{what}: ring {['%.2e' % e for e in res['ring_vs_fp32']]} "
                          f"single {['%.2e' % e for e in res['single_vs_fp32']]}")
             if res["nan"]:
                 failures.append((what, "NaN"))
+            # the pieces round P and dS to bf16 like the single-GPU call and sum dQ, dK, dV
+            # in fp32, rounded once at the end: the single call's error, within a margin.
+            # 16-bit sums round each piece's addition and each hop as well: dK/dV to 2x
+            margin = 2.0 if c.get("grad_sum") == "input" else 1.5
             for name, ring, one in zip(names, res["ring_vs_fp32"], res["single_vs_fp32"]):
-                # the pieces round P and dS to bf16 like the single-GPU call; each piece's
-                # dK, dV is rounded to bf16 once and (by default) so is their running sum
-                if not ring <= 1.5 * one + 1e-3:
+                if not ring <= (margin if name in ("dk", "dv") else 1.5) * one + 1e-3:
                     failures.append((what, f"{name}: context-parallel error {ring:.3e} vs "
                                            f"single-GPU {one:.3e} (both against fp32)"))
     print("\n".join(table))

@@ -11,7 +11,8 @@ transfers (tests/test_ring_gpu.py, which needs 2 GPUs). Checked against float64:
   * the backward in K/V head groups (FLASHGEN_CP_HEAD_GROUPS) on generated/llama_attn,
     GQA 8:4, against one group: the same arithmetic per head;
   * a test package's fp32 d = 128 backward (the planner once chose a tile that needed
-    262912 B of shared memory and did not launch).
+    262912 B of shared memory and did not launch);
+  * a piece's dK/dV kept in fp32 by the Gluon backward (generated/llama_attn, d = 128).
 """
 import sys
 from pathlib import Path
@@ -31,6 +32,7 @@ pytestmark = [
 
 from flashgen.reference import attention_ref  # noqa: E402
 from ring_worker import mod_reference  # noqa: E402
+from test_ring import piece_grads_keep_fp32  # noqa: E402
 
 
 def _inputs(b, n, h, hk, d, dtype, seed=0):
@@ -195,3 +197,11 @@ def test_gluon_dropout_forward_pieces_draw_the_single_call_mask(dropout_d128_pkg
                            keep=keep, dropout_p=p)
     _check(outs[1], outs[0], OUT_TOL[torch.bfloat16], "gluon dropout ring vs single")
     _check(outs[1], ref.transpose(1, 2), OUT_TOL[torch.bfloat16], "gluon dropout ring vs float64")
+
+
+def test_piece_grads_keep_fp32():
+    """The Gluon backward stores an fp32 dK/dV from registers (no TMA through 16-bit K/V
+    slots): the same accumulators as the 16-bit call, before its rounding."""
+    import llama_attn as pkg
+
+    piece_grads_keep_fp32(pkg, "cuda", 128)

@@ -1115,7 +1115,9 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     `dq_accum` (with dq=None): an fp32 (B, H, N_q, d) view that dQ is ADDED into instead
     of being written to dq -- a caller summing dQ over several calls (context parallelism's
     pieces). The Gluon kernel sums straight into it (no dQ-sized scratch, no conversion);
-    the `tl` kernels write a dQ in the input dtype that is then added.
+    the `tl` kernels write a dQ in the input dtype that is then added. dk and dv are in
+    the input dtype or in fp32 (such a caller's pieces, never rounded to 16 bits before
+    their sum; the Gluon kernel then stores them from registers, not by TMA).
 
     Like the forward, everything but the tensors' addresses and the dropout stream is
     computed once per call signature (a backward plan: three Launchers and their integer
@@ -1133,7 +1135,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         raise ValueError("backward: pass exactly one of dq and dq_accum")
     dq_like = dq if dq is not None else dq_accum
     key = (q.shape, k.shape, q.stride(), k.stride(), v.stride(), do.stride(), o.stride(),
-           dq_like.stride(), dk.stride(), dv.stride(), q.dtype, q.device, mask, lo, hi, scale,
+           dq_like.stride(), dk.stride(), dv.stride(), q.dtype, dk.dtype, dv.dtype, q.device,
+           mask, lo, hi, scale,
            widths, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, v.data_ptr() % 16 == 0,
            do.data_ptr() % 16 == 0,  # o, dq, dk, dv: fresh allocations, always aligned
            torch.are_deterministic_algorithms_enabled(),
@@ -1482,8 +1485,9 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv,
                            checked=False) -> tuple:
     """The host-made TMA descriptors of the Gluon backward, in its argument order: Q, K, V,
     dO over (B, H, N, d) (a box past N or past d reads zeros), LSE and D as flat
-    vectors, the dQ sum, and dK, dV (stored through; None where TMA cannot write them:
-    the epilogue then stores from registers). checked: the plan's first call made them
+    vectors, the dQ sum, and dK, dV (stored through; None where TMA cannot write them --
+    misaligned, or fp32 pieces whose K/V slots hold 16 bits: the epilogue then stores
+    from registers). checked: the plan's first call made them
     through TensorDescriptor's own checks, so these are made without them (_bare_descriptor)."""
     (qd_box, kv_box, dq_box, vec_box), lay = boxes
     make = _descriptor_maker(checked)
@@ -1497,7 +1501,8 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv,
             desc(delta.view(-1), vec_box, lay["VEC_LAYOUT"]),
             desc(dq_acc, dq_box, lay["DQ_LAYOUT"]),
             *((desc(dk, kv_box, lay["KV_LAYOUT"]), desc(dv, kv_box, lay["KV_LAYOUT"]))
-              if _descriptor_ready((dk, dk.stride()), (dv, dv.stride())) else (None, None)))
+              if dk.dtype == dv.dtype == k.dtype
+              and _descriptor_ready((dk, dk.stride()), (dv, dv.stride())) else (None, None)))
 
 
 def _bare_descriptors():

@@ -43,10 +43,11 @@ Backward: every piece's backward is the package's own backward kernels, called w
 GLOBAL (merged) output and LSE: D = rowsum(dO * O) and P = exp(S - LSE) are then those of
 the whole sequence, so each piece's dS is exact and dQ, dK, dV are sums of exact pieces,
 in a fixed order: results are deterministic for a fixed world size and layout. dQ is
-summed in fp32. A shard's dK/dV sum travels in `grad_sum_dtype` (FLASHGEN_CP_GRAD_SUM):
-"input" (default) sends it in the inputs' dtype, a bf16/fp16 rounding per hop (each
-hop's add is done in fp32), which halves the backward's largest buffers; "float32"
-keeps fp32 sums (exactly the single-process kernel's arithmetic, more memory).
+summed in fp32, and so is each piece's dK/dV. A shard's dK/dV sum travels in
+`grad_sum_dtype` (FLASHGEN_CP_GRAD_SUM): "float32" (default) keeps it fp32, rounded once
+at the end as the single-process kernel rounds its dK/dV; "input" sends it in the
+inputs' dtype, a bf16/fp16 rounding per piece and hop, which halves the sums' buffers
+and transfers.
 
 Memory layout: the buffers a rank allocates (outputs, partial outputs, sums) follow the
 memory order of its q, so SDPA-layout shards (B, H, N / world, d) keep each head's rows
@@ -379,12 +380,14 @@ def _merge(acc, lse_acc, out, lse, qs):
 def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None, drop=None):
     """One planned call's backward (against the GLOBAL out and lse): its dq is added into
     the fp32 accumulator dq_acc (B, N, H, d) -- by the Gluon kernel itself, which sums
-    dQ in fp32 anyway -- and its (dk, dv) over the call's keys are returned in the input
-    dtype, for the caller to add where the shard's sum is."""
+    dQ in fp32 anyway -- and its (dk, dv) over the call's keys are returned in fp32, for
+    the caller to add where the shard's sum is. (In the input dtype, every piece was
+    rounded once more than the single-GPU call's dK/dV: at 32k tokens on 2 ranks that
+    made dK's error against fp32 1.7x the single-GPU call's.)"""
     qs, qn, ks, kn, mask, lo, hi = call[:7]
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
-    dk = _empty_as(k, kp.shape)
-    dv = _empty_as(v, vp.shape)
+    dk = _empty_as(k, kp.shape, torch.float32)
+    dv = _empty_as(v, vp.shape, torch.float32)
     _runtime.backward(_bhnd(do.narrow(1, qs, qn)), _bhnd(qp), _bhnd(kp), _bhnd(vp),
                       _bhnd(out.narrow(1, qs, qn)), lse.narrow(2, qs, qn).contiguous(),
                       None, _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale,
@@ -394,8 +397,8 @@ def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None, drop=
 
 
 def _add_piece(dkv, call, dk, dv):
-    """dkv[:, rows of the call's keys] += (dk, dv). A 16-bit sum is added to in fp32 and
-    rounded once (torch's add_ of two bf16 tensors computes in fp32 too)."""
+    """dkv[:, rows of the call's keys] += (dk, dv), fp32 pieces. A 16-bit sum is added to
+    in fp32 and rounded once per piece."""
     ks, kn = call[2], call[3]
     dkv[0].narrow(1, ks, kn).add_(dk)
     dkv[1].narrow(1, ks, kn).add_(dv)
@@ -403,7 +406,7 @@ def _add_piece(dkv, call, dk, dv):
 
 def _grad_sum_dtype(choice, dtype):
     if choice is None:
-        choice = os.environ.get(GRAD_SUM_ENV, "") or "input"
+        choice = os.environ.get(GRAD_SUM_ENV, "") or "float32"
     if choice not in GRAD_SUMS:
         raise ValueError(f"grad_sum_dtype={choice!r} (or {GRAD_SUM_ENV}): expected one of "
                          f"{GRAD_SUMS}")
@@ -541,8 +544,8 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
     ring as in the forward; with each K/V shard travels the sum of its (dK, dV) over the ranks it has visited (in
     cfg["grad_sum"]: the input dtype or fp32), which is back at its owner after a full
     turn. Memory: a shard's sum is started by its owner and then only ever held as the
-    buffer it arrived in -- the pieces of a step write (dk, dv) in the input dtype and are
-    added into it."""
+    buffer it arrived in -- the pieces of a step write (dk, dv) in fp32 and are added into
+    it."""
     ring, layout, causal, window, scale = cfg["ring"], cfg["layout"], cfg["causal"], cfg["window"], cfg["scale"]
     rank, world = ring.rank, ring.world
     b, n_local, h, d = q.shape
@@ -860,9 +863,10 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
     this rank's output rows (B, N / world, H_q, d) and, with return_lse, their log-sum-exp
     (B, H_q, N / world) fp32. Masks apply to global positions (self-attention, N_q = N_k).
     strategy: "ring" or "allgather" (default FLASHGEN_CP_STRATEGY, else "ring").
-    grad_sum_dtype: the dtype a K/V shard's dK/dV sum travels the ring in, "input" (the
-    inputs' dtype: one rounding per hop, half the memory) or "float32" (default
-    FLASHGEN_CP_GRAD_SUM, else "input"); the all-gather strategy always sums in fp32.
+    grad_sum_dtype: the dtype a K/V shard's dK/dV sum travels the ring in, "float32"
+    (default FLASHGEN_CP_GRAD_SUM, else "float32": rounded once, as one GPU rounds) or
+    "input" (the inputs' dtype: a rounding per piece and hop, half the sums' memory); the
+    all-gather strategy always sums in fp32.
     mods: the spec's mods as in flash_attn_func (mods=("alibi",), slope=slopes), seeing
     global positions; mods with a tensor along the sequence (document, key_padding, bias)
     and sinks raise NotImplementedError (docs/RING.md).

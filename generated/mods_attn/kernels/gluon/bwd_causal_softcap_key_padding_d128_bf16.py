@@ -576,25 +576,29 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             # rather than under `if not whole_box`: Triton 3.6 does not lower a global store
             # inside a branch of this partition (ConvertTritonGPUToLLVM fails), so a
             # consumer that stored by TMA runs these with every row masked off
+            # in dK / dV's own dtype: fp32 for a caller that sums pieces (context parallelism),
+            # which then never sees a piece rounded to 16 bits
             out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
             # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
             out_ok = gl.expand_dims((out_rows < n_k) & (not whole_box), 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
             dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
                        + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
-            gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
+            gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok)
             dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
                        + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
-            gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
+            gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok)
     else:
+        # in dK / dV's own dtype: fp32 for a caller that sums pieces (context parallelism),
+        # which then never sees a piece rounded to 16 bits
         out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
         # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
         out_ok = gl.expand_dims(out_rows < n_k, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
         dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
                    + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
-        gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
+        gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok)
         dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
                    + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
-        gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
+        gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok)
     tma.store_wait(0)
 
 
@@ -913,15 +917,17 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
             tma.async_copy_shared_to_global(desc_dk, [b, kv_h, row, 0], dk_stage)
             tma.async_copy_shared_to_global(desc_dv, [b, kv_h, row, 0], dv_stage)
         else:
+            # in dK / dV's own dtype: fp32 for a caller that sums pieces (context parallelism),
+            # which then never sees a piece rounded to 16 bits
             out_rows = gl.arange(0, SPLIT_N, layout=gl.SliceLayout(1, d_layout)) + n_start + CID * SPLIT_N
             # (VARLEN: rows of its sequence only; past its end are the next sequence's rows)
             out_ok = gl.expand_dims(out_rows < n_k, 1) & gl.expand_dims(d_cols < HEAD_DIM, 0)
             dk_ptrs = (DK + db.to(gl.int64) * stride_dkb + kv_h.to(gl.int64) * stride_dkh
                        + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dkn, 1) + gl.expand_dims(d_cols, 0))
-            gl.store(dk_ptrs, dk.to(dtype), mask=out_ok)
+            gl.store(dk_ptrs, dk.to(DK.dtype.element_ty), mask=out_ok)
             dv_ptrs = (DV + db.to(gl.int64) * stride_dvb + kv_h.to(gl.int64) * stride_dvh
                        + gl.expand_dims((k0 + out_rows).to(gl.int64) * stride_dvn, 1) + gl.expand_dims(d_cols, 0))
-            gl.store(dv_ptrs, dv.to(dtype), mask=out_ok)
+            gl.store(dv_ptrs, dv.to(DV.dtype.element_ty), mask=out_ok)
         t += 1
         item = _take(item_smem, item_full, item_empty, t, one)
     tma.store_wait(0)
