@@ -1,0 +1,619 @@
+"""How each kind of self-test case runs (flashgen.selftest.cases.run_case calls `run`):
+inputs made from the case's seed, the package's public call with the memory it allocates
+poisoned, and the float64 reference.
+
+The reference is flashgen.reference's attention written from its definition; the mods are
+written out here from their documented expressions (docs/MODS.md's table), not taken from
+the package or from flashgen's expression compiler, so a mistake there cannot cancel out.
+Inputs are drawn on the CPU from the case's seed (the same values on every device) and
+placed in the case's memory layout inside NaN-filled buffers: a kernel that reads past a
+view's rows or columns turns the result into NaN.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import traceback
+
+import torch
+
+from ..reference import attention_ref, dropout_keep_rate, visible_mask
+from .cases import KINDS, Case
+
+# dtype -> (atol, rtol) of an output against the float64 reference, |got - ref| <= atol +
+# rtol |ref| element by element; the values of tests/conftest.py (which says why), which a
+# wheel install does not ship
+OUT_TOL = {"fp32": (2e-5, 2e-5), "fp16": (2e-3, 2e-3), "bf16": (1.6e-2, 1.6e-2)}
+GRAD_TOL = {"fp32": (1e-4, 1e-4), "fp16": (5e-3, 5e-3), "bf16": (4e-2, 4e-2)}
+LSE_TOL = (1e-4, 1e-5)
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+F64 = torch.float64
+
+
+# ----------------------------------------------------------------------------------------
+# Judging outputs
+# ----------------------------------------------------------------------------------------
+class Checker:
+    """Collects, per output, the worst |got - ref| / (atol + rtol |ref|) and every other
+    problem (NaN, a wrong -inf pattern, a row that sees no key but is not 0)."""
+
+    def __init__(self, ref_device: str):
+        self.device = torch.device(ref_device)
+        self.errors: dict[str, float] = {}
+        self.problems: list[str] = []
+
+    def _f64(self, t) -> torch.Tensor:
+        return t.detach().to(self.device, F64)
+
+    def close(self, name: str, got, ref, tol) -> None:
+        if got is None:
+            self.problems.append(f"{name}: no value (no gradient reached it)")
+            self.errors[name] = float("nan")
+            return
+        got, ref = self._f64(got), self._f64(ref)
+        if got.shape != ref.shape:
+            self.problems.append(f"{name}: shape {tuple(got.shape)}, expected {tuple(ref.shape)}")
+            self.errors[name] = float("nan")
+            return
+        nan = int(torch.isnan(got).sum())
+        if nan:
+            self.problems.append(f"{name}: {nan} of {got.numel()} elements NaN (produced, or "
+                                 "never written)")
+            self.errors[name] = float("nan")
+            return
+        atol, rtol = tol
+        ratio = ((got - ref).abs() / (atol + rtol * ref.abs())).max().item() if got.numel() else 0.0
+        self.errors[name] = ratio if ratio == ratio else float("inf")  # (inf - inf: wrong)
+
+    def lse(self, name: str, got, ref) -> torch.Tensor:
+        """The LSE: -inf exactly where the reference's row sees nothing (returned, on the
+        reference's device), the rest within LSE_TOL."""
+        got, ref = self._f64(got), self._f64(ref)
+        masked = torch.isneginf(ref)
+        if got.shape != ref.shape:
+            self.close(name, got, ref, LSE_TOL)
+            return masked
+        wrong = int((masked != torch.isneginf(got)).sum())
+        if wrong:
+            self.problems.append(f"{name}: {wrong} rows' -inf differs from the reference (-inf "
+                                 "exactly for the rows that see no key)")
+        seen = ~masked & ~torch.isneginf(got)
+        self.close(name, got[seen], ref[seen], LSE_TOL)
+        return masked
+
+    def zero_rows(self, name: str, out, masked) -> None:
+        """`masked` (out's shape without the head dim): rows that see no key, which must be
+        exactly 0."""
+        rows = self._f64(out)[masked.to(self.device)]
+        bad = int((rows != 0).any(-1).sum()) if rows.numel() else 0
+        if bad:
+            self.problems.append(f"{name}: {bad} rows that see no key are not 0")
+
+    def exact(self, name: str, got, want) -> None:
+        same = torch.equal(got.detach().cpu(), want.detach().cpu())
+        self.errors[name] = 0.0 if same else float("inf")
+        if not same:
+            diff = int((got.detach().cpu() != want.detach().cpu()).sum())
+            self.problems.append(f"{name}: {diff} elements differ from the expected cache")
+
+
+def describe_exception(e: BaseException) -> str:
+    """One line: the exception, its first message line and where it was raised."""
+    lines = str(e).strip().splitlines() or [""]
+    text = f"{type(e).__name__}: {lines[0][:400]}"
+    frames = traceback.extract_tb(e.__traceback__)
+    if frames:
+        f = frames[-1]
+        text += f" (at {'/'.join(f.filename.split('/')[-2:])}:{f.lineno})"
+    return text
+
+
+# ----------------------------------------------------------------------------------------
+# Running: family, tiles, poisoned allocations, inputs
+# ----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def kernel_family(pkg, family: str, device: str):
+    """Send the package's calls to `family` for the block (auto: its default choice) and
+    yield a note when Gluon was asked for where it cannot run (a CPU, the interpreter, a
+    GPU before Hopper): the case then runs `tl`, and says so. `use_family` rather than
+    override_config(family=...), whose Gluon config would also reshape decode's tiles."""
+    rt = pkg._runtime
+    saved = rt._FORCED_FAMILY
+    note = ""
+    try:
+        rt.use_family("")
+        if family == "gluon":
+            why = rt.gluon_ready(torch.device(device))
+            if why is not None:
+                note, family = f"family gluon ran as tl: {why}", "tl"
+        rt.use_family("" if family == "auto" else family)
+        yield note
+    finally:
+        rt.use_family(saved)
+
+
+@contextlib.contextmanager
+def poisoned():
+    """Every floating-point tensor torch.empty / empty_like / empty_strided / new_empty
+    makes in the block is NaN-filled: an output element a kernel never writes shows."""
+    def poisoning(make):
+        def made(*args, **kwargs):
+            t = make(*args, **kwargs)
+            if t.is_floating_point() and t.numel():
+                t.fill_(float("nan"))
+            return t
+        return made
+
+    saved = torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty
+    torch.empty, torch.empty_like, torch.empty_strided = (poisoning(f) for f in saved[:3])
+    torch.Tensor.new_empty = poisoning(saved[3])
+    try:
+        yield
+    finally:
+        torch.empty, torch.empty_like, torch.empty_strided, torch.Tensor.new_empty = saved
+
+
+def synchronize(device: str) -> None:
+    """On CUDA, wait for the case's kernels, so an asynchronous error is this case's."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def rng_state(device: str):
+    dev = torch.device(device)
+    return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+
+def set_rng_state(device: str, state) -> None:
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_rng_state(state, dev)
+    else:
+        torch.set_rng_state(state)
+
+
+def replay_keep(pkg, device, state, shape, p):
+    """The keep mask the dropout call made from generator `state` drew (the package's
+    dropout_mask hook), leaving the generator where the call left it."""
+    after = rng_state(device)
+    set_rng_state(device, state)
+    keep = pkg.dropout_mask(*shape, p, device=device)
+    set_rng_state(device, after)
+    return keep
+
+
+def randn(g: torch.Generator, shape, dtype, scale: float = 1.0) -> torch.Tensor:
+    """Normal values on the CPU in `dtype` (then exact in float64 for the reference)."""
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def placed(x: torch.Tensor, layout: str, device) -> torch.Tensor:
+    """x (..., T, H, D) copied into `layout` on `device` inside a NaN-filled buffer (see
+    cases.LAYOUTS; "qkv" is made by the caller)."""
+    *lead, t, h, d = x.shape
+    nan = float("nan")
+    if layout in ("none", "qkv"):
+        return x.to(device).contiguous()
+    if layout == "heads":
+        view = torch.full((*lead, t, h + 3, d), nan, dtype=x.dtype, device=device)[..., 1:h + 1, :]
+    elif layout in ("pad", "odd"):
+        view = torch.full((*lead, t, h, d + (8 if layout == "pad" else 1)), nan, dtype=x.dtype,
+                          device=device)[..., :d]
+    elif layout == "bhnd":
+        view = torch.full((*lead, h, t, d), nan, dtype=x.dtype, device=device).transpose(-3, -2)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    view.copy_(x.to(device))
+    return view
+
+
+def fused_qkv(q, k, v, device):
+    """q, k, v as views of one (..., T, Hq + 2 Hkv, d) tensor (a fused projection)."""
+    buf = torch.cat([q, k, v], dim=-2).to(device)
+    hq, hk = q.shape[-2], k.shape[-2]
+    return buf[..., :hq, :], buf[..., hq:hq + hk, :], buf[..., hq + hk:, :]
+
+
+def leaves(*ts):
+    return [t.requires_grad_() for t in ts]
+
+
+def grads_or_zeros(out, inputs, grad_out):
+    """The reference's gradients; an input the output does not depend on gets zeros."""
+    got = torch.autograd.grad(out, inputs, grad_out, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for x, g in zip(inputs, got)]
+
+
+# ----------------------------------------------------------------------------------------
+# Mods: inputs and the reference, from docs/MODS.md's definitions
+# ----------------------------------------------------------------------------------------
+class Mods:
+    """A case's mods: the call's keyword arguments, and the reference's score mod, mask and
+    sink as functions of index grids (b, h, i = q_idx, j = kv_idx: long tensors that
+    broadcast to the scores)."""
+
+    def __init__(self, case: Case, pkg, g: torch.Generator, device, batch: int, n_q: int,
+                 n_k: int, grad: bool):
+        decl = pkg._registry.MODS
+        self.names = tuple(case.mods)
+        self.kwargs: dict = {}
+        self.grads: dict[str, torch.Tensor] = {}  # name -> the tensor the call differentiates
+        self.params: dict = {}
+        self.host: dict[str, torch.Tensor] = {}   # the tensors' values, on the CPU
+        heads, n = case.h_q, max(n_q, n_k)
+        for m in self.names:
+            if m not in decl:
+                raise ValueError(f"{case.package} has no mod {m!r}")
+            for p, default in decl[m]["params"].items():
+                self.params[p] = dict(case.mod_params).get(p, default)
+        if not self.names:
+            return
+        self.kwargs["mods"] = self.names
+        self.kwargs.update({p: v for p, v in case.mod_params})
+        for m in self.names:
+            if m == "alibi":
+                self.host["slope"] = torch.rand(heads, generator=g) * 0.95 + 0.05
+            elif m == "relative_bias":
+                r = 2 * int(self.params["max_distance"]) + 1
+                self.host["rel_bias"] = torch.randn(heads, r, generator=g) * 0.5
+            elif m == "prefix_lm":
+                self.host["prefix_len"] = torch.randint(0, n_k + 1, (batch,), generator=g,
+                                                        dtype=torch.int32)
+            elif m == "document":
+                runs = max(2, n // 8)
+                ids = torch.randint(0, runs, (batch, n), generator=g)
+                self.host["doc"] = torch.sort(ids, -1).values.to(torch.int32)
+            elif m == "key_padding":
+                self.host["keep"] = padding(g, batch, n_k)
+            elif m == "sink_logits":
+                self.host["sinks"] = torch.randn(heads, generator=g)
+        for name, value in self.host.items():
+            t = value.to(device)
+            if name == "sinks" and grad:
+                t.requires_grad_()
+                self.grads["d" + name] = t
+            self.kwargs[name] = t
+
+    def _t(self, name, like):
+        t = self.host[name].to(like.device)
+        return t.to(F64) if t.is_floating_point() else t
+
+    def score(self, s, b, h, i, j, leaves=None):
+        """The score mods in order; `leaves` replace tensors by differentiable copies."""
+        leaves = leaves or {}
+        for m in self.names:
+            if m == "softcap":
+                cap = float(self.params["cap"])
+                s = cap * torch.tanh(s / cap)
+            elif m == "alibi":
+                s = s - self._t("slope", s)[h] * (i - j).abs()
+            elif m == "relative_bias":
+                rel, dist = self._t("rel_bias", s), int(self.params["max_distance"])
+                s = s + rel[h, (j - i + dist).clamp(0, rel.shape[1] - 1)]
+        return s
+
+    def mask(self, b, h, i, j):
+        """The mask mods ANDed (None without one)."""
+        out = None
+        for m in self.names:
+            if m == "prefix_lm":
+                v = (j < self._t("prefix_len", i).long()[b]) | (j <= i)
+            elif m == "document":
+                doc = self._t("doc", i).long()
+                v = doc[b, i] == doc[b, j]
+            elif m == "key_padding":
+                v = self._t("keep", i)[b, j]
+            elif m == "window_sinks":
+                sinks, window = int(self.params["sinks"]), int(self.params["window"])
+                v = (j <= i) & ((j < sinks) | (i - j <= window))
+            else:
+                continue
+            out = v if out is None else out & v
+        return out
+
+    def sink(self, b, h, leaves=None):
+        """(len(b), H) sink logits, or None."""
+        if "sink_logits" not in self.names:
+            return None
+        sinks = (leaves or {}).get("dsinks")
+        sinks = self._t("sinks", b) if sinks is None else sinks
+        return sinks[h.view(1, -1)].expand(b.numel(), -1)
+
+    def has_score(self) -> bool:
+        return any(m in ("softcap", "alibi", "relative_bias") for m in self.names)
+
+
+def padding(g, batch: int, n: int) -> torch.Tensor:
+    """[batch, n] bool key-padding masks: right-padded, left-padded, scattered, or (one in
+    eight) all padding -- a batch element whose rows see no key."""
+    keep = torch.ones(batch, n, dtype=torch.bool)
+    for b in range(batch):
+        kind = int(torch.randint(0, 8, (1,), generator=g))
+        cut = int(torch.randint(0, n + 1, (1,), generator=g))
+        if kind < 3:
+            keep[b, cut:] = False
+        elif kind < 6:
+            keep[b, :cut] = False
+        elif kind < 7:
+            keep[b] = torch.rand(n, generator=g) > 0.3
+        else:
+            keep[b] = False
+    return keep
+
+
+def reference(q, k, v, visible, *, mods: Mods | None, b_index, positions=None, keep=None,
+              p=0.0, mod_leaves=None, bias=None):
+    """(out (B, Nq, Hq, dv), lse (B, Hq, Nq)) in float64 for (B, N, H, d) inputs on one
+    device; `b_index` the batch indices the mods see, `positions` the queries' q_idx
+    (default 0..Nq-1), `bias` an additive (attn_mask) float bias broadcastable to
+    (B, H, Nq, Nk)."""
+    bq, n_q, h_q, _ = q.shape
+    n_k, dev = k.shape[1], q.device
+    b = b_index.to(dev).view(-1, 1, 1, 1)
+    h = torch.arange(h_q, device=dev).view(1, -1, 1, 1)
+    i = (torch.arange(n_q, device=dev) if positions is None else positions.to(dev)).view(-1, 1)
+    j = torch.arange(n_k, device=dev).view(1, -1)
+    vis = visible.to(dev)
+    score_mod, sink = None, None
+    if mods is not None and mods.names:
+        extra = mods.mask(b, h, i, j)
+        vis = vis if extra is None else vis & extra
+        if mods.has_score():
+            score_mod = lambda s: mods.score(s, b, h, i, j, mod_leaves)  # noqa: E731
+        sink = mods.sink(b.view(-1), h.view(-1), mod_leaves)
+    if bias is not None:
+        inner = score_mod
+        score_mod = lambda s: (s if inner is None else inner(s)) + bias  # noqa: E731
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    out, lse = attention_ref(t(q), t(k), t(v), vis, keep=keep, dropout_p=p,
+                             score_mod=score_mod, sink=sink)
+    return t(out), lse
+
+
+def scaled(tol, p: float):
+    """A tolerance grown by dropout's survivor scale (the outputs grow by it)."""
+    s = 1.0 / dropout_keep_rate(p)
+    return (tol[0] * s, tol[1] * s)
+
+
+# ----------------------------------------------------------------------------------------
+# The kinds
+# ----------------------------------------------------------------------------------------
+def run(case: Case, pkg, device: str, ref_device: str):
+    """(errors, problems, note) of one case: see cases.run_case."""
+    check = Checker(ref_device)
+    with kernel_family(pkg, case.family, device) as note:
+        tiles = (pkg._runtime.override_config(block_m=case.tiles, block_n=case.tiles,
+                                              num_warps=4, num_stages=1)
+                 if case.tiles else contextlib.nullcontext())
+        with tiles:
+            RUNNERS[case.kind](case, pkg, device, check)
+    return check.errors, check.problems, note
+
+
+def _dense(case: Case, pkg, device: str, check: Checker) -> None:
+    """A dense training call (flash_attn_func, scaled_dot_product_attention, the packed
+    QKV call, or the ring call at world size 1: kind ring_merge) forward and backward."""
+    g = torch.Generator().manual_seed(case.seed)
+    dt, p, ring = TORCH_DTYPES[case.dtype], case.dropout, case.kind == "ring_merge"
+    bsz, hq, hk, d, dv = case.batch, case.h_q, case.h_kv, case.d, case.v_dim
+    nq, nk = (case.n_q, case.n_q) if ring else (case.n_q, case.n_k)
+    qv, kv, vv = randn(g, (bsz, nq, hq, d), dt), randn(g, (bsz, nk, hk, d), dt), randn(g, (bsz, nk, hk, dv), dt)
+    do = randn(g, (bsz, nq, hq, dv), dt).to(device)
+    mods = Mods(case, pkg, g, device, bsz, nq, nk, grad=True)
+    bias_leaf, call_kw = None, dict(mods.kwargs)
+    if case.kind == "attn_mask":
+        bias_leaf, call_kw["attn_mask"] = _attn_mask(case, g, bsz, hq, nq, nk, device)
+    if case.api == "packed":
+        qkv = placed(torch.stack([qv, kv, vv], dim=2), case.strided, device).requires_grad_()
+        inputs = [qkv]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+        if case.strided == "qkv":
+            q, k, v = fused_qkv(qv, kv, vv, device)
+        else:
+            q, k, v = (placed(x, case.strided, device) for x in (qv, kv, vv))
+        inputs = leaves(q, k, v)
+    window, lse = tuple(case.window), None
+    state = rng_state(device)
+    with poisoned():
+        if ring:
+            fn = pkg.ring_scaled_dot_product_attention if case.api == "sdpa" else pkg.ring_flash_attn_func
+            kw = dict(dropout_p=p, window_size=window, return_lse=case.return_lse,
+                      strategy=case.option("strategy", "ring"), layout=case.option("layout", "zigzag"),
+                      **call_kw)
+            if case.api == "sdpa":
+                res = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=case.causal,
+                         enable_gqa=hq != hk, **kw)
+            else:
+                res = fn(q, k, v, causal=case.causal, **kw)
+            out, lse = res if case.return_lse else (res, None)
+            out = out.transpose(1, 2) if case.api == "sdpa" else out
+        elif case.api == "sdpa":
+            out = pkg.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p,
+                is_causal=case.causal, enable_gqa=hq != hk, **call_kw).transpose(1, 2)
+        elif case.api == "packed":
+            res = pkg.flash_attn_qkvpacked_func(qkv, dropout_p=p, causal=case.causal,
+                                                window_size=window, return_lse=case.return_lse)
+            out, lse = res if case.return_lse else (res, None)
+        else:
+            res = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=case.causal,
+                                      window_size=window, return_lse=case.return_lse, **call_kw)
+            out, lse = res if case.return_lse else (res, None)
+        extra = list(mods.grads.values()) + ([call_kw["attn_mask"]] if bias_leaf is not None else [])
+        grads = torch.autograd.grad(out, inputs + extra, do, allow_unused=True)
+        synchronize(device)
+    keep = replay_keep(pkg, device, state, (bsz, hq, nq, nk), p) if p else None
+
+    rdev = check.device
+    r_q, r_k, r_v = (x.to(rdev, F64).requires_grad_() for x in (qv, kv, vv))
+    r_mod = {name: t.detach().to(rdev, F64).requires_grad_() for name, t in mods.grads.items()}
+    r_bias = None if bias_leaf is None else bias_leaf.to(rdev, F64).requires_grad_()
+    top_left = case.api == "sdpa" and not ring
+    vis = visible_mask(nq, nk, causal=case.causal, window=window, bottom_right=not top_left)
+    if case.kind == "attn_mask" and bias_leaf is None:  # a boolean mask
+        vis = vis.to(rdev) & call_kw["attn_mask"].to(rdev)
+    r_out, r_lse = reference(r_q, r_k, r_v, vis, mods=mods, b_index=torch.arange(bsz),
+                             keep=keep, p=p, mod_leaves=r_mod, bias=r_bias)
+    r_leaves = [r_q, r_k, r_v] + list(r_mod.values()) + ([r_bias] if r_bias is not None else [])
+    r_grads = grads_or_zeros(r_out, r_leaves, do.to(rdev, F64))
+
+    check.close("out", out, r_out, scaled(OUT_TOL[case.dtype], p))
+    masked = torch.isneginf(r_lse.detach())
+    if lse is not None:
+        masked = check.lse("lse", lse, r_lse)
+    check.zero_rows("out", out, masked.transpose(1, 2))
+    got = (grads[0][:, :, 0], grads[0][:, :, 1], grads[0][:, :, 2]) if case.api == "packed" else grads[:3]
+    for name, gg, rg in zip(("dq", "dk", "dv"), got, r_grads):
+        check.close(name, gg, rg, scaled(GRAD_TOL[case.dtype], p))
+    names = list(mods.grads) + (["dbias"] if bias_leaf is not None else [])
+    for name, gg, rg in zip(names, grads[len(inputs):], r_grads[3:]):
+        check.close(name, gg, rg, GRAD_TOL[case.dtype])
+
+
+def _attn_mask(case: Case, g, bsz, hq, nq, nk, device):
+    """(float64 CPU bias or None, the call's attn_mask) in one of the shapes SDPA
+    broadcasts: (B, H, Nq, Nk), (1, H, Nq, Nk), (B, 1, 1, Nk) or (Nq, Nk). A float mask
+    wants its gradient; a boolean one may leave rows with no key."""
+    shapes = [(bsz, hq, nq, nk), (1, hq, nq, nk), (bsz, 1, 1, nk), (nq, nk)]
+    shape = shapes[case.seed % len(shapes)]
+    if case.option("mask", "bool") == "float":
+        bias = torch.randn(shape, generator=g)
+        return bias, bias.to(device).requires_grad_()
+    keep = torch.rand(shape, generator=g) > 0.25
+    return None, keep.to(device)
+
+
+def _varlen(case: Case, pkg, device: str, check: Checker) -> None:
+    """flash_attn_varlen_func forward and backward on a packed ragged batch."""
+    g = torch.Generator().manual_seed(case.seed)
+    dt, p = TORCH_DTYPES[case.dtype], case.dropout
+    lq, lk = list(case.seqlens_q), list(case.seqlens_k)
+    if len(lq) != len(lk) or not lq:
+        raise ValueError("varlen: seqlens_q and seqlens_k need one entry per sequence")
+    bsz, hq, hk, d, dv = len(lq), case.h_q, case.h_kv, case.d, case.v_dim
+    tq, tk = sum(lq), sum(lk)
+    qv, kv, vv = randn(g, (tq, hq, d), dt), randn(g, (tk, hk, d), dt), randn(g, (tk, hk, dv), dt)
+    do = randn(g, (tq, hq, dv), dt).to(device)
+    extra = int(case.option("max_extra", 0))
+    max_q, max_k = max(lq) + extra, max(lk) + extra
+    mods = Mods(case, pkg, g, device, bsz, max_q, max_k, grad=True)
+    if case.strided == "qkv":
+        q, k, v = fused_qkv(qv, kv, vv, device)
+    else:
+        q, k, v = (placed(x, case.strided, device) for x in (qv, kv, vv))
+    inputs = leaves(q, k, v)
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    cq, ck = cu(lq), cu(lk)
+    state = rng_state(device)
+    with poisoned():
+        out, lse = pkg.flash_attn_varlen_func(
+            q, k, v, cq.to(device), ck.to(device), max_q, max_k, dropout_p=p,
+            causal=case.causal, window_size=tuple(case.window), return_lse=True, **mods.kwargs)
+        grads = torch.autograd.grad(out, inputs + list(mods.grads.values()), do,
+                                    allow_unused=True)
+        synchronize(device)
+    keep = replay_keep(pkg, device, state, (bsz, hq, max_q, max_k), p) if p else None
+
+    rdev = check.device
+    r_q, r_k, r_v = (x.to(rdev, F64).requires_grad_() for x in (qv, kv, vv))
+    r_mod = {name: t.detach().to(rdev, F64).requires_grad_() for name, t in mods.grads.items()}
+    outs, lses = [], []
+    for s, (n_q, n_k) in enumerate(zip(lq, lk)):
+        rows_q, rows_k = slice(int(cq[s]), int(cq[s + 1])), slice(int(ck[s]), int(ck[s + 1]))
+        vis = visible_mask(n_q, n_k, causal=case.causal, window=tuple(case.window), bottom_right=True)
+        o, l_ = reference(r_q[rows_q][None], r_k[rows_k][None], r_v[rows_k][None], vis, mods=mods,
+                          b_index=torch.tensor([s]),
+                          keep=None if keep is None else keep[s:s + 1, :, :n_q, :n_k],
+                          p=p, mod_leaves=r_mod)
+        outs.append(o[0])
+        lses.append(l_[0])
+    r_out, r_lse = torch.cat(outs), torch.cat(lses, dim=1)
+    r_grads = grads_or_zeros(r_out, [r_q, r_k, r_v] + list(r_mod.values()), do.to(rdev, F64))
+    check.close("out", out, r_out, scaled(OUT_TOL[case.dtype], p))
+    masked = check.lse("lse", lse, r_lse)
+    check.zero_rows("out", out, masked.transpose(0, 1))
+    for name, gg, rg in zip(["dq", "dk", "dv"] + list(mods.grads), grads, r_grads):
+        check.close(name, gg, rg, scaled(GRAD_TOL[case.dtype], p))
+
+
+def _decode(case: Case, pkg, device: str, check: Checker) -> None:
+    """flash_attn_with_kvcache: new keys appended into a contiguous or paged cache, then
+    decode; the append checked element by element, the output and LSE against the
+    reference over each element's logical cache rows."""
+    g = torch.Generator().manual_seed(case.seed)
+    dt = TORCH_DTYPES[case.dtype]
+    bsz, nq, hq, hk, d, dv = case.batch, case.n_q, case.h_q, case.h_kv, case.d, case.v_dim
+    lens, n_new, page = list(case.seqlens_k), case.n_new, case.page_size
+    latent = bool(case.option("latent", 0))
+    if len(lens) != bsz:
+        raise ValueError("decode: seqlens_k needs one cached length per batch element")
+    if page:
+        pages = -(-case.n_k // page)
+        cap, lead = pages * page, (bsz * pages + 2, page)  # two spare pages no one owns
+        table = torch.randperm(lead[0], generator=g)[:bsz * pages].view(bsz, pages).to(torch.int32)
+    else:
+        cap, lead, table = case.n_k, (bsz, case.n_k), None
+    if any(n < 0 or n + n_new > cap for n in lens):
+        raise ValueError(f"decode: cached lengths {lens} + {n_new} new exceed the capacity {cap}")
+    k_cache = randn(g, (*lead, hk, d), dt).to(device)
+    v_cache = k_cache[..., :dv] if latent else randn(g, (*lead, hk, dv), dt).to(device)
+    k_new = randn(g, (bsz, n_new, hk, d), dt) if n_new else None
+    v_new = (k_new[..., :dv] if latent else randn(g, (bsz, n_new, hk, dv), dt)) if n_new else None
+    qv = randn(g, (bsz, nq, hq, d), dt)
+    q = placed(qv, "none" if case.strided == "qkv" else case.strided, device)
+    mods = Mods(case, pkg, g, device, bsz, cap, cap, grad=False)
+    k0, v0 = k_cache.cpu().clone(), v_cache.cpu().clone()
+    if case.option("int_lens", 0) and len(set(lens)) == 1:
+        seqlens = lens[0]
+    else:
+        seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
+    kn = None if k_new is None else k_new.to(device)
+    vn = None if v_new is None else (kn[..., :dv] if latent else v_new.to(device))
+    with torch.no_grad(), poisoned():
+        res = pkg.flash_attn_with_kvcache(
+            q, k_cache, v_cache, k=kn, v=vn, cache_seqlens=seqlens,
+            block_table=None if table is None else table.to(device), causal=case.causal,
+            window_size=tuple(case.window), num_splits=case.num_splits,
+            return_lse=case.return_lse, **mods.kwargs)
+        synchronize(device)
+    out, lse = res if case.return_lse else (res, None)
+
+    # the caches after the append, by definition: row j of element b is page
+    # table[b, j // page], slot j % page
+    def slot(b, j):
+        return (int(table[b, j // page]), j % page) if page else (b, j)
+
+    k_want, v_want = k0.clone(), v0.clone()
+    for b in range(bsz):
+        for t in range(n_new):
+            k_want[slot(b, lens[b] + t)] = k_new[b, t]
+            v_want[slot(b, lens[b] + t)] = v_new[b, t]
+    check.exact("k_cache", k_cache, k_want)
+    if not latent:
+        check.exact("v_cache", v_cache, v_want)
+
+    rdev = check.device
+    outs, lses = [], []
+    for b in range(bsz):
+        n = lens[b] + n_new
+        rows = [slot(b, j) for j in range(n)]
+        kb = torch.stack([k_want[r] for r in rows]) if rows else k_want.new_zeros((0, hk, d))
+        vb = torch.stack([v_want[r] for r in rows]) if rows else v_want.new_zeros((0, hk, dv))
+        vis = visible_mask(nq, n, causal=case.causal, window=tuple(case.window), bottom_right=True)
+        o, l_ = reference(qv[b:b + 1].to(rdev, F64), kb[None].to(rdev, F64), vb[None].to(rdev, F64),
+                          vis, mods=mods, b_index=torch.tensor([b]),
+                          positions=torch.arange(nq) + (n - nq))
+        outs.append(o)
+        lses.append(l_)
+    r_out, r_lse = torch.cat(outs), torch.cat(lses)
+    check.close("out", out, r_out, OUT_TOL[case.dtype])
+    masked = torch.isneginf(r_lse) if lse is None else check.lse("lse", lse, r_lse)
+    check.zero_rows("out", out, masked.transpose(1, 2))
+
+
+RUNNERS = {"train": _dense, "mods": _dense, "block_mask": _dense, "attn_mask": _dense,
+           "ring_merge": _dense, "varlen": _varlen, "decode": _decode,
+           "paged_decode": _decode, "mla_decode": _decode}
+assert set(RUNNERS) == set(KINDS), "every case kind needs a runner"
