@@ -15,10 +15,10 @@ packages build them), lengths (N = 1 and odd lengths favoured, Nq != Nk), causal
 sliding-window bands, dropout, mods and their params, strided and misaligned inputs, and
 the kernel family (auto / gluon / tl).
 
-On a CPU the shapes are tiny (Triton's interpreter: ~1 s a case, N <= 48) and half the
-cases force 16 x 16 tiles so that they still cross several blocks. On CUDA they are small
-to moderate (N up to 1400, mostly shorter: two length buckets) and use the package's own
-tuned or planned tiles; the variants a run can reach are bounded by the selftest
+On a CPU the shapes are tiny (Triton's interpreter: ~1 s a case, N <= 48) and over half
+the cases force 16 x 16 or 32 x 32 tiles so that they still cross several blocks. On CUDA
+they are small to moderate (N up to 1400, mostly shorter: two length buckets) and use the
+package's own tuned or planned tiles; the variants a run can reach are bounded by the selftest
 packages (mods at bf16 only), so each kernel compiles once per worker at most -- and
 `fuzz(..., workers=W)` deals the cases to worker processes by kernel, so in practice once.
 
@@ -165,8 +165,25 @@ def _common(draw: _Draw, package: str) -> dict:
              h_q=h_q, h_kv=h_kv, d=d, family=draw.family())
     if dv != d:
         c["dv"] = dv
-    if not draw.cuda and draw.chance(0.5):
-        c["tiles"] = 16
+    if not draw.cuda:
+        c["tiles"] = draw.pick({16: 40, 32: 15, 0: 45})
+    return c
+
+
+def _sharpness(draw: _Draw, c: dict) -> dict:
+    """Now and then a softmax scale of the call's own (0.25x to 2x 1/sqrt(d)) or larger
+    or smaller queries: scores more peaked (the online softmax's running max moves more)
+    or flatter. Not sharper: a softmax much more peaked than 1/sqrt(d) gives a randn input
+    cancels more in dS = P (dP - D), and bf16 gradients then lose more than the tolerance
+    says (fuzzed on the CPU: no kernel defect, the rounding of a FlashAttention backward;
+    see runners.GRAD_TOL)."""
+    options = dict(c.get("options", {}))
+    if draw.chance(0.15):
+        options["scale"] = round(draw.r.uniform(0.25, 2.0) / c["d"] ** 0.5, 5)
+    if draw.chance(0.15):
+        options["q_scale"] = draw.pick([0.25, 2.0])
+    if options:
+        c["options"] = options
     return c
 
 
@@ -192,7 +209,8 @@ def _train(draw: _Draw, kind: str) -> dict:
     if ring:
         layout = draw.pick({"zigzag": 70, "contiguous": 30})
         n = draw.length(2 if layout == "zigzag" else 1)
-        c["options"] = {"layout": layout, "strategy": draw.pick(["ring", "allgather"])}
+        c["options"] = {**c.get("options", {}), "layout": layout,
+                        "strategy": draw.pick(["ring", "allgather"])}
         if layout == "zigzag":
             n += n % 2
         c["n_q"] = c["n_k"] = n
@@ -209,7 +227,7 @@ def _train(draw: _Draw, kind: str) -> dict:
         c["mods"], c["causal"] = mods, table[mods]
         c["mod_params"] = draw.mod_params(mods, max(c["n_q"], c["n_k"]))
     elif kind == "attn_mask":
-        c["options"] = {"mask": draw.pick(["bool", "float"])}
+        c["options"] = {**c.get("options", {}), "mask": draw.pick(["bool", "float"])}
         if draw.chance(0.3):
             c["mods"] = ("softcap",)
             c["mod_params"] = draw.mod_params(("softcap",), c["n_k"])
@@ -221,6 +239,8 @@ def _train(draw: _Draw, kind: str) -> dict:
         c["n_k"] = c["n_q"]
     if facts["dropout"] and kind in ("train", "ring_merge"):
         c["dropout"] = draw.dropout()
+        if ring and c["dropout"] and not draw.cuda:
+            c["options"]["layout"] = "contiguous"  # (zig-zag needs N % 64 == 0: slow here)
     square = c["n_q"] == c["n_k"] and not c.get("dv")
     c["strided"] = draw.strided(allow_qkv=square and c["api"] != "packed")
     c["return_lse"] = draw.chance(0.85)
@@ -229,7 +249,7 @@ def _train(draw: _Draw, kind: str) -> dict:
         # two chunks; under dropout each starts on a 32-column Philox block (N % 64 == 0)
         step = 64 if c.get("dropout") else 2
         c["n_q"] = c["n_k"] = max(step, c["n_q"] - c["n_q"] % step)
-    return c
+    return _sharpness(draw, c)
 
 
 def _varlen(draw: _Draw) -> dict:
@@ -264,9 +284,9 @@ def _varlen(draw: _Draw) -> dict:
     if facts["dropout"]:
         c["dropout"] = draw.dropout()
     if draw.chance(0.15):
-        c["options"] = {"max_extra": draw.r.randint(1, 5)}
+        c["options"] = {**c.get("options", {}), "max_extra": draw.r.randint(1, 5)}
     c["strided"] = draw.strided(allow_qkv=lq == lk and not c.get("dv"))
-    return c
+    return _sharpness(draw, c)
 
 
 def _decode(draw: _Draw, kind: str) -> dict:
@@ -282,7 +302,7 @@ def _decode(draw: _Draw, kind: str) -> dict:
         c["h_kv"] = 1 if latent_dims else draw.pick([1, 2])
         c["h_q"] = c["h_kv"] * draw.pick([1, 2, 4, 8, 16] + ([32, 64, 128] if draw.cuda else []))
         if latent_dims and draw.chance(0.8):
-            c["options"] = {"latent": 1}
+            c["options"] = {**c.get("options", {}), "latent": 1}
         c["causal"] = True
         if draw.chance(0.5):
             c["page_size"] = draw.pick([64, 16, 32, 128] if draw.cuda else [16, 32, 64])
@@ -314,7 +334,7 @@ def _decode(draw: _Draw, kind: str) -> dict:
     c["num_splits"] = draw.pick({0: 5, 1: 2, draw.r.randint(2, 5): 3})
     c["strided"] = draw.strided(allow_qkv=False)
     c["return_lse"] = draw.chance(0.85)
-    return c
+    return _sharpness(draw, c)
 
 
 def generate(seed: int, n: int, device: str) -> list[Case]:

@@ -1,0 +1,284 @@
+"""`flashgen selftest`'s cases and fuzzer (flashgen/selftest/): the generator, the case
+records and their reproducers, the judging of a case against the float64 reference --
+which must pass on correct kernels and fail on broken outputs -- and a short fuzz run in
+Triton's interpreter. The GPU group runs 200 fuzz cases and the sanitizer's case set on
+CUDA (without the sanitizer).
+
+The selftest packages are built into a temporary cache (FLASHGEN_SELFTEST_CACHE), once
+per module.
+"""
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from flashgen.selftest import fuzz as F
+from flashgen.selftest import runners
+from flashgen.selftest.cases import KINDS, SANITIZE_CASES, Case, run_case, run_cases
+from flashgen.selftest.package import CACHE_ENV, selftest_packages
+
+TINY = Case("train", "gpt2", "fp32", batch=1, h_q=2, h_kv=2, d=64, n_q=7, n_k=7, causal=True,
+            tiles=16, seed=3)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    saved = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("selftest-cache"))
+    yield os.environ[CACHE_ENV]
+    if saved is None:
+        del os.environ[CACHE_ENV]
+    else:
+        os.environ[CACHE_ENV] = saved
+
+
+@pytest.fixture(scope="module")
+def gpt2(cache):
+    return selftest_packages("cpu", ["gpt2"])
+
+
+# ----------------------------------------------------------------------------------------
+# The generator and the records (no kernels)
+# ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_generate_is_deterministic_and_covers_every_kind(device):
+    cases = F.generate(7, 120, device)
+    assert cases == F.generate(7, 120, device)
+    assert cases[:30] == F.generate(7, 30, device)  # a longer run extends a shorter one
+    assert cases != F.generate(8, 120, device)
+    assert {c.kind for c in F.generate(7, len(KINDS), device)} == set(KINDS)
+    assert {c.family for c in cases} == {"auto", "gluon", "tl"}
+    assert {c.package for c in cases} == {"gpt2", "llama", "mla", "mods", "selftest"}
+    # the odd shapes the issue names turn up
+    dense = [c for c in cases if c.kind not in ("varlen", "decode", "paged_decode", "mla_decode")]
+    assert any(c.n_q != c.n_k for c in dense) and any(c.n_q == 1 for c in dense)
+    assert {c.h_q // c.h_kv for c in cases} >= {1, 2, 4, 8}
+    assert {c.strided for c in cases} >= {"none", "heads", "pad", "odd", "bhnd", "qkv"}
+    assert any(c.dropout for c in cases) and any(c.mods for c in cases)
+    assert any(0 in c.seqlens_q or 0 in c.seqlens_k for c in cases if c.kind == "varlen")
+    assert {c.d for c in cases} >= {64, 80, 96, 128, 192, 576}
+    for c in cases:
+        if c.kind == "varlen":
+            assert sum(c.seqlens_q) and sum(c.seqlens_k)
+        elif c.kind in ("decode", "paged_decode", "mla_decode"):
+            assert len(c.seqlens_k) == c.batch
+            assert all(0 <= n <= c.n_k - c.n_new for n in c.seqlens_k)
+            assert not c.page_size or c.n_k % c.page_size == 0
+        elif c.kind == "ring_merge":
+            assert c.n_q == c.n_k
+            if c.option("layout") == "zigzag":
+                assert c.n_q % (64 if c.dropout else 2) == 0
+        if device == "cpu":  # interpreter-sized
+            assert max(c.n_q, c.n_k, *c.seqlens_q, *c.seqlens_k) <= 72
+        else:
+            assert c.tiles == 0
+            if c.kind not in ("varlen", "decode", "paged_decode", "mla_decode"):
+                assert c.batch * c.h_q * c.n_q * c.n_k <= F.CUDA_MAX_SCORES
+                assert max(c.n_q, c.n_k) <= F.CUDA_MAX_N
+
+
+def test_case_json_round_trip_and_reproducer():
+    cases = F.generate(3, 60, "cpu") + F.generate(3, 60, "cuda") + SANITIZE_CASES
+    for c in cases:
+        text = c.to_json()
+        assert "'" not in text and "\n" not in text
+        assert Case.from_json(text) == c
+        line = F.reproducer(c)
+        assert line == f"flashgen selftest --fuzz-case '{text}'"
+        assert shlex.split(line)[:3] == ["flashgen", "selftest", "--fuzz-case"]
+        assert F.parse_reproducer(line) == c
+    assert json.loads(TINY.to_json())["kind"] == "train"
+    with pytest.raises(ValueError, match="unknown case field"):
+        Case.from_json('{"kind": "train", "package": "gpt2", "colour": 1}')
+    with pytest.raises(ValueError, match="case kind"):
+        Case("training", "gpt2")
+    with pytest.raises(ValueError, match="not a reproducer"):
+        F.parse_reproducer("flashgen selftest --fuzz 10")
+
+
+def test_sanitize_set_is_representative():
+    kinds = {c.kind for c in SANITIZE_CASES}
+    assert {"train", "varlen", "decode", "paged_decode", "mla_decode", "block_mask",
+            "ring_merge"} <= kinds
+    assert {c.family for c in SANITIZE_CASES} >= {"gluon", "tl"}
+    dense = [c for c in SANITIZE_CASES if c.kind in ("train", "block_mask", "mods")]
+    assert {1, 59, 257} <= {c.n_q for c in dense} and any(c.n_q != c.n_k for c in dense)
+    assert any(c.h_q // c.h_kv == 8 for c in SANITIZE_CASES)
+    assert any(c.strided != "none" for c in SANITIZE_CASES)
+    assert any(c.d == 96 for c in SANITIZE_CASES) and any(c.dropout for c in SANITIZE_CASES)
+    assert any(c.option("latent") for c in SANITIZE_CASES if c.kind == "mla_decode")
+
+
+def test_deal_keeps_kernels_together():
+    cases = F.generate(5, 80, "cuda")
+    dealt = F._deal(cases, 4)
+    assert sorted(i for d in dealt for i in d) == list(range(80))
+    owner = {i: w for w, d in enumerate(dealt) for i in d}
+    for i, a in enumerate(cases):
+        for j, b in enumerate(cases):
+            if (a.package, a.kind, a.dtype, a.d, a.causal, a.window, a.dropout, a.mods, a.family,
+                    a.tiles) == (b.package, b.kind, b.dtype, b.d, b.causal, b.window, b.dropout,
+                                 b.mods, b.family, b.tiles):
+                assert owner[i] == owner[j]
+
+
+def test_poison_and_layouts():
+    with runners.poisoned():
+        assert torch.isnan(torch.empty(3)).all() and torch.isnan(torch.zeros(2).new_empty(4)).all()
+        assert torch.isnan(torch.empty_like(torch.zeros(2))).all()
+    assert not torch.isnan(torch.zeros(2).new_empty(4).fill_(0)).any()
+    x = torch.randn(2, 5, 3, 8)
+    for layout in ("none", "heads", "pad", "odd", "bhnd"):
+        v = runners.placed(x, layout, "cpu")
+        assert torch.equal(v, x) and v.stride(-1) == 1
+        memory = torch.tensor([]).set_(v.untyped_storage())  # the whole buffer
+        # every element around the view is NaN: a kernel that strays reads NaN
+        assert int(torch.isnan(memory).sum()) == memory.numel() - v.numel()
+    assert runners.placed(x, "odd", "cpu").stride(-2) == 9  # rows 36 bytes apart: no TMA
+    assert not runners.placed(x, "bhnd", "cpu").is_contiguous()
+
+
+# ----------------------------------------------------------------------------------------
+# Judging: correct kernels pass, broken outputs fail
+# ----------------------------------------------------------------------------------------
+def test_a_handful_of_fuzz_cases_pass(cache):
+    report = F.fuzz(len(KINDS), 11, "cpu")
+    assert report.cases_run == len(KINDS) and not report.skipped
+    assert set(report.coverage()) == set(KINDS)
+    assert report.passed == len(KINDS), report.summary()
+    assert all(r.errors and max(r.errors.values()) <= 1 for r in report.results)
+
+
+def _broken(monkeypatch, pkg, change):
+    """Make pkg.flash_attn_func return change(out) (after autograd: grads unaffected)."""
+    real = pkg.flash_attn_func
+
+    def wrapped(*args, **kwargs):
+        res = real(*args, **kwargs)
+        out, rest = (res[0], res[1:]) if isinstance(res, tuple) else (res, ())
+        out = out + (change(out.detach()) - out.detach())
+        return (out, *rest) if rest else out
+
+    monkeypatch.setattr(pkg, "flash_attn_func", wrapped)
+
+
+def test_broken_outputs_are_caught(gpt2, monkeypatch):
+    pkg = gpt2["gpt2"]
+    assert run_case(TINY, gpt2, "cpu").passed
+
+    with monkeypatch.context() as m:  # off by 1e-3: 50x fp32's tolerance
+        _broken(m, pkg, lambda o: o + 1e-3)
+        r = run_case(TINY, gpt2, "cpu")
+    assert r.failed and r.errors["out"] > 1 and "out" in r.message
+
+    def hole(o):  # one element never written
+        o = o.clone()
+        o[0, 3, 1, 5] = float("nan")
+        return o
+
+    with monkeypatch.context() as m:
+        _broken(m, pkg, hole)
+        r = run_case(TINY, gpt2, "cpu")
+    assert r.failed and "1 of" in r.message and "NaN" in r.message
+
+    with monkeypatch.context() as m:  # a wrong reference gradient: dq, dk, dv fail
+        real = runners.attention_ref
+        m.setattr(runners, "attention_ref", lambda q, *a, **k: real(q * 1.01, *a, **k))
+        r = run_case(TINY, gpt2, "cpu")
+    assert r.failed and r.errors["dq"] > 1 and r.errors["dk"] > 1
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("triton.CompilationError: out of resources\nsecond line")
+
+    with monkeypatch.context() as m:
+        m.setattr(pkg, "flash_attn_func", boom)
+        r = run_case(TINY, gpt2, "cpu")
+    assert r.failed and r.message.startswith("RuntimeError: triton.CompilationError") \
+        and "second line" not in r.message
+
+
+def test_rows_that_see_no_key_must_be_exactly_zero(gpt2, monkeypatch):
+    """Causal, Nq > Nk: the first rows see no key. Within tolerance is not enough."""
+    case = Case("train", "gpt2", "fp32", h_q=2, h_kv=2, d=64, n_q=9, n_k=4, causal=True, seed=5)
+    assert run_case(case, gpt2, "cpu").passed
+
+    def tiny(o):
+        o = o.clone()
+        o[:, 0] = 1e-30
+        return o
+
+    _broken(monkeypatch, gpt2["gpt2"], tiny)
+    r = run_case(case, gpt2, "cpu")
+    assert r.failed and "see no key are not 0" in r.message and r.errors["out"] <= 1
+
+
+def test_dropout_is_judged_by_the_replayed_mask(gpt2, monkeypatch):
+    case = Case("train", "gpt2", "fp32", h_q=2, h_kv=2, d=64, n_q=33, n_k=20, dropout=0.3,
+                tiles=16, seed=8)
+    assert run_case(case, gpt2, "cpu").passed
+    # the same call judged by another draw's mask fails
+    real = gpt2["gpt2"].dropout_mask
+    monkeypatch.setattr(gpt2["gpt2"], "dropout_mask",
+                        lambda *a, **k: real(*a, **k).roll(1, dims=-1))
+    assert run_case(case, gpt2, "cpu").failed
+
+
+def test_gluon_case_runs_tl_here_and_says_so(gpt2):
+    r = run_case(Case("train", "gpt2", "fp16", n_q=5, n_k=5, family="gluon", seed=1), gpt2, "cpu")
+    assert r.passed and r.note.startswith("family gluon ran as tl")
+    report = F.FuzzReport(0, "cpu", [r])
+    assert report.notes == {r.note: 1} and "note: 1 x family gluon ran as tl" in report.summary()
+
+
+def test_failures_carry_reproducers():
+    bad = F.run_many([TINY, Case("train", "gpt2", "fp32", d=48, seed=2)], "cpu")
+    assert bad.passed == 1 and len(bad.failed) == 1
+    failure = bad.failed[0]
+    assert "ValueError" in failure.message and "48" in failure.message
+    assert F.parse_reproducer(failure.reproducer) == failure.case
+    assert failure.reproducer in bad.summary()
+
+
+def test_workers_return_results_in_case_order(cache):
+    cases = [TINY, Case("decode", "llama", "bf16", batch=2, h_q=4, h_kv=1, d=128, n_q=1,
+                        n_k=20, seqlens_k=(3, 19), n_new=1, causal=True, seed=4),
+             Case("train", "gpt2", "fp32", d=48, seed=2)]
+    seen = []
+    report = F.run_many(cases, "cpu", workers=2, progress=lambda d, t, r: seen.append(d))
+    assert [r.case for r in report.results] == cases and sorted(seen) == [1, 2, 3]
+    assert [r.passed for r in report.results] == [True, True, False]
+
+
+def test_cases_command_line(cache):
+    ok, bad = TINY.to_json(), Case("train", "gpt2", "fp32", d=48).to_json()
+    run = subprocess.run([sys.executable, "-m", "flashgen.selftest.cases", "--device", "cpu",
+                          "--case", ok, "--case", bad], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    lines = run.stdout.splitlines()
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert lines[0].startswith("ok") and lines[1].startswith("FAIL") and "2 cases: 1 passed" in lines[2]
+
+
+# ----------------------------------------------------------------------------------------
+# On a GPU
+# ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_fuzz_on_cuda(cache):
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
+    report = F.fuzz(200, 0, "cuda", workers=workers)
+    print(report.summary())
+    assert report.cases_run == 200 and not report.failed, report.summary()
+
+
+@pytest.mark.gpu
+def test_sanitize_set_passes_on_cuda(cache):
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    results = run_cases(SANITIZE_CASES, "cuda", ref_device="cpu", out=None)
+    assert not [r for r in results if not r.passed], "\n".join(r.line() for r in results)
