@@ -239,6 +239,13 @@ def placed(x: torch.Tensor, layout: str, device) -> torch.Tensor:
     return view
 
 
+def untouched_around(view: torch.Tensor) -> int:
+    """How many elements of the NaN-filled buffer around a `placed` view are no longer NaN
+    (0 for a view that fills its buffer)."""
+    memory = torch.tensor([], dtype=view.dtype, device=view.device).set_(view.untyped_storage())
+    return memory.numel() - view.numel() - int(torch.isnan(memory).sum()) + int(torch.isnan(view).sum())
+
+
 def fused_qkv(q, k, v, device):
     """q, k, v as views of one (..., T, Hq + 2 Hkv, d) tensor (a fused projection)."""
     buf = torch.cat([q, k, v], dim=-2).to(device)
@@ -597,8 +604,10 @@ def _decode(case: Case, pkg, device: str, check: Checker) -> None:
         cap, lead, table = case.n_k, (bsz, case.n_k), None
     if any(n < 0 or n + n_new > cap for n in lens):
         raise ValueError(f"decode: cached lengths {lens} + {n_new} new exceed the capacity {cap}")
-    k_cache = randn(g, (*lead, hk, d), dt).to(device)
-    v_cache = k_cache[..., :dv] if latent else randn(g, (*lead, hk, dv), dt).to(device)
+    # the caches in the case's layout too ("qkv" aside): the append writes through strides
+    layout = "none" if case.strided == "qkv" else case.strided
+    k_cache = placed(randn(g, (*lead, hk, d), dt), layout, device)
+    v_cache = k_cache[..., :dv] if latent else placed(randn(g, (*lead, hk, dv), dt), layout, device)
     k_new = randn(g, (bsz, n_new, hk, d), dt) if n_new else None
     v_new = (k_new[..., :dv] if latent else randn(g, (bsz, n_new, hk, dv), dt)) if n_new else None
     qv = randn(g, (bsz, nq, hq, d), dt, case.option("q_scale", 1.0))
@@ -635,6 +644,10 @@ def _decode(case: Case, pkg, device: str, check: Checker) -> None:
     check.exact("k_cache", k_cache, k_want)
     if not latent:
         check.exact("v_cache", v_cache, v_want)
+    for name, t in (("k_cache", k_cache),) + ((("v_cache", v_cache),) if not latent else ()):
+        outside = untouched_around(t)
+        if outside:
+            check.problems.append(f"{name}: {outside} elements outside the cache's view written")
 
     rdev = check.device
     outs, lses = [], []
