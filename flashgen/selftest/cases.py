@@ -10,9 +10,9 @@ is how a failing fuzz case is reported and replayed (`flashgen selftest --fuzz-c
 outputs' memory poisoned (every torch.empty the call makes is NaN-filled, so an element a
 kernel forgets to write shows), and compares every output -- the forward, the LSE, and for
 training kinds dq, dk, dv (and a mod tensor's gradient) -- with an independent float64
-reference (flashgen.reference, the mods written out by hand in flashgen.selftest.runners)
-at the tolerance of the dtype (`TOLERANCES`). NaN anywhere fails; a row that sees no key
-must be exactly 0 with LSE -inf. With dropout the reference applies the very keep mask the
+reference (flashgen.reference, the mods written out by hand in flashgen.selftest.modref)
+at the tolerance of the dtype (flashgen.selftest.runners: OUT_TOL, GRAD_TOL, LSE_TOL).
+NaN anywhere fails; a row that sees no key must be exactly 0 with LSE -inf. With dropout the reference applies the very keep mask the
 call drew (replayed by the package's `dropout_mask` from the same generator state), and
 the tolerance grows by the survivors' scale.
 
@@ -85,9 +85,9 @@ class Case:
     seed: int = 0
 
     def __post_init__(self):
-        for name, value, allowed in (("kind", self.kind, KINDS), ("package", self.package, PACKAGES),
-                                     ("dtype", self.dtype, DTYPES), ("family", self.family, FAMILIES),
-                                     ("strided", self.strided, LAYOUTS), ("api", self.api, APIS)):
+        for name, allowed in (("kind", KINDS), ("package", PACKAGES), ("dtype", DTYPES),
+                              ("family", FAMILIES), ("strided", LAYOUTS), ("api", APIS)):
+            value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"case {name} {value!r}: expected one of {allowed}")
         # lists (from JSON) become tuples, dicts sorted pairs: the record stays hashable
@@ -147,7 +147,8 @@ class Case:
         if self.kind == "varlen":
             shape = f"lens q{list(self.seqlens_q)} k{list(self.seqlens_k)}"
         elif self.kind in ("decode", "paged_decode", "mla_decode"):
-            shape = f"B{self.batch} Nq{self.n_q} cache{self.n_k} lens{list(self.seqlens_k)}+{self.n_new}"
+            shape = (f"B{self.batch} Nq{self.n_q} cache{self.n_k} "
+                     f"lens{list(self.seqlens_k)}+{self.n_new}")
             if self.page_size:
                 shape += f" page{self.page_size}"
         else:

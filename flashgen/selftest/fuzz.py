@@ -36,14 +36,13 @@ processes (CUDA: spread over the visible GPUs); a worker that dies or hangs past
 from __future__ import annotations
 
 import collections
-import multiprocessing
-import queue as queue_module
 import random
 import shlex
 import time
 from dataclasses import dataclass, field
 
-from .cases import KINDS, Case, CaseResult, run_case
+from .cases import KINDS, Case, CaseResult
+from .workers import run_here, run_workers
 
 KIND_WEIGHTS = {"train": 24, "varlen": 12, "decode": 9, "paged_decode": 9, "mla_decode": 5,
                 "mods": 10, "block_mask": 12, "attn_mask": 5, "ring_merge": 8}
@@ -450,192 +449,7 @@ def run_many(cases: list[Case], device: str, workers: int = 1, progress=None,
     start = time.perf_counter()
     ensure_built(sorted({c.package for c in cases}))  # once, before any worker imports
     if workers <= 1 or len(cases) <= 1:
-        results = _run_here(cases, device, ref_device, progress)
+        results = run_here(cases, device, ref_device, progress)
     else:
-        results = _run_workers(cases, device, ref_device, workers, progress, case_timeout)
+        results = run_workers(cases, device, ref_device, workers, progress, case_timeout)
     return FuzzReport(seed, str(device), results, time.perf_counter() - start)
-
-
-def _context_lost(device: str) -> bool:
-    """Whether a CUDA error left this process's context unusable (an illegal address:
-    every later call fails the same way)."""
-    if not str(device).startswith("cuda"):
-        return False
-    import torch
-
-    try:
-        torch.cuda.synchronize(device)
-        return False
-    except RuntimeError:
-        return True
-
-
-LOST = "the CUDA context was lost in an earlier case"
-EXIT_CONTEXT_LOST = 3
-
-
-def _run_here(cases, device, ref_device, progress, on_start=None,
-              stop_when_lost: bool = False) -> list[CaseResult]:
-    """Run `cases` in this process. After a case that loses the CUDA context the rest are
-    skipped (or, `stop_when_lost`, not run at all: a worker's parent restarts them)."""
-    from .package import selftest_packages
-
-    packages = selftest_packages(device, sorted({c.package for c in cases}))
-    results: list[CaseResult] = []
-    lost = ""
-    for i, case in enumerate(cases):
-        if lost:
-            if stop_when_lost:
-                break
-            result = CaseResult(case, False, skipped=lost)
-        else:
-            if on_start is not None:
-                on_start(i)
-            result = run_case(case, packages, device, ref_device)
-            if result.failed and _context_lost(device):
-                lost = f"{LOST} ({result.message[:160]})"
-        results.append(result)
-        if progress is not None:
-            progress(len(results), len(cases), result)
-    return results
-
-
-def _deal(cases: list[Case], workers: int) -> list[list[int]]:
-    """Case indices per worker: the cases that launch the same kernels go to one worker
-    (each compiles once), the groups spread evenly, each worker's cases in case order."""
-    groups: dict[tuple, list[int]] = collections.defaultdict(list)
-    for i, c in enumerate(cases):
-        band = "causal" if c.causal else "none"
-        if tuple(c.window) != (-1, -1):
-            band = "window"
-        key = (c.package, c.kind in ("decode", "paged_decode", "mla_decode"), c.kind == "varlen",
-               c.dtype, c.d, c.dv, band, c.dropout > 0, c.mods, c.family, c.tiles)
-        groups[key].append(i)
-    load = [0] * workers
-    dealt: list[list[int]] = [[] for _ in range(workers)]
-    for indices in sorted(groups.values(), key=len, reverse=True):
-        w = load.index(min(load))
-        dealt[w] += indices
-        load[w] += len(indices)
-    return [sorted(d) for d in dealt if d]
-
-
-def _worker(wid: int, cases_json: list[str], indices: list[int], device: str, ref_device,
-            out) -> None:
-    """A worker process: runs its cases, reporting (wid, "start", i, None) and (wid,
-    "done", i, result); exits EXIT_CONTEXT_LOST after a case that lost the CUDA context
-    (its parent starts another worker for the rest)."""
-    import sys
-
-    cases = [Case.from_json(t) for t in cases_json]
-    results = _run_here(
-        cases, device, ref_device,
-        lambda done, total, result: out.put((wid, "done", indices[done - 1], result)),
-        on_start=lambda i: out.put((wid, "start", indices[i], None)), stop_when_lost=True)
-    if len(results) < len(cases):
-        sys.exit(EXIT_CONTEXT_LOST)  # (sys.exit, not os._exit: the queue is flushed)
-
-
-class _Workers:
-    """The parent's side: one worker process per slot, each with its remaining cases; a
-    worker that dies or runs a case past the timeout fails that case and is replaced by a
-    new one for the rest of its cases."""
-
-    def __init__(self, cases, device, ref_device, workers, progress, case_timeout):
-        self.cases, self.ref_device, self.progress = cases, ref_device, progress
-        self.timeout = case_timeout
-        self.ctx = multiprocessing.get_context("spawn")
-        self.out = self.ctx.Queue()
-        self.devices = [str(device)]
-        if str(device) == "cuda":
-            import torch  # (counting GPUs makes no CUDA context)
-
-            self.devices = [f"cuda:{i}" for i in range(max(1, torch.cuda.device_count()))]
-        self.results: list[CaseResult | None] = [None] * len(cases)
-        self.done = 0
-        self.todo: dict[int, list[int]] = {}   # slot -> its cases not done yet
-        self.procs: dict[int, list] = {}       # slot -> [process, wid, case in flight, since]
-        self.wids = 0
-        for slot, indices in enumerate(_deal(cases, workers)):
-            self.launch(slot, indices)
-
-    def launch(self, slot: int, indices: list[int]) -> None:
-        self.wids += 1
-        p = self.ctx.Process(target=_worker, daemon=True, args=(
-            self.wids, [self.cases[i].to_json() for i in indices], indices,
-            self.devices[slot % len(self.devices)], self.ref_device, self.out))
-        p.start()
-        self.todo[slot] = list(indices)
-        self.procs[slot] = [p, self.wids, None, time.monotonic()]
-
-    def finish(self, i: int, result: CaseResult) -> None:
-        if self.results[i] is None:
-            self.results[i] = result
-            self.done += 1
-            if self.progress is not None:
-                self.progress(self.done, len(self.cases), result)
-
-    def handle(self, message) -> None:
-        wid, kind, i, result = message
-        slot = next((s for s, pr in self.procs.items() if pr[1] == wid), None)
-        if slot is None or i not in self.todo[slot]:
-            return  # from a worker already replaced
-        if kind == "start":
-            self.procs[slot][2:] = [i, time.monotonic()]
-        else:
-            self.todo[slot].remove(i)
-            self.procs[slot][2:] = [None, time.monotonic()]
-            self.finish(i, result)
-
-    def drain(self) -> None:
-        while True:
-            try:
-                self.handle(self.out.get_nowait())
-            except queue_module.Empty:
-                return
-
-    def reap(self) -> None:
-        """Replace the workers that died or overran the timeout."""
-        for slot, (p, _, flight, since) in list(self.procs.items()):
-            over = (flight is not None and self.timeout is not None
-                    and time.monotonic() - since > self.timeout)
-            if p.is_alive() and not over:
-                continue
-            if over:
-                p.kill()
-            p.join()
-            self.drain()  # what it reported before it went
-            flight = self.procs[slot][2]
-            if over:
-                why = f"timed out after {self.timeout:.0f} s (the worker was killed)"
-            elif p.exitcode == EXIT_CONTEXT_LOST:
-                why = None  # the failed case was reported; the rest run again
-            else:
-                why = f"the worker process died (exit code {p.exitcode})"
-                if flight is None and self.todo[slot]:
-                    flight = self.todo[slot][0]  # (died before reporting its start)
-            if why is not None and flight is not None and flight in self.todo[slot]:
-                self.todo[slot].remove(flight)
-                self.finish(flight, CaseResult(self.cases[flight], False, message=why))
-            del self.procs[slot]
-            if self.todo[slot]:
-                self.launch(slot, self.todo[slot])
-
-    def run(self) -> list[CaseResult]:
-        while self.done < len(self.cases):
-            try:
-                self.handle(self.out.get(timeout=1.0))
-                continue
-            except queue_module.Empty:
-                pass
-            self.reap()
-            if not self.procs:  # (every worker gone, yet results missing: never hang)
-                for i, r in enumerate(self.results):
-                    if r is None:
-                        self.finish(i, CaseResult(self.cases[i], False,
-                                                  message="no result came back from its worker"))
-        return self.results
-
-
-def _run_workers(cases, device, ref_device, workers, progress, case_timeout):
-    return _Workers(cases, device, ref_device, workers, progress, case_timeout).run()
