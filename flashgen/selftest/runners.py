@@ -224,7 +224,7 @@ def placed(x: torch.Tensor, layout: str, device) -> torch.Tensor:
     *lead, t, h, d = x.shape
     nan = float("nan")
     if layout in ("none", "qkv"):
-        return x.to(device).contiguous()
+        return x.to(device, copy=True).contiguous()
     if layout == "heads":
         view = torch.full((*lead, t, h + 3, d), nan, dtype=x.dtype, device=device)[..., 1:h + 1, :]
     elif layout in ("pad", "odd"):
@@ -348,9 +348,9 @@ def _dense(case: Case, pkg, device: str, check: Checker) -> None:
     keep = replay_keep(pkg, device, state, (bsz, hq, nq, nk), p) if p else None
 
     rdev = check.device
-    r_q, r_k, r_v = (x.to(rdev, F64).requires_grad_() for x in (qv, kv, vv))
+    r_q, r_k, r_v = (x.detach().to(rdev, F64).requires_grad_() for x in (qv, kv, vv))
     r_mod = {name: t.detach().to(rdev, F64).requires_grad_() for name, t in mods.grads.items()}
-    r_bias = None if bias_leaf is None else bias_leaf.to(rdev, F64).requires_grad_()
+    r_bias = None if bias_leaf is None else bias_leaf.detach().to(rdev, F64).requires_grad_()
     top_left = case.api == "sdpa" and not ring
     vis = visible_mask(nq, nk, causal=case.causal, window=window, bottom_right=not top_left)
     if case.kind == "attn_mask" and bias_leaf is None:  # a boolean mask
@@ -381,7 +381,7 @@ def _attn_mask(case: Case, g, bsz, hq, nq, nk, device):
     shape = shapes[case.seed % len(shapes)]
     if case.option("mask", "bool") == "float":
         bias = torch.randn(shape, generator=g)
-        return bias, bias.to(device).requires_grad_()
+        return bias, bias.to(device, copy=True).requires_grad_()
     keep = torch.rand(shape, generator=g) > 0.25
     return None, keep.to(device)
 
@@ -420,7 +420,7 @@ def _varlen(case: Case, pkg, device: str, check: Checker) -> None:
     keep = replay_keep(pkg, device, state, (bsz, hq, max_q, max_k), p) if p else None
 
     rdev = check.device
-    r_q, r_k, r_v = (x.to(rdev, F64).requires_grad_() for x in (qv, kv, vv))
+    r_q, r_k, r_v = (x.detach().to(rdev, F64).requires_grad_() for x in (qv, kv, vv))
     r_mod = {name: t.detach().to(rdev, F64).requires_grad_() for name, t in mods.grads.items()}
     outs, lses = [], []
     for s, (n_q, n_k) in enumerate(zip(lq, lk)):
