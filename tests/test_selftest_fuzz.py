@@ -231,6 +231,36 @@ def test_dropout_is_judged_by_the_replayed_mask(gpt2, monkeypatch):
     assert run_case(case, gpt2, "cpu").failed
 
 
+def test_backward_reference_is_the_exact_backward_of_the_stored_output():
+    """dS = P (dP - D) with D from the stored output: the exact gradients plus
+    scale * (P dD) K for dq and scale * (P dD)^T Q for dk, dD = rowsum(dO (O - stored))."""
+    from flashgen.reference import attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, n, 8, generator=g, dtype=torch.float64) for n in (5, 7, 7, 5))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    vis = torch.ones(5, 7, dtype=torch.bool)
+    out, lse = attention_ref(q, k, v, vis)
+    stored = out.detach() + 1e-3 * torch.randn(out.shape, generator=g, dtype=torch.float64)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, H, N, d) -> (B, N, H, d)
+    exact = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
+    got = runners.backward_reference(t(out), lse, [q, k, v], t(do), t(stored), (0, 2, 1))
+    p = torch.exp(q.detach() @ k.detach().transpose(-1, -2) / 8 ** 0.5 - lse.detach()[..., None])
+    dd = ((out.detach() - stored) * do).sum(-1, keepdim=True)
+    torch.testing.assert_close(got[0], exact[0] + (p * dd) @ k.detach() / 8 ** 0.5)
+    torch.testing.assert_close(got[1], exact[1] + (p * dd).transpose(-1, -2) @ q.detach() / 8 ** 0.5)
+    torch.testing.assert_close(got[2], exact[2])
+
+
+def test_one_key_seen_by_many_rows(gpt2, cache):
+    """Every row sees the one key: dS = 0 exactly, and dK gathers 54 rows' roundings of
+    D = rowsum(dO * O) -- within tolerance only against the stored output's backward."""
+    packages = selftest_packages("cpu", ["selftest"])
+    case = Case("train", "selftest", "bf16", h_q=2, h_kv=1, d=80, n_q=27, n_k=1, dropout=0.1,
+                strided="bhnd", tiles=32, seed=1443290321)
+    assert run_case(case, packages, "cpu").passed
+
+
 def test_gluon_case_runs_tl_here_and_says_so(gpt2):
     r = run_case(Case("train", "gpt2", "fp16", n_q=5, n_k=5, family="gluon", seed=1), gpt2, "cpu")
     assert r.passed and r.note.startswith("family gluon ran as tl")
