@@ -117,8 +117,10 @@ class _Workers:
         self.results: list[CaseResult | None] = [None] * len(cases)
         self.done = 0
         self.todo: dict[int, list[int]] = {}   # slot -> its cases not done yet
-        self.procs: dict[int, list] = {}       # slot -> [process, wid, case in flight, since]
+        # slot -> [process, wid, case in flight, since, whether it started a case]
+        self.procs: dict[int, list] = {}
         self.wids = 0
+        self.stillborn = 0  # workers that died before starting a case
         for slot, indices in enumerate(deal(cases, workers)):
             self.launch(slot, indices)
 
@@ -129,7 +131,7 @@ class _Workers:
             self.devices[slot % len(self.devices)], self.ref_device, self.out))
         p.start()
         self.todo[slot] = list(indices)
-        self.procs[slot] = [p, self.wids, None, time.monotonic()]
+        self.procs[slot] = [p, self.wids, None, time.monotonic(), False]
 
     def finish(self, i: int, result: CaseResult) -> None:
         if self.results[i] is None:
@@ -144,10 +146,10 @@ class _Workers:
         if slot is None or i not in self.todo[slot]:
             return  # from a worker already replaced
         if kind == "start":
-            self.procs[slot][2:] = [i, time.monotonic()]
+            self.procs[slot][2:] = [i, time.monotonic(), True]
         else:
             self.todo[slot].remove(i)
-            self.procs[slot][2:] = [None, time.monotonic()]
+            self.procs[slot][2:4] = [None, time.monotonic()]
             self.finish(i, result)
 
     def drain(self) -> None:
@@ -159,7 +161,7 @@ class _Workers:
 
     def reap(self) -> None:
         """Replace the workers that died or overran the timeout."""
-        for slot, (p, _, flight, since) in list(self.procs.items()):
+        for slot, (p, _, flight, since, _) in list(self.procs.items()):
             over = (flight is not None and self.timeout is not None
                     and time.monotonic() - since > self.timeout)
             if p.is_alive() and not over:
@@ -168,7 +170,20 @@ class _Workers:
                 p.kill()
             p.join()
             self.drain()  # what it reported before it went
-            flight = self.procs[slot][2]
+            flight, started = self.procs[slot][2], self.procs[slot][4]
+            if not over and not started and p.exitcode != EXIT_CONTEXT_LOST:
+                # (a worker that cannot even start: the environment, not a case)
+                self.stillborn += 1
+                if self.stillborn >= 2:
+                    self.stop()
+                    raise RuntimeError(
+                        f"selftest worker processes exit (code {p.exitcode}) before running "
+                        "a case: see their output above (a script that calls fuzz with "
+                        "workers > 1 needs the `if __name__ == \"__main__\":` guard, since "
+                        "workers are spawned), or run with workers=1")
+                del self.procs[slot]
+                self.launch(slot, self.todo[slot])
+                continue
             if over:
                 why = f"timed out after {self.timeout:.0f} s (the worker was killed)"
             elif p.exitcode == EXIT_CONTEXT_LOST:
@@ -183,6 +198,13 @@ class _Workers:
             del self.procs[slot]
             if self.todo[slot]:
                 self.launch(slot, self.todo[slot])
+
+    def stop(self) -> None:
+        for p, *_ in self.procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join()
+        self.procs.clear()
 
     def run(self) -> list[CaseResult]:
         while self.done < len(self.cases):
