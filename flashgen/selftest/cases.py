@@ -16,9 +16,11 @@ NaN anywhere fails; a row that sees no key must be exactly 0 with LSE -inf. With
 call drew (replayed by the package's `dropout_mask` from the same generator state), and
 the tolerance grows by the survivors' scale.
 
-`SANITIZE_CASES` is the fixed, small set that `flashgen selftest --sanitize` runs under
-compute-sanitizer (memcheck, racecheck): every kernel family and kind at odd shapes. The
-command line runs case sets or single cases and exits 1 if any fails:
+`SANITIZE_CASES` is the fixed, small set that `flashgen selftest`'s sanitizer driver runs
+under compute-sanitizer (memcheck, racecheck), as a subprocess of this module: every
+kernel family and kind at odd shapes (with --set, the reference runs on the CPU, so the
+sanitizer sees flashgen's kernels and few of torch's). The command line runs case sets or
+single cases, one line each, and exits 1 if any fails:
 
     python -m flashgen.selftest.cases --set sanitize [--device cuda] [--ref-device cpu]
     python -m flashgen.selftest.cases --case '<case json>' [--case ...] [--device cpu]
