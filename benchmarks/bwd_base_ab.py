@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.environ.get("BASE", os.path.join(os.getcwd(), ".scratch/base")))
 sys.path.insert(0, os.path.join(os.getcwd(), "generated"))
 import llama_attn, llama_base, mods_attn, mods_base, gpt2_attn, gpt2_base
-from flashgen import bench_mods as bm
+from flashgen.bench import mods as bm
 
 def flops(b, h, n, d, causal):
     f = 4 * b * h * n * n * d * 2.5

@@ -10,7 +10,7 @@ interleaved under `override_config`, the best of 3 do_bench medians) and then 0.
 in the `flashgen bench --suite mods` run after making it the default (a fresh forward per
 case, one do_bench median, Flex between cases). Here each arm is timed, under the same
 config, by both: (a) the A/B's way and (b) `flashgen bench`'s own measurement
-(`bench_suite.measure_attention` on the mods case, flashgen only), alternating the arms
+(`bench.runner.measure_attention` on the mods case, flashgen only), alternating the arms
 and the ways round by round; the launch config each arm ran is printed from the runtime.
 The arm's knobs reach the backward variants only (override_config would move the forward
 that (b) runs first too: its first version read (b) as failed for that reason). Twenty-
@@ -42,9 +42,11 @@ def main() -> int:
     import torch
     import triton
 
-    from flashgen import bench_mods as bm
-    from flashgen.bench_suite import (Case, bundled_spec, load_package, measure_attention,
-                                      tflops)
+    from flashgen.bench import mods as bm
+    from flashgen.bench.providers import load_package
+    from flashgen.bench.runner import measure_attention
+    from flashgen.bench.suites import Case, tflops
+    from flashgen.resources import bundled_spec
 
     arms = {}
     for spec in args.arms:

@@ -12,8 +12,10 @@ import sys
 
 import torch
 import triton
-from flashgen import bench_mods as bm
-from flashgen.bench_suite import Case, Providers, _timed_call
+from flashgen.bench import mods as bm
+from flashgen.bench.providers import Providers
+from flashgen.bench.suites import Case
+from flashgen.bench.timing import timed_call
 from torch.profiler import profile, ProfilerActivity
 
 with_flex = sys.argv[1] == "flex"
@@ -25,11 +27,11 @@ if with_flex:
     for mod in ("alibi", "document"):
         c = Case("mods", "bwd", d, True, b, h, n, providers=("flex",), mod=mod)
         fn = provs.get("flex", c)
-        call, grads = _timed_call(fn, q, k, v, c)
+        call, grads = timed_call(fn, q, k, v, c)
         print("flex", mod, triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
 c = Case("mods", "bwd", d, True, b, h, n, providers=("flashgen",), mod="document")
 fn = provs.get("flashgen", c)
-call, grads = _timed_call(fn, q, k, v, c)
+call, grads = timed_call(fn, q, k, v, c)
 print("flashgen document bwd ms", triton.testing.do_bench(call, warmup=25, rep=100, grad_to_none=grads, return_mode="median"))
 for _ in range(3):
     call()

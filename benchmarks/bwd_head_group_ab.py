@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from flashgen.bench_suite import load_package  # noqa: E402
+from flashgen.bench.providers import load_package  # noqa: E402
 
 SHAPES = ["1,16,4096,128", "8,16,2048,128", "4,16,4096,128", "1,16,16384,128",
           "8,32,2048,64", "4,32,4096,64"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashgen import bench_mods as bm
+from flashgen.bench import mods as bm
 B, H, N, BM, BN = 4, 16, 4096, 64, 128
 def vis(mod, kw):
     i = torch.arange(N)[:, None]; j = torch.arange(N)[None, :]

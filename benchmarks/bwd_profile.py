@@ -13,8 +13,9 @@ import sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flashgen import bench_mods as bm
-from flashgen.bench_suite import bundled_spec, load_package
+from flashgen.bench import mods as bm
+from flashgen.bench.providers import load_package
+from flashgen.resources import bundled_spec
 
 B, H, N, D = 4, 16, 4096, 128
 

@@ -1,5 +1,5 @@
 """Decode tiles x split counts on the GPU (llama_attn, Hq=32, Hkv=8, d=128, bf16, one query
-token): do_bench medians and read-flush medians (see flashgen/bench_decode.py).
+token): do_bench medians and read-flush medians (see flashgen/bench/decode.py).
 
     python benchmarks/decode_sweep.py [--b 8] [--n 4096 16384] [--splits 1 2 3 4 6]
 
@@ -14,7 +14,8 @@ import triton
 
 sys.path.insert(0, "generated")
 import llama_attn as pkg  # noqa: E402
-from flashgen.bench_decode import read_flush_ms, to_pages  # noqa: E402
+from flashgen.bench.decode import to_pages  # noqa: E402
+from flashgen.measure import read_flush_ms  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 TILES = [(16, 128, 8, 3), (16, 128, 4, 3), (16, 128, 8, 2), (16, 64, 4, 4),

@@ -24,7 +24,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from flashgen.bench_suite import load_package  # noqa: E402
+from flashgen.bench.providers import load_package  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from fwd_kernel_times import kernel_us  # noqa: E402

@@ -38,7 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from flashgen.bench_suite import load_package  # noqa: E402
+from flashgen.bench.providers import load_package  # noqa: E402
 
 
 def kernel_us(fn, calls: int = 20) -> tuple:

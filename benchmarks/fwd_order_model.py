@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from flashgen import bench_mods as bm  # noqa: E402
+from flashgen.bench import mods as bm  # noqa: E402
 from generated.mods_attn import _families, _mods  # noqa: E402
 
 B, H, N, BM, BN, P = 4, 16, 4096, 128, 128, 132

@@ -122,7 +122,7 @@ def _instrumented(tmp: Path):
 
 
 def _doc_ids(b, n, ndocs):
-    from flashgen import bench_mods as bm
+    from flashgen.bench import mods as bm
     if ndocs:
         return (torch.arange(n) * ndocs // n).to(torch.int32).expand(b, n).contiguous()
     return bm.inputs("document", b, 16, n, "cpu")["doc"]

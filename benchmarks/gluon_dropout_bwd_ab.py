@@ -38,7 +38,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from flashgen.bench_suite import load_package  # noqa: E402
+from flashgen.bench.providers import load_package  # noqa: E402
 
 SPECS = {128: ROOT / "specs/bench/dropout_d128.yaml", 64: ROOT / "specs/gpt2.yaml"}
 H, TOKENS, P = 16, 16384, 0.1

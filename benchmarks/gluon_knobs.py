@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     import torch
     import triton
 
-    from flashgen.bench_suite import load_package
+    from flashgen.bench.providers import load_package
 
     print("| d | causal | N | package's config | TFLOP/s | " + " | ".join(VARIANTS) + " |")
     print("|---|---|---|---|---|" + "---|" * len(VARIANTS))

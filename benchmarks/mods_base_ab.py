@@ -13,7 +13,7 @@ import torch
 sys.path.insert(0, os.environ.get("BASE", os.path.join(os.getcwd(), ".scratch/base")))
 sys.path.insert(0, os.path.join(os.getcwd(), "generated"))
 import mods_attn, mods_base
-from flashgen import bench_mods as bm
+from flashgen.bench import mods as bm
 
 def time_it(fn, iters=20):
     fn(); torch.cuda.synchronize()

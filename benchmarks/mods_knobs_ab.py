@@ -28,8 +28,10 @@ import time
 import torch
 import triton
 
-from flashgen import bench_mods as bm
-from flashgen.bench_suite import bundled_spec, load_package, tflops
+from flashgen.bench import mods as bm
+from flashgen.bench.providers import load_package
+from flashgen.bench.suites import tflops
+from flashgen.resources import bundled_spec
 
 
 def _equal_docs(b, n, k, device):

@@ -12,7 +12,7 @@ twenty-seventh session, reads them."""
 import sys, os, torch
 sys.path.insert(0, os.getcwd())
 from pathlib import Path
-from flashgen.bench_suite import load_package
+from flashgen.bench.providers import load_package
 pkg, _ = load_package(Path("specs/bench/dropout_d128.yaml"))
 b, n, h, d = 4, 4096, 16, 128
 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -8,7 +8,7 @@ import os, sys
 import torch
 sys.path.insert(0, os.getcwd()); sys.path.insert(0, os.path.join(os.getcwd(), "tests"))
 import generated.llama_attn as pkg
-from flashgen.bench_varlen import ragged_lengths
+from flashgen.bench.varlen import ragged_lengths
 lens = ragged_lengths(16, 16384, 128, 4096, 0)
 c = [0]
 for n in lens: c.append(c[-1] + n)

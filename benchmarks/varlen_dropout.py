@@ -6,10 +6,10 @@ backward, interleaved rounds.
     PYTHONPATH=$PWD python benchmarks/varlen_dropout.py [--d 128] [--p 0.1] [--rounds 3]
                                                         [--out results.json]
 
-The workload is flashgen.bench_varlen's (16 documents of 128..4096 tokens, 16k tokens,
+The workload is flashgen.bench.varlen's (16 documents of 128..4096 tokens, 16k tokens,
 H=16, bf16, causal bottom-right per document), the package specs/gpt2.yaml (d=64) or
 specs/bench/dropout_d128.yaml (d=128) built into a temporary folder. FLOPs count each
-document on its own (bench_varlen.document_flops). Times are do_bench medians (L2
+document on its own (bench.varlen.document_flops). Times are do_bench medians (L2
 flushed); the backward is that of one saved forward.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flashgen.bench_varlen import cu_seqlens, document_flops, ragged_lengths  # noqa: E402
+from flashgen.bench.varlen import cu_seqlens, document_flops, ragged_lengths  # noqa: E402
 from flashgen.build import build  # noqa: E402
 
 SPECS = {64: ("gpt2.yaml", "gpt2_attn"), 128: ("bench/dropout_d128.yaml", "bench_dropout_attn")}

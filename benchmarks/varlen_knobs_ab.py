@@ -19,7 +19,7 @@ import statistics
 import torch
 import triton
 
-from flashgen import bench_varlen as bv
+from flashgen.bench import varlen as bv
 
 
 def main():

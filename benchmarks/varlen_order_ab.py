@@ -12,7 +12,7 @@ import sys
 import torch
 import triton
 
-from flashgen import bench_varlen as bv
+from flashgen.bench import varlen as bv
 
 pkg = bv._package(128)
 rt = pkg._runtime

@@ -3,7 +3,7 @@
 
     PYTHONPATH=. python benchmarks/varlen_schedule_model.py
 
-It counts the (tile, head) work units of the bench's workload (flashgen.bench_varlen's
+It counts the (tile, head) work units of the bench's workload (flashgen.bench.varlen's
 16 documents of 128..4096 tokens, seed 0, H=16, d=128, causal) and of the dense (4, 4096)
 batch, fits per-unit costs (a full key block, a diagonal block with the tile's own fixed
 cost, a per-call constant) to the dense kernels' measured TFLOP/s at N = 1k..16k
@@ -20,7 +20,7 @@ import heapq
 import numpy as np
 
 from flashgen import families
-from flashgen.bench_varlen import ragged_lengths
+from flashgen.bench.varlen import ragged_lengths
 
 P = 132          # SMs of the H100 SXM (persistent grid / resident backward programs)
 H = 16
@@ -288,7 +288,7 @@ def main():
           f"varlen perfectly even {vf / (mean + xf[3]) / 1e6:.1f}")
     # the length-matched dense baseline in the model: each document charged at the rate
     # the model gives the dense kernel on an equal-length batch of its length (about
-    # 16k tokens, the host table's deal), as bench_varlen's flashgen_dense_matched row
+    # 16k tokens, the host table's deal), as bench.varlen's flashgen_dense_matched row
     matched_us = 0.0
     for n in lengths:
         b = max(1, round(TOKENS / n))

@@ -1,6 +1,6 @@
 """How close a packed causal batch can come to the dense kernel's throughput when both
 compute whole tiles: the share of computed tile area that is useful (inside each
-document's causal triangle), for `flashgen.bench_varlen`'s documents against the dense
+document's causal triangle), for `flashgen.bench.varlen`'s documents against the dense
 (B, N) batch of the same token count, per tile shape. Zero per-tile cost, a perfect
 schedule and no masking cost are assumed, so the ratio is an upper bound on varlen /
 dense TFLOP/s for kernels that compute a tile whole (issue 17's 0.95x bar).
@@ -13,7 +13,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flashgen.bench_varlen import ragged_lengths  # noqa: E402
+from flashgen.bench.varlen import ragged_lengths  # noqa: E402
 
 
 def useful_share(n: int, bm: int, bn: int) -> float:

@@ -20,7 +20,7 @@ next `flashgen build` embeds into the package's TUNED table.
   Compile errors, out-of-resources and wrong answers fail the trial; the study goes on.
 * A variant with mods is tuned as any other, under its own name: its check and timing call
   the package as a user does, `mods=(...)` with the mods' tensors and params, valued as a
-  model passes them (bench_mods.call_inputs: documents of random lengths, prefixes of
+  model passes them (bench.mods.call_inputs: documents of random lengths, prefixes of
   N/8..N/2 tokens, ...; a block-sparse kernel's speed depends on the mask), and the float64
   reference applies the same mods. A mask mod's backward searches `persistent_bwd` (its
   persistent Gluon form or a program per key block). Until it is tuned a variant with mods

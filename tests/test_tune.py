@@ -1305,7 +1305,8 @@ def test_a_mods_trial_checks_and_times_the_call_with_its_mod_inputs(mods_pkg, mo
     check's document ids and cap at the check's (B, N), the timed call's at the bucket's,
     made once per shape with the mods bench's generator (ragged documents) -- and the
     check's reference applies them."""
-    from flashgen import bench_mods, measure
+    from flashgen import measure
+    from flashgen.bench import mods as bench_mods
     from flashgen.mods import builtin_mod
 
     name = "bwd_causal_document_softcap_d32_fp32"

@@ -1,6 +1,6 @@
 """The varlen benchmark (issue 17's bar): packed ragged batches on the GPU.
 
-    python -m flashgen.bench_varlen [--dry-run] [--modes fwd bwd] [--providers ...]
+    python -m flashgen.bench.varlen [--dry-run] [--modes fwd bwd] [--providers ...]
                                     [--docs 16] [--total 16384] [--min-len 128]
                                     [--max-len 4096] [--d 128] [--h 16] [--seed 0]
                                     [--dense-n 4096] [--rounds 1] [--out results.json]
@@ -157,7 +157,9 @@ def dry_run_text(cases) -> str:
 # the GPU part
 # ----------------------------------------------------------------------------------------
 def _package(d: int):
-    from .bench_suite import SPECS, bundled_spec, load_package
+    from ..resources import bundled_spec
+    from .providers import load_package
+    from .suites import SPECS
     return load_package(bundled_spec(SPECS[d]))[0]
 
 
@@ -212,12 +214,12 @@ def _providers(case, q, k, v, cu, doc_ids):
 
 def measure(cases, log=print, rounds=1) -> list:
     """Rows for the planned cases. The providers of one mode are timed `rounds` times in
-    alternating order (bench_suite.interleaved_rounds: a clock drifting during the run
+    alternating order (timing.interleaved_rounds: a clock drifting during the run
     lands on all of them alike); each row's ms is the median round, `ms_rounds` (rounds >
     1) keeps them all."""
     import torch
 
-    from .bench_suite import interleaved_rounds, record_rounds
+    from .timing import interleaved_rounds, record_rounds
 
     rows = []
     by_shape, groups = {}, {}
@@ -338,7 +340,7 @@ def bar_text(rows) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m flashgen.bench_varlen",
+    ap = argparse.ArgumentParser(prog="python -m flashgen.bench.varlen",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
     ap.add_argument("--modes", nargs="+", default=["fwd", "bwd"])
@@ -353,6 +355,11 @@ def main(argv=None) -> int:
     if args.rounds < 1:
         print(f"error: --rounds {args.rounds}: give at least 1 round", file=sys.stderr)
         return 2
+    for name in ("docs", "total", "min_len", "max_len", "d", "h", "dense_n"):
+        if getattr(args, name) < 1:  # (0 divides by zero; a negative size plans nonsense)
+            print(f"error: --{name.replace('_', '-')} {getattr(args, name)}: must be at "
+                  "least 1", file=sys.stderr)
+            return 2
     try:
         cases = plan(args.providers, tuple(args.modes), docs=args.docs, total=args.total,
                      min_len=args.min_len, max_len=args.max_len, d=args.d, h=args.h,

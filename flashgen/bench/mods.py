@@ -38,7 +38,7 @@ CAP, SINKS, WINDOW = 50.0, 4, 1024
 def inputs(mod, b, h, n, device):
     """The mod's tensors and params for one shape: flashgen's keyword arguments (call_inputs
     for the case's built-in)."""
-    from .mods import builtin_mod
+    from ..mods import builtin_mod
 
     cases = {"softcap": ("softcap", {"cap": CAP}), "alibi": ("alibi", None),
              "document": ("document", None), "prefix_lm": ("prefix_lm", None),
@@ -65,7 +65,7 @@ def call_inputs(mods, b, h, n_q, n_k, device, *, small=False, seed=0):
     generator seeded with it (so the inputs of a shape are always the same)."""
     import torch
 
-    from .check import mod_extents, random_tensor
+    from ..check import mod_extents, random_tensor
 
     kw = {}
     for m in mods:

@@ -3,7 +3,7 @@ paged KV cache) beside SDPA's flash and cuDNN backends and FlexAttention, at Lla
 decode shapes: H_q = 32, H_kv = 8, d = 128, one new query token, bf16, batch 8 and 1, KV
 length 4k / 16k / 64k.
 
-    python -m flashgen.bench_decode [--out results.json] [--b 8 1] [--n 4096 16384 65536]
+    python -m flashgen.bench.decode [--out results.json] [--b 8 1] [--n 4096 16384 65536]
                                     [--splits 0 1 4 16] [--page 256] [--no-graph]
 
 (`flashgen bench --suite decode` runs the same measurement.) The flashgen package is
@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -47,7 +48,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .measure import read_flush_ms  # (the tuner times decode this way)
+from ..measure import read_flush_ms  # (the tuner times decode this way)
 
 fg = None  # the generated package under test (llama_attn's kind: d=128, GQA, decode)
 
@@ -151,11 +152,11 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
           log=print, package=None):
     """One row per (B, KV length): {provider: {"ms", "GB/s"[, "gqa"]} or an error/WRONG
     string} plus the keys of ROW_META. `package`: the generated package to time (default:
-    specs/llama.yaml's, built now). flashgen/bench_suite.py (`flashgen bench --suite
+    specs/llama.yaml's, built now). flashgen/bench/runner.py (`flashgen bench --suite
     decode`) calls this too."""
     global fg
     if package is None:
-        from .bench_suite import load_package
+        from .providers import load_package
         package = load_package(None, 128)[0]
     fg = package
     gpu = torch.cuda.get_device_name()
@@ -244,6 +245,15 @@ def main(argv=None):
                     help="skip the CUDA-graph rows")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    for flag, values, least in (("--b", args.b, 1), ("--n", args.n, 1),
+                                ("--page", [args.page], 1), ("--splits", args.splits, 0)):
+        bad = [v for v in values if v < least]
+        if bad:
+            print(f"error: {flag} {bad[0]}: must be at least {least}", file=sys.stderr)
+            return 2
+    if not torch.cuda.is_available():
+        print("error: the decode benchmark needs a CUDA GPU", file=sys.stderr)
+        return 2
     rows = bench(args.b, args.n, args.splits, args.page, args.graph,
                  log=lambda s: print(s, flush=True))
     if args.out:
@@ -261,7 +271,8 @@ def main(argv=None):
     print("\nhost us per call (contiguous, paged): "
           + ", ".join(f"B{r['b']} L{r['n']}: {r.get('host_us')}, {r.get('paged_host_us')}"
                       for r in rows))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
