@@ -16,17 +16,20 @@ EXIT_USAGE = 2
 
 
 def _cmd_build(args) -> int:
-    from .build import build
+    from .build import build_spec
+    from .spec import load_spec
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FlashgenError(f"--out {args.out} is a file; --out takes a folder (the package "
                             f"is written to {args.out}/<package>/)")
+    spec = load_spec(args.spec)  # its own errors name the spec, not --out
     try:
-        report = build(args.spec, out)
-    except (FileExistsError, NotADirectoryError, PermissionError) as e:
-        raise FlashgenError(f"--out {args.out}: cannot write the package there: "
-                            f"{e.strerror}: {e.filename}") from None
+        report = build_spec(spec, out)
+    except OSError as e:  # any reason a folder cannot be written: missing, read-only, /proc
+        reason = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        raise FlashgenError(f"--out {args.out}: cannot write the package there: {reason}; "
+                            "pass --out a folder you can write to") from None
     print(report.summary())
     print(f"import it as `import {report.root.name}` with {out} on sys.path (e.g. "
           f"PYTHONPATH={out}), or as `from {out.resolve().name} import {report.root.name}` "
@@ -36,11 +39,18 @@ def _cmd_build(args) -> int:
 
 def family_summary(spec) -> str:
     """Which kernel family each variant runs on a Hopper GPU (with a Triton the Gluon
-    templates were verified on) and, for the `tl` ones, why."""
+    templates were verified on) and, for the `tl` ones, why. For a spec whose gpu.arch is
+    not Hopper, one line: every kernel there is `tl`. (A spec without an arch is planned
+    for the H100, so it gets the Hopper summary.)"""
     from . import families
     from .render import gluon_reason
     from .variants import variants_for
 
+    capability = spec.gpu.capability
+    if (capability // 10, capability % 10) not in families.GLUON_CAPABILITIES:
+        hopper = ", ".join(f"sm_{a}{b}" for a, b in families.GLUON_CAPABILITIES)
+        return (f"== kernel families on {spec.gpu.name} ({spec.gpu.arch}): `tl` for every "
+                f"kernel (the Gluon kernels run on {hopper}, Hopper, only)")
     gluon, tl = [], {}
     for v in variants_for(spec):
         why = gluon_reason(v, spec)
