@@ -93,7 +93,10 @@ def _rows_span_past_int32(rows: int, row_stride: int, row_end: int) -> bool:
 
 
 def check_heads(h_q: int, h_kv: int) -> None:
-    if h_kv == 0 or h_q % h_kv != 0:
+    if h_q < 1 or h_kv < 1:
+        raise ValueError(f"the head count must be >= 1, got {h_q} query heads and {h_kv} "
+                         "key/value heads")
+    if h_q % h_kv != 0:
         raise ValueError(
             f"query heads ({h_q}) must be a multiple of key/value heads ({h_kv}) for GQA/MQA")
     if h_q != h_kv and not BUILT_FOR["gqa"]:
