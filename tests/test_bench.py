@@ -339,6 +339,14 @@ def test_bench_spec_errors_exit_2(tmp_path, text, args, message):
     assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
 
 
+def test_bench_missing_spec_says_where_the_examples_are(tmp_path):
+    from flashgen.resources import specs_dir
+    res = flashgen("bench", "--dry-run", "--spec", "specs/gpt2.yaml", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert (f"--spec specs/gpt2.yaml: no such file (the example specs are in {specs_dir()})"
+            in res.stderr), res.stderr
+
+
 def test_bench_without_spec_rejects_other_head_dims(tmp_path):
     res = flashgen("bench", "--dry-run", "--d", "80", cwd=tmp_path)
     assert res.returncode == 2 and "pass --spec" in res.stderr, res.stderr

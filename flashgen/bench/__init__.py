@@ -85,7 +85,9 @@ def _resolve(args):
         return args.d, (False, True), None
     from ..spec import load_spec
     if not Path(args.spec).is_file():
-        raise FlashgenError(f"--spec {args.spec}: no such file")
+        from ..resources import specs_dir
+        raise FlashgenError(f"--spec {args.spec}: no such file (the example specs are in "
+                            f"{specs_dir()})")
     spec = load_spec(args.spec)  # a bad spec is a SpecError (exit 2) here, before any GPU work
     if "bf16" not in spec.dtypes:
         raise FlashgenError(f"--spec {args.spec}: the benchmark runs in bf16, which the spec's "
