@@ -230,7 +230,7 @@ def job_env(job: Job, gpu_ids: list[str]) -> dict[str, str]:
     return env
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """The job's whole process group (pytest, its xdist workers, their compilers)."""
     for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
         try:
@@ -360,7 +360,7 @@ def run_jobs(jobs: list[Job], root: Path, gpu_ids: list[str], at_once: int,
             rc = proc.poll()
             killed = None
             if rc is None and now - start > limit:
-                _kill(proc)
+                kill_group(proc)
                 rc, killed = proc.returncode, cap or "timeout"
             if rc is None:
                 still.append((job, proc, start, limit, cap, log))
