@@ -222,6 +222,10 @@ def job_env(job: Job, gpu_ids: list[str]) -> dict[str, str]:
     # the GPU suite must not run in Triton's interpreter (the tests turn it on themselves
     # when there is no GPU; an exported TRITON_INTERPRET=1 would send CUDA tensors to it)
     env.pop("TRITON_INTERPRET", None)
+    # a selftest started from inside a test process must not pass its xdist identity on
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID",
+                 "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
     env[PROGRESS_ENV] = str(job.progress)
     if job.part == SINGLE and job.workers:
         env[GPUS_ENV] = ",".join(gpu_ids)
@@ -331,6 +335,7 @@ def run_jobs(jobs: list[Job], root: Path, gpu_ids: list[str], at_once: int,
                 break
             queue.remove(job)
             job.folder.mkdir(parents=True, exist_ok=True)
+            basetemp.mkdir(parents=True, exist_ok=True)   # (pytest makes only the last level)
             for stale in (job.junit, job.log):
                 stale.unlink(missing_ok=True)
             if job.progress.exists():

@@ -19,7 +19,6 @@ measured run (selftest.json's `seconds`) when they drift.
 from __future__ import annotations
 
 import ast
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,8 +121,12 @@ def workers(gpus: int, cores: int, per_shard: int | None = None,
 # which files hold gpu tests (read from the source: no import, no collection)
 # ---------------------------------------------------------------------------------------
 
-_GPU_MARK = re.compile(r"\bmark\.gpu\b")
-_MULTIGPU_MARK = re.compile(r"\bmark\.multigpu\b")
+def _marks(tree: ast.AST, name: str) -> bool:
+    """Whether the code says `<...>.mark.<name>` (a decorator, pytestmark, a param's marks);
+    read from the syntax tree, so a string that mentions it does not count."""
+    return any(isinstance(node, ast.Attribute) and node.attr == name
+               and isinstance(node.value, ast.Attribute) and node.value.attr == "mark"
+               for node in ast.walk(tree))
 
 
 def _takes_device(tree: ast.AST) -> bool:
@@ -155,8 +158,8 @@ def gpu_test_files(tests_dir: Path) -> list[str]:
     tests_dir = Path(tests_dir)
     found = []
     for path in _test_files(tests_dir):
-        source = path.read_text(encoding="utf-8")
-        if _GPU_MARK.search(source) or _takes_device(ast.parse(source, str(path))):
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        if _marks(tree, "gpu") or _takes_device(tree):
             found.append(_rel(path, tests_dir))
     return found
 
@@ -164,7 +167,7 @@ def gpu_test_files(tests_dir: Path) -> list[str]:
 def multigpu_test_files(tests_dir: Path) -> list[str]:
     tests_dir = Path(tests_dir)
     return [_rel(p, tests_dir) for p in _test_files(tests_dir)
-            if _MULTIGPU_MARK.search(p.read_text(encoding="utf-8"))]
+            if _marks(ast.parse(p.read_text(encoding="utf-8"), str(p)), "multigpu")]
 
 
 def unassigned(tests_dir: Path, table=None) -> list[str]:
