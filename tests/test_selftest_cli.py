@@ -185,17 +185,19 @@ def test_junit_parsing_and_the_summary_json(tmp_path):
     counts, failures = runner.parse_junit(path)
     assert counts == {"passed": 2, "failed": 2, "errors": 2, "skipped": 1}
     ids = [f.nodeid for f in failures]
-    assert ids == ["tests/test_decode.py::test_window[(64, 0)-True]",
+    assert ids == ["tests/test_broken.py",      # (sorted by node id)
+                   "tests/test_decode.py::test_window[(64, 0)-True]",
                    "tests/test_gluon.py::TestScratch::test_graph",
-                   "tests/test_mla.py::test_decode_softcap_mod[1]",
-                   "tests/test_broken.py"]
+                   "tests/test_mla.py::test_decode_softcap_mod[1]"]
+    broken, failures = failures[0], failures[1:]
+    assert broken.reproducer == "python -m pytest -m gpu tests/test_broken.py"
     assert failures[0].reproducer == \
         "python -m pytest -m gpu 'tests/test_decode.py::test_window[(64, 0)-True]'"
     assert failures[0].message.splitlines()[-2:] == [
         "E       AssertionError: out: max |err| 0.31 > tol",
         "tests/test_decode.py:255: AssertionError"]
     assert "illegal memory access" in failures[1].message
-    assert failures[3].reproducer == "python -m pytest -m gpu tests/test_broken.py"
+    failures.append(broken)
 
     part = runner.PartResult("decode", runner.SINGLE, "failed", seconds=12.5, workers=4,
                              timeout_s=180, files=["tests/test_decode.py"], failures=failures,

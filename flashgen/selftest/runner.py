@@ -102,7 +102,14 @@ class Job:
         return argv
 
     def display(self) -> str:
-        return shlex.join(["python", *self.argv()[1:]])
+        """The command as a person would type it here (paths relative to this directory;
+        the process itself gets absolute ones, since it runs in the checkout's root)."""
+        def short(arg: str) -> str:
+            if os.path.isabs(arg) and arg.startswith(str(self.folder)):
+                rel = os.path.relpath(arg)
+                return arg if rel.startswith("..") else rel
+            return arg
+        return shlex.join(["python", *map(short, self.argv()[1:])])
 
 
 def xdist_available() -> bool:
@@ -114,6 +121,7 @@ def plan_jobs(shards: list[Shard], folder: Path, gpus: int, per_shard: int,
     """(single-GPU jobs, multi-GPU jobs) for the chosen shards. The multi-GPU jobs are
     planned whatever the GPU count; the caller skips them on fewer than 2 GPUs."""
     xdist = xdist_available()
+    folder = Path(folder).resolve()     # the pytest processes run in the checkout's root
     single, multi = [], []
     for s in shards:
         if s.files:
@@ -173,7 +181,7 @@ def parse_junit(path: Path, marker: str = "gpu") -> tuple[dict[str, int], list[F
             counts["skipped"] += 1
         else:
             counts["passed"] += 1
-    return counts, failures
+    return counts, sorted(failures, key=lambda f: f.nodeid or "")
 
 
 # ---------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ from pathlib import Path
 from .. import __version__
 
 SCHEMA = 1
+TEXT_MESSAGES = 10          # failures a shard shows with their message in the text
+TEXT_MESSAGE_LINES = 8      # the last lines of each (selftest.json keeps 15)
 # the environment variables that change what the suite runs (recorded with the run)
 _ENV_PREFIXES = ("FLASHGEN_", "TRITON_", "CUDA_VISIBLE_DEVICES", "PYTORCH_")
 _INTERNAL_ENV = ("FLASHGEN_SELFTEST_GPUS", "FLASHGEN_SELFTEST_PROGRESS")
@@ -206,11 +208,16 @@ def format_text(rec: dict) -> str:
             root = (co or {}).get("root", ".")
             out.append("")
             out.append(f"failures ({len(failures)}; reproduce from {root}):")
+            shown = {}
             for p, f in failures:
+                # a shard that fails wholesale (a broken fixture, no GPU) shows its first
+                # few messages; the rest are reproducer lines (selftest.json has them all)
+                n = shown[p["shard"]] = shown.get(p["shard"], 0) + 1
                 out.append(f"  [{p['shard']}] {f['nodeid'] or '(the shard)'}")
                 out.append(f"    {f['reproducer']}")
-                if f["message"]:
-                    out.append(_indent(f["message"]))
+                if f["message"] and n <= TEXT_MESSAGES:
+                    tail = f["message"].splitlines()[-TEXT_MESSAGE_LINES:]
+                    out.append(_indent("\n".join(tail)))
     if rec.get("unassigned_gpu_test_files"):
         out.append("")
         out.append("warning: GPU test files in no shard (run as shard 'unassigned'; give them "
