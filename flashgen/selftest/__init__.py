@@ -97,6 +97,15 @@ def _check_numbers(args) -> None:
 # ---------------------------------------------------------------------------------------
 
 def run(args) -> int:
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("flashgen selftest: interrupted; its test processes were stopped and no summary "
+              "was written", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
     from ..errors import FlashgenError
     from . import sanitize, shards
 

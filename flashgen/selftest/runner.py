@@ -334,6 +334,21 @@ def run_jobs(jobs: list[Job], root: Path, gpu_ids: list[str], at_once: int,
     running: list[tuple[Job, subprocess.Popen, float, float, str | None, object]] = []
     results: dict[str, PartResult] = {}
     last_beat = time.monotonic()
+    try:
+        _schedule(queue, running, results, root, gpu_ids, at_once, deadline, basetemp, echo,
+                  poll, heartbeat, last_beat)
+    except BaseException:
+        # Ctrl-C or a bug: the jobs run in sessions of their own, so nothing else would stop
+        # them (and they hold the GPU)
+        for _, proc, *_rest, log in running:
+            kill_group(proc)
+            log.close()
+        raise
+    return [results[j.key] for j in jobs]
+
+
+def _schedule(queue, running, results, root, gpu_ids, at_once, deadline, basetemp, echo,
+              poll, heartbeat, last_beat) -> None:
     while queue or running:
         now = time.monotonic()
         left = float("inf") if deadline is None else deadline - now
@@ -361,8 +376,8 @@ def run_jobs(jobs: list[Job], root: Path, gpu_ids: list[str], at_once: int,
             echo(f"selftest: {job.shard.name} ({job.part}, {workers}) started")
             running.append((job, proc, now, limit, cap, log))
         if not running:
-            why = (f"not started: its estimate ({{}} s) did not fit the {left:.0f} s left "
-                   "of the run's --budget")
+            why = (f"not started: its estimate ({{}} s) did not fit the {max(left, 0):.0f} s "
+                   "left of the run's --budget")
             for job in queue:
                 results[job.key] = not_run(job, why.format(job.est_s))
             break
@@ -384,9 +399,8 @@ def run_jobs(jobs: list[Job], root: Path, gpu_ids: list[str], at_once: int,
             echo(f"selftest: {job.shard.name} ({job.part}) {res.status}: {res.passed} passed, "
                  f"{res.failed} failed, {res.errors} errors, {res.skipped} skipped in "
                  f"{res.seconds:.0f} s")
-        running = still
+        running[:] = still
         if running and now - last_beat >= heartbeat:
             last_beat = now
             echo("selftest: running " + ", ".join(
                 f"{j.shard.name} ({now - s:.0f} s)" for j, _, s, _, _, _ in running))
-    return [results[j.key] for j in jobs]

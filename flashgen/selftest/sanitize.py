@@ -246,9 +246,12 @@ def run_tools(tools: list[str], sanitizer: Path, root: Path, folder: Path,
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 rc, killed = proc.returncode, True
+            except BaseException:   # Ctrl-C: its own session would keep it running
+                kill_group(proc)
+                raise
         seconds = time.monotonic() - start
         text = log_path.read_text(encoding="utf-8", errors="replace")
-        res = parse_report(tool, text, rc)
+        res = parse_report(tool, text.split("\n\n", 1)[-1], rc)   # (after our header)
         if killed:
             res.status = "timeout"
             res.note = (f"stopped at the run's --budget after {seconds:.0f} s" if cap else

@@ -14,7 +14,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -159,6 +158,10 @@ def build(env: dict, parts=None, unassigned=(), sanitize=None, fuzz=None) -> dic
 # text
 # ---------------------------------------------------------------------------------------
 
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _indent(text: str, pad: str = "      ") -> str:
     return "\n".join(pad + ln for ln in text.splitlines())
 
@@ -228,14 +231,14 @@ def format_text(rec: dict) -> str:
         out.append("")
         out.append("compute-sanitizer:")
         for s in rec["sanitize"]:
-            counts = "" if s["errors"] is None else f"{s['errors']} errors" + (
-                "" if s["warnings"] is None else f", {s['warnings']} warnings")
+            counts = "" if s["errors"] is None else _count(s["errors"], "error") + (
+                "" if s["warnings"] is None else ", " + _count(s["warnings"], "warning"))
             out.append(f"  {s['tool']:<10} {s['status']:<12} {counts:<22} {s['seconds']:>6.0f} s"
                        + (f"  {s['note']}" if s["note"] else ""))
             if s["status"] != "ok" or s["warnings"]:
                 if s["report"]:
                     out.append(_indent("\n".join(s["report"])))
-                if s["app_tail"]:
+                if s["app_tail"] and s["status"] != "unsupported":
                     out.append("      the cases' last lines:")
                     out.append(_indent(s["app_tail"], "        "))
                 if s["log"]:
