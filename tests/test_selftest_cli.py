@@ -452,10 +452,15 @@ def fake_fuzz_module(seen):
     def fuzz(n, seed, device, workers=1, progress=None):
         seen.update(n=n, seed=seed, device=device, workers=workers,
                     interpret=os.environ.get("TRITON_INTERPRET"))
+        for done in range(1, n + 1):
+            progress(done, n, types.SimpleNamespace(failed=done == n, case=None))
+        # fuzz.FuzzReport's shape: failures as records, `cases_run`, `coverage()`
+        failure = types.SimpleNamespace(
+            case=FakeCase(), message="dq 3.2x tol",
+            reproducer="flashgen selftest --fuzz-case '{\"kind\": \"train\", \"seed\": 3}'")
         return types.SimpleNamespace(
-            cases=n, passed=n - 1, seconds=0.5, skipped=[("decode fp32", "not built")],
-            failed=[(FakeCase(), "dq 3.2x tol",
-                     "flashgen selftest --fuzz-case '{\"kind\": \"train\", \"seed\": 3}'")])
+            cases_run=n, passed=n - 1, seconds=0.5, skipped=[("decode fp32", "not built")],
+            failed=[failure], coverage=lambda: {"train": n}, notes={})
 
     module = types.ModuleType("flashgen.selftest.fuzz")
     module.fuzz = fuzz
@@ -493,6 +498,7 @@ def test_the_verb_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatch, cap
     assert seen == {"n": 3, "seed": 11, "device": "cuda", "workers": 1}
     assert rec["fuzz"]["failed"][0]["reproducer"].startswith("flashgen selftest --fuzz-case '")
     assert rec["fuzz"]["failed"][0]["case"] == '{"kind": "train", "seed": 3}'
+    assert rec["fuzz"]["kinds"] == {"train": 3} and "  kinds: train 3" in captured.out
     assert rec["problems"] == ["shard tiny (1 GPU): failed", "fuzz: 1 failed"]
     assert "flashgen selftest --fuzz-case '{\"kind\": \"train\", \"seed\": 3}'" in captured.out
     assert "selftest: tiny (1 GPU, 1 workers) started" in captured.err
@@ -508,6 +514,15 @@ def test_fuzz_alone_runs_on_the_cpu_in_the_interpreter(no_gpu, tmp_path, monkeyp
     assert seen["device"] == "cpu" and seen["interpret"] == "1"
     rec = json.loads((tmp_path / "o" / "selftest.json").read_text())
     assert rec["shards"] is None and rec["sanitize"] is None and rec["checkout"] is None
+
+
+def test_fuzz_record_takes_tuples_too():
+    report = types.SimpleNamespace(cases=4, passed=3, seconds=1.25, skipped=[],
+                                   failed=[("case", "out 2x tol", "flashgen selftest ...")])
+    rec = summary.fuzz_record(report, "cuda", 5, 2, 4)
+    assert rec["failed"] == [{"case": "case", "message": "out 2x tol",
+                              "reproducer": "flashgen selftest ..."}]
+    assert (rec["cases"], rec["passed"], rec["status"], rec["seconds"]) == (4, 3, "failed", 1.2)
 
 
 def test_fuzz_case_replays_one_case(monkeypatch, capsys):

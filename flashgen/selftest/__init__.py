@@ -193,11 +193,22 @@ def run_fuzz(args, gpu_ids: list[str]) -> dict:
 
     device = "cuda" if gpu_ids else "cpu"
     _echo(f"selftest: fuzzing {args.fuzz} cases on {device} (seed {args.seed}, "
-          f"{args.workers} workers)")
+          f"{args.workers} worker{'' if args.workers == 1 else 's'})")
     try:
+        from ..progress import Progress
         from .fuzz import fuzz
 
-        report = fuzz(args.fuzz, args.seed, device, workers=args.workers)
+        bar = Progress(args.fuzz, "fuzz")
+
+        def progress(done, total, result=None, *_):
+            # fuzz calls progress(done, total, result) after each case
+            failed = result is not None and getattr(result, "failed", False)
+            bar.done = max(done - 1, 0)
+            label = getattr(getattr(result, "case", None), "label", lambda: "")
+            bar.advance(f"FAIL {label()}" if failed else "")
+
+        report = fuzz(args.fuzz, args.seed, device, workers=args.workers, progress=progress)
+        bar.close()
     except Exception:  # noqa: BLE001 -- a bug in the fuzzer must not lose the shards' results
         tb = traceback.format_exc()
         _echo(tb)

@@ -109,19 +109,42 @@ def environment(root: Path | None, argv: list[str] | None = None) -> dict:
 # the record
 # ---------------------------------------------------------------------------------------
 
+def _failure(item) -> tuple:
+    """(case, message, reproducer) from a FuzzReport failure: a tuple or a record."""
+    if hasattr(item, "reproducer"):
+        return item.case, item.message, item.reproducer
+    case, message, reproducer = item
+    return case, message, reproducer
+
+
 def fuzz_record(report, device: str, seed: int, workers: int, n: int) -> dict:
     """fuzz.FuzzReport as plain data (its cases as their JSON)."""
     def case_json(case):
         to_json = getattr(case, "to_json", None)
         return to_json() if callable(to_json) else str(case)
 
-    failed = [{"case": case_json(c), "message": str(m), "reproducer": r}
-              for c, m, r in report.failed]
-    return {"status": "failed" if failed else "ok", "device": device, "seed": seed,
-            "workers": workers, "requested": n, "cases": report.cases,
-            "passed": report.passed, "failed": failed,
-            "skipped": [{"case": case_json(c), "reason": str(r)} for c, r in report.skipped],
-            "seconds": round(float(report.seconds), 1)}
+    failed = []
+    for item in report.failed:
+        case, message, reproducer = _failure(item)
+        failed.append({"case": case_json(case), "message": str(message),
+                       "reproducer": reproducer})
+    ran = getattr(report, "cases", None)
+    if ran is None:
+        ran = getattr(report, "cases_run", None)
+    if isinstance(ran, (list, tuple)):
+        ran = len(ran)
+    rec = {"status": "failed" if failed else "ok", "device": device, "seed": seed,
+           "workers": workers, "requested": n, "cases": ran, "passed": report.passed,
+           "failed": failed,
+           "skipped": [{"case": case_json(c), "reason": str(r)} for c, r in report.skipped],
+           "seconds": round(float(report.seconds), 1)}
+    coverage = getattr(report, "coverage", None)    # cases per kind, where the report has it
+    if callable(coverage):
+        rec["kinds"] = coverage()
+    notes = getattr(report, "notes", None)          # cases run other than asked, by reason
+    if isinstance(notes, dict) and notes:
+        rec["notes"] = notes
+    return rec
 
 
 def build(env: dict, parts=None, unassigned=(), sanitize=None, fuzz=None) -> dict:
@@ -252,8 +275,12 @@ def format_text(rec: dict) -> str:
             out.append(f"fuzz: error: {fz['error']}")
         else:
             out.append(f"fuzz: {fz['cases']} cases on {fz['device']} (seed {fz['seed']}, "
-                       f"{fz['workers']} workers): {fz['passed']} passed, {len(fz['failed'])} "
+                       f"{_count(fz['workers'], 'worker')}): {fz['passed']} passed, {len(fz['failed'])} "
                        f"failed, {len(fz['skipped'])} skipped in {fz['seconds']:.0f} s")
+            if fz.get("kinds"):
+                out.append("  kinds: " + ", ".join(f"{k} {v}" for k, v in sorted(fz["kinds"].items())))
+            for note, count in sorted((fz.get("notes") or {}).items()):
+                out.append(f"  note: {count} x {note}")
             for f in fz["failed"]:
                 out.append(f"  {f['reproducer']}")
                 out.append(_indent(f["message"], "    "))
