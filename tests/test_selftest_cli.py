@@ -112,6 +112,13 @@ def test_sanitize_tools_and_sanitizer_are_checked_before_anything_runs(monkeypat
     assert "compute-sanitizer not found" in capsys.readouterr().err
 
 
+def test_out_must_be_a_folder(tmp_path, capsys):
+    (tmp_path / "f").write_text("")
+    assert cli.main(["selftest", "--fuzz", "1", "--out", str(tmp_path / "f")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashgen selftest: error: --out ") and "is a file" in err
+
+
 # ---------------------------------------------------------------------------------------
 # the shard table
 # ---------------------------------------------------------------------------------------

@@ -134,13 +134,16 @@ def _run(args) -> int:
     if do_shards and tests is None:
         raise FlashgenError(NO_TESTS.format(cwd=Path.cwd()))
     sanitizer = sanitize.find_sanitizer(args.sanitizer) if tools else None
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise FlashgenError(f"--out {args.out} is a file; --out takes a folder (the summary "
+                            "and the logs are written into it)")
     if not gpu_ids:
         # the fuzzer on the CPU: Triton reads this once, when it is first imported
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
     argv = getattr(args, "argv", None)
     root = tests.parent if tests is not None else None
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget if args.budget else None
     parts, unassigned = None, []
