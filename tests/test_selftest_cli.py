@@ -402,7 +402,7 @@ TINY = shards.Shard("tiny", "a stand-in", ("tests/test_tiny.py",), est_s=1)
 
 def test_a_shard_runs_end_to_end(stand_in, tmp_path, monkeypatch):
     monkeypatch.delenv("STAND_IN_HANG", raising=False)
-    single, multi = runner.plan_jobs([TINY], tmp_path / "out" / "shards", gpus=2, per_shard=2)
+    single, multi = runner.plan_jobs([TINY], tmp_path / "out" / "shards", per_shard=2)
     assert multi == [] and single[0].workers == 2
     [res] = runner.run_jobs(single, stand_in, ["a", "b"], at_once=1, deadline=None,
                             basetemp=tmp_path / "tmp", echo=lambda line: None)
@@ -421,7 +421,7 @@ def test_a_shard_runs_end_to_end(stand_in, tmp_path, monkeypatch):
 def test_a_hanging_shard_is_killed_and_says_what_it_was_running(stand_in, tmp_path,
                                                                   monkeypatch):
     monkeypatch.setenv("STAND_IN_HANG", "1")
-    single, _ = runner.plan_jobs([TINY], tmp_path / "out" / "shards", gpus=1, per_shard=1,
+    single, _ = runner.plan_jobs([TINY], tmp_path / "out" / "shards", per_shard=1,
                                  timeout=8)
     single[0].workers = 0       # no xdist: the quickest start
     [res] = runner.run_jobs(single, stand_in, ["0"], at_once=1, deadline=None,
@@ -435,7 +435,7 @@ def test_a_hanging_shard_is_killed_and_says_what_it_was_running(stand_in, tmp_pa
 
 
 def test_a_shard_that_does_not_fit_the_budget_is_listed_not_started(tmp_path):
-    single, _ = runner.plan_jobs([TINY], tmp_path / "shards", gpus=1, per_shard=1)
+    single, _ = runner.plan_jobs([TINY], tmp_path / "shards", per_shard=1)
     single[0].est_s = 100
     import time
 

@@ -174,8 +174,7 @@ def run_shards(selected, root: Path, out: Path, gpu_ids: list[str], args, deadli
     from . import runner, shards
 
     per, at_once = shards.workers(len(gpu_ids), cores(), args.pytest_workers, args.parallel)
-    single, multi = runner.plan_jobs(selected, out / "shards", len(gpu_ids), per,
-                                     args.timeout)
+    single, multi = runner.plan_jobs(selected, out / "shards", per, args.timeout)
     basetemp = Path(tempfile.mkdtemp(prefix="flashgen-selftest-"))
     try:
         results = runner.run_jobs(single, root, gpu_ids, at_once, deadline, basetemp, _echo)
@@ -275,7 +274,7 @@ def dry_run(args, selected, tools, extra, tests, gpu_ids, do_shards, do_sanitize
     lines.append("pytest shards" + ("" if do_shards else
                                     " (not run by this command: pass --only NAMES or no "
                                     "--fuzz/--sanitize)") + ":")
-    single, multi = runner.plan_jobs(shown, out / "shards", n, per, args.timeout)
+    single, multi = runner.plan_jobs(shown, out / "shards", per, args.timeout)
     for job in single:
         s = job.shard
         w = job.workers

@@ -116,7 +116,7 @@ def xdist_available() -> bool:
     return importlib.util.find_spec("xdist") is not None
 
 
-def plan_jobs(shards: list[Shard], folder: Path, gpus: int, per_shard: int,
+def plan_jobs(shards: list[Shard], folder: Path, per_shard: int,
               timeout: int | None = None) -> tuple[list[Job], list[Job]]:
     """(single-GPU jobs, multi-GPU jobs) for the chosen shards. The multi-GPU jobs are
     planned whatever the GPU count; the caller skips them on fewer than 2 GPUs."""

@@ -70,7 +70,8 @@ _APP_ERROR = "Target application returned an error"
 @dataclass
 class SanitizeResult:
     tool: str
-    status: str                 # ok | failed | inconclusive | unsupported | timeout | error | not run
+    # ok | failed | inconclusive | unsupported | timeout | error | not run
+    status: str
     errors: int | None = None
     warnings: int | None = None
     returncode: int | None = None

@@ -275,10 +275,12 @@ def format_text(rec: dict) -> str:
             out.append(f"fuzz: error: {fz['error']}")
         else:
             out.append(f"fuzz: {fz['cases']} cases on {fz['device']} (seed {fz['seed']}, "
-                       f"{_count(fz['workers'], 'worker')}): {fz['passed']} passed, {len(fz['failed'])} "
-                       f"failed, {len(fz['skipped'])} skipped in {fz['seconds']:.0f} s")
+                       f"{_count(fz['workers'], 'worker')}): {fz['passed']} passed, "
+                       f"{len(fz['failed'])} failed, {len(fz['skipped'])} skipped in "
+                       f"{fz['seconds']:.0f} s")
             if fz.get("kinds"):
-                out.append("  kinds: " + ", ".join(f"{k} {v}" for k, v in sorted(fz["kinds"].items())))
+                kinds = sorted(fz["kinds"].items())
+                out.append("  kinds: " + ", ".join(f"{k} {v}" for k, v in kinds))
             for note, count in sorted((fz.get("notes") or {}).items()):
                 out.append(f"  note: {count} x {note}")
             for f in fz["failed"]:
