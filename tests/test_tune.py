@@ -1090,7 +1090,7 @@ def test_a_trial_that_would_overrun_the_timeout_is_not_started(storage, monkeypa
     stops: a third would end at 9 s. Before, it started one whenever the clock still read
     under the timeout, and ended at 9 s, taking the overrun from later studies."""
     now = [0.0]
-    monkeypatch.setattr("flashgen.tune.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr("flashgen.study.time", types.SimpleNamespace(monotonic=lambda: now[0]))
     space = fwd_space()
 
     def measure(cfg):
