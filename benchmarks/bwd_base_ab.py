@@ -8,14 +8,14 @@ gradients between the two and between two calls of the new one.
         do cp -r /tmp/base/generated/${p}_attn /tmp/basepkgs/${p}_base; done
     BASE=/tmp/basepkgs PYTHONPATH=$PWD python benchmarks/bwd_base_ab.py "causal d128" "document d64"
 
-(twenty-first session: the dK/dV TMA epilogue, results/nvidia-h100-80gb-hbm3/dkdv_tma_ab_session21.json;
-the dQ-in-kernel experiment's runs, dq_in_kernel_ab_*_session21.json, came from its branch)."""
+How the backward's template changes were measured before they merged (docs/PERFORMANCE.md's
+backward section lists each with its result and commit). Prints the table; it writes no file."""
 import sys, json, os, time
 import torch
 sys.path.insert(0, os.environ.get("BASE", os.path.join(os.getcwd(), ".scratch/base")))
 sys.path.insert(0, os.path.join(os.getcwd(), "generated"))
 import llama_attn, llama_base, mods_attn, mods_base, gpt2_attn, gpt2_base
-from flashgen import bench_mods as bm
+from flashgen.bench import mods as bm
 
 def flops(b, h, n, d, causal):
     f = 4 * b * h * n * n * d * 2.5

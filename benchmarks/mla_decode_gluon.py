@@ -1,5 +1,5 @@
-"""The Gluon latent decode (issue 16, templates/gluon/decode_mla.py.j2; the default on Hopper
-since the twenty-sixth session, `_decode.MLA_GLUON`) against the
+"""The Gluon latent decode (templates/gluon/decode_mla.py.j2; the default on Hopper,
+`_decode.MLA_GLUON`) against the
 `tl` decode kernel of generated/mla_attn, on one GPU, interleaved: DeepSeek's absorbed
 decode (q/k 576, v 512 = the K cache's first 512 dims), B=16 by default, caches of 4k and
 16k tokens, 16 and 128 query heads on the one latent head, contiguous and paged (64-token

@@ -1,4 +1,4 @@
-"""Gluon knobs on the mods bench's masks (issue 16's bars), interleaved, with Flex.
+"""Gluon knobs on the mods bench's masks, interleaved, with Flex.
 
 Each arm is the package's Gluon default for the case with some config keys changed
 (`override_config(family="gluon", **knobs)`), timed in rounds whose arm order alternates,
@@ -13,11 +13,12 @@ causal variant (no mods), Flex with a causal block mask.
         --knobs 'q2={"q_buffers": 2}' 'ovl={"overlap": true}' [--docs 1 4 16] [--rounds 3]
         [--json OUT.json]
 
-The block-mask backward's persistent form (the runtime's GLUON_BWD_PERSISTENT_MASKS, off by
-default) is an arm like any other (a barrier-phase bug would hang: run it under timeout):
+The block-mask backward's persistent form (the runtime's GLUON_BWD_PERSISTENT_MASKS, on by
+default) is a knob like any other; the per-key-block form is its arm (a barrier-phase bug in
+a template change would hang: run such arms under timeout):
 
     PYTHONPATH=$PWD timeout 900 python benchmarks/mods_knobs_ab.py --kind bwd --d 128 \\
-        --cases document prefix_lm window_sinks --knobs 'pers={"persistent_bwd": true}'
+        --cases document prefix_lm window_sinks --knobs 'per_block={"persistent_bwd": false}'
 """
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ import time
 import torch
 import triton
 
-from flashgen import bench_mods as bm
-from flashgen.bench_suite import bundled_spec, load_package, tflops
+from flashgen.bench import mods as bm
+from flashgen.bench.providers import load_package
+from flashgen.bench.suites import tflops
+from flashgen.resources import bundled_spec
 
 
 def _equal_docs(b, n, k, device):

@@ -7,12 +7,12 @@ packed sequences).
     PYTHONPATH=$PWD python benchmarks/varlen_mods.py [--docs 16] [--total 16384] [--d 128]
                                                       [--h 16] [--out results.json]
 
-The workload is flashgen.bench_varlen's (16 documents of 128..4096 tokens, 16k tokens,
+The workload is flashgen.bench.varlen's (16 documents of 128..4096 tokens, 16k tokens,
 bf16, causal bottom-right per document). Mods: softcap (cap 30, Gemma 2's score mod),
 ALiBi (a per-head slope), and prefix-LM (a mask mod: a document's first quarter seen by
 all its rows, the rest causal; no band, block lists per sequence); all run the Gluon
 varlen kernels on Hopper (`_tl` rows: VARLEN_GLUON_MODS / VARLEN_GLUON_MASK_MODS off). FLOPs count each
-document on its own (bench_varlen.document_flops), so every row's TFLOP/s compare. Every
+document on its own (bench.varlen.document_flops), so every row's TFLOP/s compare. Every
 output is checked against float32 math of the per-document reference on a slice of heads
 before it is timed, and in the backward rows its gradients too; times are do_bench
 medians (L2 flushed), forward, and the backward of one saved forward.
@@ -32,7 +32,7 @@ import triton
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from flashgen.bench_varlen import cu_seqlens, document_flops, ragged_lengths  # noqa: E402
+from flashgen.bench.varlen import cu_seqlens, document_flops, ragged_lengths  # noqa: E402
 from flashgen.build import build  # noqa: E402
 
 CAP = 30.0

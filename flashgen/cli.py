@@ -1,4 +1,4 @@
-"""`flashgen build | plan | check | render | tune | bench`.
+"""`flashgen build | plan | check | render | tune | bench | selftest`.
 
 Every user error (a bad spec, a bad flag) is printed as one paragraph and exits with
 status 2, without a traceback; anything else is a bug and keeps its traceback.
@@ -16,17 +16,20 @@ EXIT_USAGE = 2
 
 
 def _cmd_build(args) -> int:
-    from .build import build
+    from .build import build_spec
+    from .spec import load_spec
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise FlashgenError(f"--out {args.out} is a file; --out takes a folder (the package "
                             f"is written to {args.out}/<package>/)")
+    spec = load_spec(args.spec)  # its own errors name the spec, not --out
     try:
-        report = build(args.spec, out)
-    except (FileExistsError, NotADirectoryError, PermissionError) as e:
-        raise FlashgenError(f"--out {args.out}: cannot write the package there: "
-                            f"{e.strerror}: {e.filename}") from None
+        report = build_spec(spec, out)
+    except OSError as e:  # any reason a folder cannot be written: missing, read-only, /proc
+        reason = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else str(e)
+        raise FlashgenError(f"--out {args.out}: cannot write the package there: {reason}; "
+                            "pass --out a folder you can write to") from None
     print(report.summary())
     print(f"import it as `import {report.root.name}` with {out} on sys.path (e.g. "
           f"PYTHONPATH={out}), or as `from {out.resolve().name} import {report.root.name}` "
@@ -36,11 +39,18 @@ def _cmd_build(args) -> int:
 
 def family_summary(spec) -> str:
     """Which kernel family each variant runs on a Hopper GPU (with a Triton the Gluon
-    templates were verified on) and, for the `tl` ones, why."""
+    templates were verified on) and, for the `tl` ones, why. For a spec whose gpu.arch is
+    not Hopper, one line: every kernel there is `tl`. (A spec without an arch is planned
+    for the H100, so it gets the Hopper summary.)"""
     from . import families
     from .render import gluon_reason
     from .variants import variants_for
 
+    capability = spec.gpu.capability
+    if (capability // 10, capability % 10) not in families.GLUON_CAPABILITIES:
+        hopper = ", ".join(f"sm_{a}{b}" for a, b in families.GLUON_CAPABILITIES)
+        return (f"== kernel families on {spec.gpu.name} ({spec.gpu.arch}): `tl` for every "
+                f"kernel (the Gluon kernels run on {hopper}, Hopper, only)")
     gluon, tl = [], {}
     for v in variants_for(spec):
         why = gluon_reason(v, spec)
@@ -145,6 +155,66 @@ def _cmd_bench(args) -> int:
     return bench(args)
 
 
+def _cmd_selftest(args) -> int:
+    from .selftest import run
+
+    return run(args)
+
+
+def _selftest_arguments(s: argparse.ArgumentParser) -> None:
+    from .selftest import DEFAULT_BUDGET, DEFAULT_OUT
+    from .selftest.sanitize import DEFAULT_TIMEOUT, TOOLS
+    from .selftest.shards import names
+
+    g = s.add_argument_group("the GPU test suite (the default)")
+    g.add_argument("--only", metavar="SHARDS",
+                   help=f"run these shards only, comma-separated: {', '.join(names())} (or "
+                   "'all'); with --fuzz or --sanitize, the shards run too")
+    g.add_argument("--tests", metavar="DIR",
+                   help="the tests/ folder of a flashgen checkout (default: the one at or "
+                   "above the current directory)")
+    g.add_argument("-n", dest="pytest_workers", type=int, metavar="N",
+                   help="xdist workers a shard (default: 8 per GPU in all, capped by the "
+                   "cores, shared by the shards running at once)")
+    g.add_argument("--parallel", type=int, metavar="P",
+                   help="shards run at once (default: 2 on one GPU)")
+    g.add_argument("--timeout", type=int, metavar="S",
+                   help="seconds a shard or a sanitizer tool may run (default: a shard 3x "
+                   f"its estimate, a tool {DEFAULT_TIMEOUT})")
+    g.add_argument("--budget", type=int, default=DEFAULT_BUDGET, metavar="S",
+                   help=f"the run's time for the shards and the sanitizer tools (default "
+                   f"{DEFAULT_BUDGET}: one call fits the GPU machine's 10 minutes); a shard "
+                   "whose estimate does not fit is listed, not started; 0 = no limit")
+    z = s.add_argument_group("compute-sanitizer")
+    z.add_argument("--sanitize", action="store_true",
+                   help="run compute-sanitizer over the sanitize case set (both kernel "
+                   "families at odd shapes)")
+    z.add_argument("--sanitize-tools", metavar="TOOLS",
+                   help=f"which tools, comma-separated (default: {','.join(TOOLS)}; "
+                   "implies --sanitize)")
+    z.add_argument("--sanitizer", metavar="PATH",
+                   help="the compute-sanitizer executable (default: found on PATH, in "
+                   "$CUDA_HOME/bin or /usr/local/cuda/bin)")
+    z.add_argument("--sanitizer-args", metavar="ARGS",
+                   help="more compute-sanitizer options, written with an = sign: "
+                   "--sanitizer-args=\"--num-cuda-barriers 64\"")
+    f = s.add_argument_group("the fuzzer")
+    f.add_argument("--fuzz", type=int, metavar="N",
+                   help="N seeded random cases against the float64 reference (on the GPU, "
+                   "else in Triton's interpreter)")
+    f.add_argument("--seed", type=int, default=0, help="the fuzzer's seed (default 0)")
+    f.add_argument("--workers", type=int, default=1, metavar="W",
+                   help="the fuzzer's processes (default 1)")
+    f.add_argument("--fuzz-case", metavar="JSON",
+                   help="run one case, as a fuzz failure printed it, and exit")
+    s.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
+                   help=f"where selftest.txt, selftest.json and the logs go (default "
+                   f"./{DEFAULT_OUT}/)")
+    s.add_argument("--dry-run", action="store_true",
+                   help="list what would run (shards, workers, timeouts, commands); runs "
+                   "nothing, needs no GPU")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="flashgen",
@@ -246,11 +316,26 @@ def parser() -> argparse.ArgumentParser:
                         "under --out. --dry-run lists the cases without a GPU.")
     bench_arguments(be)
     be.set_defaults(func=_cmd_bench)
+
+    st = sub.add_parser("selftest", help="run the GPU test suite, compute-sanitizer or the "
+                        "fuzzer on this machine; one summary",
+                        description="Run the project's GPU checks on this machine and write "
+                        "one summary (commit, GPUs, versions, counts, every failure with a "
+                        "command that reproduces it) as text and JSON. Default: the GPU test "
+                        "suite in named shards (--only to pick), the multi-GPU tests on 2+ "
+                        "GPUs; --sanitize: compute-sanitizer memcheck, racecheck and "
+                        "synccheck; --fuzz N: seeded random cases against the float64 "
+                        "reference (also on a CPU). Exit status 0 when everything ran and "
+                        "passed, 1 on failures, 2 on usage errors.")
+    _selftest_arguments(st)
+    st.set_defaults(func=_cmd_selftest)
     return p
 
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    # the command line as given, for the records a command writes (selftest.json)
+    args.argv = ["flashgen", *(sys.argv[1:] if argv is None else argv)]
     try:
         return args.func(args)
     except FlashgenError as e:

@@ -162,7 +162,7 @@ class Workload:
     views), with `_runtime.override_config(**config)` selecting the config.
 
     A variant with mods is called as a user calls it, `mods=(...)` and the mods' tensors
-    and params as keywords, valued as a model would pass them (bench_mods.call_inputs:
+    and params as keywords, valued as a model would pass them (bench.mods.call_inputs:
     documents of random lengths, prefixes of N/8..N/2 tokens, ...; a block mask's speed
     depends on its sparsity), made once per shape and kept for the study; the check's
     float64 reference applies the same mods to the same values (check.mod_reference).
@@ -224,11 +224,11 @@ class Workload:
         return out
 
     def mod_args(self, b: int, h_q: int, n: int, small: bool = False) -> dict:
-        """The mods' tensors and params of a call of this shape (bench_mods.call_inputs),
+        """The mods' tensors and params of a call of this shape (bench.mods.call_inputs),
         made on the first call of the shape and kept."""
         key = (b, h_q, n, small)
         if key not in self._mod_args:
-            from .bench_mods import call_inputs
+            from .bench.mods import call_inputs
 
             self._mod_args[key] = call_inputs(self._mod_objects(), b, h_q, n, n, self.device,
                                               small=small)

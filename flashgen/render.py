@@ -30,7 +30,16 @@ GLUON_DECODE_TEMPLATE = "gluon/decode_mla.py.j2"
 PACKAGE_FILES = {
     "__init__.py": "package/init.py.j2",
     "_api.py": "package/api.py.j2",
-    "_runtime.py": "package/runtime.py.j2",
+    "_runtime.py": "package/runtime.py.j2",  # gathers the runtime's modules below
+    "_checks.py": "package/checks.py.j2",
+    "_plans.py": "package/plans.py.j2",
+    "_launch.py": "package/launch.py.j2",
+    "_buffers.py": "package/buffers.py.j2",
+    "_tma.py": "package/tma.py.j2",
+    "_forward.py": "package/forward.py.j2",
+    "_backward.py": "package/backward.py.j2",
+    "_varlen.py": "package/varlen.py.j2",
+    "_varlen_backward.py": "package/varlen_backward.py.j2",
     "_ops.py": "package/ops.py.j2",
     "_dropout.py": "package/dropout.py.j2",
     "_fastmath.py": "package/fastmath.py.j2",  # tanh on the special-function unit

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flashgen import bench_suite as suite
+from flashgen.bench import providers, report, suites, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,6 +87,51 @@ def test_zero_rounds_is_a_usage_error(tmp_path):
     assert "--rounds 0" in res.stderr and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (("--n", "0"), "--n 0: sequence lengths must be at least 1"),
+    (("--n", "1024", "-5"), "--n -5: sequence lengths must be at least 1"),
+    (("--d", "0"), "--d 0: head dims must be at least 1"),
+    (("--rounds", "-1"), "--rounds -1: give at least 1 round"),
+    (("--suite", "decode", "--n", "0"), "--n 0"),
+])
+def test_sizes_below_one_are_one_line_usage_errors(tmp_path, args, message):
+    """--n 0 used to divide by zero planning the batch (B = 16k tokens // N) and --n -5
+    planned a negative batch; both are refused before anything is planned."""
+    res = flashgen("bench", "--dry-run", *args, cwd=tmp_path)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert err.startswith("flashgen bench: error: ") and message in err, err
+    assert "\n" not in err and res.stdout == ""
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--b", "0"], "--b 0: must be at least 1"),
+    (["--n", "4096", "-5"], "--n -5: must be at least 1"),
+    (["--page", "0"], "--page 0: must be at least 1"),
+    (["--splits", "-1"], "--splits -1: must be at least 0"),
+])
+def test_decode_benchmark_refuses_bad_sizes(args, message, capsys):
+    from flashgen.bench import decode
+    assert decode.main(args) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_dry_run_names_the_folder_the_run_would_write(tmp_path, monkeypatch):
+    from flashgen.bench import report
+    res = flashgen("bench", "--dry-run", "--n", "1024", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    # in a checkout: its benchmarks/results/, as runner.run would
+    results = ROOT / "benchmarks" / "results" / "<gpu-slug>"
+    assert res.stdout.rstrip().endswith(f"under {results}{os.sep}"), res.stdout
+    res = flashgen("bench", "--dry-run", "--n", "1024", "--out", "mine", cwd=tmp_path)
+    assert res.stdout.rstrip().endswith(f"under mine{os.sep}"), res.stdout
+    # installed (no checkout around the package): ./flashgen-bench/ of the working directory
+    monkeypatch.setattr(report, "CHECKOUT_DIR", tmp_path / "site-packages")
+    monkeypatch.chdir(tmp_path)
+    assert report.default_out_base() == tmp_path / "flashgen-bench"
+    assert report.default_out_dir("NVIDIA H100") == tmp_path / "flashgen-bench" / "nvidia-h100"
+
+
 def drifting_clock(rates):
     """A stand-in for do_bench on a GPU whose clock slows by 1% a call: item i's time is
     rates[i] times the clock's current factor, so an order that times every round of one
@@ -101,7 +146,7 @@ def drifting_clock(rates):
 
 def test_interleaved_rounds_alternate_order_so_drift_lands_alike():
     time_one, calls = drifting_clock({"a": 1.0, "b": 1.0, "c": 2.0})
-    times = suite.interleaved_rounds(["a", "b", "c"], 4, time_one)
+    times = timing.interleaved_rounds(["a", "b", "c"], 4, time_one)
     assert calls == ["a", "b", "c", "c", "b", "a", "a", "b", "c", "c", "b", "a"]
     med = {k: sorted(v)[1:3] for k, v in times.items()}
     # equal providers read equal: each one's rounds sit at mirrored places in the run
@@ -118,22 +163,22 @@ def test_interleaved_rounds_drop_an_item_that_raises():
         if item == "bad":
             raise RuntimeError("refused")
         return 1.0
-    times = suite.interleaved_rounds(["ok", "bad"], 3, time_one)
+    times = timing.interleaved_rounds(["ok", "bad"], 3, time_one)
     assert times["ok"] == [1.0, 1.0, 1.0]
     assert isinstance(times["bad"], RuntimeError)
 
 
 def test_record_rounds_fills_a_row():
     row = {"status": "ok"}
-    assert suite.record_rounds(row, [1.25, 1.0, 3.0]) == 1.25
+    assert timing.record_rounds(row, [1.25, 1.0, 3.0]) == 1.25
     assert row == {"status": "ok", "ms": 1.25, "ms_rounds": [1.25, 1.0, 3.0]}
     row = {"status": "ok"}
-    assert suite.record_rounds(row, [0.123456]) == 0.123456
+    assert timing.record_rounds(row, [0.123456]) == 0.123456
     assert row == {"status": "ok", "ms": 0.1235}  # one round: no ms_rounds
     row = {"status": "ok"}
-    assert suite.record_rounds(row, ValueError("x" * 300), width=10) is None
+    assert timing.record_rounds(row, ValueError("x" * 300), width=10) is None
     assert row == {"status": "error: ValueError: xxxxxxxxxx"}
-    assert suite.record_rounds({}, None) is None and suite.record_rounds({}, []) is None
+    assert timing.record_rounds({}, None) is None and timing.record_rounds({}, []) is None
 
 
 def test_no_cuda_exits_2_with_a_message(tmp_path):
@@ -148,11 +193,11 @@ def test_no_cuda_exits_2_with_a_message(tmp_path):
 
 def test_flops_formula():
     # anchor convention: fwd 4*B*H*Nq*Nk*d, halved when causal, bwd 2.5x
-    assert suite.flops(2, 16, 8192, 8192, 128, False, "fwd") == 4 * 2 * 16 * 8192**2 * 128
-    assert suite.flops(2, 16, 8192, 8192, 128, True, "fwd") == 2 * 2 * 16 * 8192**2 * 128
-    assert suite.flops(1, 1, 10, 10, 8, True, "bwd") == 2.5 * 1600
+    assert suites.flops(2, 16, 8192, 8192, 128, False, "fwd") == 4 * 2 * 16 * 8192**2 * 128
+    assert suites.flops(2, 16, 8192, 8192, 128, True, "fwd") == 2 * 2 * 16 * 8192**2 * 128
+    assert suites.flops(1, 1, 10, 10, 8, True, "bwd") == 2.5 * 1600
     # 1 ms at B=1, H=16, N=16k, d=128, non-causal fwd = 2.2e15 FLOP/s
-    assert suite.tflops(1.0, 1, 16, 16384, 128, False, "fwd") == pytest.approx(2199.02, abs=0.01)
+    assert suites.tflops(1.0, 1, 16, 16384, 128, False, "fwd") == pytest.approx(2199.02, abs=0.01)
 
 
 def synthetic_rows():
@@ -162,7 +207,7 @@ def synthetic_rows():
         rows.append({**meta, "suite": "training", "mode": "fwd", "d": 128, "causal": False,
                      "b": 4, "h": 16, "h_kv": 16, "n": 4096, "p": 0.0, "provider": prov,
                      "status": "ok", "ms": ms, "spec_sha": "abc" if prov == "flashgen" else None,
-                     "tflops": round(suite.tflops(ms, 4, 16, 4096, 128, False, "fwd"), 1)})
+                     "tflops": round(suites.tflops(ms, 4, 16, 4096, 128, False, "fwd"), 1)})
     rows.append({**meta, "suite": "training", "mode": "fwd", "d": 128, "causal": False, "b": 4,
                  "h": 16, "h_kv": 16, "n": 4096, "p": 0.0, "provider": "flex",
                  "status": "WRONG (max err 0.5)"})
@@ -185,19 +230,19 @@ def mods_rows():
     meta = {"gpu": "Fake GPU", "torch": "2.x", "triton": "3.x"}
     return [{**meta, "suite": "mods", "mode": mode, "d": 128, "causal": True, "b": 4, "h": 16,
              "h_kv": 16, "n": 4096, "p": 0.0, "mod": mod, "provider": prov, "status": "ok",
-             "ms": ms, "tflops": round(suite.tflops(ms, 4, 16, 4096, 128, True, mode), 1)}
+             "ms": ms, "tflops": round(suites.tflops(ms, 4, 16, 4096, 128, True, mode), 1)}
             for mode in ("fwd", "bwd") for mod in ("softcap", "document")
             for prov, ms in (("flashgen", 0.5), ("flex", 1.0))]
 
 
 def test_markdown_tables_show_values_and_ratios():
     _, rows = synthetic_rows()
-    text = suite.markdown_tables(rows)
+    text = report.markdown_tables(rows)
     assert "**training: fwd, d=128, not causal** (TFLOP/s)" in text
     head = "| B | N | flashgen | sdpa_flash | sdpa_cudnn | flex | flashgen vs sdpa_flash | " \
            "flashgen vs sdpa_cudnn | flashgen vs flex |"
     assert head in text
-    tf = suite.tflops(1.0, 4, 16, 4096, 128, False, "fwd")
+    tf = suites.tflops(1.0, 4, 16, 4096, 128, False, "fwd")
     line = next(x for x in text.splitlines() if x.startswith("| 4 | 4096 |"))
     cells = [c.strip() for c in line.strip("|").split("|")]
     assert cells[2] == f"{tf:.1f}"
@@ -212,13 +257,13 @@ def test_markdown_tables_show_values_and_ratios():
 
 def test_write_results_csv_json_md(tmp_path):
     meta, rows = synthetic_rows()
-    paths = suite.write_results(rows, tmp_path / "out", "bench_test", meta)
+    paths = report.write_results(rows, tmp_path / "out", "bench_test", meta)
     assert set(paths) == {"json", "csv", "md"}
     data = json.loads(paths["json"].read_text())
     assert data["meta"] == meta and data["rows"] == rows
     parsed = list(csv.DictReader(io.StringIO(paths["csv"].read_text())))
     assert len(parsed) == len(rows)
-    assert list(parsed[0]) == list(suite.CSV_FIELDS)
+    assert list(parsed[0]) == list(report.CSV_FIELDS)
     assert parsed[0]["provider"] == "flashgen" and parsed[0]["spec_sha"] == "abc"
     assert parsed[0]["gpu"] == "Fake GPU" and parsed[0]["torch"] == "2.x"
     assert float(parsed[0]["tflops"]) == rows[0]["tflops"]
@@ -235,7 +280,7 @@ def test_plot_writes_png_or_skips(tmp_path, capsys, only):
     rows += mods_rows()
     if only:
         rows = [r for r in rows if r["suite"] == only]
-    path = suite.plot(rows, tmp_path / "p.png")
+    path = report.plot(rows, tmp_path / "p.png")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -247,16 +292,16 @@ def test_plot_writes_png_or_skips(tmp_path, capsys, only):
 
 def test_plot_points_per_suite():
     _, rows = synthetic_rows()
-    points = [suite._plot_point(r) for r in rows]
+    points = [report.plot_point(r) for r in rows]
     assert points[0] == (("training", "fwd", 128, False, 0), 4096, rows[0]["tflops"], "TFLOP/s")
     assert points[3] is None  # WRONG rows are not plotted
     assert points[4] == (("small", "fwd", 64, True, 0), 8 * 59, 0.02, "ms")
     assert points[6] == (("decode", "fwd", 128, True, 8), 4096, 2000.0, "GB/s")
     mods = mods_rows()
     # the mods suite: a panel per (mode, d, mod), TFLOP/s against N
-    assert suite._plot_point(mods[0]) == (("mods", "fwd", 128, True, "softcap"), 4096,
+    assert report.plot_point(mods[0]) == (("mods", "fwd", 128, True, "softcap"), 4096,
                                           mods[0]["tflops"], "TFLOP/s")
-    assert len({suite._plot_point(r)[0] for r in mods}) == 4
+    assert len({report.plot_point(r)[0] for r in mods}) == 4
 
 
 USER_SPEC = """\
@@ -294,6 +339,14 @@ def test_bench_spec_errors_exit_2(tmp_path, text, args, message):
     assert "Traceback" not in res.stderr and message in res.stderr, res.stderr
 
 
+def test_bench_missing_spec_says_where_the_examples_are(tmp_path):
+    from flashgen.resources import specs_dir
+    res = flashgen("bench", "--dry-run", "--spec", "specs/gpt2.yaml", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert (f"--spec specs/gpt2.yaml: no such file (the example specs are in {specs_dir()})"
+            in res.stderr), res.stderr
+
+
 def test_bench_without_spec_rejects_other_head_dims(tmp_path):
     res = flashgen("bench", "--dry-run", "--d", "80", cwd=tmp_path)
     assert res.returncode == 2 and "pass --spec" in res.stderr, res.stderr
@@ -301,16 +354,16 @@ def test_bench_without_spec_rejects_other_head_dims(tmp_path):
 
 def test_bundled_specs_are_found_outside_the_checkout(tmp_path):
     from flashgen.resources import bundled_spec, templates_dir
-    for name in (*suite.SPECS.values(), suite.DROPOUT_SPEC):
+    for name in (*suites.SPECS.values(), suites.DROPOUT_SPEC):
         assert bundled_spec(name).is_file(), name
     assert (templates_dir() / "fwd.py.j2").is_file()
 
 
 def test_helpers():
-    assert suite.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
-    assert suite.spec_sha(ROOT / "generated" / "gpt2_attn")  # a hex sha from the header
-    assert suite.result_name("training") == "bench_training"
-    assert suite.result_name("training", None, [64], ["bwd"]) == "bench_training_bwd_d64"
+    assert report.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert providers.spec_sha(ROOT / "generated" / "gpt2_attn")  # a hex sha from the header
+    assert suites.result_name("training") == "bench_training"
+    assert suites.result_name("training", None, [64], ["bwd"]) == "bench_training_bwd_d64"
 
 
 def test_mods_suite_cases_and_its_flashgen_call_match_its_reference():
@@ -319,14 +372,14 @@ def test_mods_suite_cases_and_its_flashgen_call_match_its_reference():
     that applies the mod by hand: the bench would report WRONG on a disagreement."""
     import torch
 
-    from flashgen import bench_mods
+    from flashgen.bench import mods as bench_mods
 
-    cases = suite.plan_cases("mods", ns=[4096], ds=[128], modes=("fwd",))
+    cases = suites.plan_cases("mods", ns=[4096], ds=[128], modes=("fwd",))
     assert [c.mod for c in cases] == list(bench_mods.MOD_CASES)
     assert all(c.providers == ("flashgen", "flex") and c.b == 4 and c.h == 16 for c in cases)
-    provs = suite.Providers()
+    provs = providers.Providers()
     for mod in bench_mods.MOD_CASES:
-        case = suite.Case("mods", "fwd", 64, True, 2, 2, 40, mod=mod)
+        case = suites.Case("mods", "fwd", 64, True, 2, 2, 40, mod=mod)
         kw = bench_mods.inputs(mod, case.b, case.h, case.n, "cpu")
         provs._masks[(mod, case.b, case.h, case.n)] = (kw, None)
         fn = provs.get("flashgen", case)
@@ -342,3 +395,73 @@ def test_mods_suite_cases_and_its_flashgen_call_match_its_reference():
             if mod == "window_sinks":
                 bench_mods.WINDOW = saved
         assert (out[:1, :2].float() - ref).abs().max() < 3e-2, mod
+
+
+# ----------------------------------------------------------------------------------------
+# the package's layout: no import cycles, each module importable on its own
+# ----------------------------------------------------------------------------------------
+
+BENCH_DIR = ROOT / "flashgen" / "bench"
+BENCH_MODULES = sorted(p.stem for p in BENCH_DIR.glob("*.py") if p.stem != "__init__")
+
+
+def bench_imports(module: str) -> set:
+    """The flashgen.bench modules `module` imports, at any depth (a function's lazy import
+    counts: the old bench_suite <-> bench_decode cycle was made of those). "__init__" is
+    the package itself, the command line."""
+    import ast
+
+    tree = ast.parse((BENCH_DIR / f"{module}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1:
+                base = node.module
+            elif node.level == 0 and (node.module or "").startswith("flashgen.bench"):
+                base = node.module[len("flashgen.bench."):] or None
+            else:
+                continue
+            if base is None:  # from . import a, b: submodules, or names of __init__
+                found |= {a.name if a.name in BENCH_MODULES else "__init__" for a in node.names}
+            else:
+                found.add(base.split(".")[0])
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("flashgen.bench."):
+                    found.add(a.name.split(".")[2])
+                elif a.name == "flashgen.bench":
+                    found.add("__init__")
+    found.discard(module)
+    return found
+
+
+def test_bench_package_has_no_import_cycles():
+    graph = {m: bench_imports(m) for m in BENCH_MODULES}
+    # the submodules never import the command line (__init__ runs first on any import of
+    # the package, so an import of it from a submodule is a cycle in the making)
+    assert not [m for m, deps in graph.items() if "__init__" in deps], graph
+    assert set().union(*graph.values()) <= set(BENCH_MODULES), graph
+    # a topological order exists: peel the modules that import nothing left, repeatedly
+    left = dict(graph)
+    while left:
+        leaves = [m for m, deps in left.items() if not deps & set(left)]
+        assert leaves, f"import cycle among {sorted(left)}: {left}"
+        for m in leaves:
+            del left[m]
+    assert "decode" in graph["runner"] and "suites" in graph["providers"]  # the scan sees
+
+
+@pytest.mark.parametrize("module", ["flashgen.bench"] + [f"flashgen.bench.{m}"
+                                                          for m in BENCH_MODULES])
+def test_each_bench_module_imports_alone(module):
+    """Imported first in a fresh interpreter (no other module's import order to lean on);
+    all but decode.py (a GPU measurement that imports torch at the top) leave torch
+    unimported, so the dry run and the tuner's use of mods.py stay cheap."""
+    code = (f"import sys, {module}; "
+            "print('torch' in sys.modules)")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == str(module == "flashgen.bench.decode"), module

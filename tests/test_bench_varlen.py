@@ -2,7 +2,7 @@
 the dry run and the bar's arithmetic. The measuring needs a GPU."""
 import pytest
 
-from flashgen import bench_varlen as bv
+from flashgen.bench import varlen as bv
 
 
 def test_ragged_lengths_are_the_bars_workload():
@@ -38,6 +38,15 @@ def test_plan_and_dry_run():
         bv.plan(dense_n=3000)
     assert bv.main(["--dry-run", "--modes", "fwd"]) == 0
     assert bv.main(["--dry-run", "--rounds", "0"]) == 2
+
+
+@pytest.mark.parametrize("flag", ["--docs", "--total", "--min-len", "--max-len", "--d", "--h",
+                                  "--dense-n"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_sizes_below_one_are_refused(flag, value, capsys):
+    """--dense-n 0 used to divide by zero (total % dense_n); every size is at least 1."""
+    assert bv.main(["--dry-run", flag, value]) == 2
+    assert capsys.readouterr().err == f"error: {flag} {value}: must be at least 1\n"
 
 
 def test_bar_text():

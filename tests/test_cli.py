@@ -299,6 +299,29 @@ def test_build_out_a_file_exits_2(work, out):
     assert msg.startswith(f"--out {out}"), msg
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_build_out_unwritable_exits_2(work):
+    """/proc takes no new folders (FileNotFoundError from mkdir): every OSError of the write
+    is a one-line --out error, not a traceback."""
+    res = flashgen("build", "specs/gpt2.yaml", "--out", "/proc/o", cwd=work)
+    msg = assert_user_error(res, "build")
+    assert msg.startswith("--out /proc/o: cannot write the package there: "), msg
+    assert "/proc/o" in msg[len("--out /proc/o"):] and "pass --out a folder" in msg, msg
+
+
+def test_plan_shows_the_gluon_section_for_hopper_only(work):
+    """Gluon kernels run on sm_90 only: an RTX 4090 spec (arch: sm_89) gets one line saying
+    its kernels are all `tl`; a spec without arch is planned for the H100 and gets the
+    Hopper section."""
+    res = flashgen("plan", ROOT / "specs" / "gpus" / "rtx4090.yaml", cwd=work)
+    assert res.returncode == 0, res.stderr
+    assert "gluon (" not in res.stdout and "sm90 with Triton" not in res.stdout
+    assert ("== kernel families on RTX 4090 (sm_89): `tl` for every kernel (the Gluon "
+            "kernels run on sm_90, Hopper, only)") in res.stdout
+    res = flashgen("plan", "specs/gpt2.yaml", cwd=work)
+    assert "== kernel families on sm90 with Triton" in res.stdout and "gluon (" in res.stdout
+
+
 def test_check_planned_uses_the_specs_tiles(tmp_path, monkeypatch):
     """--planned forces the launch configs planned for the spec's GPU (on every device)."""
     import flashgen.check as check_module

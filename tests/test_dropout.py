@@ -277,6 +277,28 @@ def test_invalid_dropout_p(pkg, p):
         pkg.flash_attn_func(q, k, v, dropout_p=p)
 
 
+@pytest.mark.parametrize("p", [2.0, -1, 1.0, "0.1"])
+def test_dropout_mask_refuses_what_a_call_refuses(pkg, p):
+    """p = 2.0 or -1 used to give a mask silently (T clamped to [1, 255])."""
+    with pytest.raises(ValueError, match=r"dropout_p must be a number in \[0, 1\)"):
+        pkg.dropout_mask(1, 2, 16, 16, p)
+
+
+def test_dropout_mask_defaults_to_the_device_calls_run_on(pkg, monkeypatch):
+    """As README and docs/VARLEN.md call it, without a device: the current CUDA device,
+    or the CPU (the interpreter) on a machine without one -- it was "cuda" always."""
+    want = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(5)
+    mask = pkg.dropout_mask(1, 2, 16, 16, 0.3)
+    assert mask.device.type == want and mask.shape == (1, 2, 16, 16)
+    torch.manual_seed(5)
+    assert torch.equal(mask, pkg.dropout_mask(1, 2, 16, 16, 0.3, device=want))
+    if want == "cpu":  # without the interpreter the CPU is refused as a call refuses it
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+            pkg.dropout_mask(1, 2, 16, 16, 0.3)
+
+
 def test_package_without_dropout_names_the_spec_field(tmp_path):
     plain = build_and_import(tmp_path, "fg_test_nodrop", """
         head_dims: [64]

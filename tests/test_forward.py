@@ -246,6 +246,8 @@ def _qkv(dtype=torch.float16, shape=(1, 16, 2, 64), device="cpu"):
     ("batch_mismatch", "batch"),
     ("head_dim_mismatch", "head dim"),
     ("heads_not_multiple", "multiple of key/value heads"),
+    ("no_heads", r"head count must be >= 1, got 0 query heads and 0 key/value heads"),
+    ("no_kv_heads", r"head count must be >= 1, got 2 query heads and 0 key/value heads"),
     ("last_dim_strided", r"unit stride .*\.contiguous\(\)"),
     ("kv_shape_mismatch", "k and v must have one shape"),
     ("bad_dropout", r"dropout_p must be a number in \[0, 1\)"),
@@ -274,6 +276,10 @@ def test_bad_input_raises_before_launch(pkg, monkeypatch, case, match):
         k, v = k[..., :32], v[..., :32]
     elif case == "heads_not_multiple":
         q = torch.randn(1, 16, 3, 64, dtype=torch.float16)
+    elif case == "no_heads":
+        q, k, v = _qkv(shape=(1, 16, 0, 64))
+    elif case == "no_kv_heads":
+        k, v = k[:, :, :0], v[:, :, :0]
     elif case == "last_dim_strided":
         q = torch.randn(1, 16, 2, 128, dtype=torch.float16)[..., ::2]
     elif case == "kv_shape_mismatch":

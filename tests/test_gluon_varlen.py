@@ -528,7 +528,7 @@ def test_gluon_varlen_bench_shape(pkg, poison):
     causal) on the default path (no family asked): the Gluon forward, correct."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
-    from flashgen.bench_varlen import ragged_lengths
+    from flashgen.bench.varlen import ragged_lengths
     lens = ragged_lengths(16, 16384, 128, 4096, 0)
     q, k, v = (torch.randn(16384, 16, 128, dtype=torch.bfloat16, device="cuda") for _ in range(3))
     pkg._runtime._forward_plans.clear()
@@ -552,7 +552,7 @@ def test_gluon_varlen_backward_bench_shape(pkg, poison):
     float64 result) and within 3x torch's own bf16 SDPA backward's largest error."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
-    from flashgen.bench_varlen import ragged_lengths
+    from flashgen.bench.varlen import ragged_lengths
     lens = ragged_lengths(16, 16384, 128, 4096, 0)
     q, k, v = (torch.randn(16384, 16, 128, dtype=torch.bfloat16, device="cuda",
                            requires_grad=True) for _ in range(3))

@@ -1090,7 +1090,7 @@ def test_a_trial_that_would_overrun_the_timeout_is_not_started(storage, monkeypa
     stops: a third would end at 9 s. Before, it started one whenever the clock still read
     under the timeout, and ended at 9 s, taking the overrun from later studies."""
     now = [0.0]
-    monkeypatch.setattr("flashgen.tune.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr("flashgen.study.time", types.SimpleNamespace(monotonic=lambda: now[0]))
     space = fwd_space()
 
     def measure(cfg):
@@ -1305,7 +1305,8 @@ def test_a_mods_trial_checks_and_times_the_call_with_its_mod_inputs(mods_pkg, mo
     check's document ids and cap at the check's (B, N), the timed call's at the bucket's,
     made once per shape with the mods bench's generator (ragged documents) -- and the
     check's reference applies them."""
-    from flashgen import bench_mods, measure
+    from flashgen import measure
+    from flashgen.bench import mods as bench_mods
     from flashgen.mods import builtin_mod
 
     name = "bwd_causal_document_softcap_d32_fp32"

@@ -310,11 +310,18 @@ def packed_attention(qkv, num_heads, num_kv_heads, dropout_p=0.0, softmax_scale=
     return _ops.eager_packed(qkv, (num_heads, num_kv_heads), args)
 
 
-def dropout_mask(batch, heads, n_q, n_k, dropout_p, device="cuda"):
+def dropout_mask(batch, heads, n_q, n_k, dropout_p, device=None):
     """Testing hook: the exact (B, H, N_q, N_k) bool keep mask that an attention call with
     these sizes would draw from the device's generator in its current state (it advances
     the generator like a call). Reset the generator with torch.manual_seed before the call
-    and before this to get the mask that call used."""
+    and before this to get the mask that call used. `device`: where the call's tensors
+    are; by default the current CUDA device, or the CPU (Triton's interpreter) without
+    one. dropout_p as a call takes it, in [0, 1)."""
+    _runtime.check_dropout(dropout_p)
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    _runtime.check_device(device)
     from ._dropout import dropout_mask as replay  # imports triton only when asked
 
     return replay(batch, heads, n_q, n_k, dropout_p, device)
