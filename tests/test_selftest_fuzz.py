@@ -1,8 +1,9 @@
 """`flashgen selftest`'s cases and fuzzer (flashgen/selftest/): the generator, the case
 records and their reproducers, the judging of a case against the float64 reference --
 which must pass on correct kernels and fail on broken outputs -- and a short fuzz run in
-Triton's interpreter. The GPU group runs 200 fuzz cases and the sanitizer's case set on
-CUDA (without the sanitizer).
+Triton's interpreter. The GPU group (shard `fuzz` of `flashgen selftest`) runs 100 fuzz
+cases and the sanitizer's case set on CUDA (without the sanitizer); `flashgen selftest
+--fuzz 2000` is the full run.
 
 The selftest packages are built into a temporary cache (FLASHGEN_SELFTEST_CACHE), once
 per module.
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 from flashgen.selftest import fuzz as F
-from flashgen.selftest import modref, runners
+from flashgen.selftest import kinds, modref
 from flashgen.selftest import workers as W
-from flashgen.selftest.cases import KINDS, SANITIZE_CASES, Case, run_case, run_cases
+from flashgen.selftest.cases import KINDS, SANITIZE_CASES, Case, run_case
 from flashgen.selftest.package import CACHE_ENV, selftest_packages
 
 TINY = Case("train", "gpt2", "fp32", batch=1, h_q=2, h_kv=2, d=64, n_q=7, n_k=7, causal=True,
@@ -102,9 +103,9 @@ def test_case_json_round_trip_and_reproducer():
 
 
 def test_sanitize_set_is_representative():
-    kinds = {c.kind for c in SANITIZE_CASES}
+    seen = {c.kind for c in SANITIZE_CASES}
     assert {"train", "varlen", "decode", "paged_decode", "mla_decode", "block_mask",
-            "ring_merge"} <= kinds
+            "ring_merge"} <= seen
     assert {c.family for c in SANITIZE_CASES} >= {"gluon", "tl"}
     dense = [c for c in SANITIZE_CASES if c.kind in ("train", "block_mask", "mods")]
     assert {1, 59, 257} <= {c.n_q for c in dense} and any(c.n_q != c.n_k for c in dense)
@@ -128,19 +129,19 @@ def test_deal_keeps_kernels_together():
 
 
 def test_poison_and_layouts():
-    with runners.poisoned():
+    with kinds.poisoned():
         assert torch.isnan(torch.empty(3)).all() and torch.isnan(torch.zeros(2).new_empty(4)).all()
         assert torch.isnan(torch.empty_like(torch.zeros(2))).all()
     assert not torch.isnan(torch.zeros(2).new_empty(4).fill_(0)).any()
     x = torch.randn(2, 5, 3, 8)
     for layout in ("none", "heads", "pad", "odd", "bhnd"):
-        v = runners.placed(x, layout, "cpu")
+        v = kinds.placed(x, layout, "cpu")
         assert torch.equal(v, x) and v.stride(-1) == 1
         memory = torch.tensor([]).set_(v.untyped_storage())  # the whole buffer
         # every element around the view is NaN: a kernel that strays reads NaN
         assert int(torch.isnan(memory).sum()) == memory.numel() - v.numel()
-    assert runners.placed(x, "odd", "cpu").stride(-2) == 9  # rows 36 bytes apart: no TMA
-    assert not runners.placed(x, "bhnd", "cpu").is_contiguous()
+    assert kinds.placed(x, "odd", "cpu").stride(-2) == 9  # rows 36 bytes apart: no TMA
+    assert not kinds.placed(x, "bhnd", "cpu").is_contiguous()
 
 
 # ----------------------------------------------------------------------------------------
@@ -244,7 +245,7 @@ def test_backward_reference_is_the_exact_backward_of_the_stored_output():
     stored = out.detach() + 1e-3 * torch.randn(out.shape, generator=g, dtype=torch.float64)
     t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, H, N, d) -> (B, N, H, d)
     exact = torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
-    got = runners.backward_reference(t(out), lse, [q, k, v], t(do), t(stored), (0, 2, 1))
+    got = kinds.backward_reference(t(out), lse, [q, k, v], t(do), t(stored), (0, 2, 1))
     p = torch.exp(q.detach() @ k.detach().transpose(-1, -2) / 8 ** 0.5 - lse.detach()[..., None])
     dd = ((out.detach() - stored) * do).sum(-1, keepdim=True)
     torch.testing.assert_close(got[0], exact[0] + (p * dd) @ k.detach() / 8 ** 0.5)
@@ -301,19 +302,25 @@ def test_cases_command_line(cache):
 # ----------------------------------------------------------------------------------------
 # On a GPU
 # ----------------------------------------------------------------------------------------
+def _gpu_workers() -> int:
+    """Worker processes for a GPU test: half the cores, at most 8 (the shard runs two)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
 @pytest.mark.gpu
 def test_fuzz_on_cuda(cache):
     if not torch.cuda.is_available():
         pytest.fail("-m gpu tests need a CUDA device")
-    workers = max(1, min(8, (os.cpu_count() or 2) // 2))
-    report = F.fuzz(200, 0, "cuda", workers=workers)
+    report = F.fuzz(100, 0, "cuda", workers=_gpu_workers())
     print(report.summary())
-    assert report.cases_run == 200 and not report.failed, report.summary()
+    assert report.cases_run == 100 and not report.failed, report.summary()
 
 
 @pytest.mark.gpu
 def test_sanitize_set_passes_on_cuda(cache):
+    """The sanitizer's cases, without the sanitizer (`flashgen selftest --sanitize` runs
+    them under it)."""
     if not torch.cuda.is_available():
         pytest.fail("-m gpu tests need a CUDA device")
-    results = run_cases(SANITIZE_CASES, "cuda", ref_device="cpu", out=None)
-    assert not [r for r in results if not r.passed], "\n".join(r.line() for r in results)
+    report = F.run_many(SANITIZE_CASES, "cuda", workers=_gpu_workers(), ref_device="cpu")
+    assert report.passed == len(SANITIZE_CASES), report.summary()

@@ -11,7 +11,7 @@ outputs' memory poisoned (every torch.empty the call makes is NaN-filled, so an 
 kernel forgets to write shows), and compares every output -- the forward, the LSE, and for
 training kinds dq, dk, dv (and a mod tensor's gradient) -- with an independent float64
 reference (flashgen.reference, the mods written out by hand in flashgen.selftest.modref)
-at the tolerance of the dtype (flashgen.selftest.runners: OUT_TOL, GRAD_TOL, LSE_TOL).
+at the tolerance of the dtype (flashgen.selftest.kinds: OUT_TOL, GRAD_TOL, LSE_TOL).
 NaN anywhere fails; a row that sees no key must be exactly 0 with LSE -inf. With dropout the reference applies the very keep mask the
 call drew (replayed by the package's `dropout_mask` from the same generator state), and
 the tolerance grows by the survivors' scale.
@@ -215,14 +215,14 @@ def run_case(case: Case, packages: dict, device, ref_device=None) -> CaseResult:
     reference computed on `ref_device` (default: `device`). Never raises for a problem of
     the case: a kernel's exception (a compile failure, an illegal argument) is this case's
     failure, with its message."""
-    from . import runners  # (imports torch)
+    from . import kinds  # (imports torch)
 
     start = time.perf_counter()
     try:
-        errors, problems, note = runners.run(case, packages[case.package], str(device),
+        errors, problems, note = kinds.run(case, packages[case.package], str(device),
                                              str(ref_device or device))
     except Exception as e:  # noqa: BLE001 -- a case's exception is its result
-        return CaseResult(case, False, message=runners.describe_exception(e),
+        return CaseResult(case, False, message=kinds.describe_exception(e),
                           seconds=time.perf_counter() - start)
     bad = [name for name, err in errors.items() if not err <= 1.0]
     messages = list(problems) + [f"{name} {errors[name]:.3g}x tol" for name in bad]

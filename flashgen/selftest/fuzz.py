@@ -26,7 +26,7 @@ tiles; the variants a run can reach are bounded by the selftest packages (mods a
 only), so each kernel compiles once per worker at most -- and `fuzz(..., workers=W)` deals
 the cases to worker processes by kernel, so in practice once.
 
-Tolerances are flashgen.selftest.runners' (tests/conftest.py's, atol in units of the
+Tolerances are flashgen.selftest.kinds' (tests/conftest.py's, atol in units of the
 output's RMS, gradients against the exact backward of the output the forward stored: why,
 there).
 

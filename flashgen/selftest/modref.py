@@ -1,4 +1,4 @@
-"""The float64 reference with mods, for the self-test cases (flashgen.selftest.runners).
+"""The float64 reference with mods, for the self-test cases (flashgen.selftest.kinds).
 
 The mods are written out here from their documented expressions (docs/MODS.md's table of
 built-ins), not taken from the generated package or from flashgen's expression compiler,

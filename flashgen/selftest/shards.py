@@ -75,6 +75,10 @@ SHARDS: tuple[Shard, ...] = (
     Shard("other", "transformers integration, peak memory against SDPA",
           ("tests/test_transformers.py", "tests/test_gpu_memory.py"), est_s=60,
           max_workers=4),
+    # two tests, each dealing its cases to its own worker processes (kernels compile in
+    # parallel there); an estimate, not yet measured on a GPU
+    Shard("fuzz", "100 seeded fuzz cases and the sanitizer's case set against float64",
+          ("tests/test_selftest_fuzz.py",), est_s=360, max_workers=2),
 )
 
 # 8 xdist workers per GPU in all: what the suite has run with on the H100 (`-m gpu -n 8`)
