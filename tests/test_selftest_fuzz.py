@@ -51,6 +51,7 @@ def test_generate_is_deterministic_and_covers_every_kind(device):
     cases = F.generate(7, 120, device)
     assert cases == F.generate(7, 120, device)
     assert cases[:30] == F.generate(7, 30, device)  # a longer run extends a shorter one
+    # (so fuzz(n, seed, start=k) is a slice of one longer run)
     assert cases != F.generate(8, 120, device)
     assert {c.kind for c in F.generate(7, len(KINDS), device)} == set(KINDS)
     assert {c.family for c in cases} == {"auto", "gluon", "tl"}

@@ -440,10 +440,13 @@ class FuzzReport:
 # Running: in process, or dealt to worker processes
 # ----------------------------------------------------------------------------------------
 def fuzz(n: int, seed: int, device: str, workers: int = 1, progress=None,
-         ref_device=None, case_timeout: float | None = 900.0) -> FuzzReport:
+         ref_device=None, case_timeout: float | None = 900.0, start: int = 0) -> FuzzReport:
     """Generate `n` cases from `seed` for `device` and run them (see the module docstring).
-    progress(done, total, result) is called after each case, in completion order."""
-    return run_many(generate(seed, n, device), device, workers=workers, progress=progress,
+    progress(done, total, result) is called after each case, in completion order.
+    `start`: skip the seed's first `start` cases, so that a long run can be split into
+    parts (fuzz(500, 0, d, start=500) runs cases 500..999 of fuzz(2000, 0, d))."""
+    cases = generate(seed, start + n, device)[start:]
+    return run_many(cases, device, workers=workers, progress=progress,
                     ref_device=ref_device, case_timeout=case_timeout, seed=seed)
 
 
