@@ -40,6 +40,9 @@ passed, failures each with its one-line reproducer
 kernel's exception is its case's failure. With `workers > 1` the cases run in spawned
 processes (CUDA: spread over the visible GPUs); a worker that dies or hangs past
 `case_timeout` fails the case it was running and a new one takes the rest of its cases.
+On a GPU the kernels' compilation dominates a first run (Gluon kernels 5-40 s each): use
+a worker per two or three cores; a run too long for one command splits into slices of
+the same seed's cases (`start=`), which a warm Triton cache then shares.
 """
 from __future__ import annotations
 
