@@ -170,6 +170,10 @@ def _selftest_arguments(s: argparse.ArgumentParser) -> None:
     g.add_argument("--only", metavar="SHARDS",
                    help=f"run these shards only, comma-separated: {', '.join(names())} (or "
                    "'all'); with --fuzz or --sanitize, the shards run too")
+    g.add_argument("--part", metavar="I/N",
+                   help="run part I of N of the shards (dealt by their estimated times, so "
+                   "each part takes about 1/N of the run): --part 1/3, 2/3, 3/3 on a "
+                   "machine that limits a command to 10 minutes")
     g.add_argument("--tests", metavar="DIR",
                    help="the tests/ folder of a flashgen checkout (default: the one at or "
                    "above the current directory)")
@@ -182,9 +186,9 @@ def _selftest_arguments(s: argparse.ArgumentParser) -> None:
                    help="seconds a shard or a sanitizer tool may run (default: a shard 3x "
                    f"its estimate, a tool {DEFAULT_TIMEOUT})")
     g.add_argument("--budget", type=int, default=DEFAULT_BUDGET, metavar="S",
-                   help=f"the run's time for the shards and the sanitizer tools (default "
-                   f"{DEFAULT_BUDGET}: one call fits the GPU machine's 10 minutes); a shard "
-                   "whose estimate does not fit is listed, not started; 0 = no limit")
+                   help="the run's seconds for the shards and the sanitizer tools: a shard "
+                   "whose estimate does not fit is listed, not started (default "
+                   f"{DEFAULT_BUDGET}: no limit)")
     z = s.add_argument_group("compute-sanitizer")
     z.add_argument("--sanitize", action="store_true",
                    help="run compute-sanitizer over the sanitize case set (both kernel "

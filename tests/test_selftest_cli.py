@@ -148,6 +148,24 @@ def test_the_scan_agrees_with_pytest_collection():
     assert collected and collected == set(shards.gpu_test_files(TESTS))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_parts_deal_every_shard_once_and_balance_the_time(n):
+    every = list(shards.SHARDS)
+    parts = [shards.part(every, f"{i}/{n}") for i in range(1, n + 1)]
+    names_ = [s.name for p in parts for s in p]
+    assert sorted(names_) == sorted(s.name for s in every)
+    loads = [sum(s.est_s + s.multigpu_est_s for s in p) for p in parts]
+    # greedy dealing, longest first: no part exceeds the mean by more than the longest shard
+    longest = max(s.est_s + s.multigpu_est_s for s in every)
+    assert max(loads) <= sum(loads) / n + longest
+
+
+@pytest.mark.parametrize("spec", ["0/2", "3/2", "2", "a/b", ""])
+def test_a_bad_part_exits_2(spec, capsys):
+    assert cli.main(["selftest", "--part", spec, "--dry-run"]) == 2
+    assert "--part" in capsys.readouterr().err
+
+
 def test_workers_follow_gpus_and_cores():
     assert shards.workers(1, 16) == (4, 2)       # one H100: 8 workers, 2 shards at a time
     assert shards.workers(2, 32) == (8, 2)

@@ -19,6 +19,7 @@ measured run (selftest.json's `seconds`) when they drift.
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,31 +50,31 @@ SHARDS: tuple[Shard, ...] = (
     Shard("tl", "the `tl` family: forward, backward, dropout, varlen, the nn.Module, the host "
           "path", ("tests/test_forward.py", "tests/test_backward.py", "tests/test_dropout.py",
                    "tests/test_varlen.py", "tests/test_module.py", "tests/test_host_path.py"),
-          est_s=120),
+          est_s=115),
     Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs",
           ("tests/test_gluon.py",), est_s=130),
     Shard("gluon-bwd", "the Gluon backward, dense and with mods (persistent block lists)",
-          ("tests/test_gluon_bwd.py", "tests/test_gluon_bwd_mods.py"), est_s=90),
+          ("tests/test_gluon_bwd.py", "tests/test_gluon_bwd_mods.py"), est_s=100),
     Shard("gluon-dropout", "the Gluon forward and backward with dropout (Philox in registers)",
-          ("tests/test_gluon_dropout.py",), est_s=90),
+          ("tests/test_gluon_dropout.py",), est_s=105),
     Shard("gluon-varlen", "the Gluon forward and backward on packed ragged batches",
-          ("tests/test_gluon_varlen.py",), est_s=60),
+          ("tests/test_gluon_varlen.py",), est_s=210),
     Shard("mods", "score, mask and sink mods, dense and varlen",
-          ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=90),
+          ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=265),
     Shard("decode", "flash_attn_with_kvcache: split-KV, paged caches, appends",
-          ("tests/test_decode.py",), est_s=50),
+          ("tests/test_decode.py",), est_s=40),
     Shard("mla", "MLA head dims: training, the latent decode (Gluon 576/512)",
-          ("tests/test_mla.py",), est_s=60),
+          ("tests/test_mla.py",), est_s=65),
     Shard("ring", "context parallelism: the pieces on one GPU, the ring on 2 GPUs (NCCL)",
-          ("tests/test_ring_pieces_gpu.py",), est_s=45,
-          multigpu_files=("tests/test_ring_gpu.py",), multigpu_est_s=90),
+          ("tests/test_ring_pieces_gpu.py",), est_s=50,
+          multigpu_files=("tests/test_ring_gpu.py",), multigpu_est_s=300),
     # tens of GB each: conftest's gpu_memory_alone runs one at a time across workers
     Shard("row-offsets", "tensors past 2**31 elements (64-bit row offsets)",
-          ("tests/test_row_offsets.py",), est_s=60, max_workers=2),
+          ("tests/test_row_offsets.py",), est_s=55, max_workers=2),
     Shard("other-gpus", "the A100 / RTX 4090 packages' planned tiles run on this GPU",
-          ("tests/test_other_gpus_gpu.py",), est_s=60),
+          ("tests/test_other_gpus_gpu.py",), est_s=45),
     Shard("other", "transformers integration, peak memory against SDPA",
-          ("tests/test_transformers.py", "tests/test_gpu_memory.py"), est_s=60,
+          ("tests/test_transformers.py", "tests/test_gpu_memory.py"), est_s=185,
           max_workers=4),
     # two tests, each dealing its cases to its own worker processes (kernels compile in
     # parallel there); an estimate, not yet measured on a GPU
@@ -105,6 +106,24 @@ def select(spec: str | None) -> list[Shard]:
         raise FlashgenError(f"{what}; the shards are: {', '.join(names())} (or 'all'); "
                             "`flashgen selftest --dry-run` lists their files")
     return [s for s in SHARDS if s.name in wanted]
+
+
+def part(selected: list[Shard], spec: str) -> list[Shard]:
+    """Part I of N (`--part I/N`) of the selected shards: the shards dealt, longest estimate
+    first, to whichever of N parts has the least estimated time so far, so each part of a
+    run too long for one sitting (one H100 with a 10-minute limit per command) takes about
+    1/N of it; the parts together are the selection, each shard in one part."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", spec or "")
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise FlashgenError(f"--part {spec!r}: expected I/N with 1 <= I <= N, e.g. --part 1/2")
+    i, n = int(m.group(1)), int(m.group(2))
+    loads = [0] * n
+    owner = {}
+    for s in sorted(selected, key=lambda s: (-(s.est_s + s.multigpu_est_s), s.name)):
+        k = loads.index(min(loads))
+        owner[s.name] = k
+        loads[k] += s.est_s + s.multigpu_est_s
+    return [s for s in selected if owner[s.name] == i - 1]
 
 
 def workers(gpus: int, cores: int, per_shard: int | None = None,
