@@ -35,7 +35,7 @@ SPECS = {
     "llama": "llama.yaml",      # d 128, GQA, sliding windows, decode
     "mla": "mla.yaml",          # {qk: 192, v: 128} training and decode, 576/512 latent decode
     "mods": "mods.yaml",        # every built-in mod, attn_mask, decode with mods
-    "selftest": "selftest.yaml",  # d 80/96, fp32 with GQA, dropout with GQA and windows
+    "selftest": "selftest/selftest.yaml",  # d 80/96, fp32 with GQA, dropout with GQA and windows
 }
 PREFIX = "fgst_"
 CACHE_ENV = "FLASHGEN_SELFTEST_CACHE"
