@@ -129,7 +129,7 @@ def read_flush_ms(fn, reps: int = 100) -> float:
     do_bench flushes by writing 256 MB, which leaves up to the L2's 50 MB of dirty lines to
     be written back to HBM while the timed kernel runs. A memory-bound kernel of tens of
     microseconds (decoding) pays that writeback inside its own time, ~8 us of a 4k-key
-    decode on the H100 (benchmarks/results/H100_flush_experiment.log), and the noise it
+    decode on the H100 (docs/PERFORMANCE.md, Decoding; the log in 23fd84a), and the noise it
     adds is as large as the differences between split counts. A read leaves L2 as cold for
     the kernel's inputs with nothing to write back. `flashgen bench --suite decode` reports
     both (`_rf` rows)."""

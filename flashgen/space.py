@@ -159,7 +159,7 @@ def _tma(config, facts: Facts) -> str | None:
 
 KNOBS: dict[str, tuple[Knob, ...]] = {
     # unmasked K/V blocks through tensor descriptors (TMA): +9% at 256x64 w8 s3 on the H100,
-    # -3% at 128x64 w8 s3 (benchmarks/results/H100_sweep_fwd_tma_ws_d128.json). The
+    # -3% at 128x64 w8 s3 (docs/PERFORMANCE.md, Forward; the sweep's rows in 7356d63). The
     # template's warp_specialize option is left out: no gain measured, and Triton 3.6's
     # warp-specialisation pass fails on 4-warp tiles.
     # `family` picks the kernel (families.py): a Gluon point's tile is the warpgroups'
@@ -202,10 +202,10 @@ KNOBS: dict[str, tuple[Knob, ...]] = {
         # a block mask's backward: one program an SM taking key blocks from a counter (the
         # package's default, _runtime.GLUON_BWD_PERSISTENT_MASKS) or one per key block
         # (H100: the persistent form 1.04-1.14x for documents and windows, 0.97-0.99x for
-        # prefix-LM; docs/PERF_NOTES.md, twenty-sixth session)
+        # prefix-LM; docs/PERFORMANCE.md, Mods)
         Knob("persistent_bwd", (True, False), True, _persistent_bwd),
         # Reachable through override_config but not tuned, both measured slower on the
-        # H100 (docs/PERF_NOTES.md): `fused_dq=True` (dQ inside the dK/dV kernel) and
+        # H100 (docs/PERFORMANCE.md, Backward): `fused_dq=True` (dQ inside the dK/dV kernel) and
         # `tma=True` (unmasked Q/dO and K/V blocks through tensor descriptors: 0 to -12%
         # at 13 of 16 measured points, and the best 16k point without it stays ahead).
     ),

@@ -31,7 +31,7 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
     if os.environ.get("RING_BACKEND", "gloo") == "gloo":
         # CPU tensors: Triton's interpreter. (Setting it for NCCL too ran every GPU case
         # in the interpreter: 28 s for a 1k-token case, 32k never finished -- the 2-GPU
-        # timeouts of earlier sessions)
+        # timeouts before a2b1498)
         os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ.get("RING_WORKER_DUMP"):  # every N s: each thread's stack, to the log
         import faulthandler

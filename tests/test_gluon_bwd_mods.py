@@ -433,10 +433,10 @@ def test_gluon_sink_logits_backward(pkg, poison):
 
 # ---------------------------------------------------------------------------------------
 # the persistent form of the block-mask backward (GLUON_BWD_PERSISTENT_MASKS, on by
-# default since its first H100 run in the twenty-sixth session)
+# default since its first H100 run: docs/PERFORMANCE.md, Mods)
 # ---------------------------------------------------------------------------------------
 def test_persistent_backward_is_on_by_default(pkg):
-    """The H100 A/B (twenty-sixth session) measured it at d=128 and 64; the tuned and
+    """The H100 A/B (docs/PERFORMANCE.md, Mods) measured it at d=128 and 64; the tuned and
     default configs carry no key of their own, so the switch decides."""
     rt = pkg._runtime
     assert rt.GLUON_BWD_PERSISTENT_MASKS is True

@@ -98,10 +98,11 @@ def test_varlen_gluon_backward_compiles_for_sm90(pkg):
     register split) and shared memory (LSE and D reach the same slots by plain loads), with
     a small stack frame. Measured when written (bwd_causal_d128_bf16, 64x128, 2-deep ring):
     198192 B shared in both forms, stack 56 B (dense 40); none 48 (32), window 80 (40).
-    Since dK / dV leave by TMA from boxes inside their sequence (thirty-first session; the
-    crossing box's masked stores stay beside the TMA path) the frames grew: causal d128
-    104 B (2 loop spills), window 128 (9), causal d64 at 128x128 168 (36; dense 80 / 13),
-    and the packed backward still ran 4.3% / 2.9% faster (H100, d128 / d64 causal)."""
+    Since dK / dV leave by TMA from boxes inside their sequence (fa64ddd; the crossing
+    box's masked stores stay beside the TMA path) the frames grew: causal d128 104 B (2 loop
+    spills), window 128 (9), causal d64 at 128x128 168 (36; dense 80 / 13), and the packed
+    backward still ran 4.3% / 2.9% faster (H100, d128 / d64 causal; docs/PERFORMANCE.md,
+    Packed ragged batches)."""
     names = ["bwd_causal_d128_bf16", "bwd_d64_fp16", "bwd_window_d128_bf16", "bwd_d128_fp16"]
     pairs = list(_compile_dense_and_packed(pkg, names, "bwd").values())
     pairs += _compile_dense_and_packed(pkg, ["bwd_causal_d64_bf16"], "bwd128").values()

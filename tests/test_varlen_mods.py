@@ -579,7 +579,7 @@ def test_gluon_varlen_kernels_with_mods_compile_for_sm90():
     keep no spill. Measured when written (d=128 bf16, stack bytes / key-loop LDL+STL, dense
     -> packed): forward softcap 104 / 0 -> 112 / 0, sink_logits 136 / 0 -> 112 / 0, document
     8 / 0 -> 56 / 0; backward softcap 184 / 80 -> 232 / 113 (the dense softcap backward
-    already spills in its loop: docs/PERF_NOTES.md), document 96 / 6 -> 152 / 20."""
+    already spills in its loop: f5be0f5), document 96 / 6 -> 152 / 20."""
     import json
     import os
     import subprocess

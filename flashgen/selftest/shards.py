@@ -13,8 +13,10 @@ collection), so a new GPU test file fails CI until it is given a shard here.
 `est_s` is the shard's wall time on one H100 at the default settings (two shards at a
 time, 4 xdist workers each, a cold Triton cache): the run's --budget starts a shard only
 when its estimate fits the time left, and its default timeout is 3x the estimate. They
-start as estimates from the GPU runs recorded in docs/PERF_NOTES.md; update them from a
-measured run (selftest.json's `seconds`) when they drift.
+are the measured seconds of the H100 run in docs/TESTING.md's "Last green" table
+(benchmarks/results/nvidia-h100-80gb-hbm3/selftest_shards.txt; the 2-GPU ring part's and
+the fuzz shard's are still estimates); update them from a measured run (selftest.json's
+`seconds`) when they drift.
 """
 from __future__ import annotations
 

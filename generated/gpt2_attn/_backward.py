@@ -256,11 +256,12 @@ _BWD_PERSISTENT = "persistent"  # a Gluon plan's `tma` field: the persistent blo
 # first one its program id, then grid + the counter's next value -- so that the next key
 # block's K and V, and its first Q and dO blocks, load under the last one's dK / dV epilogue
 # (issue 16: a document mask's programs are ~35-40 us, of which ~7 us a launch gap, the K/V
-# wait and the epilogue; twentieth session). Dense batches only: a packed batch keeps a
-# program per key block. The kernel's shared memory (~199 KB at the default tiles) fits one
-# program an SM. On by default: on the H100 (twenty-sixth session, vs a program per key
-# block, d=128 / d=64) document 1.053x / 1.143x, window+sinks 1.042x / 1.056x, prefix-LM
-# 0.992x / 0.969x (its key blocks see most queries: long programs, little to hide).
+# wait and the epilogue; docs/PERFORMANCE.md, Mods). Dense batches only: a packed batch
+# keeps a program per key block. The kernel's shared memory (~199 KB at the default tiles)
+# fits one program an SM. On by default: on the H100 (docs/PERFORMANCE.md, Mods; vs a
+# program per key block, d=128 / d=64) document 1.053x / 1.143x, window+sinks 1.042x /
+# 1.056x, prefix-LM 0.992x / 0.969x (its key blocks see most queries: long programs,
+# little to hide).
 GLUON_BWD_PERSISTENT_MASKS = True
 GLUON_BWD_PERSISTENT_PER_SM = 1
 
@@ -342,16 +343,16 @@ def _gluon_bwd_head_group(cfg, name, q, kv_heads: int, num_n: int) -> int:
     block 0 of each, then block 1, ... (HEAD_GROUP, the kernel's _block_coords). Under a
     causal mask a head's key blocks run from the longest (block 0: every query row sees it)
     to the shortest, and head-major order (1) starts the last heads' longest blocks when
-    most SMs are about to run out of work: a list-scheduling model of 132 SMs
-    (benchmarks/bwd_head_group_model.py) put the last SM's end at 1.27x the mean at (B, H,
-    N) = (1, 16, 4k), 1.07x at (8, 16, 2k) and (4, 16, 4k), 1.58x with GQA 4:1 at (1, 32,
-    4k). A group whose programs fill about a wave brings that to 1.00-1.03x; this is the
-    smallest divisor of the pairs (no small group left to run alone at the end) within one
-    key block level of a full wave, since a group's Q, dO and fp32 dQ sum share L2 (H100,
-    Gluon default config, TFLOP/s: GQA (1, 32/8, 4k) G=4 429.4, G=8 386.5, head-major
-    323.6; (4, 16, 4k) G=4 437.4, G=8 432.1; docs/PERF_NOTES.md). Unmasked and windowed
-    calls (programs of one length) keep head-major order, and a block mask has an order of
-    its own (PROG_ORDER). Config key `bwd_head_group` forces a value (A/B runs)."""
+    most SMs are about to run out of work: a list-scheduling model of 132 SMs (ec334d9)
+    put the last SM's end at 1.27x the mean at (B, H, N) = (1, 16, 4k), 1.07x at
+    (8, 16, 2k) and (4, 16, 4k), 1.58x with GQA 4:1 at (1, 32, 4k). A group whose programs
+    fill about a wave brings that to 1.00-1.03x; this is the smallest divisor of the pairs
+    (no small group left to run alone at the end) within one key block level of a full
+    wave, since a group's Q, dO and fp32 dQ sum share L2 (H100, Gluon default config,
+    TFLOP/s: GQA (1, 32/8, 4k) G=4 429.4, G=8 386.5, head-major 323.6; (4, 16, 4k) G=4
+    437.4, G=8 432.1; df917b7, docs/PERFORMANCE.md, Backward). Unmasked and windowed calls
+    (programs of one length) keep head-major order, and a block mask has an order of its
+    own (PROG_ORDER). Config key `bwd_head_group` forces a value (A/B runs)."""
     if "bwd_head_group" in cfg:
         return max(1, int(cfg["bwd_head_group"]))
     if VARIANTS[name]["mask"] != "causal" or not q.is_cuda:  # (off a GPU: tests' wiring)

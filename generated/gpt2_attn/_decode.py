@@ -60,7 +60,7 @@ from ._registry import BUILT_FOR, GLUON_DECODE, PACKAGE, TARGET_GPU, VARIANTS
 # second wave costs more than the SMs it adds. On the H100 (llama shapes, bf16, L2 flushed
 # by a read): at B=8, 4k keys (64 programs unsplit), 5 splits (~2.5 waves) took 0.0607 ms
 # and 1 split 0.0551 (`flashgen tune`); at B=1, 64k keys, 8-16 splits (64-128 programs)
-# ran 2770-2793 GB/s and 24-32 splits 2244-2307 (benchmarks/decode_sweep.py). It sees the
+# ran 2770-2793 GB/s and 24-32 splits 2244-2307 (docs/PERFORMANCE.md, Decoding). It sees the
 # cache capacity, not the lengths in use (those stay on the device).
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 128
@@ -84,9 +84,9 @@ def _check_values_setting():
 # The Gluon latent (MLA) decode (kernels/gluon/<variant>.py, templates/gluon/decode_mla.py.j2;
 # GLUON_DECODE lists the variants that have one): one program holds 64 query heads and
 # reads the latent cache once for them, where the `tl` kernel stacks 32 and reads it once
-# per 32. On by default where the GPU runs Gluon (H100, twenty-sixth session, B=16, bf16:
-# 128 heads 3.7x / 5.5x the `tl` kernel at a 4k / 16k cache, 16 heads 1.29x / 1.30x);
-# False (or _runtime.use_family("tl")) keeps every call on `tl`; mla_gluon_reason says why a
+# per 32. On by default where the GPU runs Gluon (H100, B=16, bf16: 128 heads 3.7x / 5.5x
+# the `tl` kernel at a 4k / 16k cache, 16 heads 1.29x / 1.30x; docs/PERFORMANCE.md,
+# DeepSeek MLA); False (or _runtime.use_family("tl")) keeps every call on `tl`; mla_gluon_reason says why a
 # call stays there. Read when a plan is made: set it before the first call of a shape, or
 # clear _plans.
 MLA_GLUON = True

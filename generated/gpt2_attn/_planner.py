@@ -16,8 +16,8 @@ Kinds
 ``decode``  Single-token decode: like ``fwd``, but the query side is tiny (1 row per head, or a
             packed GQA group), so warps split the K/V block instead of the query rows.
 
-Shared-memory model (an ESTIMATE; `benchmarks/resources.py` compares it with Triton's real
-allocation on the GPU: it was 20-50% above it for the configs measured there)
+Shared-memory model (an ESTIMATE; against Triton's real allocation on the H100 it was
+20-50% above it for the configs measured, 6a1ef70)
 ------------------------------------------------------------------------------------
 All tiles are ``rows x d`` with ``d`` = head dim padded to a multiple of 16, times ``dtype_bytes``:
 
@@ -111,9 +111,10 @@ MMA_COLS_PER_WARP = 8
 # decode_regs_estimate's cap (the decode kind's own model: the accumulator and the split
 # reduction's chunk, not the query operand, which the compiler keeps in shared memory).
 # Triton 3.6 for sm_90 offline, every decode tile of 16-64 rows, 16-128 keys, 4 and 8
-# warps swept at d 64, 128, 192 / 128 and 576 / 512 (docs/PERF_NOTES.md, twenty-fifth
-# session): no tile estimated at <= 164 spilled more than 36 B, every tile estimated at
-# >= 196 spilled 112 B or more (64 x 128 at d 128, 4 warps; 32 rows at 576, 4 warps: 1.1 KB)
+# warps swept at d 64, 128, 192 / 128 and 576 / 512 (benchmarks/offline_sweep.py, rows in
+# benchmarks/results/offline/decode_sweep_*_sm90.jsonl; 148a0ee): no tile estimated at
+# <= 164 spilled more than 36 B, every tile estimated at >= 196 spilled 112 B or more
+# (64 x 128 at d 128, 4 warps; 32 rows at 576, 4 warps: 1.1 KB)
 DECODE_MAX_REGS = 180
 # before Hopper (sm_80 offline, d 128): 16 x 128 at 4 warps (estimated 148) did not spill,
 # 32 x 128 at 4 warps (164) spilled 12 B
@@ -137,7 +138,7 @@ W_STAGES = 3              # distance from the preferred pipeline depth, per stag
 W_WARPS = 1               # warp-count preference, per octave
 
 # bwd prefers a deep pipeline: each step loads two streamed tiles (Q and dO) and the H100
-# sweep (benchmarks/sweep.py) measured 4 stages 10-30% faster than 2 at the chosen tiles.
+# sweep (its rows in 6a1ef70) measured 4 stages 10-30% faster than 2 at the chosen tiles.
 PREFERRED_STAGES = {"fwd": 3, "bwd": 4, "decode": 3}
 
 
@@ -244,10 +245,10 @@ def stacked_decode_tile(config: dict, rows: int, head_dim: int, dtype_bytes: int
     config's warps, else more, and its stages, else down to 2 where shared memory runs out
     -- so every K/V byte is read by as few row blocks as compile without spilling. A small
     group keeps the small tile (16 rows: the config itself). ``head_dim``: the larger of
-    Q's and V's. Sm_90 offline (docs/PERF_NOTES.md, twenty-fifth session): at DeepSeek's
-    576 / 512, 128 heads take 32 x 32 at 8 warps (4 row blocks; 4 warps spilled 1.1 KB and
-    64 rows 1.6 KB); at d 128, 64 rows take 64 x 128 at 8 warps. ``score_bytes``: a mod's
-    [q, kv] tile (smem_estimate)."""
+    Q's and V's. Sm_90 offline (benchmarks/results/offline/decode_sweep_*_sm90.jsonl,
+    148a0ee): at DeepSeek's 576 / 512, 128 heads take 32 x 32 at 8 warps (4 row blocks; 4
+    warps spilled 1.1 KB and 64 rows 1.6 KB); at d 128, 64 rows take 64 x 128 at 8 warps.
+    ``score_bytes``: a mod's [q, kv] tile (smem_estimate)."""
     bm, bn = config["block_m"], config["block_n"]
     warps, stages = config["num_warps"], config["num_stages"]
     want = min(1 << max(int(rows) - 1, 0).bit_length(), MAX_STACKED_ROWS)
@@ -350,13 +351,14 @@ def decode_smem_estimate(block_m, block_n, head_dim_padded, v_dim_padded, dtype_
     cache's V_IS_K form needs less). Measured with Triton 3.6 for sm_90 (offline, the
     serving form of offline._launches; at d 64, 128 and 576 / 512 within 8 B a key a stage
     above the compiler for every tile of 2 and 3 stages swept -- 16, 32 and 64 rows, 16-128
-    keys, 4 and 8 warps -- and above it at one stage; docs/PERF_NOTES.md, twenty-fifth
-    session): the Q tile, num_stages - 1 K and V blocks in flight (cp.async into shared
-    memory; one unpipelined) and P staged for P @ V; a wgmma tile (decode_wgmma: 64 rows)
-    stages num_stages K/V blocks and no P. At least the fp32 accumulator's layout
-    conversion (block_m x V dim x 4 B), which a one-stage 64-row tile needed. The forward's
-    model (every stage counted, P for every tile) was 1.5-2.7x the compiler's at the latent
-    dims and rejected 16 x 32 at 3 stages (240640 B estimated, 158720 B compiled)."""
+    keys, 4 and 8 warps -- and above it at one stage;
+    benchmarks/results/offline/decode_sweep_*_sm90.jsonl, 148a0ee): the Q tile,
+    num_stages - 1 K and V blocks in flight (cp.async into shared memory; one unpipelined)
+    and P staged for P @ V; a wgmma tile (decode_wgmma: 64 rows) stages num_stages K/V
+    blocks and no P. At least the fp32 accumulator's layout conversion (block_m x V dim x
+    4 B), which a one-stage 64-row tile needed. The forward's model (every stage counted, P
+    for every tile) was 1.5-2.7x the compiler's at the latent dims and rejected 16 x 32 at 3
+    stages (240640 B estimated, 158720 B compiled)."""
     d, dv = head_dim_padded, v_dim_padded
     if decode_wgmma(block_m, arch):
         stages = num_stages
@@ -542,8 +544,8 @@ def _targets(kind: str, bc: int, br: int) -> tuple:
         # Each streamed query row brings four tiles against the resident block (Q, dO and
         # the P, dP score rows) where the forward brings one, so the streamed target is
         # Br / 4, but at least 32 rows to keep the MMAs fed. Measured on the H100 (bf16,
-        # N=4096, benchmarks/sweep.py): 32 x 128 beat 64 x 128 by 4% at d=64 and 64 x 128
-        # spilled 142-202 registers.
+        # N=4096, the sweep's rows in 6a1ef70): 32 x 128 beat 64 x 128 by 4% at d=64 and
+        # 64 x 128 spilled 142-202 registers.
         return max(fit(br // 4), 32), fit(bc)
     return BLOCK_SIZES[0], fit(bc)
 

@@ -375,7 +375,8 @@ def _make_program_order(call, lists, block_n, h_kv, quantum) -> torch.Tensor:
 # a class, a stable sort: tiles of one head run together and share its K/V through L2, as
 # the backward's _program_order does), then deals them as the band's host table does
 # (families.band_tile_order): each round of P tiles, longest first, to the least-loaded
-# programs. benchmarks/fwd_order_model.py models both deals at the mods bench's masks.
+# programs. A model of both deals at the mods bench's masks is in 11c46ce; the measured
+# gain is in docs/PERFORMANCE.md, Mods.
 # 0 (or None) deals the tiles the kernel's own way (the order before this table), through
 # the same table, so both arms run one binary: the A/B baseline.
 FWD_ORDER_QUANTUM = 1.0

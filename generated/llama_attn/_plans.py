@@ -122,10 +122,11 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
     a GPU the Gluon family runs on (gluon_ready), a variant with a Gluon kernel whose tuned
     entry has no `family` (it was tuned before that knob existed) or has no tuned entry
     takes the Gluon default: measured faster than the tuned `tl` winners at every training
-    shape on the H100 (docs/PERF_NOTES.md). That holds where _families.gluon_by_default
-    says so (the forward without dropout, the backward -- with or without dropout -- at
-    d >= 96 and at d=64 from N = GLUON_BWD_SMALL_D_MIN_N); the others reach their Gluon kernel through a
-    tuned entry that names it, FLASHGEN_FAMILY=gluon or override_config(family="gluon").
+    shape on the H100 (docs/PERFORMANCE.md, Forward and Backward). That holds where
+    _families.gluon_by_default says so (the forward without dropout, the backward -- with or
+    without dropout -- at d >= 96 and at d=64 from N = GLUON_BWD_SMALL_D_MIN_N); the others
+    reach their Gluon kernel through a tuned entry that names it, FLASHGEN_FAMILY=gluon or
+    override_config(family="gluon").
 
     FLASHGEN_FAMILY=gluon sends every call a Gluon kernel can serve to it, whatever the
     tuning data or override_config say (how the GPU tests run the `tl` family's cases on

@@ -42,7 +42,8 @@ def _bare_descriptors():
     every call from the plan's shapes and strides: the plan's key fixes everything the checks
     read except the fresh buffers' bases (the caching allocator's, aligned) and dK / dV's
     (checked each call, _descriptor_ready). The checks were a third of the backward's host
-    time at B = 1 (bwd_host_profile.py, 21 of 71 ms in 200 calls under cProfile)."""
+    time at B = 1 (21 of 71 ms in 200 calls under cProfile, 0644605; docs/PERFORMANCE.md,
+    Backward)."""
     import dataclasses
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

@@ -38,8 +38,8 @@ CONSUMERS = 2
 # registers. Compiled for sm_90 (gluon_compile) that fits with no spill in the key loop once
 # P leaves fp32 early (the template's EARLY_P); at 168 the first consumer, which gets what
 # the workers leave, spilled and ptxas serialised its wgmmas (C7512). On the H100
-# (benchmarks/fwd_arms_ab.py, twenty-third session, H=32 B*N=16k bf16, vs two consumers):
-# non-causal 2k / 4k / 16k +3.1 / +8.0 / +10.7% with ping-pong (+1.9 / +5.0 / +6.1%
+# (benchmarks/fwd_arms_ab.py, H=32 B*N=16k bf16, vs two consumers; docs/PERFORMANCE.md,
+# Forward): non-causal 2k / 4k / 16k +3.1 / +8.0 / +10.7% with ping-pong (+1.9 / +5.0 / +6.1%
 # without), causal -6.8 / -3.8 / +9.9%. Not with dropout or mods (not compiled or measured
 # there: the Philox words and the mods' values need registers the split does not have).
 THREE_CONSUMERS_MAX_HEAD_DIM = 64
@@ -53,7 +53,7 @@ THREE_CONSUMER_REGS = ("160/24",)
 # B*N=16k, 3 interleaved rounds), 192 rows with ping-pong against the package's tuned
 # two-consumer tiles (192 rows, spilling, at 16k) 385.1 / 387.9 at 2k (0.993x), 433.1 /
 # 418.2 at 4k (1.036x), 510.6 / 481.1 at 16k (1.061x); cuDNN 389.8 / 421.4 / 438.9
-# (docs/PERF_NOTES.md, twenty-fifth session).
+# (58df8b3; docs/PERFORMANCE.md, Forward).
 THREE_CONSUMER_DEFAULT_MASKS = {"none": None, "causal": 4096}
 
 
@@ -62,7 +62,7 @@ def fwd_consumer_counts(head_dim: int, extras: bool = False) -> tuple:
     dropout or mods, which keep two)."""
     return (3, 2) if head_dim <= THREE_CONSUMERS_MAX_HEAD_DIM and not extras else (2,)
 
-# What an untuned Gluon launch uses, measured on the H100 (docs/PERF_NOTES.md):
+# What an untuned Gluon launch uses, measured on the H100 (docs/PERFORMANCE.md, Forward):
 # 128 x 128 tiles, a 2-deep K/V ring, ping-pong consumers at 240 registers, the producer
 # at 24 (FA3's split), and L2 groups of heads sized to a quarter of L2. Three knobs are off
 # until the H100 says otherwise (benchmarks/gluon_overlap_ab.py). At the persistent walk's
@@ -72,7 +72,7 @@ def fwd_consumer_counts(head_dim: int, extras: bool = False) -> tuple:
 # O through TMA) behind the next tile's first S = Q K^T. `diag_first` walks a tile's key
 # blocks from the last down, so a causal tile starts on its masked diagonal block. Measured
 # side by side against the H100 package's tuned configs (B*N = 16k, H*d = 2048, N = 2k,
-# 4k, 16k; benchmarks/results/nvidia-h100-80gb-hbm3/gluon_overlap_ab_package.log):
+# 4k, 16k; docs/PERFORMANCE.md, Forward; the raw log in fa30682):
 # q_buffers=2 +0..2% at d=128 non-causal, -4% at d=64 causal; overlap -5..+2%;
 # diag_first +6.4..6.6% at d=64 non-causal on all three shapes, -1..-10% elsewhere. So the
 # d=64 non-causal forward defaults to diag_first (gluon_default) and all three are tuner
@@ -110,25 +110,24 @@ def regs(config: dict) -> tuple[int, int]:
 
 # Which Gluon kernels replace the `tl` ones by default on Hopper (untuned, or tuned before
 # the `family` knob): those whose current form has run on the H100 and beaten `tl` there.
-#  - the forward without dropout (docs/PERF_NOTES.md, sixth session);
+#  - the forward without dropout (docs/PERFORMANCE.md, Forward);
 #  - the backward at d >= 96 (d=96 runs the d=128 tiles), and at d=64 from N = 2048 up
 #    (GLUON_BWD_SMALL_D_MIN_N): bf16 d=128, B*N = 16k, H=16,
 #    457 / 365 / 519 TFLOP/s at 4k non-causal / 4k causal / 16k non-causal against 366 /
-#    288 / 410 for the `tl` backward in the same run (seventh session); d=64 below at
+#    288 / 410 for the `tl` backward in the same run (a8067fc); d=64 below at
 #    GLUON_BWD_SMALL_D_MIN_N;
 #  - the dropout forward at d = 128, and at d = 64 from N = GLUON_DROPOUT_FWD_SMALL_D_MIN_N
-#    (GLUON_DROPOUT_FWD_DIMS): forced onto each family side by side
-#    (benchmarks/philox_rounds_ab.py, causal bf16 p=0.1, Philox-7, the mask on packed
-#    pairs; nineteenth session), Gluon / `tl` TFLOP/s, H=16 B*N=16k at N = 1k / 4k: d=128
-#    333.0 / 231.6 and 423.7 / 308.6, d=64 200.6 / 190.0 and 280.9 / 259.0; d=64 at
-#    GPT-2 small's H=12 B*N=8k, N = 512 / 1k / 2k: 110.0 / 128.3, 173.9 / 173.5, 216.9 /
-#    209.5. d = 96 (the d = 128 tiles, padded) has not been timed with dropout and stays
-#    on `tl`;
+#    (GLUON_DROPOUT_FWD_DIMS): forced onto each family side by side (causal bf16 p=0.1,
+#    Philox-7, the mask on packed pairs; f0f9712, 86ff347; docs/PERFORMANCE.md, Dropout),
+#    Gluon / `tl` TFLOP/s, H=16 B*N=16k at N = 1k / 4k: d=128 333.0 / 231.6 and 423.7 /
+#    308.6, d=64 200.6 / 190.0 and 280.9 / 259.0; d=64 at GPT-2 small's H=12 B*N=8k,
+#    N = 512 / 1k / 2k: 110.0 / 128.3, 173.9 / 173.5, 216.9 / 209.5. d = 96 (the d = 128
+#    tiles, padded) has not been timed with dropout and stays on `tl`;
 #  - the dropout backward by the rule of the backward without dropout (d >= 96; d=64 from
 #    GLUON_BWD_SMALL_D_MIN_N): its keep mask is drawn while the step's first two products
 #    run, and the `tl` dropout backward it replaces ran at 0.63x cuDNN's on the H100 (bf16
-#    causal d=128 p=0.1, N=4k: 204 TFLOP/s against ~365 for the Gluon p=0 backward;
-#    measured since: benchmarks/gluon_dropout_bwd_ab.py, docs/PERF_NOTES.md);
+#    causal d=128 p=0.1, N=4k: 204 TFLOP/s against ~365 for the Gluon p=0 backward,
+#    502cfb0; measured since: docs/PERFORMANCE.md, Dropout);
 #  - a kernel with mods only where every kind of mod it has is in
 #    GLUON_MOD_KINDS_BY_DEFAULT[its kind].
 # Any other Gluon kernel runs when a tuned entry names it, or with FLASHGEN_FAMILY=gluon.
@@ -140,7 +139,7 @@ def regs(config: dict) -> tuple[int, int]:
 # at every mod of the mods bench (bf16 d=128 B=4 N=4096, TFLOP/s, Gluon vs `tl`): forward
 # softcap 361.5 vs 212.1, alibi 376.5 vs 332.6, document 741.0 vs 626.1, prefix_lm 955.5 vs
 # 542.5, window+sinks 821.7 vs 563.2; backward 276.2 / 346.5 / 517.7 / 668.0 / 459.8 vs
-# 169.0 / 240.8 / 449.3 / 370.8 / 361.9 (docs/PERF_NOTES.md, ninth session).
+# 169.0 / 240.8 / 449.3 / 370.8 / 361.9 (44e95cb; the raw rows in 93ef72b).
 GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
                               "bwd": frozenset({"score", "sink", "mask"})}
 
@@ -152,7 +151,7 @@ GLUON_MOD_KINDS_BY_DEFAULT = {"fwd": frozenset({"score", "sink", "mask"}),
 # 182.1 / 260.3 / 376.4 vs 174.2 / 234.7 / 306.4, and `tl` ahead below 2k; with host-made
 # descriptors, N = 512 non-causal 163.9 / 163.8 vs 146.3 / 163.2 and causal 91.0 / 99.5 vs
 # 80.1 / 86.3, N = 1k non-causal 225.2 / 223.0 vs 214.3 / 214.9 and causal 149.6 / 139.7
-# vs 153.6 / 132.9 (two rounds each; docs/PERF_NOTES.md, tenth session). Shorter calls
+# vs 153.6 / 132.9 (two rounds each; docs/PERFORMANCE.md, Backward). Shorter calls
 # were not measured and keep `tl` (as do calls under GLUON_MIN_FLOPS).
 GLUON_BWD_SMALL_D_MIN_N = 512
 # the head dims whose dropout forward goes Gluon by default (see above), at d <= 64 from
@@ -209,8 +208,8 @@ GLUON_BWD_DEFAULT = {
 # safety margin. The rounds are most of what dropout costs the kernels (each a 32 x 32-bit
 # product's high and low words per counter pair on the half-rate integer multiplier), and
 # the drop decision reads one byte a draw, so the generator's statistical margin beyond
-# BigCrush buys nothing a keep mask can show (docs/PERF_NOTES.md, nineteenth session, for
-# what the three rounds cost on the H100).
+# BigCrush buys nothing a keep mask can show (docs/PERFORMANCE.md, Dropout, for what the
+# three rounds cost on the H100).
 PHILOX_ROUNDS = 7
 
 # The Gluon dropout backward draws each step's keep mask in the consumers (templates/gluon/
@@ -220,8 +219,8 @@ PHILOX_ROUNDS = 7
 # once and half its words cross to the other warp through shared memory: ~60 fewer
 # instructions a step at d=128 (1090 against 1148 in the consumer's step loop, sm_90
 # offline; 744 without dropout), ~3.6 KB more shared memory, and a warpgroup barrier a step.
-# H100 (benchmarks/gluon_dropout_bwd_ab.py, bf16 causal H=16 B*N=16k p=0.1, TFLOP/s, split
-# vs not, dK/dV identical): d=64 1k 173.2 vs 155.1, 4k 268.5 vs 235.4; d=128 1k 230.4 vs
+# H100 (57d76da; docs/PERFORMANCE.md, Dropout; bf16 causal H=16 B*N=16k p=0.1, TFLOP/s,
+# split vs not, dK/dV identical): d=64 1k 173.2 vs 155.1, 4k 268.5 vs 235.4; d=128 1k 230.4 vs
 # 221.1, 4k 372.1 vs 347.6 (`tl` 93.4 / 135.8 / 142.7 / 224.1; p=0 Gluon 200.6 / 331.4 /
 # 260.4 / 417.1). So it is on by default.
 GLUON_BWD_PHILOX_SPLIT = True
@@ -250,10 +249,10 @@ GLUON_BWD_STAGES = (2, 3, 4)
 # cost (its Q load, a first block with no P V behind it, the last P V) is a large share.
 # q_buffers 2 loads the next tile's Q during this one; a document's 64-key blocks also
 # cut its partial blocks (the documents' edges) in half. H100, mods bench masks (B=4
-# H=16 N=4096 d=128 bf16, benchmarks/mods_knobs_ab.py, twentieth session), knob / base:
-# document q_buffers 2 1.079-1.087, with block_n 64 1.198 (1.28x FlexAttention); 4 and 16
-# equal documents a sequence 1.117 / 1.128 (q_buffers only); sliding window + sinks
-# q_buffers 2 1.067, block_n 64 none. Where a query may see every key (prefix-LM, plain
+# H=16 N=4096 d=128 bf16, benchmarks/mods_knobs_ab.py; docs/PERFORMANCE.md, Mods),
+# knob / base: document q_buffers 2 1.079-1.087, with block_n 64 1.198 (1.28x
+# FlexAttention); 4 and 16 equal documents a sequence 1.117 / 1.128 (q_buffers only);
+# sliding window + sinks q_buffers 2 1.067, block_n 64 none. Where a query may see every key (prefix-LM, plain
 # causal through a document mask with one document) the knobs gain nothing or lose
 # (prefix_lm q_buffers 2: 0.949), so they follow the span.
 KEY_SPAN_FWD_KNOBS = {
@@ -263,13 +262,14 @@ KEY_SPAN_FWD_KNOBS = {
 
 
 # The dropout forward at d > 64 loads a tile's Q while the tile before it runs (q_buffers
-# 2). Its consumers' key loop is longer (the Philox rounds) and latency-bound (ncu,
-# twenty-seventh session: issue slots 37% busy, the consumers' stalls mostly fixed-latency
-# dependencies and dispatch), so a tile's start, where the Q wait and a first block with
-# no P V behind it sit, costs more of the tile than without dropout. H100, causal d=128 bf16 p=0.1, H=16 B*N=16k (benchmarks/dropout_fwd_knobs_ab.py,
-# 4 interleaved rounds, twenty-second session): 336.4 vs 330.0 TFLOP/s at N=1k (1.020x),
-# 409.2 vs 408.8 at 4k (1.001x); overlap, diag_first and no ping-pong 0.975-1.011x. Not
-# taken at d=64, where q_buffers 2 cost the causal forward 4% without dropout.
+# 2). Its consumers' key loop is longer (the Philox rounds) and latency-bound (ncu:
+# issue slots 37% busy, the consumers' stalls mostly fixed-latency dependencies and
+# dispatch; docs/PERFORMANCE.md, Dropout), so a tile's start, where the Q wait and a first
+# block with no P V behind it sit, costs more of the tile than without dropout. H100,
+# causal d=128 bf16 p=0.1, H=16 B*N=16k (4 interleaved rounds; 8ce23f7,
+# docs/PERFORMANCE.md, Dropout): 336.4 vs 330.0 TFLOP/s at N=1k (1.020x), 409.2 vs 408.8
+# at 4k (1.001x); overlap, diag_first and no ping-pong 0.975-1.011x. Not taken at d=64,
+# where q_buffers 2 cost the causal forward 4% without dropout.
 DROPOUT_FWD_KNOBS = {"q_buffers": 2}
 
 
@@ -325,7 +325,7 @@ STREAM_K_MIN_IDLE = 0.01
 # ... and its tiles have at least this many key blocks: with 16 (N = 2048 at BLOCK_N = 128)
 # the tail's extra item a program (its own Q load, a first block with no P V product to
 # hide behind, an epilogue, the merge) cost what the even deal saved: -1.1% at d=128 and
-# -3.0% at d=64, against +1.6..+4.2% at 32 and 128 (H100, docs/PERF_NOTES.md)
+# -3.0% at d=64, against +1.6..+4.2% at 32 and 128 (H100, docs/PERFORMANCE.md, Forward)
 STREAM_K_MIN_KEY_BLOCKS = 32
 
 
@@ -363,7 +363,7 @@ def stream_k_start(tiles: int, programs: int, config: dict,
 # barrier setup, the partitions' start) outweighs such a call's math. H100, H=16, d=64,
 # (B, N): (8, 59) 14.6 us on Gluon vs 9.4 on `tl` (0.1 GFLOP), (4, 512) 26.3 vs 21.5
 # (4.3 GFLOP) and causal 21.7 vs 20.4 (2.1); (1, 2048) causal 36.3 vs 45.2 (8.6 GFLOP),
-# non-causal level (17 GFLOP; benchmarks/results/H100_bench_small_*).
+# non-causal level (17 GFLOP; docs/PERFORMANCE.md, Forward; 7234c07, a397467).
 GLUON_MIN_FLOPS = 8e9
 
 
@@ -387,8 +387,8 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     return None
 
 
-# The Gluon latent (MLA) decode (templates/gluon/decode_mla.py.j2; verified on the H100 in
-# the twenty-sixth session): 64 stacked query rows a program, key blocks of
+# The Gluon latent (MLA) decode (templates/gluon/decode_mla.py.j2; verified on the H100,
+# docs/PERFORMANCE.md, DeepSeek MLA): 64 stacked query rows a program, key blocks of
 # BLOCK_N in a NUM_BUFFERS-deep ring, two output warpgroups at O_REGS registers a thread
 # (each holds [64, 256] fp32 of O: 128), a 1-warp producer at PRODUCER_REGS; the softmax
 # warpgroup (the default partition) gets what is left of the 64K registers.

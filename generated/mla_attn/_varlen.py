@@ -63,21 +63,21 @@ VARLEN_MODS_REASON = ("VARLEN_GLUON_MASK_MODS = False: a packed batch with a mas
 # from DRAM, so up to VARLEN_GLUON_SHORT tokens the longest sequence takes
 # VARLEN_GLUON_ROUNDS_SHORT. H100, causal d=128 H=16 bf16, 16k tokens of equal-length
 # sequences, TFLOP/s at 2 / 8 rounds: 1k 332.7 / 289.2 (the dense kernel on the same tiles
-# 381.7), 2k 434.2 / 426.5, 4k 487.2 / 505.5; the 16-document bench (up to 4k) 8 best of
-# 4 / 8 / 16 (PERF_NOTES, fifteenth and seventeenth sessions).
+# 381.7), 2k 434.2 / 426.5, 4k 487.2 / 505.5 (8dda248); the 16-document bench (up to 4k)
+# 8 best of 4 / 8 / 16 (docs/PERFORMANCE.md, Packed ragged batches).
 VARLEN_GLUON_ROUNDS = 8
 VARLEN_GLUON_ROUNDS_SHORT = 2
 VARLEN_GLUON_SHORT = 1024
 # The most K/V heads a group of the Gluon varlen backward's program order
 # (_gluon_varlen_bwd_heads; 1: head-major, the order before groups). A model of the
-# 16-document bench (benchmarks/varlen_schedule_model.py: per-step and per-program costs
-# fitted to the dense backward's runs, programs dispatched in grid order) puts the last SM
-# done at 1.094x the mean with 1 head a group, 1.044x with 2, 1.015x with 4, 1.016x with 8
-# and 1.012x with 16 (+7.5% predicted at 4); 4 of the bench's 16 heads keep the rows in flight at the top (4 heads
-# of its 4096-token document) at what head-major order has in flight (one head of all
-# 16384 tokens). None: no cap but the rule's. Measured on the H100 (16-document bench,
-# interleaved, docs/PERF_NOTES.md fifteenth session): 316.9 / 327.5 / 333.8 / 333.1 TFLOP/s
-# with 1 / 2 / 4 / 16 heads a group.
+# 16-document bench (f20ee7a: per-step and per-program costs fitted to the dense
+# backward's runs, programs dispatched in grid order) puts the last SM done at 1.094x the
+# mean with 1 head a group, 1.044x with 2, 1.015x with 4, 1.016x with 8 and 1.012x with 16
+# (+7.5% predicted at 4); 4 of the bench's 16 heads keep the rows in flight at the top (4
+# heads of its 4096-token document) at what head-major order has in flight (one head of
+# all 16384 tokens). None: no cap but the rule's. Measured on the H100 (16-document bench,
+# interleaved; docs/PERFORMANCE.md, Packed ragged batches): 316.9 / 327.5 / 333.8 / 333.1
+# TFLOP/s with 1 / 2 / 4 / 16 heads a group.
 VARLEN_GLUON_BWD_HEADS = 4
 
 

@@ -43,8 +43,8 @@ FlashAttention-3 schedules it on Hopper. Gluon exposes what `triton.language` hi
   Philox counters), computed in the registers of the S accumulator: one thread's sixteen
   elements of a 16 x 32 block come from one Philox call (a byte each), so no value moves
   between threads. The Philox rounds sit on the consumer's own path (next to the
-  softmax) and cost about half the speed: see docs/PERF_NOTES.md for what was measured
-  and what would hide them.
+  softmax) and cost about half the speed: see docs/PERFORMANCE.md, Dropout, for what was
+  measured and what would hide them.
 
 With STREAM_K (a dense call without a band: every tile has the same key blocks) the
 last rounds are dealt by key block, not by tile (stream-K, Osama et al. 2023): 2048 equal
@@ -269,8 +269,9 @@ def _key_range(m_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M: gl.constexpr, BLOCK_N
 # (sequence, query block) of each of its tiles, is a table the runtime makes on the device
 # from cu_seqlens (TILE_ORDER, `_varlen_tile_table`, no sync, cached with cu_seqlens): a
 # tile's coordinates are one load. (Searching cu_seqlens for them in every partition, a
-# few cross-warp reductions and dependent loads a tile, made the varlen forward 0.74x the
-# dense kernel on equal 1024-token sequences, the very same tiles: PERF_NOTES.) Each
+# few cross-warp reductions and dependent loads a tile, was not what kept the varlen
+# forward at 0.74x the dense kernel on equal 1024-token sequences, the very same tiles:
+# the table gained 1.4% there; docs/PERFORMANCE.md, Packed ragged batches, d7fa141.) Each
 # partition still counts the real tiles once, from cu_seqlens.
 @gluon.jit
 def _seq_span(CU, b, TOTAL):

@@ -42,8 +42,9 @@ Every program writes its split's partial result into the `tl` kernel's workspace
 O normalised by the split's own row sum, fp32 (B, H_Q, N_Q, S, V_DIM), and the split's
 log-sum-exp in log2 units at OP + LP_OFF, (B, H_Q, N_Q, S) (-inf for a row that saw no
 key; its O is then not written). A second, small `tl` kernel, `decode_causal_d576v512_bf16_combine`,
-reduces the splits (FlashMLA's combine; the `tl` kernel does it in-launch with tickets:
-see docs/PERF_NOTES.md for what is left) and writes the output and the LSE.
+reduces the splits (FlashMLA's combine; the `tl` kernel does it in-launch with tickets,
+not done here yet: 211c4ab lists it with the draft's other open items) and writes the
+output and the LSE.
 
 The split arithmetic is the `tl` kernel's: each program reads its own L_b (clamped into
 [0, CAPACITY]), and the band of keys its rows see is cut into NUM_SPLITS equal runs of

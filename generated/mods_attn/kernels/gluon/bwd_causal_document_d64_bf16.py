@@ -608,9 +608,9 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
 # default): a grid of about one program per SM, each taking key blocks -- work items, in
 # PROG_ORDER's sequence -- until none is left: program p first takes item p, then items
 # grid + (a device counter's next value), so that an SM that finishes early takes the next
-# item (a static deal of the longest-first order lost to the hardware's own dispatch,
-# twentieth session); the launch's last claim leaves the counter at 0 again (_claim). The
-# producer claims the items and hands each to the consumers through a two-slot
+# item (a static deal of the longest-first order lost to the hardware's own dispatch:
+# docs/PERFORMANCE.md, Mods); the launch's last claim leaves the counter at 0 again
+# (_claim). The producer claims the items and hands each to the consumers through a two-slot
 # shared-memory ring (item_full / item_empty), so every partition walks the same sequence.
 # A key block's dK and dV leave through the consumer's own dS^T slots and dQ staging tile
 # rather than its K and V slots, so the next item's K and V (kv_empty: every consumer's
