@@ -40,7 +40,6 @@ import argparse
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -49,6 +48,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..measure import read_flush_ms  # (the tuner times decode this way)
+from .timing import host_time_us
 
 fg = None  # the generated package under test (llama_attn's kind: d=128, GQA, decode)
 
@@ -124,14 +124,7 @@ def graph_provider(fn):
 
 def host_us(fn, calls=200):
     """Microseconds of host time per call: Python, checks and launches, not the GPU."""
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return round(elapsed / calls * 1e6, 1)
+    return host_time_us(fn, calls)[0]
 
 
 def measure(fn, ref, nbytes):

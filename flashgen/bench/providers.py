@@ -121,11 +121,8 @@ class Providers:
                     return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal)
             return run
         if name == "flex":
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-            if self._flex is None:
-                raise_recompile_limit()
-                self._flex = torch.compile(flex_attention, dynamic=False)
-            compiled = self._flex
+            from torch.nn.attention.flex_attention import create_block_mask
+            compiled = self._compiled_flex()
 
             def run(q, k, v, causal, p):
                 if p:
@@ -154,9 +151,18 @@ class Providers:
             return run
         raise ValueError(f"unknown provider {name!r}")
 
-    def _get_mods(self, name, case):
-        import torch
+    def _compiled_flex(self):
+        """FlexAttention compiled once for every case (its recompile limit raised: each
+        shape and mask recompiles)."""
+        if self._flex is None:
+            import torch
+            from torch.nn.attention.flex_attention import flex_attention
 
+            raise_recompile_limit()
+            self._flex = torch.compile(flex_attention, dynamic=False)
+        return self._flex
+
+    def _get_mods(self, name, case):
         from . import mods as bench_mods
         band, mods, _ = bench_mods.MOD_CASES[case.mod]
         kw, _ = self.mods_inputs(case)
@@ -167,11 +173,7 @@ class Providers:
                 return pkg.scaled_dot_product_attention(q, k, v, is_causal=band, mods=mods, **kw)
             return run
         if name == "flex":
-            from torch.nn.attention.flex_attention import flex_attention
-            if self._flex is None:
-                raise_recompile_limit()
-                self._flex = torch.compile(flex_attention, dynamic=False)
-            compiled = self._flex
+            compiled = self._compiled_flex()
             key = ("flex", case.mod, case.b, case.h, case.n)
             if key not in self._masks:
                 self._masks[key] = bench_mods.flex_mods(case.mod, kw, case.b, case.h, case.n, "cuda")

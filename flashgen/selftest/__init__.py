@@ -119,8 +119,8 @@ def _run(args) -> int:
     do_sanitize = args.sanitize or args.sanitize_tools is not None
     do_shards = args.only is not None or (args.fuzz is None and not do_sanitize)
     selected = shards.select(args.only) if do_shards else []
-    if getattr(args, "part", None) is not None:
-        selected = shards.part(selected if do_shards else shards.select(args.only), args.part)
+    if args.part is not None:
+        selected = shards.part(selected, args.part)
     tools = sanitize.parse_tools(args.sanitize_tools) if do_sanitize else []
     try:
         extra = shlex.split(args.sanitizer_args or "")
