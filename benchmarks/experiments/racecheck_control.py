@@ -9,6 +9,7 @@ model? Each MODE is a tiny kernel with one known answer:
             consumer (4 warps) mbarrier.wait -> ld.shared -> arrive(empty). Race-free by
             the PTX memory model (the flashgen backward's VARLEN LSE / D hand-over).
   nowait    the same, the consumer's wait on `full` removed: a real race.
+  noempty   the same, the producer's wait on `empty` removed: a real (write-after-read) race.
   tma       producer TMA load into shared memory (expect-tx), consumer wait -> ld.shared.
   noshared  warp_specialize whose partitions touch only global memory.
 
@@ -36,7 +37,8 @@ def _producer(src_desc, SRC, buf, full, empty, MODE: gl.constexpr, ROWS: gl.cons
     for i in range(STEPS):
         s = i % BUFS
         ph = (i // BUFS) & 1
-        mbarrier.wait(empty.index(s), ph ^ 1)
+        if MODE != 4:  # noempty skips it
+            mbarrier.wait(empty.index(s), ph ^ 1)
         if MODE == 2:  # tma
             mbarrier.expect(full.index(s), ROWS * 4)
             tma.async_copy_global_to_shared(src_desc, [i * ROWS], full.index(s), buf.index(s))
@@ -95,7 +97,7 @@ def control_kernel(src_desc, SRC, OUT, MODE: gl.constexpr, ROWS: gl.constexpr,
         ], [1], [24])
 
 
-MODES = {"handover": 0, "nowait": 1, "tma": 2, "noshared": 3}
+MODES = {"handover": 0, "nowait": 1, "tma": 2, "noshared": 3, "noempty": 4}
 
 
 def main(mode: str) -> int:
