@@ -207,6 +207,9 @@ def _selftest_arguments(s: argparse.ArgumentParser) -> None:
                    help="N seeded random cases against the float64 reference (on the GPU, "
                    "else in Triton's interpreter)")
     f.add_argument("--seed", type=int, default=0, help="the fuzzer's seed (default 0)")
+    f.add_argument("--fuzz-start", type=int, default=0, metavar="K",
+                   help="skip the seed's first K cases: --fuzz 1000 --fuzz-start 1000 runs "
+                   "cases 1000..1999 of --fuzz 2000 (a long run split across calls)")
     f.add_argument("--workers", type=int, default=1, metavar="W",
                    help="the fuzzer's processes (default 1)")
     f.add_argument("--fuzz-case", metavar="JSON",

@@ -191,6 +191,39 @@ def test_strided_views(pkg, device, poison):
     assert_matches(*run_flash(pkg, q, k, v, causal=True), dt)
 
 
+@pytest.mark.parametrize("d, pad", [(96, 8), (96, 1), (80, 8)])
+def test_padded_v_rows_at_split_head_dims(pkg, device, poison, d, pad):
+    """V rows padded by a few elements at a head dim the `tl` kernels split (96 = 64 + 32,
+    80 = 64 + 16), with the planned tiles: Triton 3.6 computed the narrow chunk's P @ V
+    wrong on Hopper from such rows (output columns 64..d wrong), so the runtime copies
+    them (_plans.v_in_place). Found by `flashgen selftest --fuzz` on an H100."""
+    dt = torch.bfloat16
+    q, k = rand(1, 257, 4, d, dtype=dt, device=device), rand(1, 257, 1, d, dtype=dt, device=device)
+    v = rand(1, 257, 1, d + pad, dtype=dt, device=device)[..., :d]
+    assert_matches(*run_flash(pkg, q, k, v, causal=True, tiles=None), dt)
+    assert_matches(*run_flash(pkg, q, k, v, window=(64, 0), tiles=None), dt)
+
+
+@pytest.mark.parametrize("shape, strides, ptr, in_place", [
+    ((1, 257, 1, 96), (26728, 104, 104, 1), 0, False),     # rows padded by 8
+    ((1, 257, 1, 96), (24929, 97, 97, 1), 0, False),       # by 1
+    ((1, 257, 1, 96), (24672, 96, 96, 1), 8, False),       # a base off 16 bytes
+    ((1, 257, 1, 96), (24672, 96, 96, 1), 0, True),        # contiguous
+    ((1, 257, 3, 80), (61680, 240, 80, 1), 0, True),       # contiguous d = 80
+    ((1, 257, 1, 128), (33153, 129, 129, 1), 0, True),     # no narrow chunk at 128
+])
+def test_which_v_the_forward_reads_in_place(pkg, shape, strides, ptr, in_place):
+    class CudaV:  # the attributes v_in_place reads, as a CUDA tensor has them
+        device = torch.device("cuda")
+        def __init__(self):
+            self.shape = shape
+        def data_ptr(self):
+            return 0x7f0000000000 + ptr
+        def stride(self):
+            return strides
+    assert pkg._runtime.v_in_place(CudaV()) is in_place
+
+
 def test_qkvpacked(pkg, device, poison):
     dt = torch.bfloat16
     qkv = rand(2, 41, 3, 2, 64, dtype=dt, device=device)

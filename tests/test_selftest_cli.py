@@ -474,8 +474,8 @@ def fake_fuzz_module(seen):
         def to_json(self):
             return '{"kind": "train", "seed": 3}'
 
-    def fuzz(n, seed, device, workers=1, progress=None):
-        seen.update(n=n, seed=seed, device=device, workers=workers,
+    def fuzz(n, seed, device, workers=1, progress=None, start=0):
+        seen.update(n=n, seed=seed, device=device, workers=workers, start=start,
                     interpret=os.environ.get("TRITON_INTERPRET"))
         for done in range(1, n + 1):
             progress(done, n, types.SimpleNamespace(failed=done == n, case=None))
@@ -520,7 +520,7 @@ def test_the_verb_end_to_end_with_stand_ins(stand_in, tmp_path, monkeypatch, cap
     assert (tool["tool"], tool["status"], tool["errors"]) == ("racecheck", "ok", 0)
     assert "tool=racecheck visible=0" in Path(tool["log"]).read_text()
     seen.pop("interpret")  # (this CPU process has it on already: tests/conftest.py)
-    assert seen == {"n": 3, "seed": 11, "device": "cuda", "workers": 1}
+    assert seen == {"n": 3, "seed": 11, "device": "cuda", "workers": 1, "start": 0}
     assert rec["fuzz"]["failed"][0]["reproducer"].startswith("flashgen selftest --fuzz-case '")
     assert rec["fuzz"]["failed"][0]["case"] == '{"kind": "train", "seed": 3}'
     assert rec["fuzz"]["kinds"] == {"train": 3} and "  kinds: train 3" in captured.out

@@ -328,10 +328,9 @@ def test_sanitize_set_passes_on_cuda(cache):
 
 
 # Wrong answers the fuzzer and the sanitize set found on an H100 (2026-11-28): the `tl`
-# forward with a sliding window on unaligned inputs (a 1-element pad, an odd stride) at a
-# split head dim (80, 96) -- 17-67x the tolerance; aligned, or causal without a window, the
-# same shapes pass, and in the interpreter all of them do. Open: docs/TESTING.md, "Open
-# findings". They stay here, failing, until the kernel is fixed.
+# forward on V rows not 16-element aligned (a 1- or 8-element pad) at a split head dim (80,
+# 96) -- 17-67x the tolerance in the narrow chunk's columns; Triton 3.6 miscompiles that
+# chunk's P @ V on Hopper, and the runtime now copies such V (_plans.v_in_place).
 FOUND_ON_THE_GPU = [
     '{"kind":"train","package":"selftest","h_q":4,"h_kv":1,"d":96,"n_q":257,"n_k":257,'
     '"window":[64,0],"strided":"pad","family":"tl","seed":3}',

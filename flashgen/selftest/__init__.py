@@ -91,7 +91,8 @@ def _check_numbers(args) -> None:
 
     for flag, value, least in (("--fuzz", args.fuzz, 1), ("--timeout", args.timeout, 1),
                                ("--budget", args.budget, 0), ("-n", args.pytest_workers, 1),
-                               ("--parallel", args.parallel, 1), ("--workers", args.workers, 1)):
+                               ("--parallel", args.parallel, 1), ("--workers", args.workers, 1),
+                               ("--fuzz-start", getattr(args, "fuzz_start", 0), 0)):
         if value is not None and value < least:
             raise FlashgenError(f"{flag} {value}: must be at least {least}")
 
@@ -200,7 +201,9 @@ def run_fuzz(args, gpu_ids: list[str]) -> dict:
     from . import summary
 
     device = "cuda" if gpu_ids else "cpu"
-    _echo(f"selftest: fuzzing {args.fuzz} cases on {device} (seed {args.seed}, "
+    first = getattr(args, "fuzz_start", 0)
+    _echo(f"selftest: fuzzing {args.fuzz} cases on {device} (seed {args.seed}"
+          f"{f', from case {first}' if first else ''}, "
           f"{args.workers} worker{'' if args.workers == 1 else 's'})")
     try:
         from ..progress import Progress
@@ -215,7 +218,8 @@ def run_fuzz(args, gpu_ids: list[str]) -> dict:
             label = getattr(getattr(result, "case", None), "label", lambda: "")
             bar.advance(f"FAIL {label()}" if failed else "")
 
-        report = fuzz(args.fuzz, args.seed, device, workers=args.workers, progress=progress)
+        report = fuzz(args.fuzz, args.seed, device, workers=args.workers, progress=progress,
+                      start=getattr(args, "fuzz_start", 0))
         bar.close()
     except Exception:  # noqa: BLE001 -- a bug in the fuzzer must not lose the shards' results
         tb = traceback.format_exc()
@@ -223,7 +227,10 @@ def run_fuzz(args, gpu_ids: list[str]) -> dict:
         return {"status": "error", "device": device, "seed": args.seed,
                 "workers": args.workers, "requested": args.fuzz,
                 "error": tb.strip().splitlines()[-1]}
-    return summary.fuzz_record(report, device, args.seed, args.workers, args.fuzz)
+    rec = summary.fuzz_record(report, device, args.seed, args.workers, args.fuzz)
+    if first:
+        rec["start"] = first
+    return rec
 
 
 def fuzz_case(text: str) -> int:

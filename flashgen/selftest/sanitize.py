@@ -19,7 +19,11 @@ representative set of both kernel families at odd shapes, cases.SANITIZE_CASES) 
   byte of shared memory, thousands of lines for one missing wait. Its ERROR level fails
   the run; WARNING (warp-synchronous code without a __syncwarp, which racecheck itself
   calls possibly intended) is listed and does not. The torch allocator's cache stays on:
-  racecheck reads shared memory only.
+  racecheck reads shared memory only. racecheck does not model how Gluon's partitions
+  order shared memory (mbarriers, Triton's partition start-up) and reports both on a
+  race-free control kernel; a run with errors is followed by that control under racecheck,
+  and passes when every report is of a kind the control shows (explain_races,
+  selftest/racecheck.py).
 * synccheck: barrier misuse (divergent barriers, wgmma sequences on sm_90a) -- "where it
   runs": a toolkit or GPU that says it does not support it is recorded, not a failure.
 
@@ -211,6 +215,41 @@ def parse_report(tool: str, text: str, returncode: int | None) -> SanitizeResult
     return res
 
 
+CONTROL = ["-m", "flashgen.selftest.control", "handover"]
+CONTROL_TIMEOUT = 240
+
+
+def explain_races(res: SanitizeResult, text: str, sanitizer, extra, root: Path, folder: Path,
+                  gpu_id: str | None) -> None:
+    """Run the race-free control kernel (selftest/control.py) under racecheck and sort
+    the cases' reports by the kinds it shows (selftest/racecheck.py): a run whose every
+    report is of such a kind passes, with the counts in its note."""
+    from . import racecheck
+    from .package import cache_dir
+
+    argv = [a for a in command("racecheck", sanitizer, extra)[:-len(CASES)]] + CONTROL
+    log_path = folder / "racecheck-control.log"
+    try:
+        proc = subprocess.run(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env=tool_env("racecheck", gpu_id), timeout=CONTROL_TIMEOUT,
+                              text=True, errors="replace")
+        control_text, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        control_text, rc = (e.stdout or ""), None
+    log_path.write_text(f"$ {shlex.join(argv)}\n\n{control_text}", encoding="utf-8")
+    if "handover: right" not in control_text:
+        res.note += f"; the control kernel did not run right under racecheck (exit {rc}): " \
+                    f"{log_path}"
+        return
+    found = racecheck.triage(text, control_text, [cache_dir()],
+                              [Path(__file__).with_name("control.py")])
+    res.note = found.note()
+    if not found.unexplained:
+        res.status = "ok"
+    else:
+        res.report = found.unexplained[:REPORT_LINES] + ["(every report: " + str(res.log) + ")"]
+
+
 def run_tools(tools: list[str], sanitizer: Path, root: Path, folder: Path,
               gpu_id: str | None, deadline: float | None, timeout: int | None = None,
               extra: list[str] | None = None, echo=None) -> list[SanitizeResult]:
@@ -258,6 +297,9 @@ def run_tools(tools: list[str], sanitizer: Path, root: Path, folder: Path,
             res.note = (f"stopped at the run's --budget after {seconds:.0f} s" if cap else
                         f"timed out after {limit:.0f} s (--timeout)")
         res.seconds, res.command, res.log = round(seconds, 1), shown, str(log_path)
+        if (tool == "racecheck" and res.status == "failed" and res.errors and not killed
+                and not res.app_tail):
+            explain_races(res, text, sanitizer, extra, root, folder, gpu_id)
         echo(f"selftest: compute-sanitizer {tool} {res.status}"
              + (f": {res.note}" if res.note else ""))
         results.append(res)

@@ -274,7 +274,9 @@ def format_text(rec: dict) -> str:
         if "error" in fz:
             out.append(f"fuzz: error: {fz['error']}")
         else:
-            out.append(f"fuzz: {fz['cases']} cases on {fz['device']} (seed {fz['seed']}, "
+            first = (f", cases {fz['start']}..{fz['start'] + fz['cases'] - 1}"
+                     if fz.get("start") and isinstance(fz.get("cases"), int) else "")
+            out.append(f"fuzz: {fz['cases']} cases on {fz['device']} (seed {fz['seed']}{first}, "
                        f"{_count(fz['workers'], 'worker')}): {fz['passed']} passed, "
                        f"{len(fz['failed'])} failed, {len(fz['skipped'])} skipped in "
                        f"{fz['seconds']:.0f} s")

@@ -65,6 +65,19 @@ def alignments(*tensors) -> tuple:
     return tuple(t.data_ptr() % 16 == 0 for t in tensors)
 
 
+def v_in_place(v) -> bool:
+    """Whether the forward kernels may read V where it lies. Not when its head dim has a
+    chunk narrower than 64 columns (the `tl` kernels tile d = 80 as 64 + 16, d = 96 as
+    64 + 32) and its rows are not 16-element aligned (a base off a 16-byte boundary, or a
+    stride Triton cannot specialise as a multiple of 16): Triton 3.6 then compiles the
+    narrow chunk's P @ V on Hopper wrong (measured on H100 and H200: d = 96 output columns
+    64..95 wrong from the 16th key on, whatever the tile; the interpreter is right). Such V
+    is copied to a contiguous tensor first, which only unusual layouts (rows padded by a
+    few elements) ever pay: every natural layout of d = 80 or 96 is aligned."""
+    return (v.shape[-1] % 64 == 0 or v.device.type != "cuda"
+            or (v.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in v.stride()[:-1])))
+
+
 def nearest_bucket(n: int) -> int:
     """The sequence-length bucket closest to n on a log scale."""
     n = max(n, 1)

@@ -14,7 +14,7 @@ from ._forward import (LOG2E, _GLUON, _NO_DROP, _WHOLE, _arg_slot, _dropout,
 from ._launch import Launcher, _descriptor_allocator, kernel
 from ._plans import (_MAX_PLANS, _forward_plans, _gluon_asked, _gluon_too_small, _mask_tile,
                      _override, alignments, find_variant, gluon_ready, gpu_key, int_widths,
-                     launch_config, nearest_bucket)
+                     launch_config, nearest_bucket, v_in_place)
 from ._registry import GLUON, PLANNED, TUNED, VARIANTS
 from ._tma import _descriptor_ready
 
@@ -103,6 +103,8 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     (H_q, total_q) fp32. lo/hi from varlen_band. Cached per call signature like forward.
     `mods`: the call's `_mods.Call` on this packed batch (Call.packed), else None."""
     check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    if not v_in_place(v):
+        v = v.contiguous()
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])

@@ -9,7 +9,7 @@ from ._buffers import _band_tile_table, _sk_workspace
 from ._checks import _DTYPE_NAMES, bhnd, row_span_past_int32
 from ._launch import Launcher, _descriptor_allocator, kernel
 from ._plans import (_MAX_PLANS, _forward_plans, _gluon_too_small, _mask_tile, find_variant,
-                     gluon_call_reason, gpu_key, int_widths, launch_config)
+                     gluon_call_reason, gpu_key, int_widths, launch_config, v_in_place)
 from ._registry import PACKAGE, PLANNED, VARIANTS
 from ._tma import _descriptor_ready
 
@@ -232,6 +232,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     This runs on every call: everything derived from the call's shapes, strides, dtype,
     device, mask and pointer alignment is computed once per signature (a launch plan) and
     the call itself is a dictionary lookup, an allocation and the launch."""
+    if not v_in_place(v):
+        v = v.contiguous()
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         # Triton types an int argument by its value (i32 or wider), so the seed's and

@@ -321,13 +321,13 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 lse = gl.load(desc_lse + at, mask=rows_ok, other=0.0)
                 delta = gl.load(desc_delta + at, mask=rows_ok, other=0.0)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
-                lse_smem.index(s).store(lse)
+                lse_smem.index(s).store(lse)  # handover: q_full
                 gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m0, 0], q_full.index(s),
                                                 q_smem.index(s))
                 mbarrier.wait(do_empty.index(s), ph ^ 1)
-                delta_smem.index(s).store(delta)
+                delta_smem.index(s).store(delta)  # handover: do_full
                 gl.thread_barrier()
                 mbarrier.expect(do_full.index(s), desc_do.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_do, [db, h, q0 + m0, 0], do_full.index(s),
@@ -404,7 +404,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             do_buf = do_smem.index(s).reshape([BLOCK_M, HEAD_DIM_PAD])
             dpt = warpgroup_mma(v_buf, do_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             st = warpgroup_mma_wait(1, deps=(st, ))
-            lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]
+            lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]; handover: q_full
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0, not NaN
             lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             pt = gl.exp2(st * QK_SCALE_LOG2 - gl.expand_dims(lse, 0))  # [SPLIT_N, BLOCK_M]
@@ -420,7 +420,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
                     visible = visible & (kj >= qi + lo_off)
                 pt = gl.where(visible, pt, 0.0)
             dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-            delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]
+            delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]; handover: do_full
             # dS^T, with the softmax scale of both dK = scale dS^T Q and dQ = scale dS K
             # folded in once here
             dst = pt * (dpt - gl.expand_dims(delta, 0)) * SCALE  # [SPLIT_N, BLOCK_M]

@@ -376,13 +376,13 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 lse = gl.load(desc_lse + at, mask=rows_ok, other=0.0)
                 delta = gl.load(desc_delta + at, mask=rows_ok, other=0.0)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
-                lse_smem.index(s).store(lse)
+                lse_smem.index(s).store(lse)  # handover: q_full
                 gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m0, 0], q_full.index(s),
                                                 q_smem.index(s))
                 mbarrier.wait(do_empty.index(s), ph ^ 1)
-                delta_smem.index(s).store(delta)
+                delta_smem.index(s).store(delta)  # handover: do_full
                 gl.thread_barrier()
                 mbarrier.expect(do_full.index(s), desc_do.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_do, [db, h, q0 + m0, 0], do_full.index(s),
@@ -468,7 +468,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             # which only fits once dP^T's accumulator holds its result (waiting for S^T
             # alone, as the plain kernel does, spilled 192-400 bytes)
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-            lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]
+            lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]; handover: q_full
             # a row that saw no key has LSE = -inf; +inf makes its P exactly 0, not NaN
             lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
             # global positions (Q_POS / KV_POS: a context-parallel piece's starts, else 0)
@@ -498,7 +498,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq
             # (0 where P^T is, whatever the derivative), so that `score` dies here
             p_op = gl.convert_layout(pt.to(dtype), a_layout)
             pt = gl.where(pt == 0.0, 0.0, pt * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(gl.float32)) * _tanh(((score / P_cap)).to(gl.float32)))) * (1.0 / P_cap)))))
-            delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]
+            delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]; handover: do_full
             # dS^T, with the softmax scale of both dK = scale dS^T Q and dQ = scale dS K
             # folded in once here
             # the chain rule through the score mod; where dP^T = D, dS^T is 0 whatever the
@@ -818,7 +818,7 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
                 # which only fits once dP^T's accumulator holds its result (waiting for S^T
                 # alone, as the plain kernel does, spilled 192-400 bytes)
                 st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-                lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]
+                lse = lse_smem.index(s).load(col_s)  # [BLOCK_M]; handover: q_full
                 # a row that saw no key has LSE = -inf; +inf makes its P exactly 0, not NaN
                 lse = gl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
                 # global positions (Q_POS / KV_POS: a context-parallel piece's starts, else 0)
@@ -848,7 +848,7 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
                 # (0 where P^T is, whatever the derivative), so that `score` dies here
                 p_op = gl.convert_layout(pt.to(dtype), a_layout)
                 pt = gl.where(pt == 0.0, 0.0, pt * ((P_cap * ((1.0 - (_tanh(((score / P_cap)).to(gl.float32)) * _tanh(((score / P_cap)).to(gl.float32)))) * (1.0 / P_cap)))))
-                delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]
+                delta = delta_smem.index(s).load(col_s)  # [BLOCK_M]; handover: do_full
                 # dS^T, with the softmax scale of both dK = scale dS^T Q and dQ = scale dS K
                 # folded in once here
                 # the chain rule through the score mod; where dP^T = D, dS^T is 0 whatever the

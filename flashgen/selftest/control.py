@@ -1,9 +1,19 @@
 """Control kernels for compute-sanitizer racecheck on warp-specialised Gluon code.
 
-Question: are racecheck's reports on the Gluon kernels (a producer partition's shared-memory
-store against a consumer's load, ordered by an mbarrier; reads at kernel entry against
-writes attributed to the kernel's def line) real races, or hand-overs racecheck does not
-model? Each MODE is a tiny kernel with one known answer:
+racecheck reports two kinds of hazard on the Gluon kernels: a producer partition's plain
+shared-memory store against a consumer partition's load where an mbarrier orders the two,
+and a read at the kernel's entry against writes attributed to its `def` line and its
+`gl.warp_specialize` call (Triton's own start-up of the partitions). The same tool on the
+same machine reports both on the `handover` kernel below, which is race-free by the PTX
+memory model (a store, a barrier among the producer's threads, a release arrive; an
+acquire wait, the load) and computes the right answer every run: racecheck does not model
+mbarrier ordering or the partitions' start-up. `flashgen selftest --sanitize` runs it
+under racecheck beside the cases (flashgen/selftest/racecheck.py): a report of the flashgen
+kernels counts as explained only when it is of a kind the control shows on that machine,
+and a hand-over only when both of its lines are marked `# handover: BARRIER` (the author's
+claim, readable next to the code, that BARRIER orders them).
+
+Each MODE is a tiny kernel with one known answer:
 
   handover  producer (1 warp) st.shared -> thread_barrier -> mbarrier.arrive;
             consumer (4 warps) mbarrier.wait -> ld.shared -> arrive(empty). Race-free by
@@ -13,8 +23,9 @@ model? Each MODE is a tiny kernel with one known answer:
   tma       producer TMA load into shared memory (expect-tx), consumer wait -> ld.shared.
   noshared  warp_specialize whose partitions touch only global memory.
 
-Run: python racecheck_control.py MODE  (prints the checksum and whether it is right);
-under `compute-sanitizer --tool racecheck` the report counts answer the question.
+Run: python -m flashgen.selftest.control MODE (prints whether the result is right; exit 0
+when it is). `nowait` and `noempty` are broken on purpose and may hang or fail: they are
+for trying a sanitizer by hand, never run by selftest.
 """
 import sys
 
@@ -44,7 +55,7 @@ def _producer(src_desc, SRC, buf, full, empty, MODE: gl.constexpr, ROWS: gl.cons
             tma.async_copy_global_to_shared(src_desc, [i * ROWS], full.index(s), buf.index(s))
         else:
             vals = gl.load(SRC + i * ROWS + rows)
-            buf.index(s).store(vals)
+            buf.index(s).store(vals)  # handover: full
             gl.thread_barrier()
             mbarrier.arrive(full.index(s), count=1)
 
@@ -59,7 +70,7 @@ def _consumer(OUT, buf, full, empty, MODE: gl.constexpr, ROWS: gl.constexpr,
         ph = (i // BUFS) & 1
         if MODE != 1:  # nowait skips it
             mbarrier.wait(full.index(s), ph)
-        acc += buf.index(s).load(layout)
+        acc += buf.index(s).load(layout)  # handover: full
         gl.thread_barrier()
         mbarrier.arrive(empty.index(s), count=1)
     gl.store(OUT + gl.arange(0, ROWS, layout=layout), acc)
