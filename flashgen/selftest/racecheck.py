@@ -17,8 +17,10 @@ PTX memory model and always right):
 A report (one "Race reported between" block: one access and every access it races with)
 is explained when each of its pairs is of a kind the control run showed on the same
 machine; `flashgen selftest --sanitize` fails on any other. The source lines are read from
-the files that ran (racecheck names a file by its base name; every file of that name under
-the given roots must agree).
+the files that ran. racecheck names a file by its base name only, and a variant's `tl` and
+Gluon kernels share theirs (kernels/NAME.py, kernels/gluon/NAME.py): only Gluon files are
+read (both kinds are warp specialisation's, which the `tl` kernels do not have here), and
+every Gluon file of that name under the roots must agree.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ _HEAD = re.compile(r"(Error|Warning): Race reported between (Read|Write) access 
 _AND = re.compile(r"^\W*and (Read|Write) access at (\S+?)\+0x[0-9a-fA-F]+ in (\S+?):(\d+)")
 _MARK = re.compile(r"#.*\bhandover:\s*(\w+)")
 _DEF = re.compile(r"^\s*def \w+\(")
+_GLUON = re.compile(r"(?m)^from triton\.experimental import gluon$")
 KINDS = ("startup", "handover")
 
 
@@ -78,7 +81,9 @@ class Sources:
                 paths = [root] if root.is_file() and root.name == name else (
                     root.rglob(name) if root.is_dir() else [])
                 for path in paths:
-                    found.append(path.read_text(encoding="utf-8", errors="replace").splitlines())
+                    text = path.read_text(encoding="utf-8", errors="replace")
+                    if _GLUON.search(text):
+                        found.append(text.splitlines())
             self._files[name] = found
         return self._files[name]
 

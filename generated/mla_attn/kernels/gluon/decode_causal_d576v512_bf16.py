@@ -235,8 +235,10 @@ def _softmax(Q, OP, SEQLENS, q_smem, k_smem, p_smem, a_smem, k_full, k_empty, p_
         # P and alpha out, once the output warpgroups are done with the last block's
         mbarrier.wait(p_empty, (j & 1) ^ 1)
         p_smem.store(p.to(dtype))
-        a_smem.store(alpha)
+        a_smem.store(alpha)  # handover: p_full
         fence_async_shared()  # P is read by wgmma (async proxy)
+        # one thread arrives: every lane's stores (P, alpha, the zeroed value rows) first
+        gl.thread_barrier()
         mbarrier.arrive(p_full, count=1)
 
     # ---- the split's epilogue: 1 / l for the output warpgroups (one more phase of p_full),
@@ -245,8 +247,9 @@ def _softmax(Q, OP, SEQLENS, q_smem, k_smem, p_smem, a_smem, k_full, k_empty, p_
     inv_l = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
     lse2 = gl.where(seen, m_i + gl.log2(gl.where(seen, l_i, 1.0)), float("-inf"))
     mbarrier.wait(p_empty, (n_blocks & 1) ^ 1)
-    a_smem.store(inv_l)
+    a_smem.store(inv_l)  # handover: p_full
     fence_async_shared()
+    gl.thread_barrier()
     mbarrier.arrive(p_full, count=1)
     q_head_s = kv_h * KV_GROUP + rows // N_Q
     out_row = (b.to(gl.int64) * H_Q + q_head_s.to(gl.int64)) * N_Q + (rows % N_Q).to(gl.int64)
@@ -275,7 +278,7 @@ def _output(OP, SEQLENS, k_smem, p_smem, a_smem, k_full, k_empty, p_full, p_empt
         ph = (j // NUM_BUFFERS) & 1
         mbarrier.wait(k_full.index(s), ph)  # (complete already: the softmax warpgroup saw it)
         mbarrier.wait(p_full, j & 1)
-        alpha = gl.expand_dims(a_smem.load(row_o), 1)  # [ROWS, 1]
+        alpha = gl.expand_dims(a_smem.load(row_o), 1)  # [ROWS, 1]; handover: p_full
         # rescale every accumulator before the first product is issued: a register a wgmma
         # in flight may write is never touched (rescaling each one between the issues,
         # ptxas put a warpgroup.wait before each product -- C7517 -- and serialised them)
@@ -293,8 +296,8 @@ def _output(OP, SEQLENS, k_smem, p_smem, a_smem, k_full, k_empty, p_full, p_empt
 
     # ---- the split's partial output, normalised by its own row sum, into the workspace
     mbarrier.wait(p_full, n_blocks & 1)
-    inv_l = gl.expand_dims(a_smem.load(row_o), 1)  # [ROWS, 1]
     if n_blocks > 0:  # an empty split writes only its lse = -inf (the softmax warpgroup)
+        inv_l = gl.expand_dims(a_smem.load(row_o), 1)  # [ROWS, 1]; handover: p_full
         rows = rb * ROWS + gl.arange(0, ROWS, layout=row_o)  # [ROWS]
         q_head = kv_h * KV_GROUP + rows // N_Q
         out_row = (b.to(gl.int64) * H_Q + q_head.to(gl.int64)) * N_Q + (rows % N_Q).to(gl.int64)

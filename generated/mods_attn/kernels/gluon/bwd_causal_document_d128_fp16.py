@@ -378,7 +378,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 delta = gl.load(desc_delta + at, mask=rows_ok, other=0.0)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
                 lse_smem.index(s).store(lse)  # handover: q_full
-                MQ_SMEM0.index(s).store(mqv0)
+                MQ_SMEM0.index(s).store(mqv0)  # handover: q_full
                 gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m0, 0], q_full.index(s),
@@ -400,7 +400,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 pq_idx = m0 + Q_POS + mq_rows  # [BLOCK_M]
                 mqv0 = (gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(pq_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)).to(gl.int32)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
-                MQ_SMEM0.index(s).store(mqv0)
+                MQ_SMEM0.index(s).store(mqv0)  # handover: q_full
                 gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_full.index(s), q_smem.index(s))
@@ -497,7 +497,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, MQ_SMEM0, d
                     visible = visible & (kj <= qi + hi_off)
                 if MASK_LEFT:
                     visible = visible & (kj >= qi + lo_off)
-                mq0 = gl.expand_dims(MQ_SMEM0.index(s).load(col_s), 0)  # [1, BLOCK_M]
+                mq0 = gl.expand_dims(MQ_SMEM0.index(s).load(col_s), 0)  # [1, BLOCK_M]; handover: q_full
                 visible = visible & ((mq0 == mkv0))
                 pt = gl.where(visible, pt, 0.0)
             dpt = warpgroup_mma_wait(0, deps=(dpt, ))
@@ -660,7 +660,7 @@ def _publish(item_smem, item_full, item_empty, item, t, layout: gl.constexpr):
     """The producer hands the t-th item of this program to the consumers (slot t % 2)."""
     s = t % 2
     mbarrier.wait(item_empty.index(s), ((t // 2) & 1) ^ 1)
-    item_smem.index(s).store(gl.full([1], item, gl.int32, layout=layout))
+    item_smem.index(s).store(gl.full([1], item, gl.int32, layout=layout))  # handover: item_full
     gl.thread_barrier()  # the store before the arrival that publishes it
     mbarrier.arrive(item_full.index(s), count=1)
 
@@ -670,7 +670,7 @@ def _take(item_smem, item_full, item_empty, t, layout: gl.constexpr):
     """A consumer reads the t-th item of this program (_publish's) and frees its slot."""
     s = t % 2
     mbarrier.wait(item_full.index(s), (t // 2) & 1)
-    item = gl.max(item_smem.index(s).load(layout), axis=0)
+    item = gl.max(item_smem.index(s).load(layout), axis=0)  # handover: item_full
     gl.thread_barrier()  # every warp has read the slot before it is handed back
     mbarrier.arrive(item_empty.index(s), count=1)
     return item
@@ -724,7 +724,7 @@ def _producer_persistent(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, 
                 pq_idx = m0 + Q_POS + mq_rows  # [BLOCK_M]
                 mqv0 = (gl.load(T_doc + gl.minimum(gl.maximum(b, 0), T_doc_D0 - 1).to(gl.int64) * T_doc_S0 + gl.minimum(gl.maximum(pq_idx, 0), T_doc_D1 - 1).to(gl.int64) * T_doc_S1)).to(gl.int32)
                 mbarrier.wait(q_empty.index(s), ph ^ 1)
-                MQ_SMEM0.index(s).store(mqv0)
+                MQ_SMEM0.index(s).store(mqv0)  # handover: q_full
                 gl.thread_barrier()  # every lane's store before the arrival that publishes it
                 mbarrier.expect(q_full.index(s), desc_q.block_type.nbytes + desc_lse.block_type.nbytes)
                 tma.async_copy_global_to_shared(desc_q, [b, h, m0, 0], q_full.index(s), q_smem.index(s))
@@ -849,7 +849,7 @@ def _consumer_persistent(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, 
                         visible = visible & (kj <= qi + hi_off)
                     if MASK_LEFT:
                         visible = visible & (kj >= qi + lo_off)
-                    mq0 = gl.expand_dims(MQ_SMEM0.index(s).load(col_s), 0)  # [1, BLOCK_M]
+                    mq0 = gl.expand_dims(MQ_SMEM0.index(s).load(col_s), 0)  # [1, BLOCK_M]; handover: q_full
                     visible = visible & ((mq0 == mkv0))
                     pt = gl.where(visible, pt, 0.0)
                 dpt = warpgroup_mma_wait(0, deps=(dpt, ))

@@ -641,7 +641,7 @@ def _publish(item_smem, item_full, item_empty, item, t, layout: gl.constexpr):
     """The producer hands the t-th item of this program to the consumers (slot t % 2)."""
     s = t % 2
     mbarrier.wait(item_empty.index(s), ((t // 2) & 1) ^ 1)
-    item_smem.index(s).store(gl.full([1], item, gl.int32, layout=layout))
+    item_smem.index(s).store(gl.full([1], item, gl.int32, layout=layout))  # handover: item_full
     gl.thread_barrier()  # the store before the arrival that publishes it
     mbarrier.arrive(item_full.index(s), count=1)
 
@@ -651,7 +651,7 @@ def _take(item_smem, item_full, item_empty, t, layout: gl.constexpr):
     """A consumer reads the t-th item of this program (_publish's) and frees its slot."""
     s = t % 2
     mbarrier.wait(item_full.index(s), (t // 2) & 1)
-    item = gl.max(item_smem.index(s).load(layout), axis=0)
+    item = gl.max(item_smem.index(s).load(layout), axis=0)  # handover: item_full
     gl.thread_barrier()  # every warp has read the slot before it is handed back
     mbarrier.arrive(item_empty.index(s), count=1)
     return item
