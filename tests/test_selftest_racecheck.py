@@ -19,6 +19,12 @@ KERNEL = textwrap.dedent("""\
     @gluon.jit
     def fwd_kernel(Q):
         gl.warp_specialize([
+    def bwd_kernel(Q):
+        if PERSISTENT:
+            item_smem = gl.allocate_shared_memory(gl.int32, [2, 1], layout)
+            gl.warp_specialize([
+        else:
+            x = 1
     from triton.experimental import gluon
     """)
 CONTROL = textwrap.dedent("""\
@@ -63,6 +69,16 @@ def test_reports_are_the_error_blocks_only():
     assert len(reps) == 1
     assert reps[0].head == ("fwd_k.py", 10)
     assert reps[0].others == [("fwd_k.py", 10), ("fwd_k.py", 11)]
+
+
+def test_the_branch_around_warp_specialize_is_startup(roots):
+    # Triton attributes the partitions' dispatch to the `if` that holds the call
+    found = R.triage(race("Read", 12, [("Write", 12), ("Write", 13)]), CONTROL_LOG, *roots)
+    assert found.counts == {"startup": 1} and not found.unexplained
+    # an `else` whose block has no call, or a statement inside the block, is not
+    for line in (16, 14):
+        found = R.triage(race("Read", 12, [("Write", line)]), CONTROL_LOG, *roots)
+        assert len(found.unexplained) == 1, line
 
 
 def test_startup_and_marked_handovers_are_explained(roots):

@@ -6,8 +6,9 @@ between partitions (selftest/control.py shows both on a kernel that is race-free
 PTX memory model and always right):
 
 * `startup`: a read at the kernel's entry against writes attributed to the kernel's `def`
-  line or its `gl.warp_specialize(` call -- Triton's own hand-off of the partitions'
-  arguments, no line of ours in between;
+  line and to its `gl.warp_specialize(` call, or to the `if` / `else` that holds the call
+  (Triton's own hand-off of the partitions' state, which it attributes to the statement
+  around the call): no line of ours in between;
 * `handover`: a partition's shared-memory store against another's load that an mbarrier
   orders. Counted as this kind only when both source lines carry the same
   `# handover: BARRIER` marker, the author's claim (readable beside the code) that BARRIER
@@ -33,6 +34,7 @@ _HEAD = re.compile(r"(Error|Warning): Race reported between (Read|Write) access 
 _AND = re.compile(r"^\W*and (Read|Write) access at (\S+?)\+0x[0-9a-fA-F]+ in (\S+?):(\d+)")
 _MARK = re.compile(r"#.*\bhandover:\s*(\w+)")
 _DEF = re.compile(r"^\s*def \w+\(")
+_BRANCH = re.compile(r"^\s*(if\b.*|elif\b.*|else\s*):\s*(#.*)?$")
 _GLUON = re.compile(r"(?m)^from triton\.experimental import gluon$")
 KINDS = ("startup", "handover")
 
@@ -87,6 +89,26 @@ class Sources:
             self._files[name] = found
         return self._files[name]
 
+    def startup(self, where: tuple) -> list[bool]:
+        """Whether (file, line) is a `startup` line in every file of that name: the `def`
+        of a kernel, a `gl.warp_specialize(` call, or an `if` / `else` whose block holds
+        one."""
+        name, number = where
+        out = []
+        for f in self.lines(name):
+            text = f[number - 1] if 0 < number <= len(f) else ""
+            ok = bool(_DEF.match(text)) or "gl.warp_specialize(" in text
+            if not ok and _BRANCH.match(text):
+                depth = len(text) - len(text.lstrip())
+                for below in f[number:]:
+                    if below.strip() and len(below) - len(below.lstrip()) <= depth:
+                        break
+                    if "gl.warp_specialize(" in below:
+                        ok = True
+                        break
+            out.append(ok)
+        return out
+
     def line(self, where: tuple) -> list[str]:
         """The text of (file, line) in every file of that name (empty: not found)."""
         name, number = where
@@ -99,10 +121,7 @@ def pair_kind(a: tuple, b: tuple, sources: Sources) -> str:
     if not ta or not tb or a[0] != b[0]:
         return ""
 
-    def startup(texts):
-        return all(_DEF.match(t) or "gl.warp_specialize(" in t for t in texts)
-
-    if startup(ta) and startup(tb):
+    if all(sources.startup(a)) and all(sources.startup(b)):
         return "startup"
     marks = {m.group(1) if m else None for m in map(_MARK.search, ta + tb)}
     if len(marks) == 1 and None not in marks:
