@@ -361,3 +361,18 @@ def test_found_on_the_gpu_passes_in_the_interpreter(cache):
     case = Case.from_json(FOUND_ON_THE_GPU[0])
     result = run_case(case, selftest_packages("cpu", [case.package]), "cpu")
     assert result.passed, result.line()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["handover", "tma", "noshared"])
+def test_racecheck_control_kernel_is_right(mode):
+    """The control kernel `--sanitize` runs under racecheck (selftest/control.py) is right
+    on this GPU: the kinds of report it draws are then the tool's, not the kernel's."""
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the control is a Hopper (sm90) Gluon kernel")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "flashgen.selftest.control", mode],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0 and f"{mode}: right" in proc.stdout, proc.stdout + proc.stderr
