@@ -315,7 +315,9 @@ def parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="measure the generated packages beside SDPA, cuDNN, "
                         "FlexAttention and naive PyTorch (GPU)",
                         description="On a CUDA GPU: time the generated packages beside SDPA "
-                        "flash, SDPA cuDNN, FlexAttention and naive PyTorch in one run, at the "
+                        "flash, SDPA cuDNN, FlexAttention, FlashAttention-4 (fa4, where "
+                        "installed; skipped with the reason otherwise) and naive PyTorch in "
+                        "one run, at the "
                         "H100 anchor table's shapes (training), with dropout, decoding, or the "
                         "small seed shapes; every output is checked against a float32 "
                         "reference first. Prints markdown tables of TFLOP/s with flashgen's "

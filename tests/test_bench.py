@@ -47,7 +47,8 @@ def test_dry_run_lists_anchor_shapes_and_providers(tmp_path):
         assert f"training {mode} d=64 full   B=32 H=32 N=512:" in out
         assert f"training {mode} d=128 causal B=1 H=16 N=16384:" in out
     line = next(x for x in out.splitlines() if "d=128 full   B=2 H=16 N=8192" in x)
-    assert line.split(": ")[1] == "flashgen, flashgen_tl, sdpa_flash, sdpa_cudnn, flex, naive"
+    assert line.split(": ")[1] == ("flashgen, flashgen_tl, sdpa_flash, sdpa_cudnn, fa4, flex, "
+                                   "naive")
     line = next(x for x in out.splitlines() if "d=64 full   B=1 H=32 N=16384" in x)
     assert "naive" not in line  # N > 8192: naive would materialise N^2
     for p in ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex", "naive"):

@@ -1,10 +1,11 @@
 """`flashgen bench`: flashgen's generated packages measured beside SDPA, cuDNN,
-FlexAttention and naive PyTorch on a GPU. This file is the command line (arguments, their
-checks, the dry run, the GPU check); the rest of the package, which imports nothing from
-here:
+FlexAttention, FlashAttention-4 (where installed) and naive PyTorch on a GPU. This file is
+the command line (arguments, their checks, the dry run, the GPU check); the rest of the
+package, which imports nothing from here:
 
     suites.py     what is measured: suites, shapes, providers, the case list, FLOPs (pure)
     providers.py  the callables timed: flashgen's packages (built from their specs) and peers
+    fa4.py        FlashAttention-4 as a peer: whether it runs here (else why not), its calls
     timing.py     interleaved rounds, the callable do_bench times, host time
     report.py     markdown tables, CSV, JSON, the PNG plot, the default output folder
     runner.py     the GPU run: check every provider, time it, write the results

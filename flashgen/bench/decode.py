@@ -29,6 +29,9 @@ capacity), so host time and GPU time overlap as they would in a serving loop. Ro
                          call never syncs)
   flashgen_paged_s{S}    the same keys in a paged pool (--page, shuffled block table)
   flashgen_paged_graph_s0
+  fa4, fa4_paged         FlashAttention-4's forward (split-KV heuristic) on the contiguous
+                         cache and on the same page pool, where it is installed (else
+                         "skipped: <why>"); FA4 has no in-place append (flashgen/bench/fa4.py)
 and "host_us" (contiguous, paged): the Python + launch time of one call, measured over a
 loop of calls before synchronising. When host_us exceeds the graph time, the eager call
 is host-bound.
@@ -48,6 +51,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..measure import read_flush_ms  # (the tuner times decode this way)
+from . import fa4 as bench_fa4
 from .timing import host_time_us
 
 fg = None  # the generated package under test (llama_attn's kind: d=128, GQA, decode)
@@ -152,6 +156,10 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
         from .providers import load_package
         package = load_package(None, 128)[0]
     fg = package
+    try:
+        fa4 = bench_fa4.load()
+    except bench_fa4.Unavailable as e:
+        fa4 = e
     gpu = torch.cuda.get_device_name()
     log(f"# {gpu}, torch {torch.__version__}, triton {triton.__version__}, bf16, "
         f"H_q {H_Q}, H_kv {H_KV}, d {D}, N_q 1")
@@ -202,6 +210,10 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                     run(name, make)
                     if isinstance(row[name], dict):
                         row[name]["gqa"] = note.get("gqa")
+                if isinstance(fa4, Exception):
+                    row["fa4"] = f"skipped: {fa4}"
+                else:
+                    run("fa4", lambda: lambda: bench_fa4.decode(fa4, q, k_cache, v_cache))
                 run("flex", lambda: flex_provider(q, k_cache, v_cache))
 
                 # the same keys in a paged pool with a shuffled block table
@@ -221,6 +233,11 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                     row["paged_host_us"] = host_us(paged)
                     if graph:
                         run("flashgen_paged_graph_s0", lambda: graph_provider(paged))
+                    if isinstance(fa4, Exception):
+                        row["fa4_paged"] = f"skipped: {fa4}"
+                    else:
+                        run("fa4_paged", lambda: lambda: bench_fa4.decode(
+                            fa4, q, k_pool, v_pool, seqlens, table))
                     del k_pool, v_pool
             rows.append(row)
             log(json.dumps(row))

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from ..resources import bundled_spec
+from . import fa4 as bench_fa4
 from .suites import DROPOUT_SPEC, SPECS
 
 _packages = {}  # (spec path, spec sha) -> (module, sha): one build per process
@@ -76,6 +77,7 @@ class Providers:
         import torch  # noqa: F401
         self.spec = spec
         self._flex = None
+        self._fa4 = None  # flash_attn.cute, or the Unavailable that says why not
         self._masks = {}
 
     def package(self, d, dropout=False):
@@ -137,6 +139,14 @@ class Providers:
                     mask = self._masks[key]
                 return compiled(q, k, v, block_mask=mask)
             return run
+        if name == "fa4":
+            module = self.fa4()
+
+            def run(q, k, v, causal, p):
+                if p:
+                    raise NotImplementedError("FlashAttention-4 has no dropout")
+                return bench_fa4.attention(module, q, k, v, causal)
+            return run
         if name == "naive":
             def run(q, k, v, causal, p):
                 s = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
@@ -150,6 +160,18 @@ class Providers:
                 return a @ v
             return run
         raise ValueError(f"unknown provider {name!r}")
+
+    def fa4(self):
+        """flash_attn.cute, imported once; raises fa4.Unavailable (every time it is asked
+        for) when FA4 cannot run here."""
+        if self._fa4 is None:
+            try:
+                self._fa4 = bench_fa4.load()
+            except bench_fa4.Unavailable as e:
+                self._fa4 = e
+        if isinstance(self._fa4, bench_fa4.Unavailable):
+            raise bench_fa4.Unavailable(str(self._fa4))
+        return self._fa4
 
     def _compiled_flex(self):
         """FlexAttention compiled once for every case (its recompile limit raised: each

@@ -49,6 +49,8 @@ def cell_text(row):
     """A table cell (and the run's log line): the row's number, or its status."""
     if row is None:
         return "–"
+    if str(row.get("status")).startswith("skipped"):
+        return "skipped"  # the reason is listed once under the tables (markdown_tables)
     if row.get("status") != "ok":
         return str(row.get("status", "?"))[:40].replace("|", "/")
     v = _metric(row)
@@ -98,6 +100,10 @@ def markdown_tables(rows) -> str:
                         cells.append("–")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+    skipped = dict.fromkeys((r["provider"], r["status"]) for r in rows
+                            if str(r.get("status")).startswith("skipped"))
+    if skipped:
+        out += ["Skipped providers:", ""] + [f"- {p}: {s}" for p, s in skipped] + [""]
     return "\n".join(out)
 
 

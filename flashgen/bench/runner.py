@@ -3,7 +3,9 @@ every case's providers checked, then timed, then the tables and files written.
 
 Method: every provider's output is first checked against a float32 reference (SDPA's math
 backend on a slice: batch 0, heads 0-1); a wrong provider is marked WRONG and not timed; a
-provider that refuses a shape gets "error: ..." in its cell (never fatal). Timing:
+provider that refuses a shape gets "error: ..." in its cell (never fatal); an optional
+provider that cannot run on this machine (FA4 not installed, another GPU) is "skipped", its
+reason logged once and listed under the tables. Timing:
 flashgen/bench/timing.py. With dropout, the check is the provider at p=0 against the
 reference, and at p>0 a finite output of the reference's magnitude.
 
@@ -15,6 +17,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from ..resources import bundled_spec
+from . import fa4 as bench_fa4
 from . import mods as bench_mods
 from .providers import Providers, load_package, raise_recompile_limit
 from .report import cell_text, default_out_dir, markdown_tables, plot, write_results
@@ -53,20 +56,22 @@ def _check(fn, q, k, v, case, ref):
     return None if err < TOL else f"WRONG (max err {err:.3g})"
 
 
-def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1):
+def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1,
+                      device="cuda"):
     """Rows for the training, dropout and small suites' cases. `spec`: a user's spec whose
     package is flashgen (see Providers); `progress` advances once per provider and round
     measured. With `rounds` > 1 the providers of a case are timed in alternating order
     `rounds` times (interleaved_rounds) and each row's ms is the median of its rounds
-    (`ms_rounds` in the JSON keeps them all)."""
+    (`ms_rounds` in the JSON keeps them all). `device`: "cpu" lets the tests run the
+    check-and-skip path (a provider that reaches the timing needs CUDA)."""
     import torch
     import triton
 
     provs = Providers(spec)
-    rows = []
+    rows, told = [], set()
     torch.manual_seed(0)
     for case in cases:
-        q, k, v = (torch.randn(case.b, case.h, case.n, case.d, device="cuda",
+        q, k, v = (torch.randn(case.b, case.h, case.n, case.d, device=device,
                                dtype=torch.bfloat16) for _ in range(3))
         if case.suite == "mods":
             ref = bench_mods.reference(case.mod, provs.mods_inputs(case)[0], q, k, v)
@@ -81,6 +86,8 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1
                 if name.startswith("flashgen") and case.suite != "mods":
                     row["spec_sha"] = provs.package(case.d, case.suite == "dropout")[1]
                 fn = provs.get(name, case)
+                if name == "fa4":  # its betas differ in speed: the row names the one timed
+                    row["note"] = f"{bench_fa4.PACKAGE} {bench_fa4.version() or '(version?)'}"
                 if case.suite == "mods" and name == "flashgen":
                     pkg, row["spec_sha"] = load_package(bundled_spec(bench_mods.MODS_SPEC))
                     before = bench_mods.triton_binaries(pkg)
@@ -92,6 +99,11 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1
                     row["status"] = wrong
                 else:
                     ready[name] = fn
+            except bench_fa4.Unavailable as e:
+                row["status"] = f"skipped: {e}"
+                if name not in told:
+                    told.add(name)
+                    log(f"{name}: skipped: {e}")
             except Exception as e:  # a provider that refuses a shape is reported, not fatal
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:100]}"
             if name not in ready and progress is not None:

@@ -49,17 +49,23 @@ PROVIDERS = {
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
     "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
+    "fa4": "FlashAttention-4 (flash-attn-4, flash_attn.cute: CuTe-DSL kernels, sm90/sm100), where "
+           "installed; skipped with the reason otherwise (decode: its split-KV forward on the "
+           "contiguous cache and, fa4_paged, on the page pool)",
     "flex": "torch.compile(flex_attention), causal BlockMask from create_block_mask (mods suite: "
             "the same score_mod / mask_mod as flashgen's mod)",
     "naive": "PyTorch matmul-softmax-matmul (N <= 8192 only)",
 }
+# fa4 is in neither the dropout nor the mods suite: FA4 has no dropout, and its score and
+# mask mods are CuTe-DSL functions of its own, not the mods suite's
 MODS_PROVIDERS = ("flashgen", "flex")
-TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "flex", "naive")
+TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "fa4", "flex",
+                      "naive")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
 # decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
-# sdpa_flash, sdpa_cudnn, flex; --providers filters them by prefix
-DECODE_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "flex")
+# sdpa_flash, sdpa_cudnn, fa4, fa4_paged, flex; --providers filters them by prefix
+DECODE_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "fa4", "flex")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,10 @@ Providers, all on the same tokens:
 * `flex_document`: torch.compile(flex_attention) on (1, H, total, d) with a causal
   document BlockMask (create_block_mask over the document ids);
 * `torch_varlen`: torch.nn.attention.varlen.varlen_attn (window (-1, 0) = causal), where
-  this torch has it.
+  this torch has it;
+* `fa4_varlen`: FlashAttention-4's flash_attn_varlen_func (flash_attn.cute, sm90/sm100) on
+  the same packed tensors and cu_seqlens, where it is installed (skipped with the reason
+  otherwise: flashgen/bench/fa4.py).
 
 FLOPs count each document on its own (4 * H * n^2 * d per forward, halved for causal,
 backward 2.5x), so the TFLOP/s of the varlen-shaped providers (the matched row included)
@@ -48,7 +51,7 @@ import random
 import sys
 
 PROVIDERS = ("flashgen_varlen", "flashgen_dense", "flashgen_dense_matched", "flex_document",
-             "torch_varlen")
+             "torch_varlen", "fa4_varlen")
 DEFAULTS = dict(docs=16, total=16384, min_len=128, max_len=4096, d=128, h=16, seed=0,
                 dense_n=4096)
 TOL = 3e-2
@@ -164,8 +167,11 @@ def _package(d: int):
 
 
 def _providers(case, q, k, v, cu, doc_ids):
-    """name -> callable(q, k, v) returning the output in q's (total, H, d) layout."""
+    """name -> callable(q, k, v) returning the output in q's (total, H, d) layout, or, for
+    an optional provider that cannot run here, the fa4.Unavailable that says why."""
     import torch
+
+    from . import fa4 as bench_fa4
 
     total, h, d = q.shape
     lengths = case["lengths"]
@@ -209,6 +215,15 @@ def _providers(case, q, k, v, cu, doc_ids):
         out["torch_varlen"] = torch_varlen
     except ImportError:
         pass
+    try:
+        fa4 = bench_fa4.load()
+
+        def fa4_varlen(q_, k_, v_):
+            return bench_fa4.varlen_attention(fa4, q_, k_, v_, cu, cu, max_len, max_len,
+                                              causal=True)
+        out["fa4_varlen"] = fa4_varlen
+    except bench_fa4.Unavailable as e:
+        out["fa4_varlen"] = e
     return out
 
 
@@ -255,6 +270,9 @@ def measure(cases, log=print, rounds=1) -> list:
                 fn = provs.get(name)
                 if fn is None:
                     raise RuntimeError("not available in this torch")
+                if isinstance(fn, Exception):  # fa4.Unavailable: not installed, another GPU
+                    row["status"] = f"skipped: {fn}"
+                    continue
                 if name != "flashgen_dense":
                     err = (fn(q, k, v).float() - ref).abs().max().item()
                     if not err <= TOL:
@@ -330,6 +348,11 @@ def bar_text(rows) -> str:
             lines.append(f"{mode}: varlen / flashgen_dense_matched = "
                          f"{mine['tflops'] / matched['tflops']:.3f} (the packing's own overhead; "
                          f"no bar)")
+        fa4 = next((r for r in rows if r["mode"] == mode and r.get("tflops")
+                    and r["provider"] == "fa4_varlen"), None)
+        if fa4 is not None:
+            lines.append(f"{mode}: varlen / fa4_varlen = {mine['tflops'] / fa4['tflops']:.3f} "
+                         "(no bar)")
         for r in rows:
             if r["mode"] == mode and r["provider"] in need and r.get("tflops"):
                 ratio = mine["tflops"] / r["tflops"]
