@@ -13,7 +13,7 @@ YAML format
 ::
 
     package: gpt2_attn          # required; Python identifier, not a keyword
-    head_dims: [64]             # required; multiples of 8 in 16..256, or {qk: D, v: DV}
+    head_dims: [64]             # required; multiples of 8 in 16..512, or {qk: D, v: DV}
                                 # (V's own head dim); {qk, v, decode_only: true} builds
                                 # decode kernels alone (then up to 576, DeepSeek's MLA)
     dtypes: [fp16, bf16]        # required; subset of fp16, bf16, fp32
@@ -88,10 +88,10 @@ BLOCK_STAGES = ("forward", "backward", "decode")
 # the planner's candidate sets: a value it would never consider is refused here, at its line
 NUM_WARPS = WARP_COUNTS
 SRAM_MIN, SRAM_MAX = 16384, 1 << 20
-# head dims: up to 256 for every kernel; a `decode_only` entry up to DeepSeek's latent cache
-# (576 for Q/K, 512 for V), whose forward and backward no tile fits (16 rows per warp x 576
-# fp32 accumulator columns is 288 registers a thread) but whose decode tile does
-HEAD_DIM_MAX = 256
+# head dims: up to 512 for every kernel (Gemma 4's global layers; past 256 the planner
+# splits the accumulators' columns across warps, planner_core.warps_across_d); a
+# `decode_only` entry up to DeepSeek's latent cache (576 for Q/K, 512 for V)
+HEAD_DIM_MAX = 512
 DECODE_HEAD_DIM_MAX = 576
 
 
@@ -255,7 +255,7 @@ _HELP: dict[str, tuple[str, str]] = {
                    "start from specs/gpt2.yaml and edit it"),
     "package": ("a Python identifier that is not a keyword, lower-case recommended",
                 "write e.g. package: gpt2_attn"),
-    "head_dims": ("a list of head dimensions, each a multiple of 8 from 16 to 256, or "
+    "head_dims": ("a list of head dimensions, each a multiple of 8 from 16 to 512, or "
                   "{qk: D, v: D} for a V head dim apart from Q's and K's (MLA), with "
                   "decode_only: true for decode kernels alone (up to 576)",
                   "write e.g. head_dims: [64, 128] or head_dims: [{qk: 192, v: 128}]"),
@@ -270,10 +270,10 @@ _HELP: dict[str, tuple[str, str]] = {
                     "write e.g. left: 4096"),
     "window.right": ("an integer >= -1 (tokens to the right; -1 = unbounded)",
                      "write e.g. right: 0"),
-    "head_dims.qk": ("the head dim of Q and K: a multiple of 8 from 16 to 256 (576 with "
+    "head_dims.qk": ("the head dim of Q and K: a multiple of 8 from 16 to 512 (576 with "
                      "decode_only: true)",
                      "write e.g. {qk: 192, v: 128}"),
-    "head_dims.v": ("the head dim of V and the output: a multiple of 8 from 16 to 256 (576 "
+    "head_dims.v": ("the head dim of V and the output: a multiple of 8 from 16 to 512 (576 "
                     "with decode_only: true)",
                     "write e.g. {qk: 192, v: 128}"),
     "head_dims.decode_only": ("a boolean: true builds decode kernels alone for the entry "
@@ -629,7 +629,7 @@ def _head_dims(p: _Parser, key: str, node: Node) -> tuple[tuple[int, int, bool],
     """(Q/K dim, V dim, decode only) triples: an entry d is (d, d, False); {qk: 192, v: 128}
     gives V (and the output) a head dim of its own (DeepSeek MLA's 192/128); with
     `decode_only: true` the entry builds decode kernels alone, and may then be as wide as
-    DeepSeek's latent cache (576/512), which no forward or backward tile fits."""
+    DeepSeek's latent cache (576/512), past the widest forward or backward (512)."""
     def one(key: str, entry: Node, top: int = HEAD_DIM_MAX) -> int:
         d = p.integer(key, entry)
         if not 16 <= d <= top:

@@ -388,7 +388,7 @@ def test_decode_only_spec_rules():
     assert {"decode_causal_d576v512_bf16", "decode_causal_d192v128_bf16",
             "fwd_causal_d192v128_bf16"} <= names
     assert not any("d576" in n for n in names if not n.startswith("decode"))
-    with pytest.raises(SpecError, match=r"head_dims\.qk.*576 is outside 16\.\.256.*decode_only: true"):
+    with pytest.raises(SpecError, match=r"head_dims\.qk.*576 is outside 16\.\.512.*decode_only: true"):
         parse_spec(base + "decode: true\nhead_dims: [{qk: 576, v: 512}]\n" + gpu, "p.yaml")
     with pytest.raises(SpecError, match=r"decode_only but the spec builds no decode kernels"):
         parse_spec(base + "head_dims: [{qk: 576, v: 512, decode_only: true}]\n" + gpu, "p.yaml")

@@ -286,8 +286,15 @@ def test_gpu_not_a_mapping(tmp_path):
 # ---------------------------------------------------------------- values
 
 def test_head_dim_out_of_range(tmp_path):
-    err = fails(tmp_path, BASE.replace("head_dims: [64]", "head_dims:\n  - 64\n  - 512"))
-    check(err, 4, "head_dims", "512 is outside 16..256")
+    err = fails(tmp_path, BASE.replace("head_dims: [64]", "head_dims:\n  - 64\n  - 520"))
+    check(err, 4, "head_dims", "520 is outside 16..512")
+
+
+def test_head_dims_up_to_512_for_every_kernel():
+    """Gemma 4's global layers (d = 512) and a V head dim of its own past 256."""
+    spec = parse_spec(BASE.replace("[64]", "[320, 512, {qk: 512, v: 384}]") + "decode: true\n")
+    assert spec.head_dims == (320, 512)
+    assert spec.head_dim_pairs == ((320, 320), (512, 384), (512, 512))
 
 
 def test_head_dim_not_multiple_of_8(tmp_path):

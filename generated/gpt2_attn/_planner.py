@@ -130,6 +130,18 @@ DECODE_WIDE_MAX_STAGES = 2
 DECODE_TALL_HEAD_DIM = 128
 DECODE_TALL_WARPS = 8
 MAX_TARGET_TILE = 128     # cap on the FA-1-derived target tile, see _targets()
+# Past this padded head dim (up to Gemma 4's 512, the spec's HEAD_DIM_MAX) the fwd / bwd
+# tiles are planned by wide_regs_estimate, capped at WIDE_MAX_REGS, and one K/V stage is a
+# candidate (a 32-key K/V stage is 64 KiB at d = 512: a 101 KiB GPU fits no pipelined
+# backward). Calibrated with Triton 3.6 for sm_90 offline, bf16 d = 512 (estimate ->
+# spill stores a thread): fwd 32x32 w8 s2/s3 105 -> 0 (184 / 245 registers), 32x32 w4
+# s3 205 -> 0 (255), 64x32 w8 s2 205 -> 120 B, 64x16 w8 s2 201 -> 80 B; bwd (dK/dV) 16x16
+# w8 s2 132 -> 0, s3 132 -> 20 B, 32x16 w8 s2 168 -> 40 B, 16x32 w8 s2 232 -> 16 B,
+# 32x32 w8 s2 269 -> 88-276 B, 16x16 w4 s2 265 -> 188 B. Hence the cap, and 2 stages at
+# most in the backward.
+WIDE_HEAD_DIM = 256
+WIDE_MAX_REGS = 150
+WIDE_BWD_MAX_STAGES = 2
 
 # Score weights (cost: lower is better).  One unit = one "octave" (factor 2) or one stage.
 W_RESIDENT = 12           # distance of the resident tile dim from its target, per octave
@@ -405,6 +417,35 @@ def _warp_dim(kind: str) -> str:
     return "block_m" if kind == "fwd" else "block_n"
 
 
+def warps_across_d(kind: str, d: int, in_regs: bool = False) -> int:
+    """How many warps may share one 16-row MMA tile, side by side along the head dim
+    (fwd / bwd; Triton lays warps along the accumulator's columns when its rows run out).
+    Past d = 128 the backward's dK/dV accumulators (2 x block_n x d fp32) only fit in
+    registers that way, as FA-2's d = 256 backward does: two warps. Before Hopper, where the
+    resident K and V tiles are in registers too, past d = 64 (16 rows per warp would hold d
+    accumulator registers a thread, over the cap with the score tiles from d = 80 on). Past
+    WIDE_HEAD_DIM a 16-row tile's fp32 output alone is 256 registers a thread of one warp
+    at d = 512, so any warp count may share a tile's rows there (the forward's 32 x 32 at 8
+    warps, the backward's 16 x 16 at 8 compiled without spills, sm_90) and the register
+    cap (wide_regs_estimate) decides."""
+    if d > WIDE_HEAD_DIM and kind in ("fwd", "bwd"):
+        return max(WARP_COUNTS)
+    if kind != "bwd":
+        return 1
+    return 2 if d > 128 or (in_regs and d > 64) else 1
+
+
+def wide_regs_estimate(kind: str, cfg: "TileConfig", d: int, dtype_bytes: int) -> int:
+    """Past WIDE_HEAD_DIM (16-bit inputs): regs_estimate plus the MMA operand fragments a
+    thread holds in registers -- the forward's Q tile, the backward's K and V (resident)
+    and Q and dO (streamed) tiles, two 16-bit elements a register. Triton 3.6 runs these
+    tiles' products as mma.sync (wgmma needs 64-row tiles, whose output is 128 registers a
+    thread even at 8 warps), which takes its operands from registers as before Hopper."""
+    rows = cfg.block_m if kind == "fwd" else 2 * (cfg.block_m + cfg.block_n)
+    frags = -(-rows * d * dtype_bytes // (4 * 32 * cfg.num_warps))
+    return regs_estimate(kind, cfg.block_m, cfg.block_n, d, cfg.num_warps) + frags
+
+
 def operands_in_registers(arch: int) -> bool:
     """True before Hopper: mma.sync takes its operands from registers (wgmma, from sm_90 on,
     reads them from shared memory)."""
@@ -467,15 +508,11 @@ def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: i
         if cfg.num_stages != 1:
             reasons.append(f"num_stages {cfg.num_stages} on {arch_name(arch)}: the pipelined "
                            "backward spills before Hopper (1 stage)")
-    elif cfg.num_stages == 1 and kind in ("fwd", "bwd"):
+    elif cfg.num_stages == 1 and kind in ("fwd", "bwd") and d <= WIDE_HEAD_DIM:
+        # (past WIDE_HEAD_DIM one K/V stage is what fits some GPUs: ranked last, not refused)
         reasons.append("num_stages 1: no software pipelining")
     dim = _warp_dim(kind)
-    # Past d = 128 the backward's dK/dV accumulators (2 x block_n x d fp32) only fit in
-    # registers when warps also split the head dim, as FA-2's d = 256 backward does: allow
-    # two warps side by side per 16-row MMA tile there. Before Hopper, where the resident
-    # K and V tiles are in registers too, past d = 64 (16 rows per warp would hold d
-    # accumulator registers a thread, over the cap with the score tiles from d = 80 on).
-    warps_across_d = 2 if kind == "bwd" and (d > 128 or (in_regs and d > 64)) else 1
+    across = warps_across_d(kind, d, in_regs)
     if kind == "decode":
         # the score tile's 16 x MMA_COLS_PER_WARP MMA tiles, at least one a warp (a 16-row
         # tile: MMA_COLS_PER_WARP key columns a warp)
@@ -494,12 +531,21 @@ def evaluate(kind: str, cfg: TileConfig, d: int, dtype_bytes: int, sram_bytes: i
                            f"spills (decode from d = {DECODE_TALL_HEAD_DIM}: "
                            f"{DECODE_TALL_WARPS} warps)")
     else:
-        need = ROWS_PER_WARP * cfg.num_warps // warps_across_d
+        need = ROWS_PER_WARP * cfg.num_warps // across
         if getattr(cfg, dim) < need:
             reasons.append(f"num_warps {cfg.num_warps} needs {dim} >= {need} ({ROWS_PER_WARP} rows per warp)")
     cap = (max_acc_regs(arch, d) if kind != "decode" else DECODE_MMA_SYNC_MAX_REGS
            if operands_in_registers(arch) else DECODE_MAX_REGS)
-    if regs > cap:
+    wide = kind in ("fwd", "bwd") and d > WIDE_HEAD_DIM and dtype_bytes <= 2
+    if wide:
+        frag_regs = wide_regs_estimate(kind, cfg, d, dtype_bytes)
+        if frag_regs > WIDE_MAX_REGS:
+            reasons.append(f"accumulator and operand fragments {frag_regs} regs/thread > "
+                           f"{WIDE_MAX_REGS} at d = {d}: spills")
+        if kind == "bwd" and cfg.num_stages > WIDE_BWD_MAX_STAGES:
+            reasons.append(f"num_stages {cfg.num_stages} at d = {d} > {WIDE_HEAD_DIM}: spills "
+                           f"(backward, {WIDE_BWD_MAX_STAGES} stages at most)")
+    elif regs > cap:
         where = f" on {arch_name(arch)}" if in_regs else ""
         reasons.append(f"accumulator {regs} regs/thread > {cap}{where}: spills")
     elif kind == "fwd" and dtype_bytes == 4 and not in_regs and d <= 128:
