@@ -580,3 +580,13 @@ def test_fuzz_case_replays_one_case(monkeypatch, capsys):
     assert ran == [({"seed": 3}, "cuda"), ({"seed": 4}, "cuda")]
     assert cli.main(["selftest", "--fuzz-case", "{not json"]) == 2
     assert "--fuzz-case: not a case" in capsys.readouterr().err
+
+
+def test_the_commit_can_be_named_for_a_copied_tree(monkeypatch, tmp_path):
+    """The GPU machine gets a copy of the tree whose `.git` may be stale: the summary then
+    names the commit it was told, and says where the name came from."""
+    monkeypatch.setenv("FLASHGEN_SELFTEST_COMMIT", "c5a02f9")
+    co = summary.checkout(tmp_path)
+    assert co["commit"] == "c5a02f9 (FLASHGEN_SELFTEST_COMMIT)" and co["dirty"] is None
+    monkeypatch.delenv("FLASHGEN_SELFTEST_COMMIT")
+    assert summary.checkout(tmp_path)["commit"] != co["commit"]

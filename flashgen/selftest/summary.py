@@ -37,7 +37,12 @@ def _run(argv: list[str], cwd: Path | None = None) -> str | None:
 
 def checkout(root: Path | None) -> dict | None:
     """The commit of the checkout the tests came from, and whether its tracked files or
-    new unignored files differ from it."""
+    new unignored files differ from it. FLASHGEN_SELFTEST_COMMIT names the commit instead,
+    for a tree copied to the GPU machine without its current `.git` (its HEAD is stale)."""
+    told = os.environ.get("FLASHGEN_SELFTEST_COMMIT")
+    if told:
+        return {"root": str(root), "commit": f"{told} (FLASHGEN_SELFTEST_COMMIT)",
+                "dirty": None, "branch": None}
     if root is None or shutil.which("git") is None:
         return None
     commit = _run(["git", "rev-parse", "HEAD"], cwd=root)
