@@ -46,36 +46,25 @@ def merge_ref(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b, torch.where(both, NINF, lse)
 
 
-def nan_empty(real):
-    """torch.empty that hands out NaN-filled memory: an element the kernels never write
-    shows up as NaN."""
-    def empty(*args, **kwargs):
-        t = real(*args, **kwargs)
-        return t.fill_(NAN) if t.is_floating_point() else t
-    return empty
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("b,n_q,n_p,n_s,h_q,h_kv", [
     (1, 1, 7, 1, 2, 2),      # one query row
     (3, 59, 40, 59, 4, 2),   # batch 3, GQA
     (2, 127, 33, 100, 2, 1), # n_q > n_s: the first 27 rows see no suffix key (LSE -inf)
 ])
-def test_split_keys_match_all_keys(pkg, monkeypatch, dtype, b, n_q, n_p, n_s, h_q, h_kv):
+def test_split_keys_match_all_keys(pkg, device, poison, dtype, b, n_q, n_p, n_s, h_q, h_kv):
     """A call that sees every prefix key merged with a causal call on the suffix keys
     (cascade attention), against float64 attention over all keys with that mask and, where
     it is one (n_s >= n_q), against flash_attn_func(causal=True) over all keys."""
     torch.manual_seed(n_q)
-    q = torch.randn(b, n_q, h_q, 16, dtype=dtype)
-    k, v = (torch.randn(b, n_p + n_s, h_kv, 16, dtype=dtype) for _ in range(2))
+    q = torch.randn(b, n_q, h_q, 16, dtype=dtype, device=device)
+    k, v = (torch.randn(b, n_p + n_s, h_kv, 16, dtype=dtype, device=device) for _ in range(2))
     out_a, lse_a = pkg.flash_attn_func(q, k[:, :n_p], v[:, :n_p], return_lse=True)
     out_b, lse_b = pkg.flash_attn_func(q, k[:, n_p:], v[:, n_p:], causal=True,
                                        return_lse=True)
     assert (lse_b == NINF).any() == (n_q > n_s)
     out_b[(lse_b == NINF).transpose(1, 2)] = NAN  # rows no key reached are not read
-    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
     out, lse = pkg.merge_attention_states(out_a, lse_a, out_b, lse_b)
-    monkeypatch.undo()
     assert out.dtype == dtype and lse.dtype == torch.float32
     assert out.shape == q.shape and lse.shape == (b, h_q, n_q)
     assert not out.isnan().any() and not lse.isnan().any()
@@ -100,16 +89,15 @@ def test_split_keys_match_all_keys(pkg, monkeypatch, dtype, b, n_q, n_p, n_s, h_
     torch.testing.assert_close(lse, full_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
-def test_varlen_layout(pkg):
+def test_varlen_layout(pkg, device):
     """flash_attn_varlen_func's (total, H, d) outputs with (H, total) LSEs merge as they are."""
     torch.manual_seed(1)
-    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
-    cu_k = torch.tensor([0, 9, 20], dtype=torch.int32)
-    q = torch.randn(12, 2, 16)
-    k, v = torch.randn(20, 2, 16), torch.randn(20, 2, 16)
-    halves = [pkg.flash_attn_varlen_func(q, k[sl], v[sl], cu_q, cu, 7, 6, return_lse=True)
-              for sl, cu in ((slice(0, 9), torch.tensor([0, 4, 9], dtype=torch.int32)),
-                             (slice(9, 20), torch.tensor([0, 5, 11], dtype=torch.int32)))]
+    cu = lambda *x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
+    cu_q, cu_k = cu(0, 5, 12), cu(0, 9, 20)
+    q = torch.randn(12, 2, 16, device=device)
+    k, v = torch.randn(20, 2, 16, device=device), torch.randn(20, 2, 16, device=device)
+    halves = [pkg.flash_attn_varlen_func(q, k[sl], v[sl], cu_q, cu_h, 7, 6, return_lse=True)
+              for sl, cu_h in ((slice(0, 9), cu(0, 4, 9)), (slice(9, 20), cu(0, 5, 11)))]
     # sequence 0's keys are k[0:4] + k[9:14], sequence 1's k[4:9] + k[14:20]
     out, lse = pkg.merge_attention_states(*halves[0], *halves[1])
     kk = torch.cat([k[0:4], k[9:14], k[4:9], k[14:20]])
@@ -119,14 +107,14 @@ def test_varlen_layout(pkg):
     torch.testing.assert_close(lse, full_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
-def test_strided_inputs_and_leading_dims(pkg):
+def test_strided_inputs_and_leading_dims(pkg, device):
     """Views with any strides (a non-unit-stride head dim included) and extra leading dims
     give the bits of the contiguous call."""
     torch.manual_seed(2)
-    base = torch.randn(2, 3, 9, 4, 32)[..., ::2]  # (2, 3, N=9, H=4, d=16), strided
-    out_b = torch.randn(2, 3, 4, 9, 16).transpose(-2, -3)
-    lse_a = torch.randn(2, 3, 9, 4).transpose(-1, -2)
-    lse_b = torch.randn(2, 3, 4, 9)
+    base = torch.randn(2, 3, 9, 4, 32, device=device)[..., ::2]  # (2, 3, N=9, H=4, d=16)
+    out_b = torch.randn(2, 3, 4, 9, 16, device=device).transpose(-2, -3)
+    lse_a = torch.randn(2, 3, 9, 4, device=device).transpose(-1, -2)
+    lse_b = torch.randn(2, 3, 4, 9, device=device)
     got = pkg.merge_attention_states(base, lse_a, out_b, lse_b)
     want = pkg.merge_attention_states(base.contiguous(), lse_a.contiguous(), out_b.contiguous(),
                                       lse_b)
@@ -136,13 +124,13 @@ def test_strided_inputs_and_leading_dims(pkg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_edge_rows(pkg, dtype):
+def test_edge_rows(pkg, device, poison, dtype):
     """Both sides -inf: (0, -inf), no NaN; one side -inf: the other side exactly, whatever
     the unseen side holds; a NaN or +inf LSE: a NaN row, other rows untouched."""
     torch.manual_seed(3)
     n, h, d = 6, 2, 16
-    out_a, out_b = torch.randn(1, n, h, d, dtype=dtype), torch.randn(1, n, h, d, dtype=dtype)
-    lse_a, lse_b = torch.randn(1, h, n) * 4, torch.randn(1, h, n) * 4
+    out_a, out_b = (torch.randn(1, n, h, d, dtype=dtype, device=device) for _ in range(2))
+    lse_a, lse_b = (torch.randn(1, h, n, device=device) * 4 for _ in range(2))
     lse_a[0, 0, 0] = lse_b[0, 0, 0] = NINF      # no key on either side
     lse_a[0, 0, 1] = NINF                       # only b saw keys
     lse_b[0, 1, 2] = NINF                       # only a saw keys
@@ -152,13 +140,13 @@ def test_edge_rows(pkg, dtype):
     out_a[0, 0, 0] = out_a[0, 1, 0] = out_b[0, 0, 0] = NAN  # unseen rows hold NaN
     out_a[0, 1, 0] = out_b[0, 2, 1] = float("inf")
     out, lse = pkg.merge_attention_states(out_a, lse_a, out_b, lse_b)
-    assert torch.equal(out[0, 0, 0], torch.zeros(d, dtype=dtype)) and lse[0, 0, 0] == NINF
+    assert (out[0, 0, 0] == 0).all() and lse[0, 0, 0] == NINF
     assert torch.equal(out[0, 1, 0], out_b[0, 1, 0]) and lse[0, 0, 1] == lse_b[0, 0, 1]
     assert torch.equal(out[0, 2, 1], out_a[0, 2, 1]) and lse[0, 1, 2] == lse_a[0, 1, 2]
     assert torch.isfinite(out[0, 3, 1]).all() and lse[0, 1, 3] == 80.0
     assert out[0, 4, 0].isnan().all() and lse[0, 0, 4].isnan()
     assert out[0, 5, 1].isnan().all() and lse[0, 1, 5].isnan()
-    bad = torch.zeros(1, h, n, dtype=torch.bool)
+    bad = torch.zeros(1, h, n, dtype=torch.bool, device=device)
     bad[0, 0, 4] = bad[0, 1, 5] = True
     assert (lse.isnan() == bad).all()
     assert (out.isnan().any(-1) == bad.transpose(1, 2)).all()
@@ -170,13 +158,13 @@ def test_edge_rows(pkg, dtype):
                                rtol=MERGE_LSE_TOL[1])
 
 
-def test_gradcheck_float64(pkg):
+def test_gradcheck_float64(pkg, device):
     """torch.autograd.gradcheck on the op itself (fp64 outputs and LSEs compute in fp64),
     with rows where one side saw no key (their gradients are 0)."""
     torch.manual_seed(4)
     b, n, h, d = 1, 3, 2, 4
-    x = [torch.randn(b, n, h, d, dtype=torch.float64), torch.randn(b, h, n, dtype=torch.float64),
-         torch.randn(b, n, h, d, dtype=torch.float64), torch.randn(b, h, n, dtype=torch.float64)]
+    x = [torch.randn(shape, dtype=torch.float64, device=device)
+         for shape in ((b, n, h, d), (b, h, n), (b, n, h, d), (b, h, n))]
     x[1][0, 0, 1] = NINF
     x[3][0, 1, 2] = NINF
     assert torch.autograd.gradcheck(pkg.merge_attention_states,
@@ -184,24 +172,22 @@ def test_gradcheck_float64(pkg):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gradients_match_float64_reference(pkg, monkeypatch, dtype):
+def test_gradients_match_float64_reference(pkg, device, poison, dtype):
     """Gradients w.r.t. all four inputs from both outputs, against autograd through the
     float64 merge; rows with one or both sides -inf included (zero gradient on an unseen
     side, whose NaN output is not read)."""
     torch.manual_seed(5)
     b, n, h, d = 3, 59, 2, 16
-    out_a, out_b = torch.randn(b, n, h, d, dtype=dtype), torch.randn(b, n, h, d, dtype=dtype)
-    lse_a, lse_b = torch.randn(b, h, n) * 3, torch.randn(b, h, n) * 3
+    out_a, out_b = (torch.randn(b, n, h, d, dtype=dtype, device=device) for _ in range(2))
+    lse_a, lse_b = (torch.randn(b, h, n, device=device) * 3 for _ in range(2))
     lse_a[:, 0, :5] = NINF
     lse_b[:, 0, 3:8] = NINF
     out_a[:, :5, 0] = NAN
     x = [t.requires_grad_() for t in (out_a, lse_a, out_b, lse_b)]
-    dout = torch.randn(b, n, h, d, dtype=dtype)
-    dlse = torch.randn(b, h, n)
-    monkeypatch.setattr(torch, "empty", nan_empty(torch.empty))
+    dout = torch.randn(b, n, h, d, dtype=dtype, device=device)
+    dlse = torch.randn(b, h, n, device=device)
     out, lse = pkg.merge_attention_states(*x)
     got = torch.autograd.grad((out, lse), x, (dout, dlse))
-    monkeypatch.undo()
     xr = [t.detach().double().requires_grad_() for t in x]
     ro, rl = merge_ref(*xr)
     want = torch.autograd.grad((ro, rl), xr, (dout.double(), dlse.double()))
