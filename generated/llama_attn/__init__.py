@@ -16,6 +16,7 @@ from ._api import (DEFAULT_WINDOW, dropout_mask, dropout_scale, flash_attn_func,
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
 from ._hf import register_transformers
+from ._merge import merge_attention_states
 from ._module import Attention
 from ._ring import (ring_flash_attn_func, ring_scaled_dot_product_attention, shard,
                     shard_sequence, unshard, unshard_sequence)
@@ -29,6 +30,7 @@ __all__ = [
     "describe",
     "Attention",
     "flash_attn_with_kvcache",
+    "merge_attention_states",
     "dropout_mask",
     "dropout_scale",
     "DEFAULT_WINDOW",

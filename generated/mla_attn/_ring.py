@@ -363,18 +363,8 @@ def _merge(acc, lse_acc, out, lse, qs):
     """Fold a piece's (out, lse) into rows qs.. of the fp32 (acc, lse_acc), in place."""
     from . import _ring_merge as rm
 
-    b, qn, h, d = out.shape
-    if b * qn * h == 0:
-        return
-    a = acc.narrow(1, qs, qn)
-    la = lse_acc.narrow(2, qs, qn)
-    grid = (_runtime.triton_cdiv(qn, rm.MERGE_BLOCK_M), b * h)
-    rm.merge_kernel[grid](a, la, out, lse,
-                          a.stride(0), a.stride(1), a.stride(2),
-                          la.stride(0), la.stride(1),
-                          out.stride(0), out.stride(1), out.stride(2),
-                          qn, h, d, BLOCK_M=rm.MERGE_BLOCK_M,
-                          BLOCK_D=max(16, 1 << (d - 1).bit_length()))
+    a, la = acc.narrow(1, qs, out.shape[1]), lse_acc.narrow(2, qs, out.shape[1])
+    rm.merge(a, la, a, la, out, lse)
 
 
 def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None, drop=None):
