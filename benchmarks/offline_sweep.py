@@ -80,7 +80,7 @@ def main(argv=None) -> int:
                 constexprs = dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, **offline._DENSE,
                                   ROW64=False)
             if args.function == "kernel" and not decode:
-                constexprs["WARP_SPECIALIZE"] = False
+                constexprs.update(WARP_SPECIALIZE=False, **offline._FWD_DENSE)
             if args.function == "dkdv_kernel":
                 constexprs = dict(constexprs, FUSED_DQ=0, **flags)
             try:

@@ -28,10 +28,14 @@ from pathlib import Path
 _TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 # pointer arguments of the kernels that are not of the variant's dtype
 _FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC", "PARTIAL_O", "PARTIAL_LSE", "M_PARTIAL"}
-_INT_POINTERS = {"LOCKS": "*i32", "CU_Q": "*i32", "CU_K": "*i32"}
-# the packed-batch (varlen) kernels' cumulative lengths: None, a constexpr, in a dense launch
-_VARLEN_POINTERS = ("CU_Q", "CU_K")
+_INT_POINTERS = {"LOCKS": "*i32", "CU_Q": "*i32", "CU_K": "*i32", "SEQUSED_Q": "*i32",
+                 "SEQUSED_K": "*i32", "BT": "*i32"}
+# the packed-batch (varlen) kernels' cumulative and used lengths and the paged cache's block
+# table: None, a constexpr, in a dense launch
+_VARLEN_POINTERS = ("CU_Q", "CU_K", "SEQUSED_Q", "SEQUSED_K", "BT")
 _DENSE = dict(CU_Q=None, CU_K=None, VARLEN=False)
+# the forward's serving arguments (chunked prefill over a paged cache), unused in a dense one
+_FWD_DENSE = dict(SEQUSED_Q=None, SEQUSED_K=None, BT=None, PAGE_SIZE=0)
 _FLOATS = {"QK_SCALE_LOG2", "SCALE", "DROP_SCALE", "SM_SCALE"}
 _WIDE_INTS = {"SEED"}
 # a context-parallel piece's global start row / column (variants with mods or dropout)
@@ -107,7 +111,7 @@ def _signature(fn, dtype: str, extra: dict | None = None, decode: bool = False):
             sig[name] = "*fp32"
         elif name in _INT_POINTERS:
             sig[name] = _INT_POINTERS[name]
-        elif name in _POSITIONS:
+        elif name in _POSITIONS or name == "NUM_BLOCKS":  # (a paged cache's pool size)
             sig[name] = "i32"
         elif name.isupper() and not name.startswith(("N_", "H_", "KV_", "LO_", "HI_", "DROP_",
                                                     "RNG_", "SEED", "QK_", "SCALE", "SM_")) \
@@ -135,7 +139,7 @@ def _launches(kind: str, config: dict, function_names, row64: bool = False, dims
     dense = dict(_DENSE, ROW64=row64)
     if kind == "fwd":
         return [("kernel", dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, WARP_SPECIALIZE=False,
-                                **dense), w, s)]
+                                **dense, **_FWD_DENSE), w, s)]
     if kind == "bwd":
         dq_m, dq_n, dq_w, dq_s = planner_core.dq_tile(config)
         # (the `tl` family's form; the Gluon backward's also zeroes its fp32 dQ sum)

@@ -40,6 +40,7 @@ PACKAGE_FILES = {
     "_backward.py": "package/backward.py.j2",
     "_varlen.py": "package/varlen.py.j2",
     "_varlen_backward.py": "package/varlen_backward.py.j2",
+    "_paged.py": "package/paged.py.j2",  # paged KV cache, seqused_q / _k (chunked prefill)
     "_ops.py": "package/ops.py.j2",
     "_dropout.py": "package/dropout.py.j2",
     "_fastmath.py": "package/fastmath.py.j2",  # tanh on the special-function unit

@@ -18,6 +18,7 @@ rest of the package, the tests and applications use (`_runtime.forward`,
   _forward          band, forward and its plans (`tl` and Gluon)
   _backward         backward and its plans (`tl` and Gluon)
   _varlen           packed batches: their Gluon switches, forward_varlen and its plans
+  _paged            their serving arguments: a paged KV cache, seqused_q / seqused_k
   _varlen_backward  backward_varlen and its plans
 
 Every name those modules define or import is an attribute of this one, the same object.
@@ -30,10 +31,10 @@ module's type that reads and writes it in its module.
 import sys
 import types
 
-from . import (_backward, _buffers, _checks, _forward, _launch, _plans, _tma, _varlen,
-               _varlen_backward)
+from . import (_backward, _buffers, _checks, _forward, _launch, _paged, _plans, _tma,
+               _varlen, _varlen_backward)
 
-_PARTS = (_checks, _buffers, _launch, _tma, _plans, _forward, _backward, _varlen,
+_PARTS = (_checks, _buffers, _launch, _tma, _plans, _forward, _backward, _varlen, _paged,
           _varlen_backward)
 # the names a module rebinds with `global` (each in one module, which alone reads it)
 _REBOUND = frozenset({"_FORCED_FAMILY", "_launch_hooks", "_current_device", "_raw_stream",

@@ -340,7 +340,8 @@ def dropout_scale(dropout_p):
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
-                           return_lse=False, *, mods=None, **mod_args):
+                           return_lse=False, *, block_table=None, seqused_q=None,
+                           seqused_k=None, mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_varlen_func: sequences packed along one token axis,
     q (total_q, H_q, d), k and v (total_k, H_kv, d); sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k
@@ -368,17 +369,45 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     are shaped as for a dense (batch, H_q, max_seqlen_q, max_seqlen_k) call (e.g. a
     [B, N] tensor is (batch, >= max(max_seqlen_q, max_seqlen_k)), row i for sequence i). A
     mask mod's block lists are made per sequence and cached by the mask's tensors and the
-    cu_seqlens tensors."""
+    cu_seqlens tensors.
+
+    Chunked prefill over a paged KV cache (forward only, no dropout; flash-attn 2's
+    block_table, FA3's seqused_q / seqused_k): with block_table (batch, max_pages) int32, k
+    and v are caches (num_blocks, page_size, H_kv, d) of any page_size >= 1, and sequence
+    i's keys are the first n_k_i positions of its pages, n_k_i = seqused_k[i] when given
+    (cu_seqlens_k may then be None, as in FA3 / FA4), else cu_seqlens_k[i + 1] -
+    cu_seqlens_k[i]. Without block_table, seqused_k[i] keys of sequence i's rows of k/v
+    are used. seqused_q[i]: the queries are the first seqused_q[i] rows of sequence i's
+    span, the later ones written 0 with LSE -inf. The queries are the sequence's last
+    tokens (causal and windows bottom-right on the used lengths). The `tl` varlen kernel
+    serves these calls (SERVING_GLUON_REASON); score and sink mods work, mask mods do not
+    (ValueError). Values are checked or clamped as cu_seqlens are: a page index into
+    [0, num_blocks), a length into the table's capacity (docs/VARLEN.md)."""
     if mods is None and mod_args:
         raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
                         "need mods=(...)")
-    max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
-                                                       max_seqlen_q, max_seqlen_k)
+    serving = not (block_table is None and seqused_q is None and seqused_k is None)
+    if serving:
+        max_seqlen_q, max_seqlen_k = _runtime.check_serving(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+            seqused_q, seqused_k)
+    else:
+        max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                           max_seqlen_q, max_seqlen_k)
     _runtime.check_dropout(dropout_p)
     window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
                                    else window_size)
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
     mask, lo, hi = _runtime.varlen_band(max_seqlen_q, max_seqlen_k, bool(causal), window)
+    if serving:
+        call = None if mods is None else _mods.prepare(
+            mods, mod_args, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k,
+            q.device)
+        out, lse = _runtime.forward_serving(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
+            seqused_q, seqused_k, mask=mask, lo=lo, hi=hi, scale=scale,
+            dropout_p=float(dropout_p), mods=call)
+        return (out, lse) if return_lse else out
     if mods is not None:
         out, lse = _mods.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                           max_seqlen_k, mods, mod_args, mask=mask, lo=lo,

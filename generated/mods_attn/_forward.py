@@ -78,6 +78,7 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
         cfg = PLANNED[name]  # the `tl` kernel at the planner's tile serves this call
     grid = (batch * h_q, triton_cdiv(n_q, cfg["block_m"]))
     args = (None, None,  # CU_Q, CU_K: a dense batch
+            None, None, None, 0, 0,  # SEQUSED_Q, SEQUSED_K, BT, stride_btb, NUM_BLOCKS
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
             n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
@@ -88,7 +89,8 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
              or row_span_past_int32(row_dim, n_k, k, v))
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=False,
-                ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                PAGE_SIZE=0, ROW64=row64, num_warps=cfg["num_warps"],
+                num_stages=cfg["num_stages"])
     sparse = _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False)
     return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch, sparse
 

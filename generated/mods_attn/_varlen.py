@@ -54,6 +54,12 @@ VARLEN_GLUON_MODS = True
 VARLEN_GLUON_MASK_MODS = True
 VARLEN_MODS_REASON = ("VARLEN_GLUON_MASK_MODS = False: a packed batch with a mask mod runs "
                       "the `tl` varlen kernels unless the Gluon family is asked for")
+# A call with serving arguments (block_table, seqused_q / seqused_k: _paged) always runs the
+# `tl` varlen kernel, which reads pages through the block table (PAGE_SIZE); the Gluon
+# varlen forward loads K/V as TMA boxes of one packed tensor and knows no used lengths.
+SERVING_GLUON_REASON = ("a paged KV cache (block_table) or seqused_q / seqused_k: the Gluon "
+                        "varlen forward reads packed K/V by TMA and no used lengths; the `tl` "
+                        "kernel serves it")
 
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
@@ -97,12 +103,18 @@ def varlen_band(max_q: int, max_k: int, causal: bool, window: tuple) -> tuple:
 
 
 def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str, lo: int,
-                   hi: int, scale: float, dropout_p: float = 0.0, rng=None, mods=None):
+                   hi: int, scale: float, dropout_p: float = 0.0, rng=None, mods=None,
+                   serving=None):
     """The forward of a packed ragged batch (q (total_q, H_q, d), k/v (total_k, H_kv, d),
     int32 cu_seqlens of batch + 1 entries); writes o (like q) in place, returns the LSE as
     (H_q, total_q) fp32. lo/hi from varlen_band. Cached per call signature like forward.
-    `mods`: the call's `_mods.Call` on this packed batch (Call.packed), else None."""
-    check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+    `mods`: the call's `_mods.Call` on this packed batch (Call.packed), else None.
+    `serving`: (seqused_q, seqused_k, block_table) of a call _paged.check_serving checked
+    (k/v then the paged cache when block_table; rows past seqused_q are left as o holds
+    them), else None."""
+    if serving is None:
+        check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+        serving = _NO_SERVING
     if not v_in_place(v):
         v = v.contiguous()
     if dropout_p > 0.0:
@@ -114,16 +126,20 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     key = ("varlen", q.shape, k.shape, v.shape, q.stride(), k.stride(), v.stride(), o.stride(),
            q.dtype, q.device, cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
            # Triton specialises pointers on 16-byte alignment (o: a fresh allocation)
-           alignments(q, k, v, cu_q, cu_k), mods.signature if mods is not None else None)
+           alignments(q, k, v, cu_q, *(t for t in (cu_k, *serving) if t is not None)),
+           mods.signature if mods is not None else None, _serving_key(cu_k, serving))
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
             _forward_plans.clear()
         plan = _forward_plans[key] = _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask,
                                                           lo, hi, scale, widths is not None,
-                                                          mods)
+                                                          mods, serving)
     launch, args, tma, sparse = plan
-    lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
+    if serving[0] is not None:  # the rows past seqused_q: LSE -inf (their o is the caller's)
+        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
+    else:
+        lse = torch.empty((q.shape[1], q.shape[0]), device=q.device, dtype=torch.float32)
     if launch is None:
         if lse.numel():
             lse.fill_(float("-inf"))
@@ -144,11 +160,22 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
         launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop),
                *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
-        launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *mods.args,
+        launch(q, k, v, o, lse, cu_q, cu_k, *serving, *args, *drop, *mods.args,
                *(mods.tl_sparse(*sparse, lo, hi) if sparse else ()))
     else:
-        launch(q, k, v, o, lse, cu_q, cu_k, *args, *drop, *drop_pos)
+        launch(q, k, v, o, lse, cu_q, cu_k, *serving, *args, *drop, *drop_pos)
     return lse
+
+
+_NO_SERVING = (None, None, None)  # SEQUSED_Q, SEQUSED_K, BT: a plain packed batch
+
+
+def _serving_key(cu_k, serving) -> tuple:
+    """What a launch plan depends on of the serving arguments: which are given (Triton
+    compiles None in), the block table's shape and row stride."""
+    bt = serving[2]
+    return (cu_k is None, *(t is None for t in serving[:2]),
+            None if bt is None else (bt.shape, bt.stride()))
 
 
 def _varlen_config(name, device, max_q, max_k):
@@ -183,11 +210,15 @@ def _varlen_mods_reason(mods) -> "str | None":
     return None
 
 
-def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str | None":
+def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
+                        serving=False) -> "str | None":
     """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
-    (None when it does): the dense rules (a Gluon config, the variant, the device, not too
-    small), the switches for mods (_varlen_mods_reason) and dropout (VARLEN_GLUON_DROPOUT),
-    TMA-readable packed tensors, some keys, and VARLEN_GLUON_FORWARD."""
+    (None when it does): serving arguments (SERVING_GLUON_REASON), the dense rules (a
+    Gluon config, the variant, the device, not too small), the switches for mods
+    (_varlen_mods_reason) and dropout (VARLEN_GLUON_DROPOUT), TMA-readable packed tensors,
+    some keys, and VARLEN_GLUON_FORWARD."""
+    if serving:
+        return SERVING_GLUON_REASON
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
     reason = _varlen_mods_reason(mods)
@@ -214,33 +245,46 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None) -> "str |
 
 
 def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dropout,
-                         mods=None):
-    """(Launcher, arguments, tma, block-mask tile or None) of a varlen forward signature."""
+                         mods=None, serving=_NO_SERVING):
+    """(Launcher, arguments, tma, block-mask tile or None) of a varlen forward signature;
+    the arguments start at stride_btb (the kernel's serving pointers come per call)."""
     total_q, h_q, d = q.shape
-    total_k, h_kv, _ = k.shape
+    h_kv = k.shape[-2]
+    paged = serving[2] is not None
+    total_k = k.shape[0]
+    if paged:  # the keys' bound: the table's capacity (none in an empty pool)
+        total_k = serving[2].shape[1] * k.shape[1] if k.shape[0] else 0
     batch = cu_q.shape[0] - 1
     if batch * h_q * total_q * max_q == 0:
         return None, (), False, None
     names = mods.names if mods is not None else ()
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
-    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods) is None:
+    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods,
+                           any(t is not None for t in serving)) is None:
         # a mask mod's block lists at the Gluon tile, one per sequence (Call.packed)
         return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
                 _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))
     cfg = _varlen_config(name, q.device, max_q, max_k)
     grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
-    # batch strides 0: the kernels move each program to its sequence's first row
-    args = (0, q.stride(1), q.stride(0), 0, k.stride(1), k.stride(0),
-            0, v.stride(1), v.stride(0), 0, o.stride(1), o.stride(0),
+    if paged:  # (page, head, row-in-page) strides of the caches; the table's row stride
+        pages = (serving[2].stride(0), k.shape[0], k.stride(0), k.stride(2), k.stride(1),
+                 v.stride(0), v.stride(2), v.stride(1))
+    else:  # batch strides 0: the kernels move each program to its sequence's first row
+        pages = (0, 0, 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0))
+    args = (*pages[:2], 0, q.stride(1), q.stride(0), *pages[2:], 0, o.stride(1), o.stride(0),
             total_q, total_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
-    tma = (bool(cfg.get("tma", False)) and total_k > 0
+    # (page rows are gathered: no TMA box spans a sequence's keys)
+    tma = (bool(cfg.get("tma", False)) and total_k > 0 and not paged
            and _descriptor_ready((k, (0, *k.stride()[1::-1])), (v, (0, *v.stride()[1::-1]))))
-    # (a sequence's first row is 64-bit: the rows of the longest sequence count)
-    row64 = row_span_past_int32(0, max_q, q, o) or row_span_past_int32(0, max_k, k, v)
+    # (a sequence's first row is 64-bit: the rows of the longest sequence count; a page's
+    # offset is 64-bit, the rows inside it few)
+    row64 = row_span_past_int32(0, max_q, q, o) or (
+        not paged and row_span_past_int32(0, max_k, k, v))
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
-                ROW64=row64, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                PAGE_SIZE=k.shape[1] if paged else 0, ROW64=row64,
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # a mask mod's block lists at this tile: one per sequence (Call.packed)
     return (Launcher(kernel(name), grid, meta), args, tma,
             _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))

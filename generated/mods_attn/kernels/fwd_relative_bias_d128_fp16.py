@@ -21,7 +21,10 @@ With VARLEN (flash_attn_varlen_func) the batch is packed along the rows: program
 (sequence, head), and each program reads its sequence's span from CU_Q / CU_K and runs as
 a dense program of that sequence's lengths (band aligned bottom-right per sequence, LSE in
 flash-attn's [H_Q, total_q] layout). A dense launch passes VARLEN=False and None for the
-two pointers, which compiles none of it.
+two pointers, which compiles none of it. With PAGE_SIZE > 0 (VARLEN only: chunked prefill)
+K and V are a paged cache (num_blocks, PAGE_SIZE, H_KV, d): key j of sequence b is row
+j % PAGE_SIZE of page BT[b, j // PAGE_SIZE] (`_band.page_rows`, page indices clamped into
+the pool); SEQUSED_Q / SEQUSED_K (FA3's used lengths per sequence) shorten the spans.
 
 Row offsets inside one (batch, head) slice (row * row stride) are 32-bit; the runtime
 launches a call whose slices span 2**31 elements or more with ROW64, which makes them
@@ -30,7 +33,7 @@ launches a call whose slices span 2**31 elements or more with ROW64, which makes
 import triton
 import triton.language as tl
 
-from .._band import key_ranges, seq_span
+from .._band import key_ranges, page_rows, seq_span
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
@@ -60,16 +63,20 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 # Lengths, head counts and band offsets change from call to call: keep Triton from
 # specialising on their values (== 1, divisible by 16) so a new length reuses the binary.
-@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED",
+@triton.jit(do_not_specialize=["N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF", "SEED", "NUM_BLOCKS",
                                "RNG_OFFSET", "DROP_THRESHOLD", "T_rel_bias_S0", "T_rel_bias_D0", "T_rel_bias_D1", "Q_POS", "KV_POS", "P_max_distance"])
 def fwd_relative_bias_d128_fp16_kernel(
     Q, K, V, O, LSE,  # O: like Q; LSE: [B, H_Q, N_Q] fp32 (VARLEN: [H_Q, N_Q]), contiguous
-    CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None)
+    CU_Q, CU_K,  # VARLEN: [B + 1] int32 cumulative sequence lengths (else None; CU_K:
+    # None with PAGE_SIZE and SEQUSED_K)
+    SEQUSED_Q, SEQUSED_K,  # VARLEN: [B] int32 rows in use per sequence (FA3's), or None
+    BT,  # PAGE_SIZE: [B, max_pages] int32 block table, unit stride along pages (else None)
+    stride_btb, NUM_BLOCKS,  # PAGE_SIZE: the table's row stride; pages in the pool
     stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
+    stride_kb, stride_kh, stride_kn,  # PAGE_SIZE: kb / vb step pages, kn / vn rows of a page
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    N_Q, N_K,
+    N_Q, N_K,  # PAGE_SIZE: N_K = the table's capacity (max_pages * PAGE_SIZE)
     H_Q,  # query heads; program axis 0 enumerates batch * H_Q
     KV_GROUP,  # query heads per key/value head (1 = MHA, H_Q = MQA)
     QK_SCALE_LOG2,  # softmax scale * log2(e)
@@ -85,6 +92,7 @@ def fwd_relative_bias_d128_fp16_kernel(
     USE_TMA: tl.constexpr,  # unmasked K/V blocks through tensor descriptors (Hopper TMA)
     WARP_SPECIALIZE: tl.constexpr,  # split the unmasked loop into producer/consumer warps
     VARLEN: tl.constexpr,  # packed ragged batch (flash_attn_varlen_func); False: dense
+    PAGE_SIZE: tl.constexpr,  # VARLEN: rows per page of a paged K/V cache; 0: packed K/V rows
     ROW64: tl.constexpr,  # rows of one (batch, head) span >= 2**31 elements: 64-bit row offsets
 ):
     # ------------------------------------------------------------------------------------
@@ -113,7 +121,18 @@ def fwd_relative_bias_d128_fp16_kernel(
         # tensors); positions, the band, dropout and the mods are all in-sequence
         TOTAL_Q = N_Q
         q_start, N_Q = seq_span(CU_Q, b, N_Q)
-        k_start, N_K = seq_span(CU_K, b, N_K)
+        if SEQUSED_Q is not None:  # the span's first rows; the host zeroed the rest
+            N_Q = tl.minimum(tl.maximum(tl.load(SEQUSED_Q + b), 0), N_Q)
+        if PAGE_SIZE:
+            # positions [0, N_K) of the sequence's pages, at most the table's capacity
+            if SEQUSED_K is None:
+                N_K = tl.minimum(tl.maximum(tl.load(CU_K + b + 1) - tl.load(CU_K + b), 0), N_K)
+            else:
+                N_K = tl.minimum(tl.maximum(tl.load(SEQUSED_K + b), 0), N_K)
+        else:
+            k_start, N_K = seq_span(CU_K, b, N_K)
+            if SEQUSED_K is not None:
+                N_K = tl.minimum(tl.maximum(tl.load(SEQUSED_K + b), 0), N_K)
         # LO_OFF / HI_OFF arrive relative to the diagonal: align it bottom-right per sequence
         LO_OFF = LO_OFF + (N_K - N_Q)
         HI_OFF = HI_OFF + (N_K - N_Q)
@@ -134,25 +153,38 @@ def fwd_relative_bias_d128_fp16_kernel(
         stride_om = tl.cast(stride_om, tl.int64)
     # 64-bit base offsets: batch * stride can exceed 2**31 elements on long sequences
     q_base = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
-    v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
+    if PAGE_SIZE:  # the pages of K and V are found per key block (page_rows)
+        k_base = K + kv_h.to(tl.int64) * stride_kh
+        v_base = V + kv_h.to(tl.int64) * stride_vh
+        bt_row = BT + b.to(tl.int64) * stride_btb
+        last_key = tl.maximum(N_K - 1, 0)  # table reads stop at the sequence's last page
+    else:
+        k_base = K + b.to(tl.int64) * stride_kb + kv_h.to(tl.int64) * stride_kh
+        v_base = V + b.to(tl.int64) * stride_vb + kv_h.to(tl.int64) * stride_vh
     o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
     if VARLEN:  # stride_*b are 0: the batch is packed along the rows
         q_base += q_start.to(tl.int64) * stride_qm
-        k_base += k_start.to(tl.int64) * stride_kn
-        v_base += k_start.to(tl.int64) * stride_vn
+        if not PAGE_SIZE:
+            k_base += k_start.to(tl.int64) * stride_kn
+            v_base += k_start.to(tl.int64) * stride_vn
 
     # ------------------------------------------------------------------------------------
     # Load the query block once; it stays on chip for the whole key loop
     # ------------------------------------------------------------------------------------
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
     q0 = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d0[None, :], mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
-    k_ptrs0 = k_base + offs_n[:, None] * stride_kn + offs_d0[None, :]  # [BLOCK_N, D0_SIZE]
+    if PAGE_SIZE:  # + the block's rows (k_off)
+        k_ptrs0 = k_base + offs_d0[None, :]  # [1, D0_SIZE]
+    else:
+        k_ptrs0 = k_base + offs_n[:, None] * stride_kn + offs_d0[None, :]  # [BLOCK_N, D0_SIZE]
     if USE_TMA:
         # rows past N_K and columns past HEAD_DIM read as zeros
         k_desc0 = tl.make_tensor_descriptor(k_base, shape=[N_K, HEAD_DIM], strides=[stride_kn, 1], block_shape=[BLOCK_N, D0_SIZE])
     offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
-    v_ptrsv0 = v_base + offs_n[:, None] * stride_vn + offs_dv0[None, :]  # [BLOCK_N, DV0_SIZE]
+    if PAGE_SIZE:  # + the block's rows (v_off)
+        v_ptrsv0 = v_base + offs_dv0[None, :]  # [1, DV0_SIZE]
+    else:
+        v_ptrsv0 = v_base + offs_n[:, None] * stride_vn + offs_dv0[None, :]  # [BLOCK_N, DV0_SIZE]
     accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
     if USE_TMA:
         v_descv0 = tl.make_tensor_descriptor(v_base, shape=[N_K, V_DIM], strides=[stride_vn, 1], block_shape=[BLOCK_N, DV0_SIZE])
@@ -168,7 +200,13 @@ def fwd_relative_bias_d128_fp16_kernel(
     # Phase 1: blocks on the lower (left) edge of a sliding window, masked
     if MASK_LEFT:
         for n0 in range(lo, full_lo, BLOCK_N):
-            k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
+            if PAGE_SIZE:  # this block's rows of K and V, from the block table
+                k_off, v_off = page_rows(bt_row, n0, last_key, NUM_BLOCKS, stride_kb, stride_kn,
+                                         stride_vb, stride_vn, BLOCK_N, PAGE_SIZE)
+            else:
+                k_off = n0 * stride_kn
+                v_off = n0 * stride_vn
+            k0 = tl.load(k_ptrs0 + k_off, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
             # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
             q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
@@ -198,16 +236,22 @@ def fwd_relative_bias_d128_fp16_kernel(
                 keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
                 p = tl.where(keep, p, 0.0)
             p = p.to(V.dtype.element_ty)
-            vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
+            vv0 = tl.load(v_ptrsv0 + v_off, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
             accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
             m_i = m_new
 
     # Phase 2: blocks every row may see in full -- the bulk of the work, no mask arithmetic
     for n0 in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        if PAGE_SIZE:  # this block's rows of K and V, from the block table
+            k_off, v_off = page_rows(bt_row, n0, last_key, NUM_BLOCKS, stride_kb, stride_kn,
+                                     stride_vb, stride_vn, BLOCK_N, PAGE_SIZE)
+        else:
+            k_off = n0 * stride_kn
+            v_off = n0 * stride_vn
         if USE_TMA:
             k0 = k_desc0.load([n0, D0_OFFSET])  # [BLOCK_N, D0_SIZE]
         else:
-            k0 = tl.load(k_ptrs0 + n0 * stride_kn)  # [BLOCK_N, D0_SIZE]
+            k0 = tl.load(k_ptrs0 + k_off)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
@@ -232,13 +276,19 @@ def fwd_relative_bias_d128_fp16_kernel(
         if USE_TMA:
             vv0 = v_descv0.load([n0, DV0_OFFSET])  # [BLOCK_N, DV0_SIZE]
         else:
-            vv0 = tl.load(v_ptrsv0 + n0 * stride_vn)  # [BLOCK_N, DV0_SIZE]
+            vv0 = tl.load(v_ptrsv0 + v_off)  # [BLOCK_N, DV0_SIZE]
         accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
 
     # Phase 3: the diagonal band and the ragged end of the keys, masked
     for n0 in range(full_hi, hi, BLOCK_N):
-        k0 = tl.load(k_ptrs0 + n0 * stride_kn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
+        if PAGE_SIZE:  # this block's rows of K and V, from the block table
+            k_off, v_off = page_rows(bt_row, n0, last_key, NUM_BLOCKS, stride_kb, stride_kn,
+                                     stride_vb, stride_vn, BLOCK_N, PAGE_SIZE)
+        else:
+            k_off = n0 * stride_kn
+            v_off = n0 * stride_vn
+        k0 = tl.load(k_ptrs0 + k_off, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, D0_SIZE]
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         q_idx = (offs_m + Q_POS)[:, None]  # [BLOCK_M, 1] row of the score matrix (global)
@@ -268,7 +318,7 @@ def fwd_relative_bias_d128_fp16_kernel(
             keep = keep_mask(SEED, RNG_OFFSET, bh, m_start + Q_POS, n0 + KV_POS, DROP_THRESHOLD, BLOCK_M, BLOCK_N)
             p = tl.where(keep, p, 0.0)
         p = p.to(V.dtype.element_ty)
-        vv0 = tl.load(v_ptrsv0 + n0 * stride_vn, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
+        vv0 = tl.load(v_ptrsv0 + v_off, mask=((n0 + offs_n)[:, None] < N_K), other=0.0)  # [BLOCK_N, DV0_SIZE]
         accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
 

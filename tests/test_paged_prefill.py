@@ -1,0 +1,286 @@
+"""Chunked prefill over a paged KV cache: flash_attn_varlen_func with block_table,
+seqused_k and seqused_q, against a float64 reference that runs each sequence alone on its
+keys gathered from the pages, and against the package's own dense varlen call on the same
+gathered keys.
+
+The cache is hostile on purpose: its pages are shuffled, every row the call must not read
+(unused pages, the tail of a sequence's last page, rows past seqused_k) is NaN, the block
+table's unused entries are out of range, and the output starts poisoned (NaN), so a read
+of a wrong row or a row never written shows as NaN. Page sizes 16 and 64 (key blocks of
+16 x 16 test tiles and of the planner's tile both inside one page and spanning several)
+and 24, which is no power of two; queries of 0, 1 and more rows over cached contexts from
+0 to about 300 keys.
+
+Tolerances (conftest): fp32 2e-5, bf16 1.6e-2 on the output against float64; the LSE 1e-4
+(fp32 scores whatever the input). Against the dense varlen call on the gathered keys the
+paged call must agree bit for bit at one tile: the same kernel, with the rows found
+through the table.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import LSE_TOL, OUT_TOL
+from flashgen.reference import attention_ref, visible_mask
+from packages import build_and_import
+
+ROOT = Path(__file__).resolve().parent.parent
+TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+D = 32
+# new tokens (queries) and the sequence's keys (cached context + new tokens): an empty
+# chunk, one-token chunks (decode-like), a context of 0, multi-page contexts
+LQ = [7, 0, 1, 20, 1, 33]
+LK = [7, 5, 300, 57, 1, 140]
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    body = re.sub(r"head_dims: \[.*\]", f"head_dims: [{D}]", body)
+    body = re.sub(r"dtypes: \[.*\]", "dtypes: [fp32, bf16]", body)
+    body = re.sub(r"masks: \[.*\]", "masks: [none, causal, sliding_window]\n"
+                  "window: {left: 24, right: 0}", body)
+    body = body.replace("decode: true", "decode: false")
+    return build_and_import(tmp_path_factory.mktemp("paged"), "fg_test_paged", body)
+
+
+def cu(lengths):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def paged_cache(lk, page_size, h_kv, dtype, spare=3, gen=None):
+    """(k_cache, v_cache, block_table, k, v): the packed keys / values of every sequence and
+    the same rows scattered over shuffled pages of a NaN-filled pool; the table's unused
+    entries point past the pool."""
+    pages = [-(-n // page_size) for n in lk]
+    max_pages = max(pages) + 1
+    num_blocks = sum(pages) + spare
+    k = torch.randn(sum(lk), h_kv, D, generator=gen).to(dtype)
+    v = torch.randn(sum(lk), h_kv, D, generator=gen).to(dtype)
+    k_cache = torch.full((num_blocks, page_size, h_kv, D), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    order = torch.randperm(num_blocks, generator=gen)
+    table = torch.full((len(lk), max_pages), num_blocks + 7, dtype=torch.int32)
+    start, used = 0, 0
+    for i, (n, p) in enumerate(zip(lk, pages)):
+        for j in range(p):
+            page = int(order[used])
+            used += 1
+            table[i, j] = page
+            rows = slice(start + j * page_size, start + min((j + 1) * page_size, n))
+            count = rows.stop - rows.start
+            k_cache[page, :count] = k[rows]
+            v_cache[page, :count] = v[rows]
+        start += n
+    return k_cache, v_cache, table, k, v
+
+
+def reference(q, k, v, lq, lk, *, causal, window=(-1, -1), score_mod=None, sink=None):
+    """(out, lse (H, total_q)) in float64, one sequence at a time on its packed keys."""
+    cq, ck = cu(lq), cu(lk)
+    outs, lses = [], []
+    for i, (n_q, n_k) in enumerate(zip(lq, lk)):
+        qs = q[cq[i]:cq[i + 1]].transpose(0, 1)[None]
+        ks = k[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+        vs = v[ck[i]:ck[i + 1]].transpose(0, 1)[None]
+        vis = visible_mask(n_q, n_k, causal=causal, window=window, bottom_right=True)
+        out, lse = attention_ref(qs, ks, vs, vis, score_mod=score_mod,
+                                 sink=None if sink is None else sink[None])
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.cat(outs), torch.cat(lses, 1)
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def check(got, ref, dtype):
+    out, lse = got
+    r_out, r_lse = ref
+    assert not torch.isnan(out).any(), "NaN in the output: a wrong row read or never written"
+    seen = torch.isfinite(r_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "LSE -inf rows differ"
+    torch.testing.assert_close(lse.double()[seen], r_lse[seen], atol=LSE_TOL[0],
+                               rtol=LSE_TOL[1])
+    tol = OUT_TOL[dtype]
+    torch.testing.assert_close(out.double(), r_out, atol=tol[0], rtol=tol[1])
+
+
+def call(pkg, q, k_cache, v_cache, lq, lk, bt, *, tiles=TILES, cu_k=True, seqused_k=None,
+         **kw):
+    with pkg._runtime.override_config(**tiles) if tiles else _nothing():
+        return pkg.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu(lq), cu(lk) if cu_k else None, max(lq), max(lk),
+            block_table=bt, seqused_k=seqused_k, return_lse=True, **kw)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.parametrize("page_size,causal,window,h_q,h_kv,dtype", [
+    (16, True, (-1, -1), 4, 1, torch.float32),
+    (64, True, (-1, -1), 2, 2, torch.float32),
+    (24, False, (-1, -1), 4, 1, torch.float32),
+    (16, False, (24, 0), 2, 1, torch.float32),
+    (64, True, (-1, -1), 4, 1, torch.bfloat16),
+], ids=["p16_causal_gqa4", "p64_causal", "p24_full_gqa4", "p16_window", "p64_causal_bf16"])
+def test_paged_matches_float64_and_the_dense_varlen_call(pkg, page_size, causal, window, h_q,
+                                                         h_kv, dtype):
+    gen = torch.Generator().manual_seed(page_size * 10 + h_q)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, page_size, h_kv, dtype, gen=gen)
+    q = torch.randn(sum(LQ), h_q, D, generator=gen).to(dtype)
+    got = call(pkg, q, k_cache, v_cache, LQ, LK, bt, causal=causal, window_size=window)
+    check(got, reference(q, k, v, LQ, LK, causal=causal, window=window), dtype)
+    with pkg._runtime.override_config(**TILES):
+        dense = pkg.flash_attn_varlen_func(q, k, v, cu(LQ), cu(LK), max(LQ), max(LK),
+                                           causal=causal, window_size=window,
+                                           return_lse=True)
+    assert torch.equal(got[0], dense[0]) and torch.equal(got[1], dense[1])
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 24])
+def test_planned_tiles(pkg, page_size):
+    """The planner's tile (a key block of 64 or more), over pages smaller than, equal to
+    and not dividing it."""
+    gen = torch.Generator().manual_seed(page_size)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, page_size, 1, torch.bfloat16, gen=gen)
+    q = torch.randn(sum(LQ), 4, D, generator=gen).to(torch.bfloat16)
+    got = call(pkg, q, k_cache, v_cache, LQ, LK, bt, tiles=None, causal=True)
+    check(got, reference(q, k, v, LQ, LK, causal=True), torch.bfloat16)
+
+
+def test_seqused_k_shorter_than_the_pages_and_no_cu_seqlens_k(pkg):
+    """seqused_k (FA3 / FA4) gives the keys: cu_seqlens_k None, the pages hold more rows
+    (finite ones past seqused_k, which must not be read)."""
+    gen = torch.Generator().manual_seed(3)
+    held = [n + 13 for n in LK]
+    k_cache, v_cache, bt, k, v = paged_cache(held, 16, 1, torch.float32, gen=gen)
+    used = torch.tensor(LK, dtype=torch.int32)
+    keep = torch.cat([torch.arange(s, s + n) for s, n in zip(cu(held)[:-1].tolist(), LK)])
+    q = torch.randn(sum(LQ), 4, D, generator=gen)
+    got = call(pkg, q, k_cache, v_cache, LQ, held, bt, cu_k=False, seqused_k=used,
+               causal=True)
+    check(got, reference(q, k[keep], v[keep], LQ, LK, causal=True), torch.float32)
+    # with cu_seqlens_k too, seqused_k wins (FA3's order)
+    again = call(pkg, q, k_cache, v_cache, LQ, held, bt, seqused_k=used, causal=True)
+    assert torch.equal(got[0], again[0])
+
+
+def test_seqused_q_zeroes_the_rows_past_it(pkg):
+    """seqused_q[i]: the first rows of sequence i's span are its queries (bottom-right on
+    them); the rest get 0 and LSE -inf."""
+    gen = torch.Generator().manual_seed(4)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, 16, 1, torch.float32, gen=gen)
+    q = torch.randn(sum(LQ), 4, D, generator=gen)
+    used_q = [5, 0, 1, 0, 1, 17]
+    with pkg._runtime.override_config(**TILES):
+        out, lse = pkg.flash_attn_varlen_func(
+            q, k_cache, v_cache, cu(LQ), cu(LK), max(LQ), max(LK), causal=True,
+            block_table=bt, seqused_q=torch.tensor(used_q, dtype=torch.int32),
+            return_lse=True)
+    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(cu(LQ)[:-1].tolist(), used_q)])
+    ref = reference(q[rows], k, v, used_q, LK, causal=True)
+    check((out[rows], lse[:, rows]), ref, torch.float32)
+    rest = torch.ones(sum(LQ), dtype=torch.bool)
+    rest[rows] = False
+    assert (out[rest] == 0).all() and (lse[:, rest] == float("-inf")).all()
+
+
+def test_seqused_k_on_packed_keys(pkg):
+    """Without a block table, seqused_k[i] keys of sequence i's cu_seqlens_k rows."""
+    gen = torch.Generator().manual_seed(5)
+    span = [n + 4 for n in LK]
+    k = torch.randn(sum(span), 2, D, generator=gen)
+    v = torch.randn(sum(span), 2, D, generator=gen)
+    q = torch.randn(sum(LQ), 2, D, generator=gen)
+    keep = torch.cat([torch.arange(s, s + n) for s, n in zip(cu(span)[:-1].tolist(), LK)])
+    k[~torch.isin(torch.arange(sum(span)), keep)] = float("nan")
+    with pkg._runtime.override_config(**TILES):
+        got = pkg.flash_attn_varlen_func(q, k, v, cu(LQ), cu(span), max(LQ), max(span),
+                                         causal=True, seqused_k=torch.tensor(LK, dtype=torch.int32),
+                                         return_lse=True)
+    check(got, reference(q, k[keep], v[keep], LQ, LK, causal=True), torch.float32)
+
+
+def test_score_and_sink_mods(pkg):
+    gen = torch.Generator().manual_seed(6)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, 16, 1, torch.float32, gen=gen)
+    q = torch.randn(sum(LQ), 4, D, generator=gen) * 3
+    got = call(pkg, q, k_cache, v_cache, LQ, LK, bt, causal=True, mods=("softcap",), cap=5.0)
+    ref = reference(q, k, v, LQ, LK, causal=True,
+                    score_mod=lambda s: 5.0 * torch.tanh(s / 5.0))
+    check(got, ref, torch.float32)
+    sinks = torch.randn(4, generator=gen)
+    got = call(pkg, q, k_cache, v_cache, LQ, LK, bt, causal=True, mods=("sink_logits",),
+               sinks=sinks)
+    check(got, reference(q, k, v, LQ, LK, causal=True, sink=sinks.double()), torch.float32)
+
+
+def test_bad_block_table_values(pkg, monkeypatch):
+    """Out-of-range page indices in use: a ValueError where values are checked (CPU tensors
+    by default), clamped into the pool unchecked (FLASHGEN_CHECK_VALUES=0): finite, no
+    crash. Lengths past the table's capacity likewise."""
+    gen = torch.Generator().manual_seed(7)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, 16, 1, torch.float32, gen=gen)
+    k_cache = k_cache.nan_to_num()  # a clamped index may land on any page
+    v_cache = v_cache.nan_to_num()
+    q = torch.randn(sum(LQ), 4, D, generator=gen)
+    for bad in (-3, k_cache.shape[0], 2 ** 31 - 1):
+        table = bt.clone()
+        table[2, 5] = bad
+        with pytest.raises(ValueError, match="block_table entries in use"):
+            call(pkg, q, k_cache, v_cache, LQ, LK, table, causal=True)
+    with pytest.raises(ValueError, match="capacity"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt, cu_k=False, causal=True,
+             seqused_k=torch.tensor([10 ** 6] + LK[1:], dtype=torch.int32))
+    monkeypatch.setattr(pkg._decode, "CHECK_VALUES", False)
+    table = bt.clone()
+    table[2, 5], table[5, 0], table[0, 0] = -3, 2 ** 31 - 1, k_cache.shape[0]
+    out, lse = call(pkg, q, k_cache, v_cache, LQ, LK, table, causal=True)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    out, lse = call(pkg, q, k_cache, v_cache, LQ, LK, bt, cu_k=False, causal=True,
+                    seqused_k=torch.tensor([10 ** 6, -5] + LK[2:], dtype=torch.int32))
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+
+
+def test_forward_only_and_argument_errors(pkg):
+    gen = torch.Generator().manual_seed(9)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, 16, 1, torch.float32, gen=gen)
+    q = torch.randn(sum(LQ), 4, D, generator=gen)
+    with pytest.raises(ValueError, match="forward-only"):
+        call(pkg, q.requires_grad_(), k_cache, v_cache, LQ, LK, bt, causal=True)
+    q = q.detach()
+    with pytest.raises(ValueError, match="mask mod"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt, causal=True, mods=("document",),
+             doc=torch.zeros(len(LQ), max(LK), dtype=torch.int32))
+    with pytest.raises(ValueError, match="both None"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt, cu_k=False, causal=True)
+    with pytest.raises(ValueError, match="int32"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt.long(), causal=True)
+    with pytest.raises(ValueError, match="rows but the batch"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt[1:], causal=True)
+    with pytest.raises(ValueError, match="4-D paged cache"):
+        call(pkg, q, k, v, LQ, LK, bt, causal=True)
+    with pytest.raises(ValueError, match="unit stride"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt.t().contiguous().t(), causal=True)
+    with pytest.raises(ValueError, match="dropout"):
+        call(pkg, q, k_cache, v_cache, LQ, LK, bt, causal=True, dropout_p=0.1)
+
+
+def test_paged_calls_never_take_gluon(pkg):
+    """The Gluon varlen forward has no page table: the reason is recorded first."""
+    q = torch.randn(8, 2, D, dtype=torch.bfloat16)
+    why = pkg._runtime.gluon_varlen_reason("fwd_causal_d32_bf16", {"family": "gluon"}, q, q,
+                                           q, q, 8, "causal", serving=True)
+    assert why == pkg._runtime.SERVING_GLUON_REASON and "block_table" in why
