@@ -44,7 +44,8 @@ _POSITIONS = {"Q_POS", "KV_POS"}
 # (lengths, page size, capacity, the workspace offset) or the fp32 scale
 _DECODE_POINTERS = {"Q": None, "K": None, "V": None, "O": None, "KN": None, "VN": None,
                     "LSE": "*fp32", "OP": "*fp32", "CNT": "*i32", "SEQLENS": "*i32",
-                    "BT": "*i32"}
+                    "BT": "*i32", "COS": None, "SIN": None, "CACHE_IDX": "*i32",
+                    "LEFTPAD": "*i32"}
 
 
 @dataclass
@@ -156,14 +157,16 @@ def _launches(kind: str, config: dict, function_names, row64: bool = False, dims
         # of K (a latent cache: V_IS_K), that form too. The append: the runtime's default
         # 4 warps, 8 KV heads at once.
         d, dv = dims
+        # (without rotary, cache_batch_idx and cache_leftpad: their code is compiled out)
+        plain = dict(ROTARY_DIM=0, ROTARY_INTERLEAVED=False, BATCH_IDX=False)
         form = dict(PAGED=True, PAGE_BLOCKS=True, PER_ROW_LENS=True, SPLIT=True,
-                    STORE_LSE=True, V_IS_K=False, BLOCK_M=bm, BLOCK_N=bn)
+                    STORE_LSE=True, V_IS_K=False, LEFT_PAD=False, BLOCK_M=bm, BLOCK_N=bn, **plain)
         out = [("kernel", form, w, s)]
         if dv <= d:
             out.append(("kernel", dict(form, V_IS_K=True), w, s))
         next_pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
         out.append(("append", dict(PAGED=True, PER_ROW_LENS=True, BLOCK_H=8,
-                                   BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv)), 4, 3))
+                                   BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), **plain), 4, 3))
         return out
     raise ValueError(f"offline compilation covers fwd, bwd and decode kernels, not {kind}")
 

@@ -49,6 +49,7 @@ PACKAGE_FILES = {
     "_describe.py": "package/describe.py.j2",
     "_module.py": "package/module.py.j2",
     "_decode.py": "package/decode.py.j2",
+    "_decode_extras.py": "package/decode_extras.py.j2",  # rotary, cache_batch_idx, cache_leftpad
     "_mods.py": "package/mods.py.j2",
     "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
     "_ring_merge.py": "package/ring_merge.py.j2",  # the LSE merge kernels (ring, _merge)

@@ -2,7 +2,8 @@
 """Decoding against a KV cache: `flash_attn_with_kvcache`, in flash-attn's convention.
 
 A call (1) checks its arguments, (2) appends the new keys/values, if any, into the cache in
-place (the variant's `_append` kernel: one launch for k and v), (3) launches the split-KV
+place (the variant's `_append` kernel: one launch for k and v, rotating k with rotary_cos:
+_decode_extras has flash-attn's extra arguments), (3) launches the split-KV
 kernel of the `decode_*` variant over the (batch x KV head, query-row block, split) grid;
 when the keys were split, the split of each tile that finishes last reduces the partials
 in the same launch.
@@ -50,6 +51,7 @@ import os
 
 import torch
 
+from . import _decode_extras as _extras
 from . import _families, _planner, _runtime
 from ._registry import BUILT_FOR, GLUON_DECODE, PACKAGE, TARGET_GPU, VARIANTS
 
@@ -181,7 +183,8 @@ def _shape(t):
     return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
-def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits):
+def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+                  batch_idx=False):
     """Everything that depends only on the arguments' kinds, shapes, strides, dtypes and
     devices (what `_plans` is keyed on), so it runs once per key. Returns (paged,
     page_size, capacity, n_new). The per-call checks are in `_check_call`."""
@@ -238,7 +241,7 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
                              f"got shape {_shape(k_cache)}")
         capacity = block_table.shape[1] * page_size
     else:
-        if k_cache.shape[0] != batch:
+        if k_cache.shape[0] != batch and not batch_idx:
             raise ValueError(f"q has batch {batch} but the cache has batch {k_cache.shape[0]} "
                              "(a paged cache needs block_table)")
         page_size = 1
@@ -300,7 +303,7 @@ def check_head_dims_built(d: int, dv: int) -> None:
             "kernels alone) and rebuild")
 
 
-def _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+def _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, extra=None):
     """The checks that run on every call: the ones that depend on more than the plan's
     key (an int length's value, grad mode), and the device values when CHECK_VALUES
     says so."""
@@ -317,21 +320,23 @@ def _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
             raise ValueError(
                 f"cache_seqlens ({cache_seqlens}) + new tokens ({plan.n_new}) exceeds the "
                 f"cache capacity ({plan.capacity})")
-    if plan.device_values and (CHECK_VALUES or (CHECK_VALUES is None and plan.on_cpu)):
-        _check_values(plan, cache_seqlens, block_table, k_cache.shape[0])
+    if extra is not None:
+        _extras.check_call(plan, q.shape[1], cache_seqlens)
+    if ((plan.device_values or extra is not None)
+            and (CHECK_VALUES or (CHECK_VALUES is None and plan.on_cpu))):
+        _check_values(plan, cache_seqlens, block_table, k_cache.shape[0], extra, q.shape[1])
 
 
-def _check_values(plan, cache_seqlens, block_table, num_blocks):
+def _check_values(plan, cache_seqlens, block_table, num_blocks, extra=None, n_q=0):
     """The checks that need the tensors' values, read in one sync (none when they live on
     the CPU): lengths in [0, capacity - N_new], the block-table entries the call touches
-    in [0, num_blocks)."""
+    in [0, num_blocks), and the extras' (_decode_extras.value_stats)."""
     n_new, capacity, page_size = plan.n_new, plan.capacity, plan.page_size
     if isinstance(cache_seqlens, torch.Tensor):
         seqlens = cache_seqlens
     else:  # an int (already checked) or None, with a block table to check
         start = capacity if cache_seqlens is None else cache_seqlens
-        seqlens = torch.full((block_table.shape[0],), start, dtype=torch.int32,
-                             device=block_table.device)
+        seqlens = torch.full((plan.out_shape[0],), start, dtype=torch.int32, device=plan.device)
     if not seqlens.numel():
         return
     stats = list(torch.aminmax(seqlens))
@@ -340,7 +345,12 @@ def _check_values(plan, cache_seqlens, block_table, num_blocks):
         pages = (seqlens + (n_new + page_size - 1)) // page_size
         used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
         stats += list(torch.aminmax(torch.where(used, block_table, 0)))
+    more = 0 if extra is None else len(stats)
+    if extra is not None:
+        stats += _extras.value_stats(extra, seqlens)
     values = torch.stack(stats).tolist()
+    if more:
+        values, extra_values = values[:more], values[more:]
     lo, hi = values[0], values[1]
     if lo < 0:
         raise ValueError(f"cache_seqlens must be >= 0, got a minimum of {lo}")
@@ -352,6 +362,8 @@ def _check_values(plan, cache_seqlens, block_table, num_blocks):
         raise ValueError(
             f"block_table entries in use must be page indices in [0, {num_blocks}) (the "
             f"cache's num_blocks), got values from {values[2]} to {values[3]}")
+    if more:
+        _extras.check_values(plan, extra, extra_values, hi, n_q)
 
 
 # ----------------------------------------------------------------------------------------
@@ -364,7 +376,7 @@ class _Plan:
         "out_shape", "lse_shape", "dtype", "device", "split", "ws_numel",
         "kernel", "kernel_lse", "strides", "tail", "tiles",
         "append", "append_strides", "append_tail",
-        "mla", "mla_reason",
+        "mla", "mla_reason", "extras", "cache_rows",
     )
 
 
@@ -372,7 +384,7 @@ _plans = {}
 
 
 def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-              window_size, num_splits):
+              window_size, num_splits, extra=None):
     """A hashable summary of everything `_make_plan` reads. Raises AttributeError or
     TypeError for arguments it cannot summarise (the caller then checks them in full)."""
     if isinstance(cache_seqlens, torch.Tensor):
@@ -401,15 +413,18 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
         # kernels compiled for the alignment they first saw
         _runtime.alignments(*(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
                               if isinstance(t, torch.Tensor))),
+        None if extra is None else _extras.key(extra),
     )
 
 
 def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits, mods=()):
+               window_size, num_splits, mods=(), extra=None):
     """Check everything that needs no device values and derive the launches (`mods`: the
-    names of the call's mods, which pick a decode variant with them)."""
+    names of the call's mods, which pick a decode variant with them; `extra`: the
+    arguments _decode_extras handles, None when all are left out)."""
     paged, page_size, capacity, n_new = _check_inputs(
-        q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits)
+        q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
+        extra is not None and extra[3] is not None)
     window = _runtime.check_window(window_size)
     causal = bool(causal)
     batch, n_q, h_q, d = q.shape
@@ -427,6 +442,9 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     per_row = isinstance(cache_seqlens, torch.Tensor)
 
     plan = _Plan()
+    plan.extras = (_extras.NONE if extra is None
+                   else _extras.check(extra, q, k, paged, v_is_k, causal, window))
+    plan.cache_rows = k_cache.shape[0]
     plan.n_new, plan.capacity, plan.page_size = n_new, capacity, page_size
     plan.int_lens = cache_seqlens is not None and not per_row
     plan.device_values = per_row or paged
@@ -448,7 +466,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         plan.append = _runtime.Launcher(
             _runtime.kernel(name, "append"), append_grid,
             dict(PAGED=paged, PER_ROW_LENS=per_row, BLOCK_H=_next_pow2(h_kv),
-                 BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv)))
+                 BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), **plan.extras.append_meta))
 
     # ---- launch config and the split factor, from the capacity
     group = h_q // h_kv
@@ -503,7 +521,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     # (a paged cache of capacity 0 has an empty table: nothing to read, take the plain path)
     paged_reads = paged and capacity > 0
     kw = dict(PAGED=paged_reads, PAGE_BLOCKS=paged_reads and page_size % block_n == 0,
-              PER_ROW_LENS=per_row, SPLIT=plan.split, V_IS_K=v_is_k, BLOCK_M=block_m,
+              PER_ROW_LENS=per_row, SPLIT=plan.split, V_IS_K=v_is_k, **plan.extras.meta,
+              BLOCK_M=block_m,
               BLOCK_N=block_n,
               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     # one launcher per value of STORE_LSE (return_lse) -- each is its own compiled kernel
@@ -514,7 +533,9 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     if plan.split:
         _ticket_counters(q.device, plan.tiles)  # allocated now, not on the hot path
     plan.mla = plan.mla_reason = None
-    if _mla_gluon_wanted() and not mods:
+    if _mla_gluon_wanted() and not mods and extra is not None:
+        plan.mla_reason = "rotary, cache_batch_idx or cache_leftpad: the `tl` decode alone takes them"
+    elif _mla_gluon_wanted() and not mods:
         _mla_gluon_plan(plan, name, q, k_cache, v_cache, block_table, paged, page_size,
                         capacity, v_is_k, window, causal, per_row, scale, num_splits, sms)
     return plan
@@ -586,7 +607,8 @@ def _ticket_counters(device, tiles):
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None,
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), num_splits=0, return_lse=False, *,
-                            mods=None, **mod_args):
+                            rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
+                            cache_batch_idx=None, cache_leftpad=None, mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_with_kvcache (decoding with a KV cache).
 
     q (B, N_q, H_q, d); k_cache (B, N_cache, H_kv, d) and v_cache (B, N_cache, H_kv, dv),
@@ -602,6 +624,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     split-KV factor; 1 means no split. Returns out (B, N_q, H_q, dv), and with return_lse
     also lse (B, H_q, N_q) fp32 (natural log, -inf for a row that sees no key).
 
+    As in flash-attn (keyword-only here; details in _decode_extras): rotary_cos /
+    rotary_sin (seqlen_ro, rotary_dim / 2) fp16/bf16/fp32 rotate the first rotary_dim dims
+    of the new k (written rotated into the cache) at cache_seqlens + t and of q at
+    cache_seqlens + i (causal or a window; else all at cache_seqlens), GPT-J pairs with
+    rotary_interleaved=True (the default), GPT-NeoX halves with False; they need k and v.
+    cache_batch_idx (B,) int32: the contiguous cache's row for each batch element.
+    cache_leftpad (B,) int32: keys before it are not attended to.
+
     No device->host sync: cache_seqlens and block-table values are checked on the host
     only when that is free or FLASHGEN_CHECK_VALUES=1 asks for it; otherwise the kernels
     clamp them, so bad values give wrong output, never an out-of-bounds access (module
@@ -611,27 +641,32 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     tensors and params as keyword arguments, as in flash_attn_func; here q_idx is a
     query's cache position and kv_idx a key's (tensors indexed by them must cover the
     cache: Nq / Nk / N >= its capacity). A repeated call finds its plan in two lookups."""
+    extra = None
+    if (rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
+            or cache_leftpad is not None):
+        extra = (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
     if mods is not None or mod_args:
         return _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                          causal, window_size, num_splits, return_lse, mods, mod_args)
+                          causal, window_size, num_splits, return_lse, mods, mod_args, extra)
     try:
         key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                        causal, window_size, num_splits)
+                        causal, window_size, num_splits, extra)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable: the full checks say what
         key = plan = None
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                          softmax_scale, causal, window_size, num_splits)
+                          softmax_scale, causal, window_size, num_splits, (), extra)
         if key is not None:
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
-    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, ())
+    return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, (),
+                extra)
 
 
 def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits, return_lse, mods, mod_args):
+               window_size, num_splits, return_lse, mods, mod_args, extra=None):
     """flash_attn_with_kvcache with mods: the plan (keyed also by the mods and their
     tensors' layouts, which the kernel is compiled for) and the call's mod arguments."""
     from . import _mods
@@ -642,14 +677,14 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     names = _mods.combo(mods)
     try:
         key = (_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                         causal, window_size, num_splits), names)
+                         causal, window_size, num_splits, extra), names)
         capacity = _capacities.get(key)
     except (AttributeError, TypeError):  # the full checks in _make_plan say what is wrong
         key = capacity = None
     plan = None
     if capacity is None:  # the mod tensors are checked against the cache's capacity
         plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                          causal, window_size, num_splits, names)
+                          causal, window_size, num_splits, names, extra)
         capacity = plan.capacity
         if key is not None:
             _capacities[key] = capacity
@@ -659,22 +694,24 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         cached = _plans.get(full)
         if cached is None:
             cached = plan or _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                                        softmax_scale, causal, window_size, num_splits, names)
+                                        softmax_scale, causal, window_size, num_splits, names,
+                                        extra)
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
                 _capacities.clear()
             _plans[full] = cached
         plan = cached
     return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse,
-                call.mod_args)
+                call.mod_args, extra)
 
 
 _capacities = {}  # (plan key, mod names) -> the cache capacity a call with mods checks against
 
 
-def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, mod_args):
+def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, mod_args,
+         extra=None):
     """Check a call against its plan, append the new keys and launch."""
-    _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, extra)
 
     # lengths: a tensor is read by the kernels; an int (or a full cache) rides in LEN_ADD
     if plan.int_lens or cache_seqlens is None:
@@ -683,11 +720,16 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
     else:
         seqlens, start = cache_seqlens, 0
     bt = q if block_table is None else block_table  # unused without PAGED
+    if extra is None:  # the extras' arguments, unused (q stands in for their tensors)
+        rows = plan.cache_rows
+        more, append_more = (q, q, q, q, 0, 0, 0, 1, rows), (q, q, q, 0, 1, rows)
+    else:
+        more, append_more = _extras.launch_args(plan, q, extra, start)
 
     # ---- append the new keys and values in place (through the block table when paged)
     if plan.append is not None:
         plan.append(k, v, k_cache, v_cache, seqlens, bt, *plan.append_strides, start,
-                    *plan.append_tail)
+                    *plan.append_tail, *append_more)
 
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     lse = (torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
@@ -708,5 +750,5 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
         ws = counters = out
     (plan.kernel_lse if return_lse else plan.kernel)(
         q, k_cache, v_cache, out, lse, ws, counters, seqlens, bt, *plan.strides,
-        start + plan.n_new, *plan.tail, *mod_args)
+        start + plan.n_new, *plan.tail, *more, *mod_args)
     return (out, lse) if return_lse else out

@@ -27,6 +27,13 @@ does not load twice: V_IS_K), bf16 inputs, mask `causal`. Two kernels:
   values of all KV heads into the cache in place (through the block table when paged),
   before the attention kernel runs on the same stream.
 
+flash-attn's extras, each a constexpr switch (off: the kernels are the plain ones):
+ROTARY_DIM > 0 rotates the first ROTARY_DIM dims of the new keys in the append (the cache
+receives them rotated) and of the queries as the attention kernel loads them (_rotate:
+pairs (2i, 2i+1) with ROTARY_INTERLEAVED, else (i, i + ROTARY_DIM / 2); fp32 arithmetic,
+rounded to the input dtype). BATCH_IDX reads cache row CACHE_IDX[b] for batch element b
+(contiguous caches); LEFT_PAD hides the keys before LEFTPAD[b].
+
 The grid is sized on the host from quantities it knows without reading the device: the
 cache capacity (N_cache, or max_pages * PAGE_SIZE when paged) picks the split count, never
 max(cache_seqlens). Each program reads its own L_b and divides *its own* band of keys
@@ -97,11 +104,38 @@ LN2 = tl.constexpr(0.6931471805599453)
 SPLIT_PAIRS = tl.constexpr(16)
 
 
+@triton.jit
+def _rotate(x, rows, offs_d, row_ok, pos, COS, SIN, stride_ro, ROTARY_DIM: tl.constexpr,
+            INTERLEAVED: tl.constexpr):
+    """x [R, S] (columns offs_d of the rows at pointers rows [R, 1]) with its first
+    ROTARY_DIM dims rotated by the tables' row pos ([R, 1] or a scalar). Each column is
+    x * cos + sign * partner * sin, the partner column loaded again (an L1/L2 hit) so any
+    chunking of the head dim works; columns past ROTARY_DIM keep x (cos 1, sin 0)."""
+    rot = offs_d < ROTARY_DIM  # [S]
+    if INTERLEAVED:  # GPT-J: (0, 1), (2, 3), ...
+        partner = offs_d ^ 1
+        freq = offs_d // 2
+        first = offs_d % 2 == 0
+    else:  # GPT-NeoX: (i, i + ROTARY_DIM / 2)
+        first = offs_d < ROTARY_DIM // 2
+        partner = tl.where(first, offs_d + ROTARY_DIM // 2, offs_d - ROTARY_DIM // 2)
+        freq = tl.where(first, offs_d, offs_d - ROTARY_DIM // 2)
+    partner = tl.where(rot, partner, offs_d)
+    freq = tl.where(rot, freq, 0)
+    m = row_ok & rot[None, :]
+    xp = tl.load(rows + partner[None, :], mask=m, other=0.0).to(tl.float32)
+    cos = tl.load(COS + pos * stride_ro + freq[None, :], mask=m, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + pos * stride_ro + freq[None, :], mask=m, other=0.0).to(tl.float32)
+    sin = tl.where(first, -sin, sin)  # [R, S]: the first of a pair takes -partner * sin
+    return (x.to(tl.float32) * cos + xp * sin).to(x.dtype)
+
+
 
 # Lengths, head counts, page size, capacity and window extents change from call to call:
 # keep Triton from specialising on their values so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "LEN_ADD", "H_Q", "KV_GROUP", "WIN_LEFT", "WIN_RIGHT",
-                               "CAPACITY", "NUM_BLOCKS", "LP_OFF"])
+                               "CAPACITY", "NUM_BLOCKS", "LP_OFF", "RO_OFF", "SEQLEN_RO",
+                               "CACHE_ROWS"])
 def decode_causal_d576v512_bf16_kernel(
     Q, K, V,  # Q: (B, N_Q, H_Q, d); K, V: cache (B, N_cache, H_kv, d / dv) or pages (P, PAGE_SIZE, H_kv, d / dv)
     O, LSE,  # one split: O (B, N_Q, H_Q, dv) (written), LSE (B, H_Q, N_Q) fp32 contiguous (if STORE_LSE)
@@ -126,12 +160,24 @@ def decode_causal_d576v512_bf16_kernel(
     CAPACITY,  # cache positions per batch element: L_b is clamped to it
     NUM_BLOCKS,  # pages in the pool (PAGED): page indices are clamped below it
     LP_OFF,  # offset of the partial LSEs in the workspace OP
+    COS, SIN,  # (SEQLEN_RO, ROTARY_DIM / 2) rotary tables, unit stride along a row (ROTARY_DIM > 0)
+    CACHE_IDX,  # (B,) int32: the cache row of each batch element (BATCH_IDX only)
+    LEFTPAD,  # (B,) int32: each element's first visible cache position (LEFT_PAD only)
+    stride_ro,  # row stride of COS and SIN
+    RO_OFF,  # query token i of element b is rotated at SEQLENS[b] + RO_OFF + i * RO_Q_STEP
+    RO_Q_STEP,  # 1 with causal or a window, else 0 (flash-attn: every query at cache_seqlens)
+    SEQLEN_RO,  # rows of the tables: rotary positions are clamped below it
+    CACHE_ROWS,  # k_cache.shape[0]: CACHE_IDX values are clamped below it
     PAGED: tl.constexpr,
     PAGE_BLOCKS: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: one page load per key block
     PER_ROW_LENS: tl.constexpr,  # SEQLENS holds one length per batch element
     SPLIT: tl.constexpr,  # write partials; the last split of a tile reduces them
     STORE_LSE: tl.constexpr,  # one split: write LSE (the caller asked for it)
     V_IS_K: tl.constexpr,  # V is K's memory (V's first V_DIM columns are K's): not loaded twice
+    ROTARY_DIM: tl.constexpr,  # 0: no rotary
+    ROTARY_INTERLEAVED: tl.constexpr,
+    BATCH_IDX: tl.constexpr,
+    LEFT_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -167,22 +213,28 @@ def decode_causal_d576v512_bf16_kernel(
         v_base = V + kv_h.to(tl.int64) * stride_vh
         bt_row = BT + b64 * stride_bt
     else:
-        k_base = K + b64 * stride_kp + kv_h.to(tl.int64) * stride_kh
-        v_base = V + b64 * stride_vp + kv_h.to(tl.int64) * stride_vh
+        cache_b = b64
+        if BATCH_IDX:  # clamped: a bad index reads another row, never outside the cache
+            cache_b = tl.minimum(tl.maximum(tl.load(CACHE_IDX + b), 0), CACHE_ROWS - 1).to(tl.int64)
+        k_base = K + cache_b * stride_kp + kv_h.to(tl.int64) * stride_kh
+        v_base = V + cache_b * stride_vp + kv_h.to(tl.int64) * stride_vh
         bt_row = BT
+    key_lo = 0  # the first visible key: LEFTPAD[b], clamped into [0, L_b]
+    if LEFT_PAD:
+        key_lo = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), n_k)
 
     # ------------------------------------------------------------------------------------
     # The keys any row of this tile can see (the band), then this split's share of them
     # ------------------------------------------------------------------------------------
     pos_lo = tl.min(tl.where(row_ok, q_pos, n_k), 0)  # earliest query position in the tile
     pos_hi = tl.max(tl.where(row_ok, q_pos, -1), 0)  # latest
-    lo = 0  # first key any row sees
+    lo = key_lo  # first key any row sees
     hi = n_k  # end of the keys any row sees
-    full_lo = 0  # keys from here on are visible to every row on the left edge...
+    full_lo = key_lo  # keys from here on are visible to every row on the left edge...
     full_hi = n_k  # ...and up to here on the right edge
     if MASK_LEFT:
-        lo = tl.maximum(pos_lo - WIN_LEFT, 0)
-        full_lo = tl.maximum(pos_hi - WIN_LEFT, 0)
+        lo = tl.maximum(pos_lo - WIN_LEFT, key_lo)
+        full_lo = tl.maximum(pos_hi - WIN_LEFT, key_lo)
     if MASK_RIGHT:
         hi = tl.minimum(tl.maximum(pos_hi + WIN_RIGHT + 1, 0), n_k)
         full_hi = tl.minimum(tl.maximum(pos_lo + WIN_RIGHT + 1, 0), n_k)
@@ -201,17 +253,26 @@ def decode_causal_d576v512_bf16_kernel(
     # ------------------------------------------------------------------------------------
     # Load the stacked query tile once
     # ------------------------------------------------------------------------------------
+    if ROTARY_DIM > 0:
+        ro_pos = RO_OFF + q_tok * RO_Q_STEP  # [BLOCK_M]
+        if PER_ROW_LENS:
+            ro_pos += tl.load(SEQLENS + b)
+        ro_pos = tl.minimum(tl.maximum(ro_pos, 0), SEQLEN_RO - 1)  # tables never read past their end
     offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
     q0 = tl.load(Q + q_rows[:, None] + offs_d0[None, :], mask=load_q[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
+    if ROTARY_DIM > D0_OFFSET:
+        q0 = _rotate(q0, Q + q_rows[:, None], offs_d0, load_q[:, None], ro_pos[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
     offs_d1 = D1_OFFSET + tl.arange(0, D1_SIZE)  # [D1_SIZE]
     q1 = tl.load(Q + q_rows[:, None] + offs_d1[None, :], mask=load_q[:, None], other=0.0)  # [BLOCK_M, D1_SIZE]
+    if ROTARY_DIM > D1_OFFSET:
+        q1 = _rotate(q1, Q + q_rows[:, None], offs_d1, load_q[:, None], ro_pos[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
     offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
     accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
 
-    # Phase 1: blocks on the lower (left) edge of a sliding window, masked
-    if MASK_LEFT:
+    # Phase 1: blocks on the lower (left) edge of a sliding window or the left padding, masked
+    if MASK_LEFT or LEFT_PAD:
         # the page indices of the loop's first block (each iteration loads the next block's);
         # positions are clamped to the last key, so the table is never read past its row
         if PAGED:
@@ -224,6 +285,8 @@ def decode_causal_d576v512_bf16_kernel(
         for n0 in range(start, mid_lo, BLOCK_N):
             pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
             key_ok = pos < end  # [BLOCK_N]; end <= L_b
+            if LEFT_PAD:
+                key_ok = key_ok & (pos >= key_lo)
             if PAGED:
                 if PAGE_BLOCKS:
                     # the block lies inside one page: one scalar page index (loaded by the
@@ -338,6 +401,8 @@ def decode_causal_d576v512_bf16_kernel(
     for n0 in range(mid_hi, end, BLOCK_N):
         pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
         key_ok = pos < end  # [BLOCK_N]; end <= L_b
+        if LEFT_PAD:
+            key_ok = key_ok & (pos >= key_lo)
         if PAGED:
             if PAGE_BLOCKS:
                 # the block lies inside one page: one scalar page index (loaded by the
@@ -453,7 +518,8 @@ def decode_causal_d576v512_bf16_kernel(
         tl.store(O + o_rows[:, None] + offs_dv0[None, :], (accv0 * inv_l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["N_NEW", "H_KV", "LEN_ADD", "CAPACITY", "NUM_BLOCKS"])
+@triton.jit(do_not_specialize=["N_NEW", "H_KV", "LEN_ADD", "CAPACITY", "NUM_BLOCKS", "SEQLEN_RO",
+                               "CACHE_ROWS"])
 def decode_causal_d576v512_bf16_append(
     KN, VN,  # new keys (B, N_NEW, H_KV, HEAD_DIM) and values (B, N_NEW, H_KV, V_DIM)
     K, V,  # the cache, as in the attention kernel
@@ -469,8 +535,12 @@ def decode_causal_d576v512_bf16_append(
     PAGE_SIZE,
     CAPACITY,  # positions outside [0, CAPACITY) are skipped, never written
     NUM_BLOCKS,  # so are pages outside [0, NUM_BLOCKS)
+    COS, SIN, CACHE_IDX, stride_ro, SEQLEN_RO, CACHE_ROWS,  # as in the attention kernel
     PAGED: tl.constexpr,
     PER_ROW_LENS: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,  # 0: no rotary; else the keys are written rotated at their position
+    ROTARY_INTERLEAVED: tl.constexpr,
+    BATCH_IDX: tl.constexpr,  # CACHE_IDX[b] is the cache row (a bad one: the token is skipped)
     BLOCK_H: tl.constexpr,  # H_KV rounded up to a power of two
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_DV: tl.constexpr,  # V_DIM rounded up to a power of two
@@ -481,6 +551,8 @@ def decode_causal_d576v512_bf16_append(
     pos = LEN_ADD + t
     if PER_ROW_LENS:
         pos += tl.load(SEQLENS + b)
+    if ROTARY_DIM > 0:
+        ro_pos = tl.minimum(tl.maximum(pos, 0), SEQLEN_RO - 1)  # the tables' row
     ok = (pos >= 0) & (pos < CAPACITY)  # (the host launches nothing when CAPACITY is 0)
     pos = tl.minimum(tl.maximum(pos, 0), CAPACITY - 1)  # addresses stay in range
     if PAGED:
@@ -491,15 +563,24 @@ def decode_causal_d576v512_bf16_append(
         k_dst = K + page * stride_kp + slot * stride_kn
         v_dst = V + page * stride_vp + slot * stride_vn
     else:
-        k_dst = K + b64 * stride_kp + pos.to(tl.int64) * stride_kn
-        v_dst = V + b64 * stride_vp + pos.to(tl.int64) * stride_vn
+        cache_b = b
+        if BATCH_IDX:
+            cache_b = tl.load(CACHE_IDX + b)
+            ok = ok & (cache_b >= 0) & (cache_b < CACHE_ROWS)
+            cache_b = tl.minimum(tl.maximum(cache_b, 0), CACHE_ROWS - 1)
+        cache_b = cache_b.to(tl.int64)
+        k_dst = K + cache_b * stride_kp + pos.to(tl.int64) * stride_kn
+        v_dst = V + cache_b * stride_vp + pos.to(tl.int64) * stride_vn
     offs_h = tl.arange(0, BLOCK_H).to(tl.int64)  # [BLOCK_H]
     head_ok = offs_h < H_KV  # [BLOCK_H]
     head_write = offs_h < tl.where(ok, H_KV, 0)  # head_ok, if the token is written at all
     t64 = t.to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    k_new = tl.load(KN + b64 * stride_knb + t64 * stride_knn + offs_h[:, None] * stride_knh + offs_d[None, :],
-                    mask=head_ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # [BLOCK_H, BLOCK_D]
+    k_rows = KN + b64 * stride_knb + t64 * stride_knn + offs_h[:, None] * stride_knh  # [BLOCK_H, 1]
+    k_new = tl.load(k_rows + offs_d[None, :], mask=head_ok[:, None] & (offs_d < HEAD_DIM)[None, :])  # [BLOCK_H, BLOCK_D]
+    if ROTARY_DIM > 0:
+        k_new = _rotate(k_new, k_rows, offs_d, head_ok[:, None], ro_pos, COS, SIN, stride_ro,
+                        ROTARY_DIM, ROTARY_INTERLEAVED)
     tl.store(k_dst + offs_h[:, None] * stride_kh + offs_d[None, :], k_new,
              mask=head_write[:, None] & (offs_d < HEAD_DIM)[None, :])
     # A latent cache passes V as a view of K's first V_DIM columns, so the two stores may
