@@ -378,6 +378,8 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | N
     """Why a variant has no Gluon kernel (None when it has one)."""
     if kind not in ("fwd", "bwd"):
         return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
+    if dtype.startswith("fp8"):
+        return f"{dtype}: no Gluon fp8 kernel yet (issue 50); the `tl` kernel runs it"
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
     if head_dim not in GLUON_HEAD_DIMS:

@@ -14,7 +14,7 @@ import jinja2
 from . import families, mods, planner_core
 from .resources import templates_dir
 from .plan import variant_score_bytes
-from .spec import Spec
+from .spec import FP8_DTYPES, Spec
 from .tuning_data import load_tuned
 from .variants import Variant
 
@@ -54,6 +54,7 @@ PACKAGE_FILES = {
     "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
     "_ring_merge.py": "package/ring_merge.py.j2",  # the LSE merge kernels (ring, _merge)
     "_merge.py": "package/merge.py.j2",  # merge_attention_states
+    "_fp8.py": "package/fp8.py.j2",  # fp8 inputs with descales, quantize_fp8 (issue 50)
     "_hf.py": "package/hf.py.j2",  # Hugging Face transformers (docs/TRANSFORMERS.md)
 }
 
@@ -121,6 +122,26 @@ def kernel_context(spec: Spec, variant: Variant) -> dict:
         # a tf32 high and low part and sums three tensor-core products: fp32 accuracy to
         # about 2^-21 relative, at tensor-core speed.
         "dot_kwargs": ', input_precision="tf32x3"' if variant.dtype == "fp32" else "",
+        **fp8_context(variant),
+    }
+
+
+def fp8_context(variant: Variant) -> dict:
+    """The text that tells an fp8 variant's kernels apart (the others render as before).
+    Forward (FA3's recipe): Q K^T in fp8, P rounded to fp8 for P V (`p_ty`: V's dtype),
+    descales folded into the score scale and the final normalisation. Backward (for now):
+    q, k, v upcast to bf16 as they are loaded (`upcast`; exact), every product in bf16
+    with fp32 accumulation, P and dS rounded to bf16 (`op_ty`) instead of to the fp8 input
+    dtype, the descales applied to the fp32 products."""
+    fp8 = variant.dtype in FP8_DTYPES
+    return {
+        "fp8": fp8,
+        "p_ty": "V.dtype.element_ty",
+        "upcast": ".to(tl.bfloat16)" if fp8 else "",
+        "op_ty": "tl.bfloat16" if fp8 else "Q.dtype.element_ty",
+        "v_descaled": " * v_descale" if fp8 else "",
+        "dk_scale": "(SCALE * q_descale)" if fp8 else "SCALE",
+        "dq_scale": "(SCALE * k_descale)" if fp8 else "SCALE",
     }
 
 

@@ -16,7 +16,9 @@ YAML format
     head_dims: [64]             # required; multiples of 8 in 16..512, or {qk: D, v: DV}
                                 # (V's own head dim); {qk, v, decode_only: true} builds
                                 # decode kernels alone (then up to 576, DeepSeek's MLA)
-    dtypes: [fp16, bf16]        # required; subset of fp16, bf16, fp32
+    dtypes: [fp16, bf16]        # required; subset of fp16, bf16, fp32, fp8_e4m3
+                                # (fp8: q, k, v with descales, output bf16; no decode,
+                                # no mods, no variants: see check_fp8)
     masks: [none, causal]       # required; subset of none, causal, sliding_window
     dropout: true               # optional, default false
     gqa: false                  # optional, default false (allow Hq != Hkv)
@@ -75,12 +77,14 @@ from flashgen.mods import BUILTINS, KINDS, RESERVED, Mod, ModError, builtin_mod,
 from flashgen.planner_core import DEFAULT_ARCH, MIN_ARCH, STAGE_COUNTS, WARP_COUNTS
 
 __all__ = [
-    "DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
+    "DTYPES", "FP8_DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
     "Loc", "BlockConfig", "Window", "GpuTarget", "Blocks", "ModVariant", "Spec",
     "load_spec", "parse_spec",
 ]
 
-DTYPES = ("fp16", "bf16", "fp32")
+DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3")
+# fp8 dtypes (FA3's inputs: q, k, v in fp8 with fp32 descales, the output in bf16)
+FP8_DTYPES = ("fp8_e4m3",)
 MASKS = ("none", "causal", "sliding_window")
 DEFAULT_SEQLEN_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -324,6 +328,7 @@ def _help(key: str) -> tuple[str, str]:
 _ALIASES = {
     "float16": "fp16", "half": "fp16", "f16": "fp16",
     "bfloat16": "bf16", "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
     "full": "none", "no_mask": "none", "window": "sliding_window",
     "sliding": "sliding_window", "local": "sliding_window",
 }
@@ -397,6 +402,7 @@ class _Parser:
         top = self.mapping(root, "", _TOP_SCHEMA, _TOP_REQUIRED, owner="<document>")
         self.check_window(top)
         self.check_decode_only(top)
+        self.check_fp8(top)
         mods, mod_variants = self.check_mods(top)
         return Spec(
             path=self.path,
@@ -454,6 +460,23 @@ class _Parser:
                             "masks include sliding_window but no window is given",
                             fix="add e.g. window: {left: 4096, right: 0}, or drop "
                                 "sliding_window from masks")
+
+    def check_fp8(self, top: dict[str, Any]) -> None:
+        """fp8 kernels are forward and backward only (issue 50's first part): the decode
+        kernels and the mods' kernels take no descales yet, so a spec that asks for them
+        beside fp8 is refused here rather than built without them."""
+        fp8 = [d for d in top["dtypes"] if d in FP8_DTYPES]
+        if not fp8:
+            return
+        for key, what in (("decode", "decode kernels"), ("mods", "mods"),
+                          ("variants", "variants")):
+            if key in top and top[key]:
+                raise self.fail(self.key_line("dtypes"), "dtypes",
+                                f"{fp8[0]} is asked for beside {key}: the fp8 kernels take "
+                                f"no {what} yet",
+                                "fp8 dtypes only in a spec without decode, mods or variants",
+                                f"build the fp8 kernels from a spec of their own, or drop "
+                                f"{key}")
 
     def check_decode_only(self, top: dict[str, Any]) -> None:
         """A decode_only entry needs decode: true, and must not repeat a full entry (whose

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import Spec
+from .spec import FP8_DTYPES, Spec
 
 # spec mask name -> the word it contributes to a canonical name ("none" contributes nothing)
 MASK_WORDS = {"none": "", "causal": "causal", "sliding_window": "window"}
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", "fp32": "torch.float32"}
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1}
+TORCH_DTYPES = {"fp16": "torch.float16", "bf16": "torch.bfloat16", "fp32": "torch.float32",
+                "fp8_e4m3": "torch.float8_e4m3fn"}
 KIND_TEMPLATES = {"fwd": "fwd.py.j2", "bwd": "bwd.py.j2", "decode": "decode.py.j2"}
 
 
@@ -27,7 +28,7 @@ class Variant:
     mask: str  # a spec mask name: none | causal | sliding_window
     dropout: bool
     head_dim: int
-    dtype: str  # fp16 | bf16 | fp32
+    dtype: str  # fp16 | bf16 | fp32 | fp8_e4m3
     mods: tuple = ()  # names of the spec's mods, in the order they apply
     v_head_dim: int | None = None  # V's (and the output's) head dim when it is not Q's (MLA)
 
@@ -81,6 +82,9 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for d, dv in spec.decode_pairs
         for dtype in spec.dtypes
     ] if spec.decode else []
+    # fp8 (spec.check_fp8): forward and backward only, no mods -- attn_mask's implicit
+    # variants, on by default, are built for the other dtypes alone
+    unscaled = [dt for dt in spec.dtypes if dt not in FP8_DTYPES]
     # the spec's `variants:` (mods on top of a band mask): forward and backward, and
     # decode when the spec builds decode kernels (not for SDPA's attn_mask, which decode
     # does not take)
@@ -90,12 +94,12 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
         for kind in ("fwd", "bwd")
         for dropout in dropouts
         for d, dv in spec.head_dim_pairs
-        for dtype in spec.dtypes
+        for dtype in unscaled
     ] + ([
         Variant("decode", mv.mask, False, d, dtype, mv.mods, dv if dv != d else None)
         for mv in spec.mod_variants if mv.mods != ("sdpa_mask",)
         for d, dv in spec.decode_pairs
-        for dtype in spec.dtypes
+        for dtype in unscaled
     ] if spec.decode else [])
     out = tuple(training + decoding + modded)
     names = [v.name for v in out]

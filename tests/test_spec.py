@@ -439,3 +439,18 @@ def test_window_ok(tmp_path):
     spec = load_spec(write(tmp_path, SLIDING + "window: {left: -1, right: 0}\n"))
     assert spec.window == Window(-1, 0)
     assert spec.masks == ("none", "sliding_window")
+
+
+def test_fp8_dtype(tmp_path):
+    """fp8_e4m3 is a dtype of its own (its variants named ..._fp8_e4m3); with decode or mods
+    it is refused at the dtypes line (the fp8 kernels take neither yet)."""
+    from flashgen.variants import variants_for
+
+    spec = load_spec(write(tmp_path, BASE.replace("[fp16]", "[bf16, fp8_e4m3]")))
+    assert spec.dtypes == ("bf16", "fp8_e4m3")
+    names = {v.name for v in variants_for(spec)}
+    assert {"fwd_causal_d64_fp8_e4m3", "bwd_d64_fp8_e4m3"} <= names
+    # attn_mask's implicit variants (on by default) are built for bf16 only
+    assert not any(n.endswith("fp8_e4m3") and "sdpa_mask" in n for n in names)
+    err = fails(tmp_path, BASE.replace("[fp16]", "[fp8_e4m3]") + "decode: true\n")
+    check(err, 3, "dtypes", "fp8_e4m3 is asked for beside decode", "drop decode")

@@ -35,7 +35,8 @@ _FUSED_DQ_MODES = {False: 0, True: 2, "loop": 1, "ptx": 2}
 
 
 def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, scale: float,
-             dropout_p: float = 0.0, rng=None, mods=None, dq_accum=None, pos=(0, 0)):
+             dropout_p: float = 0.0, rng=None, mods=None, dq_accum=None, pos=(0, 0),
+             descale=None):
     """Gradients of the forward on (B, H, N, d) views; writes dq, dk, dv in place.
     `lse` is the forward's (B, H_q, N_q) fp32 log-sum-exp, `rng` its dropout stream,
     `pos` the global (row, column) it drew its keep mask at (see forward).
@@ -52,7 +53,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     arguments), so a repeated call allocates its scratch and launches three kernels.
     `mods`: the forward's `_mods.Call`, with `grad_buffers` set to where the gradients of
     the mods' tensors go. Returns D = rowsum(dO * O), (B, H_q, N_q) fp32 (None for an
-    empty call), which a sink's gradient needs."""
+    empty call), which a sink's gradient needs. `descale`: fp8 inputs' (B, H_kv, 3) fp32
+    descales (the forward's); dq, dk, dv are then bf16."""
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])
@@ -148,11 +150,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *mods.args,
                   *(mods.tl_sparse(*tiles[1], lo, hi) if tiles else ()))
         return delta
-    dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop, *drop_pos)
+    fp8 = () if descale is None else (descale,)
+    dkdv(q, k, v, do, lse, delta, dk, dv, dq_acc, locks, *dkdv_args, *drop, *drop_pos, *fp8)
     if fused:
         dq.copy_(dq_acc.view(dq.shape))
         return delta
-    dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *drop_pos)
+    dq_launch(q, k, v, do, lse, delta, dq, *dq_args, *drop, *drop_pos, *fp8)
     return delta
 
 

@@ -216,7 +216,7 @@ _SCRATCH_MAX = 1 << 20  # LSE elements: a no-grad call's LSE up to this size goe
 
 def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
             dropout_p: float = 0.0, rng=None, bnhd: bool = False, need_lse: bool = True,
-            mods=None, pos=(0, 0), plans=None):
+            mods=None, pos=(0, 0), plans=None, descale=None):
     """Run the forward kernel on (B, H, N, d) tensors, or (B, N, H, d) ones with bnhd;
     writes o in place, returns the LSE as a contiguous (B, H, N_q) fp32 tensor. `rng` is
     the call's (seed, stream) tensor when dropout_p > 0. With need_lse=False (a call that
@@ -230,6 +230,7 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     device, mask and scale; no mods), where the plan is found by what that signature leaves
     open -- the output's strides, pointer alignment, the dropout seed's widths -- instead
     of by the whole key a second time (host time: a B = 1 forward runs at the host's pace).
+    `descale`: fp8 inputs' (B, H_kv, 3) fp32 descales of q, k, v (`_fp8.descales`), else None.
 
     This runs on every call: everything derived from the call's shapes, strides, dtype,
     device, mask and pointer alignment is computed once per signature (a launch plan) and
@@ -289,6 +290,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
                *(mods.tl_sparse(*sparse, lo, hi) if sparse else ()))
+    elif descale is not None:  # fp8: no mods (the spec's check_fp8)
+        launch(q, k, v, o, lse, *args, *drop, *drop_pos, descale)
     else:
         launch(q, k, v, o, lse, *args, *drop, *drop_pos)
     return lse

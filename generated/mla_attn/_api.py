@@ -18,7 +18,7 @@ full path; the cache is eager-only).
 """
 import torch
 
-from . import _mods, _ops, _runtime
+from . import _fp8, _mods, _ops, _runtime
 
 # The window of a call that passes none (`window_size=None`, and every SDPA call): the
 # spec's `window` when the package was built for sliding_window alone (a sliding-window
@@ -59,7 +59,7 @@ def _attention(q, k, v, *, bnhd, causal, window, bottom_right, scale, dropout_p,
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
                                  is_causal=False, scale=None, enable_gqa=False, *, mods=None,
-                                 **mod_args):
+                                 q_descale=None, k_descale=None, v_descale=None, **mod_args):
     """Drop-in for torch.nn.functional.scaled_dot_product_attention on (B, H, N, d). A
     package built for sliding_window alone applies the spec's window (DEFAULT_WINDOW).
 
@@ -67,7 +67,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (B, H, N_q, N_k), as in PyTorch; a float mask that requires grad gets its gradient.
     A row that attends to nothing gives 0 (PyTorch's math backend gives NaN).
     mods: names of the spec's mods (a variant in its `variants:`), their tensors and
-    params as keyword arguments, e.g. mods=("softcap",), cap=30.0."""
+    params as keyword arguments, e.g. mods=("softcap",), cap=30.0.
+    q_descale, k_descale, v_descale: with float8_e4m3fn inputs (a package built for
+    fp8_e4m3), as in flash_attn_func; the output is bf16 (_fp8 says more)."""
+    if _fp8_call(query, key, value, q_descale, k_descale, v_descale, mods, mod_args,
+                 attn_mask):
+        _runtime.check_tensors(query, key, value)  # (the head counts before GQA's check)
+        if query.shape[1] != key.shape[1] and not enable_gqa:
+            raise ValueError(
+                f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
+                "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
+        _runtime.check_dropout(dropout_p)
+        mask, lo, hi = _runtime.band(query.shape[2], key.shape[2], bool(is_causal),
+                                     DEFAULT_WINDOW or _NO_WINDOW, False)
+        out, _ = _fp8.attention(query, key, value, q_descale, k_descale, v_descale,
+                                bnhd=False, mask=mask, lo=lo, hi=hi,
+                                scale=_runtime.softmax_scale(scale, query.shape[-1]),
+                                dropout_p=dropout_p)
+        return out
     if mods is not None or mod_args or attn_mask is not None:
         return _sdpa_mods(query, key, value, attn_mask, dropout_p, is_causal, scale,
                           enable_gqa, mods, mod_args)
@@ -137,7 +154,8 @@ def _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=None, return_lse=False, *, mods=None, **mod_args):
+                    window_size=None, return_lse=False, *, mods=None, q_descale=None,
+                    k_descale=None, v_descale=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_func on (B, N, H, d) tensors. With return_lse,
     returns (out, lse) where lse is (B, H, N_q) fp32 in natural log (-inf for a row that
     sees no key). window_size=None is DEFAULT_WINDOW: no window, as in flash-attn, except in
@@ -146,7 +164,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     mods: names of the spec's mods (one of its `variants:` with this call's mask), their
     tensors and params as keyword arguments: e.g. mods=("document",), doc=doc_ids. The mods'
     q_idx / kv_idx are row and column of the score matrix (0-based); causal alignment
-    stays bottom-right."""
+    stays bottom-right.
+
+    fp8 (a package built for fp8_e4m3): q, k, v in torch.float8_e4m3fn with FA3's fp32
+    q_descale, k_descale, v_descale, each (1,) or (B, H_kv); the output is bf16, as FA3's.
+    quantize_fp8 makes them from bf16 tensors (_fp8 has the precision of each product)."""
+    if _fp8_call(q, k, v, q_descale, k_descale, v_descale, mods, mod_args):
+        _runtime.check_dropout(dropout_p)
+        mask, lo, hi = _flash_band(q.shape[1], k.shape[1], causal, window_size)
+        out, lse = _fp8.attention(q, k, v, q_descale, k_descale, v_descale, bnhd=True,
+                                  mask=mask, lo=lo, hi=hi,
+                                  scale=_runtime.softmax_scale(softmax_scale, q.shape[-1]),
+                                  dropout_p=dropout_p)
+        return (out, lse) if return_lse else out
     if mods is not None or mod_args:
         if mods is None:
             raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod "
@@ -177,6 +207,22 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                       _runtime.softmax_scale(softmax_scale, q.shape[-1]), dropout_p)
         return result
     return _flash_checked(q, k, v, dropout_p, softmax_scale, causal, window_size, return_lse)
+
+
+def _fp8_call(q, k, v, q_descale, k_descale, v_descale, mods, mod_args, attn_mask=None):
+    """Whether a call takes the fp8 path (fp8 tensors or descales given); ValueError for
+    what that path does not take."""
+    scaled = not (q_descale is None and k_descale is None and v_descale is None)
+    if not (scaled or _fp8.is_fp8(q, k, v)):
+        return False
+    if not _fp8.is_fp8(q):
+        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"q_descale / k_descale / v_descale go with float8_e4m3fn q, k, v; "
+                         f"q is {got}")
+    if mods is not None or mod_args or attn_mask is not None:
+        raise ValueError("fp8 inputs take no mods or attn_mask yet (issue 50): the fp8 "
+                         "kernels are the plain forward and backward")
+    return True
 
 
 def flash_attn_bhnd(query, key, value, dropout_p=0.0, softmax_scale=None, causal=False,
@@ -386,6 +432,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if mods is None and mod_args:
         raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
                         "need mods=(...)")
+    if _fp8.is_fp8(q, k, v):
+        raise ValueError("fp8 q, k, v: flash_attn_varlen_func has no fp8 kernels yet (issue "
+                         "50); flash_attn_func and scaled_dot_product_attention take them")
     serving = not (block_table is None and seqused_q is None and seqused_k is None)
     if serving:
         max_seqlen_q, max_seqlen_k = _runtime.check_serving(

@@ -11,7 +11,8 @@ import torch
 from ._registry import BUILT_FOR, PACKAGE
 
 
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                torch.float8_e4m3fn: "fp8_e4m3"}
 
 
 # ----------------------------------------------------------------------------------------
