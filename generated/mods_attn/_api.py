@@ -70,8 +70,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     params as keyword arguments, e.g. mods=("softcap",), cap=30.0.
     q_descale, k_descale, v_descale: with float8_e4m3fn inputs (a package built for
     fp8_e4m3), as in flash_attn_func; the output is bf16 (_fp8 says more)."""
-    if _fp8_call(query, key, value, q_descale, k_descale, v_descale, mods, mod_args,
-                 attn_mask):
+    # (the common call pays three `is None` and one dtype lookup: the host path is timed)
+    if ((q_descale is not None or k_descale is not None or v_descale is not None
+         or getattr(query, "dtype", None) in _fp8.FP8)
+            and _fp8_call(query, key, value, q_descale, k_descale, v_descale, mods, mod_args,
+                          attn_mask)):
         _runtime.check_tensors(query, key, value)  # (the head counts before GQA's check)
         if query.shape[1] != key.shape[1] and not enable_gqa:
             raise ValueError(
@@ -169,7 +172,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     fp8 (a package built for fp8_e4m3): q, k, v in torch.float8_e4m3fn with FA3's fp32
     q_descale, k_descale, v_descale, each (1,) or (B, H_kv); the output is bf16, as FA3's.
     quantize_fp8 makes them from bf16 tensors (_fp8 has the precision of each product)."""
-    if _fp8_call(q, k, v, q_descale, k_descale, v_descale, mods, mod_args):
+    if ((q_descale is not None or k_descale is not None or v_descale is not None
+         or getattr(q, "dtype", None) in _fp8.FP8)
+            and _fp8_call(q, k, v, q_descale, k_descale, v_descale, mods, mod_args)):
         _runtime.check_dropout(dropout_p)
         mask, lo, hi = _flash_band(q.shape[1], k.shape[1], causal, window_size)
         out, lse = _fp8.attention(q, k, v, q_descale, k_descale, v_descale, bnhd=True,
