@@ -51,6 +51,7 @@ PACKAGE_FILES = {
     "_decode.py": "package/decode.py.j2",
     "_mods.py": "package/mods.py.j2",
     "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
+    "_ulysses.py": "package/ulysses.py.j2",  # all-to-all context parallelism (docs/RING.md)
     "_ring_merge.py": "package/ring_merge.py.j2",  # the LSE merge kernels (ring, _merge)
     "_merge.py": "package/merge.py.j2",  # merge_attention_states
     "_hf.py": "package/hf.py.j2",  # Hugging Face transformers (docs/TRANSFORMERS.md)
