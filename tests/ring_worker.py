@@ -133,6 +133,11 @@ def mod_reference(kw, n, device="cpu"):
         elif name == "prefix_lm":
             plen = kw["prefix_len"].to(device)[:, None, None, None]
             visible = visible & ((j < plen) | (j <= i))
+        elif name == "document":  # doc (B, N): passed whole (strategy="ulysses")
+            doc = kw["doc"].to(device)
+            visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
+        elif name == "sink_logits":  # the reference's `sink` (mod_sink)
+            pass
         elif name == "window_sinks":
             sinks, window = kw["sinks"], kw["window"]
             visible = visible & (j <= i) & ((j < sinks) | (i - j <= window))
@@ -141,7 +146,35 @@ def mod_reference(kw, n, device="cpu"):
     return score, visible
 
 
+def mod_sink(kw, b):
+    """The reference's sink (B, H) of a case's sink_logits mod, else None."""
+    if "sink_logits" not in kw.get("mods", ()):
+        return None
+    return kw["sinks"].double()[None].expand(b, -1)
+
+
+def run_error_case(pkg, case, rank, world, device="cpu"):
+    """A call every rank must refuse with ValueError before any collective (or after the
+    one shape check, which every rank joins): the message, or None if it ran. rank_n
+    gives some ranks another shard length (mismatched shards)."""
+    b, n, h, hk, d = case["shape"]
+    n_local = case.get("rank_n", {}).get(str(rank), n // world)
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(b, n_local, heads, d, generator=g).to(device)
+               for heads in (h, hk, hk))
+    try:
+        pkg.ring_flash_attn_func(q, k, v, causal=case["causal"],
+                                 window_size=tuple(case["window"]), strategy=case["strategy"],
+                                 layout=case["layout"], dropout_p=case.get("dropout_p", 0.0),
+                                 **case_mods(case, device))
+    except ValueError as e:
+        return {"case": case, "error": str(e)}
+    return {"case": case, "error": None}
+
+
 def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
+    if "error" in case:
+        return run_error_case(pkg, case, rank, world, device)
     b, n, h, hk, d = case["shape"]
     dtype = DTYPES[case["dtype"]]
     causal, window = case["causal"], tuple(case["window"])
@@ -180,7 +213,8 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True).to(device)
     score_mod, mod_vis = mod_reference(mods, n, device)
     r_out, r_lse = attention_ref(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2),
-                                 vis & mod_vis, score_mod=score_mod, keep=keep, dropout_p=p)
+                                 vis & mod_vis, score_mod=score_mod, keep=keep, dropout_p=p,
+                                 sink=mod_sink(mods, b))
     r_out = r_out.transpose(1, 2)
     r_out.backward(do.double())
 

@@ -28,6 +28,8 @@ Strategies (`strategy=`, or FLASHGEN_CP_STRATEGY; default "ring"):
     dK/dV. More memory (the whole K/V on every rank) and one exposed collective, but no
     merge and fewer launches; with GQA the K/V are small, so at moderate world sizes it
     can be the faster one. Both give the same answer.
+  * "ulysses" (all-to-all; `_ulysses`): sequence shards become head shards of the whole
+    sequence, one flash_attn_func per rank; mods with tensors along the sequence work.
 
 Masks see global positions: every kernel call gets the band offsets (runtime.band) of its
 query and key pieces shifted by their global starts, so causal and sliding-window masks
@@ -69,7 +71,7 @@ import torch
 from . import _runtime
 from ._registry import BUILT_FOR, MODS, PACKAGE, VARIANTS
 
-STRATEGIES = ("ring", "allgather")
+STRATEGIES = ("ring", "allgather", "ulysses")
 LAYOUTS = ("zigzag", "contiguous")
 STRATEGY_ENV = "FLASHGEN_CP_STRATEGY"
 GRAD_SUMS = ("input", "float32")
@@ -819,7 +821,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     if layout == "zigzag" and n_local % 2:
         _check_divisible(n_local * world, world, layout,
                          what=f"the sequence ({world} shards of {n_local})")
-    if dropout_p > 0.0:
+    if dropout_p > 0.0 and strategy != "ulysses":
         _check_dropout_chunks(n_local, world, layout)
     if window_size is None:
         from ._api import DEFAULT_WINDOW
@@ -827,6 +829,14 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         window_size = DEFAULT_WINDOW or (-1, -1)
     window = _runtime.check_window(window_size)
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
+    if strategy == "ulysses":
+        from . import _ulysses
+
+        out, lse = _ulysses.attention(q, k, v, group=group, rank=rank, world=world,
+                                      layout=layout, causal=bool(causal), dropout_p=dropout_p,
+                                      scale=scale, window=window, return_lse=return_lse,
+                                      mods=mods, mod_args=mod_args)
+        return (out, lse) if return_lse else out
     mask, _, _ = _global_band(n_local * world, bool(causal), window)
     call = _ring_mods(mods, mod_args or {}, q, n_local * world)
     _runtime.find_variant("fwd", mask, dropout_p > 0.0, q.shape[-1],
@@ -852,7 +862,7 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
     this rank's shards (B, N / world, H, d) cut with `layout` (see shard_sequence); returns
     this rank's output rows (B, N / world, H_q, d) and, with return_lse, their log-sum-exp
     (B, H_q, N / world) fp32. Masks apply to global positions (self-attention, N_q = N_k).
-    strategy: "ring" or "allgather" (default FLASHGEN_CP_STRATEGY, else "ring").
+    strategy: "ring", "allgather" or "ulysses" (default FLASHGEN_CP_STRATEGY, else "ring").
     grad_sum_dtype: the dtype a K/V shard's dK/dV sum travels the ring in, "float32"
     (default FLASHGEN_CP_GRAD_SUM, else "float32": rounded once, as one GPU rounds) or
     "input" (the inputs' dtype: a rounding per piece and hop, half the sums' memory); the
