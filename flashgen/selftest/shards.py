@@ -50,9 +50,11 @@ class Shard:
 
 SHARDS: tuple[Shard, ...] = (
     Shard("tl", "the `tl` family: forward, backward, dropout, varlen, the nn.Module, the host "
-          "path", ("tests/test_forward.py", "tests/test_backward.py", "tests/test_dropout.py",
-                   "tests/test_varlen.py", "tests/test_module.py", "tests/test_host_path.py"),
-          est_s=115),
+          "path, head dims past 256", ("tests/test_forward.py", "tests/test_backward.py",
+                                       "tests/test_dropout.py", "tests/test_varlen.py",
+                                       "tests/test_module.py", "tests/test_host_path.py",
+                                       "tests/test_head_dim_512.py"),
+          est_s=130),
     Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs",
           ("tests/test_gluon.py",), est_s=130),
     Shard("gluon-bwd", "the Gluon backward, dense and with mods (persistent block lists)",
@@ -63,12 +65,13 @@ SHARDS: tuple[Shard, ...] = (
           ("tests/test_gluon_varlen.py",), est_s=210),
     Shard("mods", "score, mask and sink mods, dense and varlen",
           ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=265),
-    Shard("decode", "flash_attn_with_kvcache: split-KV, paged caches, appends",
-          ("tests/test_decode.py",), est_s=40),
+    Shard("decode", "flash_attn_with_kvcache: split-KV, paged caches, appends, rotary",
+          ("tests/test_decode.py", "tests/test_decode_rotary.py"), est_s=55),
     Shard("mla", "MLA head dims: training, the latent decode (Gluon 576/512)",
           ("tests/test_mla.py",), est_s=65),
-    Shard("ring", "context parallelism: the pieces on one GPU, the ring on 2 GPUs (NCCL)",
-          ("tests/test_ring_pieces_gpu.py",), est_s=50,
+    Shard("ring", "context parallelism: the pieces and merge_attention_states on one GPU, the "
+          "ring on 2 GPUs (NCCL)", ("tests/test_ring_pieces_gpu.py", "tests/test_merge.py"),
+          est_s=60,
           multigpu_files=("tests/test_ring_gpu.py",), multigpu_est_s=300),
     # tens of GB each: conftest's gpu_memory_alone runs one at a time across workers
     Shard("row-offsets", "tensors past 2**31 elements (64-bit row offsets)",
