@@ -172,3 +172,11 @@ def test_fp8_quantize_and_describe(pkg):
         pkg.quantize_fp8(x, "head", kv_heads=3)
     text = pkg.describe()
     assert "fwd_causal_d32_fp8_e4m3" in text and "no Gluon fp8 kernel yet" in text
+
+
+def test_fp8_through_a_call_without_descales_says_where_they_go(pkg):
+    """The packed QKV call takes no descales: an fp8 QKV is refused before any launch,
+    naming the calls that take fp8 (not a missing-argument error from the launcher)."""
+    qkv = torch.randn(1, 8, 3, 2, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="flash_attn_func or scaled_dot_product_attention"):
+        pkg.flash_attn_qkvpacked_func(qkv, causal=True)

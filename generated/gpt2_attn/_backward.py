@@ -6,8 +6,8 @@ import torch
 from . import _families, _planner
 from ._buffers import _bwd_work_counter
 from ._checks import _DTYPE_NAMES, _interpreting, _rows_span_past_int32, row_span_past_int32
-from ._forward import (LOG2E, _NO_DROP, _drop_positions, _dropout, _gluon_dropout_args,
-                       triton_cdiv)
+from ._forward import (LOG2E, _FP8_E4M3, _FP8_ELSEWHERE, _NO_DROP, _drop_positions, _dropout,
+                       _gluon_dropout_args, triton_cdiv)
 from ._launch import Launcher, _descriptor_allocator, kernel
 from ._plans import (_MAX_PLANS, _backward_plans, _gluon_too_small, _mask_tile, find_variant,
                      gluon_call_reason, gpu_key, int_widths, launch_config, variant_name)
@@ -55,6 +55,8 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
     the mods' tensors go. Returns D = rowsum(dO * O), (B, H_q, N_q) fp32 (None for an
     empty call), which a sink's gradient needs. `descale`: fp8 inputs' (B, H_kv, 3) fp32
     descales (the forward's); dq, dk, dv are then bf16."""
+    if descale is None and q.dtype is _FP8_E4M3:
+        raise ValueError(_FP8_ELSEWHERE)
     if dropout_p > 0.0:
         drop = _dropout().launch_args(rng, dropout_p)
         widths = int_widths(drop[0], drop[1])

@@ -207,6 +207,12 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
 
 
 _NO_DROP = (0, 0, 0, 1.0)
+_FP8_E4M3 = torch.float8_e4m3fn
+# an fp8 tensor that reached a call without descales (the packed QKV call, the module, the
+# ring): its kernel takes them, so say where they go rather than fail in the launch
+_FP8_ELSEWHERE = ("float8_e4m3fn q, k, v go through flash_attn_func or "
+                  "scaled_dot_product_attention with q_descale, k_descale, v_descale (issue 50: "
+                  "the other calls take no fp8 yet)")
 _WHOLE = (0, 0)  # a whole call's (Q_POS, KV_POS)
 # the dropout keep mask's Philox blocks (`_dropout.keep_mask`): a call that is a piece of
 # a larger one draws that one's mask only if its global start is on a block
@@ -235,6 +241,8 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
     This runs on every call: everything derived from the call's shapes, strides, dtype,
     device, mask and pointer alignment is computed once per signature (a launch plan) and
     the call itself is a dictionary lookup, an allocation and the launch."""
+    if descale is None and q.dtype is _FP8_E4M3:
+        raise ValueError(_FP8_ELSEWHERE)
     if not v_in_place(v):
         v = v.contiguous()
     if dropout_p > 0.0:
