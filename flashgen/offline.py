@@ -98,7 +98,9 @@ def _signature(fn, dtype: str, extra: dict | None = None, decode: bool = False):
     sig, attrs = {}, {}
     for i, p in enumerate(fn.params):
         name = p.name
-        if p.is_constexpr or (name in _VARLEN_POINTERS and not (extra and name in extra)):
+        # (the decode kernels' BT is their page table, a pointer in the paged forms)
+        if p.is_constexpr or (name in _VARLEN_POINTERS and not (extra and name in extra)
+                              and not (decode and name == "BT")):
             sig[name] = "constexpr"  # a dense launch passes None
             continue
         if extra and name in extra:  # a mod's argument (mod_arg_types)
