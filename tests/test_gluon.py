@@ -309,6 +309,7 @@ def test_gluon_knobs_compile(pkg):
         assert 224 in r["setmaxnreg"] and 56 in r["setmaxnreg"], r
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_tile_boundary_knobs_compile(pkg):
     """q_buffers, overlap and diag_first together (each alone runs a subset of that code),
@@ -347,6 +348,7 @@ def test_tile_boundary_knobs_compile(pkg):
                                            "varlen 128x128 s2 q2 overlap diag-first"}
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_three_consumer_forward_compiles(pkg):
     """192-row tiles, dense and packed, unmasked, causal and under a window (rows with no
@@ -884,6 +886,7 @@ def _check_mods_rows(rows, stack=160):
         assert r["spill_bytes"] <= stack, r
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_gluon_forwards_with_mods_compile():
     """The Gluon forward renders score mods (before the online softmax step, in raw units),
@@ -909,6 +912,7 @@ def test_gluon_forwards_with_mods_compile():
     assert "BLOCK_IDX" not in text and "def _mask_mod(" not in text
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_tile_boundary_knobs_compile_with_mods():
     """The knobs with a block-sparse walk (diag_first reverses the list: partial blocks
