@@ -75,6 +75,7 @@ def _compile_dense_and_packed(pkg, names, kind):
     return pairs
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_varlen_gluon_forward_compiles_for_sm90(pkg):
     """Dense and packed forms side by side: the packed one keeps the design (wgmma, the
@@ -92,6 +93,7 @@ def test_varlen_gluon_forward_compiles_for_sm90(pkg):
         assert r["loop_spills"] is not None and r["loop_spills"] <= 1, r
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_varlen_gluon_backward_compiles_for_sm90(pkg):
     """The backward's packed form keeps the dense design (the same wgmma products and

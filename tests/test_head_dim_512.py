@@ -47,7 +47,7 @@ def inputs(b, n, h_q, h_kv, dims, device, grad=False):
 def reference(q, k, v, causal):
     """(out, lse) in float64, (B, H, N, dv) and (B, H, N); the float64 leaves for autograd."""
     n_q, n_k = q.shape[1], k.shape[1]
-    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     vis = visible_mask(n_q, n_k, causal=causal, bottom_right=True)
     out, lse = attention_ref(*(t.transpose(1, 2) for t in leaves), vis)
     return out, lse, leaves
@@ -71,7 +71,7 @@ def check_backward(pkg, device, b, n, h_q, h_kv, dims, causal, tiles):
     with pkg._runtime.override_config(**tiles) if tiles else contextlib.nullcontext():
         pkg.flash_attn_func(q, k, v, causal=causal).backward(do)
     ref_out, _, leaves = reference(q, k, v, causal)
-    ref_out.transpose(1, 2).backward(do.double())
+    ref_out.transpose(1, 2).backward(do.double().cpu())
     atol, rtol = GRAD_TOL[torch.bfloat16]
     for name, g, r in zip("qkv", (q.grad, k.grad, v.grad), leaves):
         assert not torch.isnan(g).any(), f"NaN in d{name} (or an element never written)"

@@ -571,6 +571,7 @@ print(json.dumps([r.__dict__ for r in res]))
 """
 
 
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
 @needs_gluon_triton
 def test_gluon_varlen_kernels_with_mods_compile_for_sm90():
     """The packed (VARLEN) forms of the shipped Gluon kernels with a score mod, a sink and
