@@ -374,6 +374,26 @@ def test_ticket_counters_made_under_capture_are_not_kept(pkg, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("pad", [1, 8])
+@pytest.mark.parametrize("n_q", [1, 64])
+def test_padded_v_cache_rows_at_a_split_head_dim(pkg, poison, n_q, pad):
+    """A V cache whose rows are not 16-element aligned, at d = 80 (tiled 64 + 16), with the
+    planned tiles: the `tl` forward computed the narrow chunk's P @ V wrong from such rows
+    on Hopper (Triton 3.6), so the decode kernel, tiled the same way, is checked at that
+    layout too, at one query and at a wgmma-size query block."""
+    dt, d = torch.bfloat16, 80
+    k_cache, _, table = make_cache(3, 320, page_size=64, d=d, dtype=dt, device="cuda", seed=50)
+    g = torch.Generator().manual_seed(51)
+    pool = torch.randn(k_cache.shape[0], 64, H_KV, d + pad, generator=g).to(dt).to("cuda")
+    v_cache = pool[..., :d]
+    lengths = [300, 59, 1 + n_q]
+    q = queries(3, n_q, 4, d=d, dtype=dt, device="cuda", seed=52)
+    for kw in (dict(table=table), dict(table=table, num_splits=4)):
+        out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, tiles=None, **kw)
+        assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths, causal=True), dt)
+
+
+@pytest.mark.gpu
 def test_split_decode_in_two_cuda_graphs(pkg):
     """Split decode captured into two graphs on the capture stream (no eager call there
     first, so the counters are made under capture), the first graph freed, the second
