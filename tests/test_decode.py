@@ -373,6 +373,32 @@ def test_ticket_counters_made_under_capture_are_not_kept(pkg, monkeypatch):
     assert list(pkg._decode._tickets.values()) == [kept]
 
 
+def test_v_cache_read_from_a_copy_keeps_appends(pkg, poison, monkeypatch):
+    """The runtime's side of the padded-V fix, in the interpreter: where v_in_place says no
+    (here: any non-contiguous V), the call attends over a contiguous copy and an append's
+    new rows still land in the caller's cache, nothing else in it changing."""
+    asked = []
+    monkeypatch.setattr(pkg._runtime, "v_in_place",
+                        lambda v: asked.append(v.is_contiguous()) or v.is_contiguous())
+    dt, d, lengths = torch.float16, 80, [5, 0, 30]
+    k_cache, _, table = make_cache(3, 32, page_size=16, d=d, dtype=dt, seed=53)
+    g = torch.Generator().manual_seed(54)
+    pool = torch.randn(k_cache.shape[0], 16, H_KV, d + 8, generator=g).to(dt)
+    v_cache = pool[..., :d]
+    k_new, v_new = (torch.randn(3, 2, H_KV, d, generator=g).to(dt) for _ in range(2))
+    q = queries(3, 2, 4, d=d, dtype=dt, seed=55)
+    v_want, tail = v_cache.clone(), pool[..., d:].clone()
+    for b, n in enumerate(lengths):
+        for t in range(2):
+            v_want[int(table[b, (n + t) // 16]), (n + t) % 16] = v_new[b, t]
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, table=table, causal=True, k=k_new,
+                   v=v_new)
+    assert asked[:2] == [False, True], "the padded V must be staged, its copy read in place"
+    assert torch.equal(v_cache, v_want) and torch.equal(pool[..., d:], tail)
+    grown = [n + 2 for n in lengths]
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, grown, causal=True), dt)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pad", [1, 8])
 @pytest.mark.parametrize("n_q", [1, 64])
@@ -391,6 +417,17 @@ def test_padded_v_cache_rows_at_a_split_head_dim(pkg, poison, n_q, pad):
     for kw in (dict(table=table), dict(table=table, num_splits=4)):
         out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, tiles=None, **kw)
         assert_matches(out, lse, *reference(q, k_cache, v_cache, table, lengths, causal=True), dt)
+    # an append: the runtime attends over a copy of such V, so the new rows must still
+    # reach the caller's cache (and nothing else in it change)
+    v_new = torch.randn(3, 1, H_KV, d, generator=g).to(dt).to("cuda")
+    k_new = torch.randn(3, 1, H_KV, d, generator=g).to(dt).to("cuda")
+    v_want = v_cache.clone()
+    for b, n in enumerate(lengths):
+        v_want[int(table[b, n // 64]), n % 64] = v_new[b, 0]
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, tiles=None, k=k_new, v=v_new)
+    assert torch.equal(v_cache, v_want), "the new V rows must reach the caller's cache"
+    grown = [n + 1 for n in lengths]
+    assert_matches(out, lse, *reference(q, k_cache, v_cache, table, grown, causal=True), dt)
 
 
 @pytest.mark.gpu

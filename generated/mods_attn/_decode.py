@@ -641,6 +641,20 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     tensors and params as keyword arguments, as in flash_attn_func; here q_idx is a
     query's cache position and kv_idx a key's (tensors indexed by them must cover the
     cache: Nq / Nk / N >= its capacity). A repeated call finds its plan in two lookups."""
+    if (isinstance(v_cache, torch.Tensor) and isinstance(k_cache, torch.Tensor)
+            and v_cache.data_ptr() != k_cache.data_ptr() and not _runtime.v_in_place(v_cache)):
+        # V rows Triton 3.6 reads wrong at a narrow head-dim chunk (_plans.v_in_place; the
+        # decode kernel tiles d like the forward): attend over a contiguous copy, and give
+        # an append's new rows back to the caller's cache. Only such unusual layouts pay.
+        staged = v_cache.contiguous()
+        result = flash_attn_with_kvcache(
+            q, k_cache, staged, k, v, cache_seqlens, block_table, softmax_scale, causal,
+            window_size, num_splits, return_lse, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+            rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
+            cache_leftpad=cache_leftpad, mods=mods, **mod_args)
+        if v is not None:
+            v_cache.copy_(staged)
+        return result
     extra = None
     if (rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
             or cache_leftpad is not None):
