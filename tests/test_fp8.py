@@ -180,3 +180,47 @@ def test_fp8_through_a_call_without_descales_says_where_they_go(pkg):
     qkv = torch.randn(1, 8, 3, 2, 32).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="flash_attn_func or scaled_dot_product_attention"):
         pkg.flash_attn_qkvpacked_func(qkv, causal=True)
+
+
+@pytest.mark.parametrize("per", ["tensor", "head"])
+def test_rotate_qk_cuts_the_error_of_outlier_channels(pkg, per):
+    """Incoherent processing: with a few outlier channels in q and k (as LLM activations
+    have), the fp8 scale is set by them and the other channels keep few e4m3 steps; a shared
+    orthogonal rotation spreads them. Counted here, unlike above, is the quantization error
+    itself: the reference is float64 attention on the unquantized inputs."""
+    torch.manual_seed(3)
+    n = 127
+    q, k, v = (torch.randn(B, n, h, D) * 0.3 for h in (HQ, HK, HK))
+    for t in (q, k):
+        t[..., [3, 17]] *= 12.0
+    ref, ref_lse = _reference(q.double(), k.double(), v.double(), False)
+    v8, vd = pkg.quantize_fp8(v, per)
+    errs = {}
+    for rotated in (False, True):
+        qr, kr = pkg.rotate_qk(q, k, seed=5) if rotated else (q, k)
+        (q8, qd), (k8, kd) = pkg.quantize_fp8(qr, per, kv_heads=HK), pkg.quantize_fp8(kr, per)
+        out, lse = pkg.flash_attn_func(q8, k8, v8, return_lse=True, q_descale=qd,
+                                       k_descale=kd, v_descale=vd)
+        errs[rotated] = (_rmse(lse, ref_lse), _rmse(out, ref))
+    print(f"per={per}: lse rmse {errs[False][0]:.3e} -> {errs[True][0]:.3e}, out rmse "
+          f"{errs[False][1]:.3e} -> {errs[True][1]:.3e}")
+    assert errs[True][0] < 0.6 * errs[False][0] and errs[True][1] < errs[False][1], errs
+
+
+@pytest.mark.parametrize("d", [32, 80])
+def test_rotate_qk_keeps_the_scores_and_the_gradients(pkg, d):
+    """R is orthogonal (Hadamard at a power of two, a seeded QR otherwise), so q k^T is
+    unchanged and the gradients come back through R^T."""
+    q = torch.randn(2, 5, 4, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 7, 4, d, dtype=torch.float64, requires_grad=True)
+    qr, kr = pkg.rotate_qk(q.float(), k.float(), seed=1)
+    s, s_r = (torch.einsum("bnhd,bmhd->bhnm", a.double(), b.double()) for a, b in ((q, k), (qr, kr)))
+    torch.testing.assert_close(s_r, s.detach(), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(qr.double(), q.detach(), atol=1e-2), "R must not be the identity"
+    s_r.sum().backward()
+    s2 = torch.einsum("bnhd,bmhd->bhnm", q, k)
+    gq, gk = torch.autograd.grad(s2.sum(), (q, k))
+    torch.testing.assert_close(q.grad, gq, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(k.grad, gk, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="rotate before"):
+        pkg.rotate_qk(*pkg.quantize_fp8(q.detach())[:1], k)

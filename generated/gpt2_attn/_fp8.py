@@ -115,6 +115,48 @@ def quantize_fp8(x, per: str = "tensor", kv_heads: int | None = None):
     return x8, descale.contiguous()
 
 
+_rotations = {}
+
+
+def _rotation(d: int, seed: int, device) -> torch.Tensor:
+    """An orthogonal (d, d) fp32 matrix: random signs times a Sylvester Hadamard matrix /
+    sqrt(d) where d is a power of two (every output channel mixes all d inputs with equal
+    weight), a seeded random orthogonal matrix (QR of a Gaussian) otherwise."""
+    key = (d, seed, str(device))
+    if key not in _rotations:
+        g = torch.Generator().manual_seed(seed)
+        if d & (d - 1) == 0:
+            h = torch.ones(1, 1, dtype=torch.float64)
+            while h.shape[0] < d:
+                h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+            signs = torch.randint(0, 2, (d,), generator=g).double() * 2 - 1
+            r = signs[:, None] * h / d ** 0.5
+        else:
+            r, upper = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+            r = r * torch.sign(torch.diagonal(upper))[None, :]
+        _rotations[key] = r.float().to(device)
+    return _rotations[key]
+
+
+def rotate_qk(q, k, seed: int = 0):
+    """(q R, k R) with one orthogonal R over the head dim: incoherent processing before
+    quantize_fp8 (QuaRot's and FA3's trick). Q K^T is unchanged in exact arithmetic, while
+    a few outlier channels, which set a per-tensor or per-head fp8 scale and leave every
+    other channel a handful of e4m3 steps, are spread over all of them. V is not rotated,
+    so the output needs no inverse. Differentiable: q's and k's gradients come back
+    through R^T. Same layout and dtype out as in; q and k must share the last dim."""
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dtype in FP8:
+            raise ValueError(f"rotate_qk takes bf16, fp16 or fp32 q and k (rotate before "
+                             f"quantize_fp8); {name} is "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if q.shape[-1] != k.shape[-1] or q.device != k.device:
+        raise ValueError(f"q and k must share the head dim and device, got {tuple(q.shape)} "
+                         f"on {q.device} and {tuple(k.shape)} on {k.device}")
+    r = _rotation(q.shape[-1], int(seed), q.device)
+    return tuple((t.float() @ r).to(t.dtype) for t in (q, k))
+
+
 def _source(t):
     return getattr(t, "_flashgen_source", t)
 

@@ -15,7 +15,7 @@ from ._api import (DEFAULT_WINDOW, dropout_mask, dropout_scale, flash_attn_func,
                    flash_attn_varlen_qkvpacked_func, scaled_dot_product_attention)
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
-from ._fp8 import quantize_fp8
+from ._fp8 import quantize_fp8, rotate_qk
 from ._hf import register_transformers
 from ._merge import merge_attention_states
 from ._module import Attention
@@ -43,4 +43,5 @@ __all__ = [
     "unshard_sequence",
     "register_transformers",
     "quantize_fp8",
+    "rotate_qk",
 ]
