@@ -9,14 +9,16 @@ kernel code), with sizes small enough to take well under a minute. The model and
 reference block are also used by tests/test_module.py.
 
     python examples/gpt.py --bench [--steps 30] [--dropout 0.0 0.1] [--out FILE.json]
-        [--profile]
+        [--profile] [--fp8]
 
 The end-to-end benchmark (CUDA GPU): a GPT-2-small-shaped model (12 layers, 12 heads of 64,
 embed 768, vocab 50257, N = 1024, B = 8, bf16, AdamW) trained from identical weights on
 identical batches with the generated package's `Attention` and with the same block on
 SDPA's FLASH_ATTENTION and CUDNN_ATTENTION backends, at each attention dropout; reports
 training steps per second (after warm-up steps, synchronised) and the loss curves side by
-side.
+side. --fp8 adds the model on flashgen's fp8 attention (q, k, v quantized per head on every
+call, q and k rotated first), its loss set against bf16's (issue 50's bar: 1,000 steps,
+within 1%).
 """
 import argparse
 import contextlib
@@ -219,8 +221,9 @@ def profile_steps(step, steps=2, top=12):
 
 
 def bench(steps=30, warmup=3, batch=8, dropouts=(0.0, 0.1), seed=0, out=None, log=print,
-          profile=False, package=None):
-    """Training steps/s of GPT-2 small with flashgen vs SDPA flash vs SDPA cuDNN."""
+          profile=False, package=None, fp8=False):
+    """Training steps/s of GPT-2 small with flashgen vs SDPA flash vs SDPA cuDNN; with fp8,
+    also flashgen's fp8 attention (`Attention(fp8=True)`), its loss set against bf16's."""
     import functools
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -251,9 +254,10 @@ def bench(steps=30, warmup=3, batch=8, dropouts=(0.0, 0.1), seed=0, out=None, lo
         base = GPT(functools.partial(Attention, dropout=p), **cfg)
         state = copy.deepcopy(base.state_dict())
         rows = {}
-        for name in ("flashgen", *backends):
-            block = (functools.partial(Attention, dropout=p) if name == "flashgen"
-                     else functools.partial(SDPAAttention, dropout=p))
+        for name in ("flashgen", *(("flashgen_fp8",) if fp8 else ()), *backends):
+            block = (functools.partial(Attention, dropout=p) if name == "flashgen" else
+                     functools.partial(Attention, dropout=p, fp8=True)
+                     if name == "flashgen_fp8" else functools.partial(SDPAAttention, dropout=p))
             model = GPT(block, **cfg)
             model.load_state_dict(state)
             model.to(device=device, dtype=dtype).train()
@@ -303,6 +307,14 @@ def bench(steps=30, warmup=3, batch=8, dropouts=(0.0, 0.1), seed=0, out=None, lo
         log(f"\ndropout {p}: loss per step ({', '.join(ok)})")
         for i in range(warmup + steps):
             log(f"{i:>4}  " + "  ".join(f"{rows[n]['losses'][i]:8.4f}" for n in ok))
+        if "flashgen" in ok and "flashgen_fp8" in ok:
+            tail = min(10, steps)  # the loss at the end: a mean over the last steps
+            end16, end8 = (sum(rows[n]["losses"][-tail:]) / tail
+                           for n in ("flashgen", "flashgen_fp8"))
+            log(f"dropout {p}: fp8 attention: {rows['flashgen_fp8']['steps_per_s']:.2f} "
+                f"steps/s ({rows['flashgen_fp8']['steps_per_s'] / rows['flashgen']['steps_per_s']:.3f}x "
+                f"bf16's); loss over the last {tail} steps {end8:.4f} vs bf16 {end16:.4f} "
+                f"({(end8 - end16) / end16 * 100:+.2f}%)")
         peers = [rows[n]["steps_per_s"] for n in backends if n in ok]
         if "flashgen" in ok and peers:
             log(f"dropout {p}: flashgen / fastest SDPA backend = "
@@ -328,10 +340,12 @@ if __name__ == "__main__":
     ap.add_argument("--out")
     ap.add_argument("--profile", action="store_true",
                     help="with --bench: a torch.profiler split of each model's step")
+    ap.add_argument("--fp8", action="store_true",
+                    help="with --bench: also train with flashgen's fp8 attention")
     ap.add_argument("--package", help="with --bench: a folder holding the gpt2_attn package "
                     "to time instead of generated/gpt2_attn")
     args = ap.parse_args()
     if args.bench:
         sys.exit(bench(args.steps, args.warmup, args.batch, args.dropout, out=args.out,
-                       profile=args.profile, package=args.package))
+                       profile=args.profile, package=args.package, fp8=args.fp8))
     sys.exit(main())

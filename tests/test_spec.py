@@ -60,7 +60,7 @@ def test_gpt2_spec_parses():
     spec = load_spec(SPECS / "gpt2.yaml")
     assert spec.package == "gpt2_attn"
     assert spec.head_dims == (64,)
-    assert spec.dtypes == ("fp16", "bf16", "fp32")
+    assert spec.dtypes == ("fp16", "bf16", "fp32", "fp8_e4m3")
     assert spec.masks == ("none", "causal")
     assert spec.window is None
     assert (spec.dropout, spec.gqa, spec.decode) == (True, False, False)

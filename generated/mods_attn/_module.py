@@ -23,7 +23,8 @@ them: a copy of the whole QKV activation per layer and step).
 """
 import torch
 
-from ._api import packed_attention
+from ._api import flash_attn_func, packed_attention
+from ._fp8 import quantize_fp8, rotate_qk
 from ._registry import BUILT_FOR, PACKAGE
 from ._runtime import check_window
 
@@ -49,10 +50,15 @@ class Attention(torch.nn.Module):
         window: optional sliding window (left, right) in tokens, -1 for unbounded on a side
             (needs `sliding_window` in the spec's `masks`); None is the package's default
             (the spec's `window` when it was built for sliding_window alone, else none).
+        fp8: run the attention in fp8 (needs `fp8_e4m3` in the spec's dtypes): q, k, v are
+            quantized per (batch, K/V head) on every call (quantize_fp8), the output comes
+            back in x's dtype, the gradients reach the projection in bf16 (straight through
+            the quantization). fp8_rotate (the default with fp8) rotates q and k first
+            (rotate_qk), which cuts the error that outlier channels cause.
     """
 
     def __init__(self, embed_dim, num_heads, num_kv_heads=None, causal=True, dropout=0.0,
-                 bias=True, window=None):
+                 bias=True, window=None, fp8=False, fp8_rotate=True):
         super().__init__()
         embed_dim = _positive_int("embed_dim", embed_dim)
         num_heads = _positive_int("num_heads", num_heads)
@@ -87,6 +93,11 @@ class Attention(torch.nn.Module):
                     f"for masks {list(BUILT_FOR['masks'])}: add `sliding_window` to `masks` "
                     f"in {BUILT_FOR['spec']} and rebuild")
 
+        if fp8 and "fp8_e4m3" not in BUILT_FOR["dtypes"]:
+            raise ValueError(f"fp8=True needs fp8 kernels, but {PACKAGE} was built for dtypes "
+                             f"{list(BUILT_FOR['dtypes'])}: add `fp8_e4m3` to `dtypes` in "
+                             f"{BUILT_FOR['spec']} and rebuild")
+
         self.embed_dim = embed_dim
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -94,6 +105,7 @@ class Attention(torch.nn.Module):
         self.causal = bool(causal)
         self.dropout = float(dropout)
         self.window = window
+        self.fp8, self.fp8_rotate = bool(fp8), bool(fp8_rotate)
         self.qkv = torch.nn.Linear(embed_dim, (num_heads + 2 * num_kv_heads) * head_dim,
                                    bias=bias)
         self.proj = torch.nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -106,12 +118,25 @@ class Attention(torch.nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         # (B, N, H + 2 H_kv, d) view of the projection: [q heads | k heads | v heads]
         qkv = self.qkv(x).view(batch, n, heads + 2 * kv_heads, self.head_dim)
+        if self.fp8:
+            return self.proj(self._fp8_attention(qkv).to(x.dtype).reshape(batch, n, -1))
         out = packed_attention(qkv, heads, kv_heads,
                                dropout_p=self.dropout if self.training else 0.0,
                                causal=self.causal, window_size=self.window)
         return self.proj(out.reshape(batch, n, self.embed_dim))
 
+    def _fp8_attention(self, qkv):
+        q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=2)
+        if self.fp8_rotate:
+            q, k = rotate_qk(q, k)
+        (q8, qd), (k8, kd), (v8, vd) = (quantize_fp8(t, "head", kv_heads=self.num_kv_heads)
+                                        for t in (q, k, v))
+        return flash_attn_func(q8, k8, v8, dropout_p=self.dropout if self.training else 0.0,
+                               causal=self.causal, window_size=self.window, q_descale=qd,
+                               k_descale=kd, v_descale=vd)
+
     def extra_repr(self):
         return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
-                f"causal={self.causal}, dropout={self.dropout}, window={self.window}")
+                f"causal={self.causal}, dropout={self.dropout}, window={self.window}"
+                + (f", fp8=True, fp8_rotate={self.fp8_rotate}" if self.fp8 else ""))
