@@ -30,9 +30,17 @@ _TRITON_DTYPES = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
 _FP32_POINTERS = {"LSE", "DELTA", "DQ_ACC", "PARTIAL_O", "PARTIAL_LSE", "M_PARTIAL"}
 _INT_POINTERS = {"LOCKS": "*i32", "CU_Q": "*i32", "CU_K": "*i32", "SEQUSED_Q": "*i32",
                  "SEQUSED_K": "*i32", "BT": "*i32"}
-# the packed-batch (varlen) kernels' cumulative and used lengths and the paged cache's block
-# table: None, a constexpr, in a dense launch
-_VARLEN_POINTERS = ("CU_Q", "CU_K", "SEQUSED_Q", "SEQUSED_K", "BT")
+# the packed-batch (varlen) kernels' cumulative and used lengths, the paged cache's block
+# table and a quantized cache's scales: None, a constexpr, in a dense launch
+_VARLEN_POINTERS = ("CU_Q", "CU_K", "SEQUSED_Q", "SEQUSED_K", "BT", "KS", "VS")
+# a variant that reads quantized KV caches (registry `kv_quant`): its launches without one
+# (KS, VS None), and the forms compiled with one -- decode with an fp8 cache and per-token
+# scales (the costliest: the scales' loads beside the tile's), the append quantizing into
+# an int8 cache (the per-token amax), the paged prefill over an int8 cache
+_KV_PLAIN = dict(KS=None, VS=None, KV_QUANT=0, KV_SCALE_TOKEN=False)
+_KV_SCALES = {"KS": "*fp32", "VS": "*fp32"}
+_KV_FP8 = dict(_KV_SCALES, K="*fp8e4nv", V="*fp8e4nv")
+_KV_INT8 = dict(_KV_SCALES, K="*i8", V="*i8")
 _DENSE = dict(CU_Q=None, CU_K=None, VARLEN=False)
 # the forward's serving arguments (chunked prefill over a paged cache), unused in a dense one
 _FWD_DENSE = dict(SEQUSED_Q=None, SEQUSED_K=None, BT=None, PAGE_SIZE=0)
@@ -133,10 +141,37 @@ def _signature(fn, dtype: str, extra: dict | None = None, decode: bool = False):
     return sig, attrs
 
 
-def _launches(kind: str, config: dict, function_names, row64: bool = False, dims=None):
-    """(function, constexprs, num_warps, num_stages) the runtime launches for a config;
-    row64: the form a call whose (batch, head) slices span 2**31 elements gets (ROW64).
-    dims: (Q/K head dim, V head dim) of a decode variant."""
+def _launches(kind: str, config: dict, function_names, row64: bool = False, dims=None,
+              kv_quant: bool = False):
+    """(function, constexprs, num_warps, num_stages[, argument types]) the runtime launches
+    for a config; row64: the form a call whose (batch, head) slices span 2**31 elements gets
+    (ROW64). dims: (Q/K head dim, V head dim) of a decode variant. kv_quant: the variant
+    reads quantized KV caches (registry `kv_quant`): its plain launches pass no scales, and
+    the forms with a quantized cache are compiled too (argument types of their own)."""
+    out = _plain_launches(kind, config, row64, dims)
+    if not kv_quant:
+        return out
+    out = [(f, {**_KV_PLAIN, **c}, w, s) for f, c, w, s in out]
+    bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
+    if kind == "fwd":  # the paged prefill (chunked prefill over an int8 cache)
+        # (per-token scales take at most 64 keys a block: _kvquant.MAX_TOKEN_SCALE_BLOCK_N)
+        paged = dict(BLOCK_M=bm, BLOCK_N=min(bn, 64), USE_TMA=False, WARP_SPECIALIZE=False, VARLEN=True,
+                     PAGE_SIZE=64, ROW64=row64, SEQUSED_Q=None, SEQUSED_K=None, KV_QUANT=2,
+                     KV_SCALE_TOKEN=True)
+        out.append(("kernel", paged, w, s, dict(_KV_INT8, CU_Q="*i32", CU_K="*i32", BT="*i32")))
+    elif kind == "decode" and bm <= 32:  # (a quantized cache stacks at most 32 rows)
+        def quantized(c, code):  # KS, VS become typed pointers (the form's argument types)
+            return {**{k: v for k, v in c.items() if k not in ("KS", "VS")},
+                    "KV_QUANT": code, "KV_SCALE_TOKEN": True}
+        kernel = next(c for f, c, _, _ in out if f == "kernel" and not c.get("V_IS_K"))
+        _, append, aw, ast = next(x for x in out if x[0] == "append")
+        out += [("kernel", quantized(kernel, 1), w, s, _KV_FP8),
+                ("append", quantized(append, 2), aw, ast, _KV_INT8)]
+    return out
+
+
+def _plain_launches(kind: str, config: dict, row64: bool = False, dims=None):
+    """_launches' forms without a quantized cache."""
     from . import planner_core
     bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
     dense = dict(_DENSE, ROW64=row64)
@@ -195,14 +230,18 @@ def decode_tiles(spec, variant, plan) -> list:
 
 def _variant_launches(spec, variant, plan, row64: bool = False):
     """_launches of every config a variant runs: the planned one, and for a decode variant
-    each stacked tile (decode_tiles; the append kernel once)."""
+    each stacked tile (decode_tiles; the append kernels once)."""
+    from .variants import reads_quantized_kv
+
     dims = (variant.head_dim, variant.v_dim)
+    kv_quant = reads_quantized_kv(spec, variant)
     if variant.kind != "decode":
-        return _launches(variant.kind, plan.chosen.as_dict(), (), row64, dims)
+        return _launches(variant.kind, plan.chosen.as_dict(), (), row64, dims, kv_quant)
     out = []
     for cfg in decode_tiles(spec, variant, plan):
-        out += [launch for launch in _launches("decode", cfg, (), row64, dims)
-                if launch[0] != "append" or not any(o[0] == "append" for o in out)]
+        appended = any(o[0] == "append" for o in out)
+        out += [launch for launch in _launches("decode", cfg, (), row64, dims, kv_quant)
+                if launch[0] != "append" or not appended]
     return out
 
 
@@ -260,16 +299,19 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
             continue
         module = importlib.import_module(f"{spec.package}.kernels.{variant.name}")
         types, flags = mod_arg_types(registry, variant.name)
-        for function, constexprs, warps, stages in _variant_launches(spec, variant, plan,
-                                                                      row64):
+        for function, constexprs, warps, stages, *form in _variant_launches(spec, variant, plan,
+                                                                             row64):
             fn = getattr(module, f"{variant.name}_{function}")
             if function == "dkdv_kernel":  # a tensor's gradient stored: the costlier build
                 constexprs = {**constexprs, **flags}
             shared, regs, stores, loads = compile_kernel(fn, variant.dtype, constexprs, warps,
-                                                         stages, capability, types,
+                                                         stages, capability,
+                                                         {**types, **(form[0] if form else {})},
                                                          variant.kind == "decode")
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}" + (" V_IS_K" if constexprs.get("V_IS_K") else "")
+            if constexprs.get("KV_QUANT"):  # a quantized cache's form
+                cfg += " " + ("fp8" if constexprs["KV_QUANT"] == 1 else "int8") + " cache"
             warning = ("" if function in ("preprocess", "append")
                        else planner_core.spill_warning(plan) or "")
             r = KernelResources(variant.name, function, cfg, shared, regs,

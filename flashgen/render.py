@@ -16,7 +16,7 @@ from .resources import templates_dir
 from .plan import variant_score_bytes
 from .spec import FP8_DTYPES, Spec
 from .tuning_data import load_tuned
-from .variants import Variant
+from .variants import Variant, reads_quantized_kv
 
 TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's copy
 PLANNER_SOURCE = Path(planner_core.__file__)
@@ -56,6 +56,7 @@ PACKAGE_FILES = {
     "_ring_merge.py": "package/ring_merge.py.j2",  # the LSE merge kernels (ring, _merge)
     "_merge.py": "package/merge.py.j2",  # merge_attention_states
     "_fp8.py": "package/fp8.py.j2",  # fp8 inputs with descales, quantize_fp8 (issue 50)
+    "_kvquant.py": "package/kvquant.py.j2",  # fp8 / int8 KV caches, quantize_kv_cache
     "_hf.py": "package/hf.py.j2",  # Hugging Face transformers (docs/TRANSFORMERS.md)
 }
 
@@ -124,7 +125,16 @@ def kernel_context(spec: Spec, variant: Variant) -> dict:
         # about 2^-21 relative, at tensor-core speed.
         "dot_kwargs": ', input_precision="tf32x3"' if variant.dtype == "fp32" else "",
         **fp8_context(variant),
+        **kv_quant_context(spec, variant),
     }
+
+
+def kv_quant_context(spec: Spec, variant: Variant) -> dict:
+    """A variant that reads quantized KV caches (variants.reads_quantized_kv) renders the
+    scales' arguments and the KV_QUANT switch; P is then rounded to Q's dtype for P V (the
+    cache's values are converted to it in registers), where it is V's otherwise."""
+    kv_quant = reads_quantized_kv(spec, variant)
+    return {"kv_quant": kv_quant, **({"p_ty": "Q.dtype.element_ty"} if kv_quant else {})}
 
 
 def fp8_context(variant: Variant) -> dict:
@@ -469,7 +479,9 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
                  **({"key_span": spans[v.name]} if spans[v.name] else {}),
                  **({"v_head_dim": v.v_dim} if v.v_dim != v.head_dim else {}),
                  **({"score_bytes": variant_score_bytes(spec, v)}
-                    if variant_score_bytes(spec, v) else {})}
+                    if variant_score_bytes(spec, v) else {}),
+                 # takes quantized KV caches (fp8 / int8) and their scales
+                 **({"kv_quant": True} if reads_quantized_kv(spec, v) else {})}
         for v in plans
     }
     planned = {v.name: p.chosen.as_dict() for v, p in plans.items()}
@@ -487,6 +499,8 @@ def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
            if spec.decode and (spec.decode_only_pairs
                                or any(qk != v for qk, v in spec.decode_pairs)) else {}),
         "dropout": spec.dropout, "gqa": spec.gqa,
+        # the quantized KV-cache dtypes the decode and paged-prefill kernels read
+        **({"kv_cache_dtypes": list(spec.kv_quant_dtypes)} if spec.kv_quant_dtypes else {}),
     }
     target = {"name": spec.gpu.name, "sram_bytes": spec.gpu.sram_bytes,
               "sm_count": spec.gpu.sm_count}

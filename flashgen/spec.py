@@ -23,6 +23,10 @@ YAML format
     dropout: true               # optional, default false
     gqa: false                  # optional, default false (allow Hq != Hkv)
     decode: false               # optional, default false (KV-cache decode kernels)
+    kv_cache_dtypes: [bf16, fp8_e4m3, int8]   # optional: the KV-cache dtypes the decode
+                                # and paged-prefill kernels read; fp8_e4m3 / int8 are
+                                # 1-byte caches with fp32 scales (fp16/bf16 queries); a
+                                # cache in the queries' own dtype is always read
     window: {left: 256, right: 0}   # required iff sliding_window is in masks
     gpu:                        # required
       name: H100                #   required, a string
@@ -77,7 +81,8 @@ from flashgen.mods import BUILTINS, KINDS, RESERVED, Mod, ModError, builtin_mod,
 from flashgen.planner_core import DEFAULT_ARCH, MIN_ARCH, STAGE_COUNTS, WARP_COUNTS
 
 __all__ = [
-    "DTYPES", "FP8_DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
+    "DTYPES", "FP8_DTYPES", "KV_CACHE_DTYPES", "KV_QUANT_DTYPES", "MASKS",
+    "DEFAULT_SEQLEN_BUCKETS",
     "Loc", "BlockConfig", "Window", "GpuTarget", "Blocks", "ModVariant", "Spec",
     "load_spec", "parse_spec",
 ]
@@ -85,6 +90,11 @@ __all__ = [
 DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3")
 # fp8 dtypes (FA3's inputs: q, k, v in fp8 with fp32 descales, the output in bf16)
 FP8_DTYPES = ("fp8_e4m3",)
+# KV-cache dtypes (issue 49): a cache in the queries' dtype, or a quantized 1-byte one that
+# the decode and paged-prefill kernels dequantize in registers (fp32 scales per tensor,
+# per K/V head or per token), read with fp16 / bf16 queries
+KV_CACHE_DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3", "int8")
+KV_QUANT_DTYPES = ("fp8_e4m3", "int8")
 MASKS = ("none", "causal", "sliding_window")
 DEFAULT_SEQLEN_BUCKETS = (512, 1024, 2048, 4096, 8192, 16384)
 
@@ -183,6 +193,8 @@ class Spec:
     head_dim_pairs: tuple[tuple[int, int], ...] = ()
     # (Q/K, V) head dims of the `decode_only: true` entries: decode kernels only
     decode_only_pairs: tuple[tuple[int, int], ...] = ()
+    # `kv_cache_dtypes` as written (canonical KV_CACHE_DTYPES order; () when not given)
+    kv_cache_dtypes: tuple[str, ...] = ()
     # Dotted key path -> Loc for every mapping key in the file.  Excluded from
     # ==/hash (it is derived from the same bytes as `sha`, and a mapping proxy
     # is unhashable) so that Spec can be used as a cache key.
@@ -199,6 +211,12 @@ class Spec:
         """The (Q/K, V) head dims that get decode kernels (with `decode: true`): every
         head_dims entry, the decode-only ones included."""
         return tuple(sorted(self.head_dim_pairs + self.decode_only_pairs))
+
+    @property
+    def kv_quant_dtypes(self) -> tuple[str, ...]:
+        """The quantized KV-cache dtypes the package reads (fp8_e4m3, int8): the fp16/bf16
+        decode and forward kernels get their dequantizing loads."""
+        return tuple(d for d in self.kv_cache_dtypes if d in KV_QUANT_DTYPES)
 
     def loc(self, key: str) -> Loc:
         """Loc of ``key``, else of its nearest present parent, else line 1."""
@@ -286,6 +304,11 @@ _HELP: dict[str, tuple[str, str]] = {
     "dropout": ("a boolean: true or false", "write dropout: true or dropout: false"),
     "gqa": ("a boolean: true or false", "write gqa: true or gqa: false"),
     "decode": ("a boolean: true or false", "write decode: true or decode: false"),
+    "kv_cache_dtypes": (f"a non-empty list of distinct KV-cache dtypes from "
+                        f"{', '.join(KV_CACHE_DTYPES)}: fp8_e4m3 and int8 are 1-byte caches "
+                        "read with fp16/bf16 queries; fp16, bf16, fp32 name a cache in the "
+                        "queries' own dtype (one of `dtypes`; always read)",
+                        "write e.g. kv_cache_dtypes: [bf16, fp8_e4m3, int8]"),
     "gpu": ("a mapping with name, sram_bytes and optional sm_count and arch",
             "write e.g. gpu: {name: H100, sram_bytes: 232448, sm_count: 132}"),
     "gpu.name": ("a non-empty string naming the GPU", "write e.g. name: H100"),
@@ -328,7 +351,7 @@ def _help(key: str) -> tuple[str, str]:
 _ALIASES = {
     "float16": "fp16", "half": "fp16", "f16": "fp16",
     "bfloat16": "bf16", "float32": "fp32", "float": "fp32", "f32": "fp32",
-    "fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3",
+    "fp8": "fp8_e4m3", "e4m3": "fp8_e4m3", "float8_e4m3fn": "fp8_e4m3", "i8": "int8",
     "full": "none", "no_mask": "none", "window": "sliding_window",
     "sliding": "sliding_window", "local": "sliding_window",
 }
@@ -403,6 +426,7 @@ class _Parser:
         self.check_window(top)
         self.check_decode_only(top)
         self.check_fp8(top)
+        self.check_kv_cache(top)
         mods, mod_variants = self.check_mods(top)
         return Spec(
             path=self.path,
@@ -423,6 +447,7 @@ class _Parser:
             mods=mods,
             mod_variants=mod_variants,
             attn_mask=top.get("attn_mask", True),
+            kv_cache_dtypes=top.get("kv_cache_dtypes", ()),
             locs=MappingProxyType(dict(self.locs)),
         )
 
@@ -477,6 +502,23 @@ class _Parser:
                                 "fp8 dtypes only in a spec without decode, mods or variants",
                                 f"build the fp8 kernels from a spec of their own, or drop "
                                 f"{key}")
+
+    def check_kv_cache(self, top: dict[str, Any]) -> None:
+        """A plain cache dtype is one of the queries' (`dtypes`); a quantized one is read
+        with fp16 / bf16 queries, so the spec must build one of them."""
+        line = self.key_line("kv_cache_dtypes")
+        for d in top.get("kv_cache_dtypes", ()):
+            if d not in KV_QUANT_DTYPES and d not in top["dtypes"]:
+                raise self.fail(line, "kv_cache_dtypes",
+                                f"{d} is listed but `dtypes` has no {d}: a cache that is not "
+                                "quantized is in the queries' dtype",
+                                fix=f"add {d} to dtypes, or drop it from kv_cache_dtypes")
+        quant = [d for d in top.get("kv_cache_dtypes", ()) if d in KV_QUANT_DTYPES]
+        if quant and not {"fp16", "bf16"} & set(top["dtypes"]):
+            raise self.fail(line, "kv_cache_dtypes",
+                            f"{quant[0]} caches are read with fp16 or bf16 queries, but "
+                            "`dtypes` has neither",
+                            fix="add bf16 (or fp16) to dtypes, or drop the quantized caches")
 
     def check_decode_only(self, top: dict[str, Any]) -> None:
         """A decode_only entry needs decode: true, and must not repeat a full entry (whose
@@ -940,6 +982,7 @@ _TOP_SCHEMA: dict[str, Callable] = {
     "dropout": _boolean,
     "gqa": _boolean,
     "decode": _boolean,
+    "kv_cache_dtypes": _names(KV_CACHE_DTYPES),
     "gpu": _gpu,
     "blocks": _blocks,
     "seqlen_buckets": _seqlen_buckets,

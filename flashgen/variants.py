@@ -109,3 +109,12 @@ def variants_for(spec: Spec) -> tuple[Variant, ...]:
                              "mod names that keep variant names apart",
                              "rename one of the mods")
     return out
+
+
+def reads_quantized_kv(spec: Spec, variant: Variant) -> bool:
+    """Whether a variant's kernels take 1-byte KV caches (spec `kv_cache_dtypes` fp8_e4m3,
+    int8) and their scales: the fp16/bf16 decode kernels, and the fp16/bf16 forwards
+    without dropout (chunked prefill over a paged cache runs them). A package that builds
+    no quantized cache renders none of that code."""
+    return (bool(spec.kv_quant_dtypes) and variant.kind in ("decode", "fwd")
+            and variant.dtype in ("fp16", "bf16") and not variant.dropout)

@@ -1,0 +1,464 @@
+"""Quantized KV caches (issue 49): fp8 e4m3 and int8 caches with fp32 scales per tensor,
+per K/V head and per token, read by flash_attn_with_kvcache (contiguous and paged,
+split-KV, appends that quantize on write) and by the paged prefill
+(flash_attn_varlen_func with block_table), with fp16 / bf16 queries.
+
+The reference is independent of the package: the cache as the call leaves it (after an
+append, what the append kernel wrote) is dequantized in float64 here (x_q * scale, the
+scales broadcast by their shape), gathered row by row through the block table, and
+attended to with flashgen.reference's float64 attention. The kernels convert the 1-byte
+values to the queries' dtype exactly and apply the scales to fp32 products, so the
+stated tolerance is the queries' dtype's against float64 (conftest.OUT_TOL: bf16 1.6e-2,
+fp16 2e-3), whatever the cache dtype and scale granularity; the quantization error itself
+(against the unquantized cache) is measured separately, with its own bound.
+
+Inputs are hostile where they can be: outputs start poisoned (NaN), the per-token scales
+of every cache row a call must not read are NaN (and so are an fp8 cache's values there),
+so a read past a length, a page or a row shows up as NaN; rows carry magnitudes over two
+decades, so per-token scales differ. CPU cases run in Triton's interpreter at d = 32 with
+16 x 16 tiles (N_cache 1, 59, 257; GQA 4:1 and 8:1; batch 3; pages of 16 and 64); the
+gpu-marked ones at d = 128 with the planner's tiles and the automatic split count.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import LSE_TOL, OUT_TOL
+from flashgen.reference import attention_ref, visible_mask
+from packages import build_and_import
+
+TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
+FP8, INT8 = torch.float8_e4m3fn, torch.int8
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("kvq"), "fg_test_kvq", """
+        head_dims: [32, 128]
+        dtypes: [fp16, bf16]
+        masks: [none, causal]
+        gqa: true
+        decode: true
+        kv_cache_dtypes: [bf16, fp16, fp8_e4m3, int8]
+        """)
+
+
+# ---------------------------------------------------------------------------------------
+# inputs and the reference
+# ---------------------------------------------------------------------------------------
+def raw(shape, gen):
+    """Random rows whose magnitudes spread over two decades (per-token scales differ)."""
+    x = torch.randn(shape, generator=gen)
+    return x * torch.exp(torch.randn(shape[:-1], generator=gen) * 1.2)[..., None]
+
+
+def widen(scale, per):
+    """A scale broadcast against its cache (..., H_kv, d)."""
+    return scale[..., None] if per == "token" else scale[:, None] if per == "head" else scale
+
+
+def dequant(xq, scale, per):
+    return xq.double() * widen(scale.double(), per)
+
+
+def quant_cache(pkg, shape, dtype, per, gen, device):
+    """(k_q, v_q, k_scale, v_scale) of random rows, quantized by the package's helper."""
+    out = []
+    for _ in range(2):
+        out.append(pkg.quantize_kv_cache(raw(shape, gen), dtype, per))
+    (kq, ks), (vq, vs) = out
+    return kq.to(device), vq.to(device), ks.to(device), vs.to(device)
+
+
+def hide_unread(kq, vq, ks, vs, per, table, lengths, page_size):
+    """NaN in the per-token scales (and the fp8 values) of every cache row past a batch
+    element's length: a kernel that reads one gives NaN."""
+    keep = torch.zeros(kq.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        for j in range(n):
+            if table is None:
+                keep[b, j] = True
+            else:
+                keep[int(table[b, j // page_size]), j % page_size] = True
+    keep = keep.to(kq.device)
+    if per == "token":
+        ks[~keep] = float("nan")
+        vs[~keep] = float("nan")
+    if kq.dtype == FP8:  # 0x7f: e4m3's NaN
+        kq.view(torch.uint8)[~keep] = 0x7F
+        vq.view(torch.uint8)[~keep] = 0x7F
+
+
+def logical(cache, table, b, n):
+    """The first n rows of batch element b, by definition (row by row through the table)."""
+    if table is None:
+        return cache[b, :n]
+    p = cache.shape[1]
+    rows = [cache[int(table[b, j // p]), j % p] for j in range(n)]
+    return torch.stack(rows) if rows else cache.new_zeros((0,) + tuple(cache.shape[2:]))
+
+
+def reference(q, k, v, table, lengths, causal):
+    """(out (B, N_q, H_q, d), lse (B, H_q, N_q)) in float64 from dequantized caches."""
+    q, k, v = q.cpu(), k.cpu(), v.cpu()
+    table = None if table is None else table.cpu()
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        kb = logical(k, table, b, n)[None].transpose(1, 2)
+        vb = logical(v, table, b, n)[None].transpose(1, 2)
+        vis = visible_mask(q.shape[1], n, causal=causal, bottom_right=True)
+        o, lse = attention_ref(q[b:b + 1].transpose(1, 2), kb, vb, vis)
+        outs.append(o.transpose(1, 2))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def assert_close(out, lse, ref_out, ref_lse, qdtype):
+    assert not torch.isnan(out).any(), "NaN in the output: a row read that must not be, or never written"
+    atol, rtol = OUT_TOL[qdtype]
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=atol, rtol=rtol)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse).cpu(), seen)
+    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse[seen], atol=LSE_TOL[0],
+                               rtol=LSE_TOL[1])
+
+
+def paged(batch, capacity, page_size, gen):
+    """A shuffled block table over a pool with 3 spare pages: (table, num_blocks)."""
+    pages = -(-capacity // page_size)
+    num_blocks = batch * pages + 3
+    table = torch.randperm(num_blocks, generator=gen)[:batch * pages].view(batch, pages)
+    return table.to(torch.int32), num_blocks
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------
+# (cache dtype, scales, page size or None, lengths (capacity = the largest), GQA group,
+# H_kv, query tokens, causal, num_splits, query dtype)
+DECODE = [
+    (INT8, "token", None, [1, 30, 59], 4, 2, 1, True, 2, torch.bfloat16),
+    (FP8, "head", 16, [257, 1, 100], 8, 1, 2, True, 0, torch.bfloat16),
+    (FP8, "tensor", 64, [59, 128, 0], 4, 2, 1, False, 3, torch.bfloat16),
+    (INT8, "head", None, [1, 1, 1], 8, 1, 1, True, 1, torch.float16),
+    (INT8, "token", 16, [40, 17, 33], 4, 2, 3, True, 2, torch.float16),
+    (FP8, "token", 64, [59, 0, 64], 8, 1, 1, True, 0, torch.bfloat16),
+]
+DECODE_IDS = ["int8_token_n59_gqa4", "fp8_head_p16_n257_gqa8", "fp8_tensor_p64_split3",
+              "int8_head_n1_fp16", "int8_token_p16_fp16_nq3", "fp8_token_p64_gqa8"]
+
+
+def run_decode(pkg, device, case, d=32, tiles=TILES, seed=0):
+    dtype, per, page, lengths, group, h_kv, n_q, causal, splits, qdt = case
+    gen = torch.Generator().manual_seed(seed)
+    batch, capacity = len(lengths), max(lengths)
+    table = None
+    if page is None:
+        shape = (batch, capacity, h_kv, d)
+    else:
+        table, num_blocks = paged(batch, capacity, page, gen)
+        shape = (num_blocks, page, h_kv, d)
+    kq, vq, ks, vs = quant_cache(pkg, shape, dtype, per, gen, device)
+    hide_unread(kq, vq, ks, vs, per, table, lengths, page)
+    q = torch.randn(batch, n_q, h_kv * group, d, generator=gen).to(qdt).to(device)
+    lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    with pkg._runtime.override_config(**tiles) if tiles else _nothing():
+        out, lse = pkg.flash_attn_with_kvcache(
+            q, kq, vq, cache_seqlens=lens, block_table=None if table is None else table.to(device),
+            causal=causal, num_splits=splits, return_lse=True, k_scale=ks, v_scale=vs)
+    assert out.shape == q.shape and out.dtype == qdt
+    ref = reference(q, dequant(kq.cpu(), ks.cpu(), per), dequant(vq.cpu(), vs.cpu(), per),
+                    table, lengths, causal)
+    assert_close(out, lse, *ref, qdt)
+
+
+@pytest.mark.parametrize("case", DECODE, ids=DECODE_IDS)
+def test_decode_matches_float64_on_the_dequantized_cache(pkg, device, poison, case):
+    run_decode(pkg, device, case)
+
+
+def test_quantization_error_against_the_unquantized_cache(pkg):
+    """What the cache dtype costs against the bf16 cache it was made from (the kernels'
+    own error is the one above): on rows of unit scale, int8 per token within 0.02 of the
+    float64 output, fp8 e4m3 per head within 0.06."""
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(2, 96, 2, 32, generator=gen) for _ in range(2))
+    q = torch.randn(2, 1, 8, 32, generator=gen).to(torch.bfloat16)
+    ref, _ = reference(q, k.double(), v.double(), None, [96, 70], True)
+    for dtype, per, bound in ((INT8, "token", 0.02), (FP8, "head", 0.06)):
+        (kq, ks), (vq, vs) = (pkg.quantize_kv_cache(t, dtype, per) for t in (k, v))
+        with pkg._runtime.override_config(**TILES):
+            out = pkg.flash_attn_with_kvcache(q, kq, vq, cache_seqlens=torch.tensor(
+                [96, 70], dtype=torch.int32), causal=True, k_scale=ks, v_scale=vs)
+        err = (out.double() - ref).abs().max().item()
+        assert err < bound, (dtype, per, err)
+
+
+# ---------------------------------------------------------------------------------------
+# appends quantize on write
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("page", [16, None], ids=["paged16", "contiguous"])
+def test_append_into_int8_cache_writes_per_token_scales(pkg, device, poison, page):
+    gen = torch.Generator().manual_seed(11)
+    before, n_new, group, h_kv, d = [5, 20, 33], 3, 4, 2, 32
+    batch, capacity = 3, 40
+    table = None
+    if page is None:
+        shape = (batch, capacity, h_kv, d)
+    else:
+        table, num_blocks = paged(batch, capacity, page, gen)
+        shape = (num_blocks, page, h_kv, d)
+    kq, vq, ks, vs = quant_cache(pkg, shape, INT8, "token", gen, device)
+    k_new, v_new = (raw((batch, n_new, h_kv, d), gen).to(torch.bfloat16).to(device)
+                    for _ in range(2))
+    q = torch.randn(batch, n_new, h_kv * group, d, generator=gen).to(torch.bfloat16).to(device)
+    old = [t.clone() for t in (kq, vq, ks, vs)]
+    with pkg._runtime.override_config(**TILES):
+        out, lse = pkg.flash_attn_with_kvcache(
+            q, kq, vq, k_new, v_new, cache_seqlens=torch.tensor(before, dtype=torch.int32,
+                                                                device=device),
+            block_table=None if table is None else table.to(device), causal=True,
+            return_lse=True, k_scale=ks, v_scale=vs)
+    # the new rows as quantize_kv_cache makes them (one int8 step for a rounding tie), and
+    # every other row untouched
+    written = torch.zeros(kq.shape[:2], dtype=torch.bool)
+    for new, cache, scale, was in ((k_new, kq, ks, old[0]), (v_new, vq, vs, old[1])):
+        want_q, want_s = pkg.quantize_kv_cache(new.cpu(), INT8, "token")
+        for b in range(batch):
+            for t in range(n_new):
+                j = before[b] + t
+                row = (b, j) if table is None else (int(table[b, j // page]), j % page)
+                written[row] = True
+                torch.testing.assert_close(scale.cpu()[row], want_s[b, t], rtol=1e-6, atol=0)
+                assert (cache.cpu()[row].int() - want_q[b, t].int()).abs().max() <= 1
+        assert torch.equal(cache.cpu()[~written], was.cpu()[~written])
+    assert torch.equal(ks.cpu()[~written], old[2].cpu()[~written])
+    lengths = [n + n_new for n in before]
+    ref = reference(q, dequant(kq.cpu(), ks.cpu(), "token"), dequant(vq.cpu(), vs.cpu(), "token"),
+                    table, lengths, True)
+    assert_close(out, lse, *ref, torch.bfloat16)
+
+
+def test_append_into_fp8_cache_uses_the_head_scales_and_saturates(pkg, device, poison):
+    gen = torch.Generator().manual_seed(12)
+    batch, capacity, h_kv, group, d = 3, 24, 2, 4, 32
+    kq, vq, ks, vs = quant_cache(pkg, (batch, capacity, h_kv, d), FP8, "head", gen, device)
+    k_new = raw((batch, 1, h_kv, d), gen)
+    k_new[0, 0, 1, 5] = 1e4 * float(ks[1])  # past e4m3's 448 x the head's scale
+    k_new[2, 0, 0, 7] = -1e4 * float(ks[0])
+    k_new = k_new.to(torch.float16).to(device)
+    v_new = raw((batch, 1, h_kv, d), gen).to(torch.float16).to(device)
+    q = torch.randn(batch, 1, h_kv * group, d, generator=gen).to(torch.float16).to(device)
+    scales = (ks.clone(), vs.clone())
+    with pkg._runtime.override_config(**TILES):
+        out, lse = pkg.flash_attn_with_kvcache(
+            q, kq, vq, k_new, v_new, cache_seqlens=7, causal=True,
+            return_lse=True, k_scale=ks, v_scale=vs)
+    assert torch.equal(ks, scales[0]) and torch.equal(vs, scales[1]), "per-head scales are inputs"
+    assert float(kq[0, 7, 1, 5].float()) == 448.0 and float(kq[2, 7, 0, 7].float()) == -448.0
+    want, _ = pkg.quantize_kv_cache(k_new.cpu(), FP8, "head", scale=ks.cpu())
+    assert torch.equal(kq.cpu()[:, 7].float(), want[:, 0].float())
+    ref = reference(q, dequant(kq.cpu(), ks.cpu(), "head"), dequant(vq.cpu(), vs.cpu(), "head"),
+                    None, [8, 8, 8], True)
+    assert_close(out, lse, *ref, torch.float16)
+
+
+# ---------------------------------------------------------------------------------------
+# chunked prefill over a quantized paged cache
+# ---------------------------------------------------------------------------------------
+LQ, LK = [7, 0, 1, 20], [7, 5, 140, 57]
+
+
+def cu(lengths, device):
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                        device=device)
+
+
+@pytest.mark.parametrize("dtype, per, page, causal", [
+    (INT8, "token", 16, True), (FP8, "head", 64, False), (FP8, "tensor", 16, True),
+], ids=["int8_token_p16", "fp8_head_p64_full", "fp8_tensor_p16"])
+def test_paged_prefill_matches_float64(pkg, device, poison, dtype, per, page, causal):
+    gen = torch.Generator().manual_seed(page)
+    h_kv, group, d = 2, 4, 32
+    table, num_blocks = paged(len(LK), max(LK), page, gen)
+    kq, vq, ks, vs = quant_cache(pkg, (num_blocks, page, h_kv, d), dtype, per, gen, device)
+    hide_unread(kq, vq, ks, vs, per, table, LK, page)
+    q = torch.randn(sum(LQ), h_kv * group, d, generator=gen).to(torch.bfloat16).to(device)
+    with pkg._runtime.override_config(**TILES):
+        out, lse = pkg.flash_attn_varlen_func(
+            q, kq, vq, cu(LQ, device), cu(LK, device), max(LQ), max(LK), causal=causal,
+            block_table=table.to(device), return_lse=True, k_scale=ks, v_scale=vs)
+    kd, vd = dequant(kq.cpu(), ks.cpu(), per), dequant(vq.cpu(), vs.cpu(), per)
+    rows, outs, lses = 0, [], []
+    for b, (n_q, n_k) in enumerate(zip(LQ, LK)):
+        o, l_ = reference(q.cpu()[rows:rows + n_q][None], kd, vd, table[b:b + 1], [n_k], causal)
+        outs.append(o[0])
+        lses.append(l_[0])
+        rows += n_q
+    assert_close(out[None], lse[None], torch.cat(outs)[None],
+                 torch.cat(lses, 1)[None], torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# quantize_kv_cache
+# ---------------------------------------------------------------------------------------
+def test_quantize_kv_cache(pkg):
+    gen = torch.Generator().manual_seed(3)
+    x = raw((5, 16, 3, 32), gen).to(torch.bfloat16)
+    x[1, 2] = 0.0  # all-zero rows: scale 1, values 0
+    xq, s = pkg.quantize_kv_cache(x, INT8)  # int8: per token by default
+    assert xq.dtype == INT8 and s.shape == (5, 16, 3) and s.dtype == torch.float32
+    assert (s[1, 2] == 1).all() and (xq[1, 2] == 0).all() and xq.abs().max() <= 127
+    err = (dequant(xq, s, "token") - x.double()).abs()
+    assert (err <= s.double()[..., None] / 2 + 1e-7).all()  # half a step, rounded to nearest
+    xq, s = pkg.quantize_kv_cache(x, FP8)  # fp8: per head by default
+    assert xq.dtype == FP8 and s.shape == (3,)
+    rel = (dequant(xq, s, "head") - x.double()).abs() / x.double().abs().clamp(min=1e-30)
+    big = x.double().abs() >= s.double()[:, None] * 2 ** -6  # e4m3's normal range
+    assert (rel[big] <= 2 ** -4 + 1e-9).all()
+    _, s = pkg.quantize_kv_cache(x, FP8, "tensor")
+    assert s.shape == (1,) and math.isclose(float(s), float(x.float().abs().max()) / 448)
+    half = torch.full((1,), float(s) / 2)
+    xq, s2 = pkg.quantize_kv_cache(x, FP8, "tensor", scale=half)  # a given scale saturates
+    assert torch.equal(s2, half) and xq.float().abs().max() == 448
+    for bad, match in (((x, torch.bfloat16), "dtype"), ((x[0], INT8), "4-D"),
+                       ((x, INT8, "row"), "per"), ((x, INT8, "token", half), "scale"),
+                       ((x, FP8, "head", half), r"\(3,\)")):
+        with pytest.raises(ValueError, match=match):
+            pkg.quantize_kv_cache(*bad)
+
+
+# ---------------------------------------------------------------------------------------
+# bad input: ValueError naming the argument, before any launch or write
+# ---------------------------------------------------------------------------------------
+def _decode_call(pkg, k_scale="ok", v_scale="ok", *, dtype=INT8, per="token", qdt=torch.bfloat16,
+                 k_new=False, view=False):
+    gen = torch.Generator().manual_seed(0)
+    kq, vq, ks, vs = quant_cache(pkg, (2, 8, 2, 32), dtype, per, gen, "cpu")
+    if view:
+        vq = kq
+    q = torch.randn(2, 1, 4, 32).to(qdt)
+    kw = dict(k_scale=ks if k_scale == "ok" else k_scale, v_scale=vs if v_scale == "ok" else v_scale)
+    new = (torch.randn(2, 1, 2, 32).to(qdt),) * 2 if k_new else (None, None)
+    before = kq.clone()
+    try:
+        pkg.flash_attn_with_kvcache(q, kq, vq, *new, cache_seqlens=4, **kw)
+    finally:
+        assert torch.equal(kq, before), "the cache was written before the error"
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(k_scale=None), "k_scale is missing"),
+    (dict(v_scale=None), "v_scale is missing"),
+    (dict(k_scale=torch.ones(2, 8, 2, dtype=torch.float16)), "k_scale must be float32"),
+    (dict(v_scale=torch.ones(2, 8)), r"v_scale has shape \(2, 8\)"),
+    (dict(k_scale=torch.ones(3)), r"k_scale has shape \(3,\)"),
+    (dict(k_scale=0.5), "k_scale must be an fp32 torch.Tensor"),
+    (dict(k_scale=torch.ones(2)), "k_scale and v_scale must have one shape"),
+    (dict(k_new=True, k_scale=torch.ones(2, 8, 2, dtype=torch.float64)), "k_scale must be float32"),
+    (dict(qdt=torch.float32), "float32"),
+    (dict(view=True), "view of k_cache"),
+], ids=["no_k_scale", "no_v_scale", "fp16_scale", "2d_scale", "heads_mismatch", "float_scale",
+        "shapes_differ", "append_bad_scale", "fp32_q", "latent_view"])
+def test_bad_scales_raise_before_any_launch(pkg, change, match):
+    with pytest.raises(ValueError, match=match):
+        _decode_call(pkg, **change)
+
+
+def test_scales_on_a_cache_that_is_not_quantized(pkg):
+    q = torch.randn(1, 1, 2, 32).to(torch.bfloat16)
+    cache = torch.randn(1, 8, 2, 32).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="k_scale / v_scale go with a quantized KV cache"):
+        pkg.flash_attn_with_kvcache(q, cache, cache.clone(), cache_seqlens=4,
+                                    k_scale=torch.ones(1), v_scale=torch.ones(1))
+
+
+def test_varlen_quantized_cache_needs_block_table(pkg):
+    q = torch.randn(6, 4, 32).to(torch.bfloat16)
+    kq = torch.zeros(6, 2, 32, dtype=INT8)
+    cu_ = torch.tensor([0, 6], dtype=torch.int32)
+    for k in (kq, kq.to(torch.float16).to(FP8)):
+        with pytest.raises(ValueError, match="block_table"):
+            pkg.flash_attn_varlen_func(q, k, k.clone(), cu_, cu_, 6, 6, k_scale=torch.ones(1),
+                                       v_scale=torch.ones(1))
+    pages, table = torch.zeros(2, 16, 2, 32, dtype=INT8), torch.zeros(1, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="k_scale is missing"):
+        pkg.flash_attn_varlen_func(q, pages, pages.clone(), cu_, cu_, 6, 6, block_table=table)
+
+
+def test_cache_dtype_not_built_names_the_spec_key(tmp_path):
+    only_fp8 = build_and_import(tmp_path, "fg_test_kvq_fp8", """
+        head_dims: [32]
+        dtypes: [bf16]
+        masks: [none]
+        decode: true
+        kv_cache_dtypes: [fp8_e4m3]
+        """)
+    q = torch.randn(1, 1, 2, 32).to(torch.bfloat16)
+    kq, s = only_fp8.quantize_kv_cache(torch.randn(1, 8, 2, 32), INT8)
+    with pytest.raises(ValueError, match=r"int8 to `kv_cache_dtypes`"):
+        only_fp8.flash_attn_with_kvcache(q, kq, kq.clone(), cache_seqlens=4, k_scale=s,
+                                         v_scale=s.clone())
+    assert "kv_cache_dtypes" in only_fp8._registry.BUILT_FOR
+    assert "quantized KV caches" in only_fp8.describe()
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the model's head dim, the planner's tiles, the automatic split count, appends
+# ---------------------------------------------------------------------------------------
+GPU_CASES = [
+    (dtype, per, page, lengths, group, h_kv, n_q, True, 0, qdt)
+    for dtype, per in ((INT8, "token"), (INT8, "head"), (FP8, "head"), (FP8, "tensor"),
+                       (FP8, "token"))
+    for page, lengths, group, h_kv in ((None, [1, 59, 257], 4, 2), (16, [257, 4100, 59], 8, 1),
+                                       (64, [4096, 1, 300], 4, 2))
+    for n_q, qdt in ((1, torch.bfloat16), (4, torch.float16))
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: "-".join(map(str, (
+    "fp8" if c[0] == FP8 else "int8", c[1], f"p{c[2]}", f"n{max(c[3])}", f"g{c[4]}",
+    f"q{c[6]}", str(c[9])[6:]))))
+def test_gpu_decode_planned_tiles(pkg, poison, case):
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    run_decode(pkg, "cuda", case, d=128, tiles=None, seed=hash(str(case)) % 1000)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, per, page", [(INT8, "token", 16), (FP8, "head", 64),
+                                              (INT8, "token", 64), (FP8, "tensor", 16)])
+def test_gpu_paged_prefill_planned_tiles(pkg, poison, dtype, per, page):
+    if not torch.cuda.is_available():
+        pytest.fail("-m gpu tests need a CUDA device")
+    gen = torch.Generator().manual_seed(page)
+    lq, lk = [512, 1, 0, 77, 300], [4000, 59, 1, 257, 300]
+    h_kv, group, d = 2, 4, 128
+    table, num_blocks = paged(len(lk), max(lk), page, gen)
+    kq, vq, ks, vs = quant_cache(pkg, (num_blocks, page, h_kv, d), dtype, per, gen, "cuda")
+    hide_unread(kq, vq, ks, vs, per, table, lk, page)
+    q = torch.randn(sum(lq), h_kv * group, d, generator=gen).to(torch.bfloat16).cuda()
+    out, lse = pkg.flash_attn_varlen_func(
+        q, kq, vq, cu(lq, "cuda"), cu(lk, "cuda"), max(lq), max(lk), causal=True,
+        block_table=table.cuda(), return_lse=True, k_scale=ks, v_scale=vs)
+    kd, vd = dequant(kq.cpu(), ks.cpu(), per), dequant(vq.cpu(), vs.cpu(), per)
+    rows, outs, lses = 0, [], []
+    for b, (n_q, n_k) in enumerate(zip(lq, lk)):
+        o, l_ = reference(q.cpu()[rows:rows + n_q][None], kd, vd, table[b:b + 1], [n_k], True)
+        outs.append(o[0])
+        lses.append(l_[0])
+        rows += n_q
+    assert_close(out[None], lse[None], torch.cat(outs)[None],
+                 torch.cat(lses, 1)[None], torch.bfloat16)
