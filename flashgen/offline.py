@@ -151,15 +151,18 @@ def _launches(kind: str, config: dict, function_names, row64: bool = False, dims
     out = _plain_launches(kind, config, row64, dims)
     if not kv_quant:
         return out
+    from . import planner_core
+
     out = [(f, {**_KV_PLAIN, **c}, w, s) for f, c, w, s in out]
-    bm, bn, w, s = config["block_m"], config["block_n"], config["num_warps"], config["num_stages"]
+    # the runtime's config for a cache with per-token scales (planner_core.kv_quant_tile)
+    q = planner_core.kv_quant_tile(config, kind, True)
+    bm, bn, w, s = q["block_m"], q["block_n"], q["num_warps"], q["num_stages"]
     if kind == "fwd":  # the paged prefill (chunked prefill over an int8 cache)
-        # (per-token scales take at most 64 keys a block: _kvquant.MAX_TOKEN_SCALE_BLOCK_N)
-        paged = dict(BLOCK_M=bm, BLOCK_N=min(bn, 64), USE_TMA=False, WARP_SPECIALIZE=False, VARLEN=True,
+        paged = dict(BLOCK_M=bm, BLOCK_N=bn, USE_TMA=False, WARP_SPECIALIZE=False, VARLEN=True,
                      PAGE_SIZE=64, ROW64=row64, SEQUSED_Q=None, SEQUSED_K=None, KV_QUANT=2,
                      KV_SCALE_TOKEN=True)
         out.append(("kernel", paged, w, s, dict(_KV_INT8, CU_Q="*i32", CU_K="*i32", BT="*i32")))
-    elif kind == "decode" and bm <= 32:  # (a quantized cache stacks at most 32 rows)
+    elif kind == "decode" and bm <= planner_core.KV_QUANT_MAX_STACKED_ROWS:
         def quantized(c, code):  # KS, VS become typed pointers (the form's argument types)
             return {**{k: v for k, v in c.items() if k not in ("KS", "VS")},
                     "KV_QUANT": code, "KV_SCALE_TOKEN": True}

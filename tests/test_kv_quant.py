@@ -16,8 +16,9 @@ Inputs are hostile where they can be: outputs start poisoned (NaN), the per-toke
 of every cache row a call must not read are NaN (and so are an fp8 cache's values there),
 so a read past a length, a page or a row shows up as NaN; rows carry magnitudes over two
 decades, so per-token scales differ. CPU cases run in Triton's interpreter at d = 32 with
-16 x 16 tiles (N_cache 1, 59, 257; GQA 4:1 and 8:1; batch 3; pages of 16 and 64); the
-gpu-marked ones at d = 128 with the planner's tiles and the automatic split count.
+16 x 16 tiles (N_cache 1, 59, 257; GQA 4:1 and 8:1; batch 3; pages of 16, 64 and 24, the
+last a page index per key); the gpu-marked ones at d = 128 with the planner's tiles and
+the automatic split count, over 4k-token caches too.
 """
 from __future__ import annotations
 
@@ -152,11 +153,11 @@ DECODE = [
     (FP8, "head", 16, [257, 1, 100], 8, 1, 2, True, 0, torch.bfloat16),
     (FP8, "tensor", 64, [59, 128, 0], 4, 2, 1, False, 3, torch.bfloat16),
     (INT8, "head", None, [1, 1, 1], 8, 1, 1, True, 1, torch.float16),
-    (INT8, "token", 16, [40, 17, 33], 4, 2, 3, True, 2, torch.float16),
+    (INT8, "token", 24, [40, 17, 33], 4, 2, 3, True, 2, torch.float16),  # (a page per key)
     (FP8, "token", 64, [59, 0, 64], 8, 1, 1, True, 0, torch.bfloat16),
 ]
 DECODE_IDS = ["int8_token_n59_gqa4", "fp8_head_p16_n257_gqa8", "fp8_tensor_p64_split3",
-              "int8_head_n1_fp16", "int8_token_p16_fp16_nq3", "fp8_token_p64_gqa8"]
+              "int8_head_n1_fp16", "int8_token_p24_fp16_nq3", "fp8_token_p64_gqa8"]
 
 
 def run_decode(pkg, device, case, d=32, tiles=TILES, seed=0):
@@ -277,7 +278,7 @@ def test_append_into_fp8_cache_uses_the_head_scales_and_saturates(pkg, device, p
 # ---------------------------------------------------------------------------------------
 # chunked prefill over a quantized paged cache
 # ---------------------------------------------------------------------------------------
-LQ, LK = [7, 0, 1, 20], [7, 5, 140, 57]
+LQ, LK = [7, 0, 1, 20], [7, 5, 90, 57]
 
 
 def cu(lengths, device):
@@ -286,8 +287,8 @@ def cu(lengths, device):
 
 
 @pytest.mark.parametrize("dtype, per, page, causal", [
-    (INT8, "token", 16, True), (FP8, "head", 64, False), (FP8, "tensor", 16, True),
-], ids=["int8_token_p16", "fp8_head_p64_full", "fp8_tensor_p16"])
+    (INT8, "token", 24, True), (FP8, "head", 64, False), (FP8, "tensor", 16, True),
+], ids=["int8_token_p24", "fp8_head_p64_full", "fp8_tensor_p16"])
 def test_paged_prefill_matches_float64(pkg, device, poison, dtype, per, page, causal):
     gen = torch.Generator().manual_seed(page)
     h_kv, group, d = 2, 4, 32

@@ -77,16 +77,21 @@ def _decode_offline(tmp_path, spec: str, names):
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert all(r["registers"] > 0 for r in rows), "ptxas reported no register count"
+    # a quantized cache's form ("... cache") may spill what L1 holds, 16 B a thread: the
+    # sliding window's 32 x 128 at 8 warps spilled 12 B with per-token scales (the plain
+    # forms none; planner_core.kv_quant_tile holds back the configs that spilled more)
     problems = [f"{r['variant']}.{r['function']} {r['config']}: {r['shared']} B, "
                 f"{r['spill_stores']} / {r['spill_loads']} B spilled" for r in rows
-                if r["shared"] > r["budget"] or r["spill_stores"] or r["spill_loads"]]
+                if r["shared"] > r["budget"] or max(r["spill_stores"], r["spill_loads"]) > (
+                    16 if r["config"].endswith(" cache") else 0)]
     assert not problems, "; ".join(problems)
     return rows
 
 
 def _kernel_tiles(rows, name):
+    """The tiles of a variant's attention kernel, its quantized-cache forms aside."""
     return {r["config"].split()[0] for r in rows
-            if r["variant"] == name and r["function"] == "kernel"}
+            if r["variant"] == name and r["function"] == "kernel" and "cache" not in r["config"]}
 
 
 @pytest.mark.slow
@@ -116,6 +121,10 @@ def test_llama_decode_stacked_tiles_fit_sm90_without_spills(tmp_path):
     rows = _decode_offline(tmp_path, "llama.yaml", names)
     for name in names:
         assert _kernel_tiles(rows, name) == {"16x128w4s3", "32x128w8s3", "64x128w8s3"}
+        # its quantized-cache forms (kv_cache_dtypes; planner_core.kv_quant_tile): at most
+        # 32 stacked rows, 8 warps with per-token scales
+        assert {r["config"] for r in rows if r["variant"] == name and "cache" in r["config"]
+                } == {"16x128w8s3 fp8 cache", "32x128w8s3 fp8 cache", "w4s3 int8 cache"}
 
 
 D512_GPUS = [(90, 232448), (80, 166912), (89, 101376)]

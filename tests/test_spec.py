@@ -81,6 +81,7 @@ def test_llama_spec_parses():
     assert spec.gpu == GpuTarget("H100", 232448, 132)
     assert spec.blocks == Blocks(None, None, None)
     assert spec.seqlen_buckets == DEFAULT_SEQLEN_BUCKETS
+    assert spec.kv_cache_dtypes == ("fp16", "bf16", "fp8_e4m3", "int8")
 
 
 def test_defaults_and_normalisation(tmp_path):
@@ -439,6 +440,35 @@ def test_window_ok(tmp_path):
     spec = load_spec(write(tmp_path, SLIDING + "window: {left: -1, right: 0}\n"))
     assert spec.window == Window(-1, 0)
     assert spec.masks == ("none", "sliding_window")
+
+
+def test_kv_cache_dtypes(tmp_path):
+    """kv_cache_dtypes: the quantized caches (fp8_e4m3, int8) get their loads in the
+    fp16/bf16 decode and dropout-free forward kernels, named as before (no new variant);
+    a plain entry must be one of `dtypes`; quantized caches need fp16 or bf16 queries."""
+    from flashgen.render import kernel_context
+    from flashgen.variants import reads_quantized_kv, variants_for
+
+    text = BASE.replace("[fp16]", "[fp16, fp32]") + "decode: true\n"
+    spec = load_spec(write(tmp_path, text + "kv_cache_dtypes: [int8, fp16, fp8_e4m3]\n"))
+    assert spec.kv_cache_dtypes == ("fp16", "fp8_e4m3", "int8")  # canonical order
+    assert spec.kv_quant_dtypes == ("fp8_e4m3", "int8")
+    assert spec.loc("kv_cache_dtypes").line == 9
+    quant = {v.name for v in variants_for(spec) if reads_quantized_kv(spec, v)}
+    assert quant == {"decode_d64_fp16", "decode_causal_d64_fp16", "fwd_d64_fp16",
+                     "fwd_causal_d64_fp16", "fwd_sdpa_mask_d64_fp16"}  # (mods: score, sink)
+    assert all(kernel_context(spec, v)["kv_quant"] == (v.name in quant) for v in variants_for(spec))
+    assert load_spec(write(tmp_path, text)).kv_quant_dtypes == ()  # the default: none
+    err = fails(tmp_path, text + "kv_cache_dtypes: [bf16, int8]\n")
+    check(err, 9, "kv_cache_dtypes", "bf16 is listed but `dtypes` has no bf16", "add bf16")
+    err = fails(tmp_path, BASE.replace("[fp16]", "[fp32]") + "kv_cache_dtypes: [int8]\n")
+    check(err, 8, "kv_cache_dtypes", "int8 caches are read with fp16 or bf16 queries")
+    err = fails(tmp_path, text + "kv_cache_dtypes: [fp8]\n")
+    check(err, 9, "kv_cache_dtypes", "unknown name 'fp8' (did you mean 'fp8_e4m3'?)")
+    err = fails(tmp_path, text + "kv_cache_dtypes: int8\n")
+    check(err, 9, "kv_cache_dtypes", "is not a list", "kv_cache_dtypes: [bf16, fp8_e4m3, int8]")
+    err = fails(tmp_path, text + "kv_cache_dtypes: [int8, int8]\n")
+    check(err, 9, "kv_cache_dtypes", "listed twice")
 
 
 def test_fp8_dtype(tmp_path):

@@ -29,6 +29,14 @@ capacity), so host time and GPU time overlap as they would in a serving loop. Ro
                          call never syncs)
   flashgen_paged_s{S}    the same keys in a paged pool (--page, shuffled block table)
   flashgen_paged_graph_s0
+  flashgen_fp8kv_s0, flashgen_int8kv_s0, flashgen_paged_fp8kv_s0, flashgen_paged_int8kv_s0
+                         the same keys in a quantized cache (spec `kv_cache_dtypes`; skipped
+                         with the reason where the package lacks it): fp8 e4m3 with one scale
+                         per K/V head, int8 with one per token and head (quantize_kv_cache),
+                         checked against the float32 reference on the dequantized cache.
+                         Their GB/s count the bytes they read (1-byte K/V and the scales), so
+                         their ms against flashgen_s0's (flashgen_paged_s0's) is the inverse
+                         of the tokens/s ratio to the bf16 cache
   fa4, fa4_paged         FlashAttention-4's forward (split-KV heuristic) on the contiguous
                          cache and on the same page pool, where it is installed (else
                          "skipped: <why>"); FA4 has no in-place append (flashgen/bench/fa4.py)
@@ -143,6 +151,32 @@ def measure(fn, ref, nbytes):
 
 
 ROW_META = ("gpu", "b", "n", "page", "bytes", "host_us", "paged_host_us")
+# the quantized caches timed beside the bf16 one: (row name part, spec dtype, scales)
+QUANT_CACHES = (("fp8kv", "fp8_e4m3", "head"), ("int8kv", "int8", "token"))
+
+
+def quantized(fg, k_cache, v_cache, dtype_name, per):
+    """(k_q, v_q, k_scale, v_scale) of a bf16 cache, by the package's quantize_kv_cache."""
+    dtype = torch.float8_e4m3fn if dtype_name == "fp8_e4m3" else torch.int8
+    (kq, ks), (vq, vs) = (fg.quantize_kv_cache(t, dtype, per) for t in (k_cache, v_cache))
+    return kq, vq, ks, vs
+
+
+def dequantized_b0(cache, per, n):
+    """Batch element 0's first n rows of a quantized cache (k_q, v_q, k_scale, v_scale) in
+    float32, (1, n, H_kv, d) each: what reference_b0 takes."""
+    out = []
+    for xq, s in ((cache[0], cache[2]), (cache[1], cache[3])):
+        s = s[0, :n, :, None] if per == "token" else s[:, None]
+        out.append((xq[0, :n].float() * s)[None])
+    return out
+
+
+def quantized_bytes(b, n, per):
+    """What a decode step over a quantized cache reads: q and the output in bf16, K and V
+    at a byte an element, and per-token scales (fp32, K's and V's)."""
+    return 2 * (2 * b * H_Q * D) + 2 * b * n * H_KV * D + (2 * 4 * b * n * H_KV if per == "token"
+                                                            else 0)
 
 
 def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
@@ -176,7 +210,7 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
             ref = reference_b0(q, k_cache, v_cache, n)
             row = {"gpu": gpu, "b": b, "n": n, "page": page, "bytes": nbytes}
 
-            def run(name, make):
+            def run(name, make, ref=ref, nbytes=nbytes):
                 try:
                     row[name] = measure(make(), ref, nbytes)
                 except Exception as e:  # a provider that refuses a shape is reported
@@ -199,6 +233,17 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                     q, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True))
                 if graph:
                     run("flashgen_graph_s0", lambda: graph_provider(flashgen))
+                quant = {}  # kv -> (k_q, v_q, k_scale, v_scale, per)
+                for kv, dtype_name, per in QUANT_CACHES:
+                    if dtype_name not in fg._registry.BUILT_FOR.get("kv_cache_dtypes", ()):
+                        row[f"flashgen_{kv}_s0"] = (f"skipped: {fg.__name__} was built without "
+                                                    f"{dtype_name} in kv_cache_dtypes")
+                        continue
+                    cache = quant[kv] = (*quantized(fg, k_cache, v_cache, dtype_name, per), per)
+                    run(f"flashgen_{kv}_s0", lambda c=cache: lambda: fg.flash_attn_with_kvcache(
+                        q, c[0], c[1], cache_seqlens=seqlens, causal=True, k_scale=c[2],
+                        v_scale=c[3]), reference_b0(q, *dequantized_b0(cache, per, n), n),
+                        quantized_bytes(b, n, per))
                 for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION),
                                       ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
                     note = {}
@@ -239,6 +284,17 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                         run("fa4_paged", lambda: lambda: bench_fa4.decode(
                             fa4, q, k_pool, v_pool, seqlens, table))
                     del k_pool, v_pool
+                    for kv, (kq, vq, ks, vs, per) in quant.items():
+                        pool = [to_pages(t, table, page) for t in (kq, vq)]
+                        scales = ([to_pages(t, table, page) for t in (ks, vs)]
+                                  if per == "token" else [ks, vs])
+                        ref_q = reference_b0(q, *dequantized_b0((kq, vq, ks, vs), per, n), n)
+                        run(f"flashgen_paged_{kv}_s0", lambda: lambda: fg.flash_attn_with_kvcache(
+                            q, pool[0], pool[1], cache_seqlens=seqlens, block_table=table,
+                            causal=True, k_scale=scales[0], v_scale=scales[1]), ref_q,
+                            quantized_bytes(b, n, per))
+                        del pool, scales
+                quant.clear()
             rows.append(row)
             log(json.dumps(row))
             torch.cuda.empty_cache()

@@ -46,6 +46,10 @@ PROVIDERS = {
     "flashgen_p0": "flashgen's dropout package at p=0 (dropout suite: its own baseline)",
     "flashgen_tl": "the same package with every call on the `tl` kernel family (on Hopper the "
                    "package's default is the Gluon family where a variant has one)",
+    "flashgen_fp8kv": "decode: the same package over an fp8 e4m3 KV cache, one scale per K/V "
+                      "head (kv_cache_dtypes), contiguous and paged",
+    "flashgen_int8kv": "decode: the same package over an int8 KV cache, one scale per token "
+                       "and head (kv_cache_dtypes), contiguous and paged",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
     "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
@@ -64,8 +68,10 @@ TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "fa
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
 # decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
-# sdpa_flash, sdpa_cudnn, fa4, fa4_paged, flex; --providers filters them by prefix
-DECODE_PROVIDERS = ("flashgen", "sdpa_flash", "sdpa_cudnn", "fa4", "flex")
+# flashgen_fp8kv_s0, flashgen_int8kv_s0 (and paged), sdpa_flash, sdpa_cudnn, fa4, fa4_paged,
+# flex; --providers filters them by prefix
+DECODE_PROVIDERS = ("flashgen", "flashgen_fp8kv", "flashgen_int8kv", "sdpa_flash", "sdpa_cudnn",
+                    "fa4", "flex")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from ._api import (DEFAULT_WINDOW, dropout_mask, dropout_scale, flash_attn_func,
 from ._decode import flash_attn_with_kvcache
 from ._describe import describe
 from ._fp8 import quantize_fp8, rotate_qk
+from ._kvquant import quantize_kv_cache
 from ._hf import register_transformers
 from ._merge import merge_attention_states
 from ._module import Attention
@@ -44,4 +45,5 @@ __all__ = [
     "register_transformers",
     "quantize_fp8",
     "rotate_qk",
+    "quantize_kv_cache",
 ]

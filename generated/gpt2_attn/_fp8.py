@@ -78,6 +78,17 @@ def check(q, k, v, q_descale, k_descale, v_descale, *, bnhd: bool) -> torch.Tens
     return torch.stack([d.expand(batch, h_kv) for d in out], dim=-1).contiguous()
 
 
+def descale_of(amax, top: float = _E4M3_MAX):
+    """The descale that maps amax onto `top` (e4m3's largest value by default; 1 where amax
+    is 0, so an all-zero slice stays 0): amax / top."""
+    return torch.where(amax > 0, amax / top, torch.ones_like(amax))
+
+
+def to_e4m3(xf, descale):
+    """fp32 xf / descale, saturated to e4m3's range and rounded to it (to nearest even)."""
+    return (xf / descale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+
+
 def quantize_fp8(x, per: str = "tensor", kv_heads: int | None = None):
     """(x_fp8, descale) for a bf16 / fp16 / fp32 tensor: x ~= x_fp8 * descale.
 
@@ -106,10 +117,10 @@ def quantize_fp8(x, per: str = "tensor", kv_heads: int | None = None):
         else:  # (B, groups): the heads of a group are adjacent, as GQA maps them
             b, n, h, d = xf.shape
             amax = xf.reshape(b, n, groups, h // groups, d).abs().amax(dim=(1, 3, 4))
-        descale = torch.where(amax > 0, amax / _E4M3_MAX, torch.ones_like(amax))
+        descale = descale_of(amax)
         scale = (descale if per == "tensor" else
                  descale.repeat_interleave(x.shape[2] // groups, 1)[:, None, :, None])
-        x8 = (xf / scale).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+        x8 = to_e4m3(xf, scale)
     if x.requires_grad:
         x8._flashgen_source = x
     return x8, descale.contiguous()

@@ -16,18 +16,29 @@ Values are checked as cu_seqlens are (`check_values_setting`: free on the CPU, o
 with FLASHGEN_CHECK_VALUES=1); unchecked, the kernel clamps a length into the capacity
 (max_pages * page_size) or the span, and a page index into [0, num_blocks): a wrong
 answer, never an access outside the cache.
+
+A paged cache may be quantized (fp8 e4m3 or int8 with `k_scale`, `v_scale`: _kvquant); the
+kernel dequantizes its tiles in registers.
 """
 import torch
 
+from . import _kvquant
 from ._checks import _seqlen_arg, check_cu_seqlens, check_tensors, check_values_setting
 from ._varlen import forward_varlen
 
 
-def check_serving(q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_q, seqused_k):
+def check_serving(q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_q, seqused_k,
+                  k_scale=None, v_scale=None):
     """Shapes, dtypes, devices and strides of a call with serving arguments (ValueError
     before any launch), and their values where check_values_setting says. Returns (max_q,
-    max_k) as Python ints."""
+    max_k) as Python ints and the kv_scales forward_varlen takes (None without a quantized
+    cache)."""
     paged = block_table is not None
+    quantized = _kvquant.is_quantized(k)
+    if (quantized or k_scale is not None or v_scale is not None) and not paged:
+        raise ValueError("a quantized KV cache (k, v in int8 / float8_e4m3fn with k_scale, "
+                         "v_scale) is read through block_table: pass the paged cache "
+                         "(num_blocks, page_size, H_kv, d) and its block_table")
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D (total_q, H_q, d) torch.Tensor, got {_shape(q)}")
     if paged:
@@ -39,7 +50,10 @@ def check_serving(q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_q, seq
             raise ValueError(f"a paged cache (num_blocks, page_size, H_kv, d) needs page_size "
                              f">= 1, got {tuple(k.shape)}")
         # the dense checks on a (1, num_blocks, H_kv, d) view of each cache's first rows
-        check_tensors(q[None], k[:, 0][None], v[:, 0][None], bnhd=True)
+        check_tensors(q[None], k[:, 0][None], v[:, 0][None], bnhd=True, quantized_kv=quantized)
+        if quantized:
+            _kvquant.check_cache(q, k, v, "k")
+        scales = _kvquant.check_scales(k_scale, v_scale, k, q, "k")
     else:
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -73,7 +87,7 @@ def check_serving(q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_q, seq
     setting = check_values_setting()
     if setting or (setting is None and q.device.type == "cpu"):
         _check_values(q, k, cu_q, cu_k, max_q, max_k, block_table, seqused_q, seqused_k)
-    return max_q, max_k
+    return max_q, max_k, (scales, k_scale, v_scale) if quantized else None
 
 
 def _shape(t):
@@ -137,9 +151,10 @@ def _check_values(q, k, cu_q, cu_k, max_q, max_k, bt, seqused_q, seqused_k):
 
 
 def forward_serving(q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_q, seqused_k, *,
-                    mask, lo, hi, scale, dropout_p=0.0, mods=None):
+                    mask, lo, hi, scale, dropout_p=0.0, mods=None, kv_scales=None):
     """(out like q, lse (H_q, total_q) fp32) of a call with serving arguments, checked by
-    check_serving; `mods`: the call's `_mods.Call` (prepare), else None."""
+    check_serving; `mods`: the call's `_mods.Call` (prepare), else None; `kv_scales`:
+    check_serving's."""
     tensors = (q, k, v) + (tuple(mods.tensors.values()) if mods is not None else ())
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise ValueError(
@@ -161,5 +176,6 @@ def forward_serving(q, k, v, cu_q, cu_k, max_q, max_k, block_table, seqused_q, s
     else:  # rows past seqused_q are not written by the kernel
         out = q.new_zeros(q.shape[:-1] + v.shape[-1:])
     lse = forward_varlen(q, k, v, out, cu_q, cu_k, max_q, max_k, mask=mask, lo=lo, hi=hi,
-                         scale=scale, mods=mods, serving=(seqused_q, seqused_k, block_table))
+                         scale=scale, mods=mods, serving=(seqused_q, seqused_k, block_table),
+                         kv_scales=kv_scales)
     return out, lse

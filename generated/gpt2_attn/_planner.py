@@ -282,6 +282,30 @@ def stacked_decode_tile(config: dict, rows: int, head_dim: int, dtype_bytes: int
     return {**config, "block_m": bm, "num_warps": warps, "num_stages": stages}
 
 
+# A quantized KV cache (fp8 / int8, issue 49) is converted to the queries' dtype in
+# registers, which the plain configs' registers did not leave room for everywhere (sm_90
+# offline, d = 128, Triton 3.6, the forms flashgen/offline.py compiles): decode's 64-row
+# tile spilled 12 B a thread (fp8, a scale per head) and 132 / 224 B (per-token scales),
+# 32 rows none; with per-token scales (two [BLOCK_N] vectors a key block) decode's 16 x 128
+# at 4 warps spilled 24-44 B (8 warps: none) and the paged prefill's 128 x 128 at 8 warps
+# 308 / 320 B (128 x 64: none). Not yet timed on a GPU against other fixes.
+KV_QUANT_MAX_STACKED_ROWS = 32
+
+
+def kv_quant_tile(config: dict, kind: str, token_scales: bool) -> dict:
+    """The launch config of a `kind` ("decode" or "fwd") kernel reading a quantized KV
+    cache, from the plain one: with per-token scales, decode takes 8 warps at key blocks of
+    128 or more, and the forward at most 64 keys a block (see KV_QUANT_MAX_STACKED_ROWS's
+    note)."""
+    if not token_scales:
+        return config
+    if kind == "decode" and config["num_warps"] < 8 and config["block_n"] >= 128:
+        return {**config, "num_warps": 8}
+    if kind == "fwd" and config["block_n"] > 64:
+        return {**config, "block_n": 64}
+    return config
+
+
 # `flashgen tune` times decoding with 8 sequences x 8 KV heads = 64 programs per split; a
 # tuned num_splits is rescaled at run time to keep the same total grid for other shapes.
 TUNED_DECODE_PROGRAMS = 64

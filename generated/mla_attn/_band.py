@@ -4,7 +4,7 @@
 Key j is visible to query i when i + LO_OFF <= j <= i + HI_OFF and j < N_K. For one block
 of query rows this returns which key blocks to visit and which of them need no mask.
 `seq_span` gives a packed (varlen) batch's sequence span, clamped into the tensors;
-`page_rows` the rows of a key block of a paged KV cache.
+`page_rows` the rows of a key block of a paged KV cache (`page_slots` its pages and slots).
 """
 import triton
 import triton.language as tl
@@ -49,12 +49,23 @@ def seq_span(CU, b, TOTAL):
 def page_rows(BT_ROW, n0, LAST, NUM_BLOCKS, stride_kp, stride_kn, stride_vp, stride_vn,
               BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """Offsets ([BLOCK_N, 1] int64, of K and of V) of keys n0 .. n0 + BLOCK_N - 1 of a paged
-    cache: key j is row j % PAGE_SIZE of page BT_ROW[j // PAGE_SIZE]. Positions past LAST
-    (the sequence's last key; the kernels mask those keys) read LAST's page, so the table
-    is read only within the sequence's pages, and a page index is clamped into
-    [0, NUM_BLOCKS): a bad table gives a wrong answer, never an out-of-bounds access. When
-    whole key blocks fit in a page (PAGE_SIZE % BLOCK_N == 0; n0 is a multiple of
-    BLOCK_N) one index serves the block; any other page size looks one up per key."""
+    cache: key j is row j % PAGE_SIZE of page BT_ROW[j // PAGE_SIZE] (page_slots)."""
+    page, slot = page_slots(BT_ROW, n0, LAST, NUM_BLOCKS, BLOCK_N, PAGE_SIZE)
+    k_rows = page * stride_kp + slot * stride_kn
+    v_rows = page * stride_vp + slot * stride_vn
+    return k_rows[:, None], v_rows[:, None]
+
+
+@triton.jit
+def page_slots(BT_ROW, n0, LAST, NUM_BLOCKS, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(page, slot) of keys n0 .. n0 + BLOCK_N - 1 of a paged cache: key j is row
+    j % PAGE_SIZE (slot, [BLOCK_N]) of page BT_ROW[j // PAGE_SIZE] (int64, [BLOCK_N] or one
+    for the block). Positions past LAST (the sequence's last key; the kernels mask those
+    keys) read LAST's page, so the table is read only within the sequence's pages, and a
+    page index is clamped into [0, NUM_BLOCKS): a bad table gives a wrong answer, never an
+    out-of-bounds access. When whole key blocks fit in a page (PAGE_SIZE % BLOCK_N == 0; n0
+    is a multiple of BLOCK_N) one index serves the block; any other page size looks one up
+    per key."""
     if PAGE_SIZE % BLOCK_N == 0:
         page = tl.load(BT_ROW + tl.minimum(n0, LAST) // PAGE_SIZE)
         slot = n0 % PAGE_SIZE + tl.arange(0, BLOCK_N)  # [BLOCK_N], inside the page
@@ -63,6 +74,4 @@ def page_rows(BT_ROW, n0, LAST, NUM_BLOCKS, stride_kp, stride_kn, stride_vp, str
         page = tl.load(BT_ROW + pos // PAGE_SIZE)
         slot = pos % PAGE_SIZE
     page = tl.minimum(tl.maximum(page, 0), NUM_BLOCKS - 1).to(tl.int64)
-    k_rows = page * stride_kp + slot * stride_kn
-    v_rows = page * stride_vp + slot * stride_vn
-    return k_rows[:, None], v_rows[:, None]
+    return page, slot

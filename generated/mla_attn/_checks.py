@@ -105,8 +105,9 @@ def check_unit_stride(named) -> None:
                 f"{tuple(t.stride())}; pass {name}.contiguous()")
 
 
-def check_tensors(q, k, v, *, bnhd: bool = False) -> None:
-    """Check q, k, v given as (B, N, H, d) tensors (bnhd) or (B, H, N, d) ones."""
+def check_tensors(q, k, v, *, bnhd: bool = False, quantized_kv: bool = False) -> None:
+    """Check q, k, v given as (B, N, H, d) tensors (bnhd) or (B, H, N, d) ones.
+    quantized_kv: k and v are a 1-byte cache (checked by _kvquant), not in q's dtype."""
     layout = "(B, N, H, d)" if bnhd else "(B, H, N, d)"
     named = (("q", q), ("k", k), ("v", v))
     for name, t in named:
@@ -117,7 +118,7 @@ def check_tensors(q, k, v, *, bnhd: bool = False) -> None:
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     check_device(q.device)
-    if not (q.dtype == k.dtype == v.dtype):
+    if not (q.dtype == k.dtype == v.dtype) and not quantized_kv:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     check_dtype_built(q.dtype)
     bq, hq, nq, d = bhnd(q.shape, bnhd)

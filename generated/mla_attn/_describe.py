@@ -78,6 +78,10 @@ def describe() -> str:
                  "too: _runtime.VARLEN_GLUON_DROPOUT / VARLEN_GLUON_MODS / "
                  "VARLEN_GLUON_MASK_MODS), else the `tl` kernels with VARLEN=True; mods see "
                  "b = the sequence and in-sequence positions")
+    if BUILT_FOR.get("kv_cache_dtypes"):
+        lines.append(f"  quantized KV caches {list(BUILT_FOR['kv_cache_dtypes'])} (k_scale / "
+                     "v_scale per tensor, head or token; quantize_kv_cache): decode and the "
+                     "paged prefill run the `tl` kernels, every GPU, dequantizing in registers")
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():

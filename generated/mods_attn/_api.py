@@ -392,7 +392,7 @@ def dropout_scale(dropout_p):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
                            return_lse=False, *, block_table=None, seqused_q=None,
-                           seqused_k=None, mods=None, **mod_args):
+                           seqused_k=None, k_scale=None, v_scale=None, mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_varlen_func: sequences packed along one token axis,
     q (total_q, H_q, d), k and v (total_k, H_kv, d); sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k
@@ -433,18 +433,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     tokens (causal and windows bottom-right on the used lengths). The `tl` varlen kernel
     serves these calls (SERVING_GLUON_REASON); score and sink mods work, mask mods do not
     (ValueError). Values are checked or clamped as cu_seqlens are: a page index into
-    [0, num_blocks), a length into the table's capacity (docs/VARLEN.md)."""
+    [0, num_blocks), a length into the table's capacity (docs/VARLEN.md). The paged cache
+    may be quantized (fp8_e4m3 / int8 in the spec's `kv_cache_dtypes`): k, v in
+    torch.float8_e4m3fn or torch.int8 with fp32 k_scale, v_scale, as in
+    flash_attn_with_kvcache (per tensor, per head or per token: _kvquant)."""
     if mods is None and mod_args:
         raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
                         "need mods=(...)")
-    if _fp8.is_fp8(q, k, v):
+    # (an fp8 k, v with block_table is a quantized paged cache: check_serving takes it)
+    if _fp8.is_fp8(q) or (_fp8.is_fp8(k, v) and block_table is None):
         raise ValueError("fp8 q, k, v: flash_attn_varlen_func has no fp8 kernels yet (issue "
-                         "50); flash_attn_func and scaled_dot_product_attention take them")
-    serving = not (block_table is None and seqused_q is None and seqused_k is None)
+                         "50); flash_attn_func and scaled_dot_product_attention take them "
+                         "(an fp8 KV cache is paged: pass block_table, k_scale and v_scale)")
+    serving = not (block_table is None and seqused_q is None and seqused_k is None
+                   and k_scale is None and v_scale is None
+                   and getattr(k, "dtype", None) != torch.int8)  # (int8: a quantized cache)
     if serving:
-        max_seqlen_q, max_seqlen_k = _runtime.check_serving(
+        max_seqlen_q, max_seqlen_k, kv_scales = _runtime.check_serving(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
-            seqused_q, seqused_k)
+            seqused_q, seqused_k, k_scale, v_scale)
     else:
         max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                            max_seqlen_q, max_seqlen_k)
@@ -460,7 +467,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         out, lse = _runtime.forward_serving(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, block_table,
             seqused_q, seqused_k, mask=mask, lo=lo, hi=hi, scale=scale,
-            dropout_p=float(dropout_p), mods=call)
+            dropout_p=float(dropout_p), mods=call, kv_scales=kv_scales)
         return (out, lse) if return_lse else out
     if mods is not None:
         out, lse = _mods.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,

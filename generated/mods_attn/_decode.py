@@ -52,7 +52,7 @@ import os
 import torch
 
 from . import _decode_extras as _extras
-from . import _families, _planner, _runtime
+from . import _families, _kvquant, _planner, _runtime
 from ._registry import BUILT_FOR, GLUON_DECODE, PACKAGE, TARGET_GPU, VARIANTS
 
 # Split-KV heuristic (num_splits=0): as many splits as keep the grid within ONE wave over
@@ -204,12 +204,17 @@ def _check_inputs(q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_spl
     if len(devices) != 1:
         raise ValueError(f"q, the caches and k, v must be on one device, got {sorted(map(str, devices))}")
     _runtime.check_device(q.device)
-    dtypes = {t.dtype for _, t in named}
-    if len(dtypes) != 1:
+    # a quantized cache (_kvquant) is read with q, k, v in one fp16 / bf16 dtype
+    quantized = _kvquant.is_quantized(k_cache)
+    same = [(n, t) for n, t in named if not quantized or n not in ("k_cache", "v_cache")]
+    if len({t.dtype for _, t in same}) != 1:
         raise ValueError(
-            "q, k_cache, v_cache (and k, v) must share a dtype, got "
-            + ", ".join(f"{n} {t.dtype}" for n, t in named))
+            ("q (and k, v) must share a dtype, got " if quantized else
+             "q, k_cache, v_cache (and k, v) must share a dtype, got ")
+            + ", ".join(f"{n} {t.dtype}" for n, t in same))
     _runtime.check_dtype_built(q.dtype)
+    if quantized:
+        _kvquant.check_cache(q, k_cache, v_cache)
     if k_cache.shape[:3] != v_cache.shape[:3]:
         raise ValueError(f"k_cache and v_cache must have one shape (but for the head dim), got "
                          f"{_shape(k_cache)} and {_shape(v_cache)}")
@@ -376,7 +381,7 @@ class _Plan:
         "out_shape", "lse_shape", "dtype", "device", "split", "ws_numel",
         "kernel", "kernel_lse", "strides", "tail", "tiles",
         "append", "append_strides", "append_tail",
-        "mla", "mla_reason", "extras", "cache_rows",
+        "mla", "mla_reason", "extras", "cache_rows", "kvq", "kvq_plain",
     )
 
 
@@ -384,7 +389,7 @@ _plans = {}
 
 
 def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-              window_size, num_splits, extra=None):
+              window_size, num_splits, extra=None, scales=None):
     """A hashable summary of everything `_make_plan` reads. Raises AttributeError or
     TypeError for arguments it cannot summarise (the caller then checks them in full)."""
     if isinstance(cache_seqlens, torch.Tensor):
@@ -414,14 +419,16 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
         _runtime.alignments(*(t for t in (q, k_cache, v_cache, k, v, cache_seqlens, block_table)
                               if isinstance(t, torch.Tensor))),
         None if extra is None else _extras.key(extra),
+        None if scales is None else _kvquant.key(*scales),
     )
 
 
 def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits, mods=(), extra=None):
+               window_size, num_splits, mods=(), extra=None, scales=None):
     """Check everything that needs no device values and derive the launches (`mods`: the
     names of the call's mods, which pick a decode variant with them; `extra`: the
-    arguments _decode_extras handles, None when all are left out)."""
+    arguments _decode_extras handles, None when all are left out; `scales`: (k_scale,
+    v_scale) of a quantized cache, None when both are left out)."""
     paged, page_size, capacity, n_new = _check_inputs(
         q, k_cache, v_cache, k, v, cache_seqlens, block_table, num_splits,
         extra is not None and extra[3] is not None)
@@ -442,6 +449,15 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     per_row = isinstance(cache_seqlens, torch.Tensor)
 
     plan = _Plan()
+    plan.kvq = _kvquant.check_scales(*(scales or (None, None)), k_cache, q)
+    if plan.kvq.code and v_is_k:
+        raise ValueError("v_cache is a view of k_cache (a latent cache): a quantized latent "
+                         "cache would give K's and V's columns two scales; pass a v_cache "
+                         "of its own")
+    # the scales' arguments of a launch that reads no quantized cache (() if the variant
+    # has none)
+    plan.kvq_plain = _kvquant.plain_args(name)
+    kvq_meta = plan.kvq.meta if plan.kvq_plain else {}
     plan.extras = (_extras.NONE if extra is None
                    else _extras.check(extra, q, k, paged, v_is_k, causal, window))
     plan.cache_rows = k_cache.shape[0]
@@ -466,13 +482,19 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         plan.append = _runtime.Launcher(
             _runtime.kernel(name, "append"), append_grid,
             dict(PAGED=paged, PER_ROW_LENS=per_row, BLOCK_H=_next_pow2(h_kv),
-                 BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), **plan.extras.append_meta))
+                 BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), **plan.extras.append_meta,
+                 **kvq_meta))
 
     # ---- launch config and the split factor, from the capacity
     group = h_q // h_kv
-    cfg = stacked_tile(_runtime.launch_config(name, q.device, max(capacity, 1)), group * n_q,
+    rows = group * n_q
+    if plan.kvq.code:  # (the converted tiles' registers: _planner.kv_quant_tile)
+        rows = min(rows, _planner.KV_QUANT_MAX_STACKED_ROWS)
+    cfg = stacked_tile(_runtime.launch_config(name, q.device, max(capacity, 1)), rows,
                        max(d, dv), q.element_size(), q.device,
                        VARIANTS[name].get("score_bytes", 0))
+    if plan.kvq.code:
+        cfg = _planner.kv_quant_tile(cfg, "decode", plan.kvq.token)
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     row_blocks = _cdiv(group * n_q, block_m)
     left, right = window
@@ -522,6 +544,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     paged_reads = paged and capacity > 0
     kw = dict(PAGED=paged_reads, PAGE_BLOCKS=paged_reads and page_size % block_n == 0,
               PER_ROW_LENS=per_row, SPLIT=plan.split, V_IS_K=v_is_k, **plan.extras.meta,
+              **kvq_meta,
               BLOCK_M=block_m,
               BLOCK_N=block_n,
               num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -535,6 +558,8 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     plan.mla = plan.mla_reason = None
     if _mla_gluon_wanted() and not mods and extra is not None:
         plan.mla_reason = "rotary, cache_batch_idx or cache_leftpad: the `tl` decode alone takes them"
+    elif _mla_gluon_wanted() and not mods and plan.kvq.code:
+        plan.mla_reason = "a quantized cache: the `tl` decode reads it"
     elif _mla_gluon_wanted() and not mods:
         _mla_gluon_plan(plan, name, q, k_cache, v_cache, block_table, paged, page_size,
                         capacity, v_is_k, window, causal, per_row, scale, num_splits, sms)
@@ -608,7 +633,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             block_table=None, softmax_scale=None, causal=False,
                             window_size=(-1, -1), num_splits=0, return_lse=False, *,
                             rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
-                            cache_batch_idx=None, cache_leftpad=None, mods=None, **mod_args):
+                            cache_batch_idx=None, cache_leftpad=None, k_scale=None,
+                            v_scale=None, mods=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_with_kvcache (decoding with a KV cache).
 
     q (B, N_q, H_q, d); k_cache (B, N_cache, H_kv, d) and v_cache (B, N_cache, H_kv, dv),
@@ -631,6 +657,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     rotary_interleaved=True (the default), GPT-NeoX halves with False; they need k and v.
     cache_batch_idx (B,) int32: the contiguous cache's row for each batch element.
     cache_leftpad (B,) int32: keys before it are not attended to.
+
+    A quantized cache (a package built with fp8_e4m3 / int8 in `kv_cache_dtypes`): k_cache
+    and v_cache in torch.float8_e4m3fn or torch.int8, q (and new k, v) fp16 / bf16, with
+    fp32 k_scale and v_scale (x = x_q * scale) of shape () / (1,) per tensor, (H_kv,) per
+    head, or the cache's shape without d per token (num_blocks, page_size, H_kv) /
+    (B_cache, N_cache, H_kv). New k, v are quantized as they are written: per-token
+    scales are made from their rows and stored, per-head ones used as given (_kvquant;
+    quantize_kv_cache makes a cache and its scales).
 
     No device->host sync: cache_seqlens and block-table values are checked on the host
     only when that is free or FLASHGEN_CHECK_VALUES=1 asks for it; otherwise the kernels
@@ -659,28 +693,30 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     if (rotary_cos is not None or rotary_sin is not None or cache_batch_idx is not None
             or cache_leftpad is not None):
         extra = (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
+    scales = None if k_scale is None and v_scale is None else (k_scale, v_scale)
     if mods is not None or mod_args:
         return _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                          causal, window_size, num_splits, return_lse, mods, mod_args, extra)
+                          causal, window_size, num_splits, return_lse, mods, mod_args, extra,
+                          scales)
     try:
         key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                        causal, window_size, num_splits, extra)
+                        causal, window_size, num_splits, extra, scales)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable: the full checks say what
         key = plan = None
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                          softmax_scale, causal, window_size, num_splits, (), extra)
+                          softmax_scale, causal, window_size, num_splits, (), extra, scales)
         if key is not None:
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
             _plans[key] = plan
     return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, (),
-                extra)
+                extra, scales)
 
 
 def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits, return_lse, mods, mod_args, extra=None):
+               window_size, num_splits, return_lse, mods, mod_args, extra=None, scales=None):
     """flash_attn_with_kvcache with mods: the plan (keyed also by the mods and their
     tensors' layouts, which the kernel is compiled for) and the call's mod arguments."""
     from . import _mods
@@ -691,14 +727,14 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     names = _mods.combo(mods)
     try:
         key = (_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                         causal, window_size, num_splits, extra), names)
+                         causal, window_size, num_splits, extra, scales), names)
         capacity = _capacities.get(key)
     except (AttributeError, TypeError):  # the full checks in _make_plan say what is wrong
         key = capacity = None
     plan = None
     if capacity is None:  # the mod tensors are checked against the cache's capacity
         plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                          causal, window_size, num_splits, names, extra)
+                          causal, window_size, num_splits, names, extra, scales)
         capacity = plan.capacity
         if key is not None:
             _capacities[key] = capacity
@@ -709,21 +745,21 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         if cached is None:
             cached = plan or _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, window_size, num_splits, names,
-                                        extra)
+                                        extra, scales)
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
                 _capacities.clear()
             _plans[full] = cached
         plan = cached
     return _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse,
-                call.mod_args, extra)
+                call.mod_args, extra, scales)
 
 
 _capacities = {}  # (plan key, mod names) -> the cache capacity a call with mods checks against
 
 
 def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse, mod_args,
-         extra=None):
+         extra=None, scales=None):
     """Check a call against its plan, append the new keys and launch."""
     _check_call(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, extra)
 
@@ -739,11 +775,13 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
         more, append_more = (q, q, q, q, 0, 0, 0, 1, rows), (q, q, q, 0, 1, rows)
     else:
         more, append_more = _extras.launch_args(plan, q, extra, start)
+    # a quantized cache's scales (the plan checked their layout), or the variant's stand-ins
+    kvq = (*scales, *plan.kvq.strides) if plan.kvq.code else plan.kvq_plain
 
     # ---- append the new keys and values in place (through the block table when paged)
     if plan.append is not None:
         plan.append(k, v, k_cache, v_cache, seqlens, bt, *plan.append_strides, start,
-                    *plan.append_tail, *append_more)
+                    *plan.append_tail, *append_more, *kvq)
 
     out = torch.empty(plan.out_shape, dtype=plan.dtype, device=plan.device)
     lse = (torch.empty(plan.lse_shape, dtype=torch.float32, device=plan.device)
@@ -764,5 +802,5 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
         ws = counters = out
     (plan.kernel_lse if return_lse else plan.kernel)(
         q, k_cache, v_cache, out, lse, ws, counters, seqlens, bt, *plan.strides,
-        start + plan.n_new, *plan.tail, *more, *mod_args)
+        start + plan.n_new, *plan.tail, *more, *kvq, *mod_args)
     return (out, lse) if return_lse else out

@@ -4,7 +4,7 @@ the persistent Gluon kernel and the deal of its tiles) and `forward`, which runs
 call."""
 import torch
 
-from . import _families
+from . import _families, _kvquant
 from ._buffers import _band_tile_table, _sk_workspace
 from ._checks import _DTYPE_NAMES, bhnd, row_span_past_int32
 from ._launch import Launcher, _descriptor_allocator, kernel
@@ -81,7 +81,8 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
             None, None, None, 0, 0,  # SEQUSED_Q, SEQUSED_K, BT, stride_btb, NUM_BLOCKS
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
-            n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
+            n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi,
+            *_kvquant.plain_args(name))  # KS, VS and their strides: no quantized cache
     tma = bool(cfg.get("tma", False)) and _descriptor_ready(
         (k, bhnd(k.stride(), bnhd)), (v, bhnd(v.stride(), bnhd)))
     row_dim = 1 if bnhd else 2
@@ -90,7 +91,7 @@ def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=False,
                 PAGE_SIZE=0, ROW64=row64, num_warps=cfg["num_warps"],
-                num_stages=cfg["num_stages"])
+                num_stages=cfg["num_stages"], **_kvquant.plain_meta(name))
     sparse = _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False)
     return Launcher(kernel(name), grid, meta), args, tma, lse_shape, scratch, sparse
 

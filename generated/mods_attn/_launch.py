@@ -41,6 +41,59 @@ def _fix_interpreter_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _fix_interpreter_bf16_cast() -> None:
+    """Triton's CPU interpreter (seen with triton 3.6) converts between bf16 and a type other
+    than fp32 with NumPy's astype on bf16's raw uint16 bits: an int8 -> bf16 cast (an int8
+    KV cache read with bf16 queries) gave the integer's bits, not its value. Go through
+    fp32, whose conversions it does right. Only ever applied under TRITON_INTERPRET."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.cast_impl, "_flashgen_bf16", False):
+        return
+    original = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        ends = (src.dtype.scalar, dst_type.scalar)
+        if tl.bfloat16 in ends and tl.float32 not in ends and ends[0] != ends[1]:
+            return original(self, original(self, src, tl.float32), dst_type)
+        return original(self, src, dst_type)
+
+    cast_impl._flashgen_bf16 = True
+    builder.cast_impl = cast_impl
+
+
+def _fix_interpreter_fp8_cast() -> None:
+    """Triton's CPU interpreter (seen with triton 3.6) rounds an fp32 / fp16 / bf16 -> fp8
+    e4m3 conversion without carrying a rounded-up mantissa into the exponent (7.95 became
+    4.0, not 8.0): an append into an fp8 KV cache wrote such values. Convert with torch
+    (round to nearest even), as the GPU's cvt.rn does. Only ever applied under
+    TRITON_INTERPRET."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder.create_fp_to_fp, "_flashgen_fp8", False):
+        return
+    original = builder.create_fp_to_fp
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        source = src.dtype.scalar
+        if dst_type.scalar == tl.float8e4nv and source in (tl.float32, tl.float16, tl.bfloat16):
+            data = np.ascontiguousarray(src.data)
+            if source == tl.bfloat16:  # (held as its uint16 bits)
+                data = (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+            x = torch.from_numpy(data.astype(np.float32))
+            bits = x.to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+            return interpreter.TensorHandle(bits, tl.float8e4nv)
+        return original(self, src, dst_type, rounding_mode)
+
+    create_fp_to_fp._flashgen_fp8 = True
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 def _fix_interpreter_index() -> None:
     """Triton's CPU interpreter (seen with triton 3.6) holds a scalar as a 1-element array
     and converts it to a Python int with int(array), which NumPy >= 2.4 refuses for arrays
@@ -69,6 +122,8 @@ def kernel(name: str, function: str = "kernel", family: str = "tl"):
     if fn is None:
         if _interpreting():
             _fix_interpreter_bf16_dot()
+            _fix_interpreter_bf16_cast()
+            _fix_interpreter_fp8_cast()
             _fix_interpreter_index()
         if family == "gluon":
             module = importlib.import_module(f".kernels.gluon.{name}", __package__)

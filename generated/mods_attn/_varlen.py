@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from . import _families
+from . import _families, _kvquant, _planner
 from ._checks import _DTYPE_NAMES, check_cu_seqlens, row_span_past_int32
 from ._forward import (LOG2E, _GLUON, _NO_DROP, _WHOLE, _arg_slot, _dropout,
                        _gluon_dropout_args, _gluon_forward_launcher, _gluon_kv_heads,
@@ -104,14 +104,15 @@ def varlen_band(max_q: int, max_k: int, causal: bool, window: tuple) -> tuple:
 
 def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str, lo: int,
                    hi: int, scale: float, dropout_p: float = 0.0, rng=None, mods=None,
-                   serving=None):
+                   serving=None, kv_scales=None):
     """The forward of a packed ragged batch (q (total_q, H_q, d), k/v (total_k, H_kv, d),
     int32 cu_seqlens of batch + 1 entries); writes o (like q) in place, returns the LSE as
     (H_q, total_q) fp32. lo/hi from varlen_band. Cached per call signature like forward.
     `mods`: the call's `_mods.Call` on this packed batch (Call.packed), else None.
     `serving`: (seqused_q, seqused_k, block_table) of a call _paged.check_serving checked
     (k/v then the paged cache when block_table; rows past seqused_q are left as o holds
-    them), else None."""
+    them), else None. `kv_scales`: (_kvquant.Scales, k_scale, v_scale) of a quantized paged
+    cache (_paged.check_serving checked them), else None."""
     if serving is None:
         check_cu_seqlens(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
         serving = _NO_SERVING
@@ -127,15 +128,20 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
            q.dtype, q.device, cu_q.shape[0], max_q, max_k, mask, lo, hi, scale, widths,
            # Triton specialises pointers on 16-byte alignment (o: a fresh allocation)
            alignments(q, k, v, cu_q, *(t for t in (cu_k, *serving) if t is not None)),
-           mods.signature if mods is not None else None, _serving_key(cu_k, serving))
+           mods.signature if mods is not None else None, _serving_key(cu_k, serving),
+           k.dtype, None if kv_scales is None else _kvquant.key(*kv_scales[1:]))
+    scales = _kvquant.NONE if kv_scales is None else kv_scales[0]
     plan = _forward_plans.get(key)
     if plan is None:
         if len(_forward_plans) >= _MAX_PLANS:
             _forward_plans.clear()
         plan = _forward_plans[key] = _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask,
                                                           lo, hi, scale, widths is not None,
-                                                          mods, serving)
+                                                          mods, serving, scales)
     launch, args, tma, sparse = plan
+    if scales.code and launch is not None:  # the call's scales in the plan's KS, VS slots
+        slot = _arg_slot(launch, "KS", "stride_btb")
+        args = (*args[:slot], *kv_scales[1:], *args[slot + 2:])
     if serving[0] is not None:  # the rows past seqused_q: LSE -inf (their o is the caller's)
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), device=q.device)
     else:
@@ -245,9 +251,11 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
 
 
 def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dropout,
-                         mods=None, serving=_NO_SERVING):
+                         mods=None, serving=_NO_SERVING, scales=_kvquant.NONE):
     """(Launcher, arguments, tma, block-mask tile or None) of a varlen forward signature;
-    the arguments start at stride_btb (the kernel's serving pointers come per call)."""
+    the arguments start at stride_btb (the kernel's serving pointers come per call, and so
+    do a quantized cache's scales, KS and VS: None here). `scales`: a quantized cache's
+    _kvquant.Scales."""
     total_q, h_q, d = q.shape
     h_kv = k.shape[-2]
     paged = serving[2] is not None
@@ -266,6 +274,8 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
         return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
                 _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))
     cfg = _varlen_config(name, q.device, max_q, max_k)
+    if scales.code:  # (the converted tiles' registers)
+        cfg = _planner.kv_quant_tile(cfg, "fwd", scales.token)
     grid = (batch * h_q, triton_cdiv(max_q, cfg["block_m"]))
     if paged:  # (page, head, row-in-page) strides of the caches; the table's row stride
         pages = (serving[2].stride(0), k.shape[0], k.stride(0), k.stride(2), k.stride(1),
@@ -273,7 +283,8 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     else:  # batch strides 0: the kernels move each program to its sequence's first row
         pages = (0, 0, 0, k.stride(1), k.stride(0), 0, v.stride(1), v.stride(0))
     args = (*pages[:2], 0, q.stride(1), q.stride(0), *pages[2:], 0, o.stride(1), o.stride(0),
-            total_q, total_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi)
+            total_q, total_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi,
+            *((None, None, *scales.strides) if _kvquant.takes_scales(name) else ()))
     # (page rows are gathered: no TMA box spans a sequence's keys)
     tma = (bool(cfg.get("tma", False)) and total_k > 0 and not paged
            and _descriptor_ready((k, (0, *k.stride()[1::-1])), (v, (0, *v.stride()[1::-1]))))
@@ -284,7 +295,8 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], USE_TMA=tma,
                 WARP_SPECIALIZE=bool(cfg.get("warp_specialize", False)), VARLEN=True,
                 PAGE_SIZE=k.shape[1] if paged else 0, ROW64=row64,
-                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+                num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+                **(scales.meta if _kvquant.takes_scales(name) else {}))
     # a mask mod's block lists at this tile: one per sequence (Call.packed)
     return (Launcher(kernel(name), grid, meta), args, tma,
             _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))
