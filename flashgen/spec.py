@@ -23,10 +23,8 @@ YAML format
     dropout: true               # optional, default false
     gqa: false                  # optional, default false (allow Hq != Hkv)
     decode: false               # optional, default false (KV-cache decode kernels)
-    kv_cache_dtypes: [bf16, fp8_e4m3, int8]   # optional: the KV-cache dtypes the decode
-                                # and paged-prefill kernels read; fp8_e4m3 / int8 are
-                                # 1-byte caches with fp32 scales (fp16/bf16 queries); a
-                                # cache in the queries' own dtype is always read
+    kv_cache_dtypes: [bf16, int8]   # optional: KV caches decode / paged prefill read (also
+                                # fp8_e4m3, int8: 1-byte caches with fp32 scales)
     window: {left: 256, right: 0}   # required iff sliding_window is in masks
     gpu:                        # required
       name: H100                #   required, a string
@@ -81,8 +79,7 @@ from flashgen.mods import BUILTINS, KINDS, RESERVED, Mod, ModError, builtin_mod,
 from flashgen.planner_core import DEFAULT_ARCH, MIN_ARCH, STAGE_COUNTS, WARP_COUNTS
 
 __all__ = [
-    "DTYPES", "FP8_DTYPES", "KV_CACHE_DTYPES", "KV_QUANT_DTYPES", "MASKS",
-    "DEFAULT_SEQLEN_BUCKETS",
+    "DTYPES", "FP8_DTYPES", "KV_CACHE_DTYPES", "KV_QUANT_DTYPES", "MASKS", "DEFAULT_SEQLEN_BUCKETS",
     "Loc", "BlockConfig", "Window", "GpuTarget", "Blocks", "ModVariant", "Spec",
     "load_spec", "parse_spec",
 ]
@@ -90,9 +87,8 @@ __all__ = [
 DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3")
 # fp8 dtypes (FA3's inputs: q, k, v in fp8 with fp32 descales, the output in bf16)
 FP8_DTYPES = ("fp8_e4m3",)
-# KV-cache dtypes (issue 49): a cache in the queries' dtype, or a quantized 1-byte one that
-# the decode and paged-prefill kernels dequantize in registers (fp32 scales per tensor,
-# per K/V head or per token), read with fp16 / bf16 queries
+# KV-cache dtypes (issue 49): the queries' own, or 1-byte ones the decode and paged-prefill
+# kernels dequantize in registers (fp32 scales), read with fp16 / bf16 queries
 KV_CACHE_DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3", "int8")
 KV_QUANT_DTYPES = ("fp8_e4m3", "int8")
 MASKS = ("none", "causal", "sliding_window")
@@ -214,8 +210,7 @@ class Spec:
 
     @property
     def kv_quant_dtypes(self) -> tuple[str, ...]:
-        """The quantized KV-cache dtypes the package reads (fp8_e4m3, int8): the fp16/bf16
-        decode and forward kernels get their dequantizing loads."""
+        """The quantized KV-cache dtypes the package reads (fp8_e4m3, int8)."""
         return tuple(d for d in self.kv_cache_dtypes if d in KV_QUANT_DTYPES)
 
     def loc(self, key: str) -> Loc:
@@ -304,10 +299,9 @@ _HELP: dict[str, tuple[str, str]] = {
     "dropout": ("a boolean: true or false", "write dropout: true or dropout: false"),
     "gqa": ("a boolean: true or false", "write gqa: true or gqa: false"),
     "decode": ("a boolean: true or false", "write decode: true or decode: false"),
-    "kv_cache_dtypes": (f"a non-empty list of distinct KV-cache dtypes from "
-                        f"{', '.join(KV_CACHE_DTYPES)}: fp8_e4m3 and int8 are 1-byte caches "
-                        "read with fp16/bf16 queries; fp16, bf16, fp32 name a cache in the "
-                        "queries' own dtype (one of `dtypes`; always read)",
+    "kv_cache_dtypes": (f"distinct KV-cache dtypes from {', '.join(KV_CACHE_DTYPES)}: fp8_e4m3 "
+                        "and int8 are 1-byte caches read with fp16/bf16 queries; the others "
+                        "the queries' own dtype (one of `dtypes`, always read)",
                         "write e.g. kv_cache_dtypes: [bf16, fp8_e4m3, int8]"),
     "gpu": ("a mapping with name, sram_bytes and optional sm_count and arch",
             "write e.g. gpu: {name: H100, sram_bytes: 232448, sm_count: 132}"),
@@ -504,20 +498,17 @@ class _Parser:
                                 f"{key}")
 
     def check_kv_cache(self, top: dict[str, Any]) -> None:
-        """A plain cache dtype is one of the queries' (`dtypes`); a quantized one is read
-        with fp16 / bf16 queries, so the spec must build one of them."""
+        """A plain cache dtype is a query dtype; quantized ones need fp16 or bf16 queries."""
         line = self.key_line("kv_cache_dtypes")
         for d in top.get("kv_cache_dtypes", ()):
             if d not in KV_QUANT_DTYPES and d not in top["dtypes"]:
-                raise self.fail(line, "kv_cache_dtypes",
-                                f"{d} is listed but `dtypes` has no {d}: a cache that is not "
-                                "quantized is in the queries' dtype",
+                raise self.fail(line, "kv_cache_dtypes", f"{d} is listed but `dtypes` has no "
+                                f"{d}: a cache that is not quantized is in the queries' dtype",
                                 fix=f"add {d} to dtypes, or drop it from kv_cache_dtypes")
         quant = [d for d in top.get("kv_cache_dtypes", ()) if d in KV_QUANT_DTYPES]
         if quant and not {"fp16", "bf16"} & set(top["dtypes"]):
-            raise self.fail(line, "kv_cache_dtypes",
-                            f"{quant[0]} caches are read with fp16 or bf16 queries, but "
-                            "`dtypes` has neither",
+            raise self.fail(line, "kv_cache_dtypes", f"{quant[0]} caches are read with fp16 or "
+                            "bf16 queries, but `dtypes` has neither",
                             fix="add bf16 (or fp16) to dtypes, or drop the quantized caches")
 
     def check_decode_only(self, top: dict[str, Any]) -> None:

@@ -685,7 +685,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             q, k_cache, staged, k, v, cache_seqlens, block_table, softmax_scale, causal,
             window_size, num_splits, return_lse, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
-            cache_leftpad=cache_leftpad, mods=mods, **mod_args)
+            cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, mods=mods,
+            **mod_args)
         if v is not None:
             v_cache.copy_(staged)
         return result
