@@ -86,7 +86,8 @@ def describe() -> str:
     if BUILT_FOR.get("kv_cache_dtypes"):
         lines.append(f"  quantized KV caches {list(BUILT_FOR['kv_cache_dtypes'])} (k_scale / "
                      "v_scale per tensor, head or token; quantize_kv_cache): decode and the "
-                     "paged prefill run the `tl` kernels, every GPU, dequantizing in registers")
+                     "paged prefill run the `tl` kernels, dequantizing in registers (fp8 "
+                     "from sm_89)")
     if TUNED:
         lines.append("  tuned GPUs:")
         for gpu, table in TUNED.items():
