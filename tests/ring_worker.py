@@ -89,13 +89,41 @@ def max_err(a, b):
     return (a[finite] - b[finite]).abs().max().item() if finite.any() else 0.0
 
 
-def single(pkg, q, k, v, do, causal, window, mods=None, dropout_p=0.0):
-    """(out, lse, dq, dk, dv) of the package's single-process call on the full sequence."""
+def single(pkg, q, k, v, do, causal, window, mods=None, dropout_p=0.0, wanted=()):
+    """(out, lse, dq, dk, dv, *the gradients of the mod tensors named in wanted) of the
+    package's single-process call on the full sequence."""
     fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+    kw = leaves(mods or {}, wanted)
     out, lse = pkg.flash_attn_func(fq, fk, fv, causal=causal, window_size=window,
-                                   return_lse=True, dropout_p=dropout_p, **(mods or {}))
+                                   return_lse=True, dropout_p=dropout_p, **kw)
     out.backward(do)
-    return out.detach(), lse, fq.grad, fk.grad, fv.grad
+    return (out.detach(), lse, fq.grad, fk.grad, fv.grad, *(kw[t].grad for t in wanted))
+
+
+def leaves(kw, wanted, dtype=None):
+    """A copy of the call's mod arguments whose tensors named in `wanted` are fresh leaves
+    that require grad (floating ones in `dtype` when given: the reference's float64)."""
+    out = {}
+    for name, value in kw.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach()
+            if dtype is not None and value.is_floating_point():
+                value = value.to(dtype)
+            value = value.clone().requires_grad_(name in wanted)
+        out[name] = value
+    return out
+
+
+def case_tensor(spec, device):
+    """A tensor given as {"values": nested list, "dtype": name}."""
+    return torch.tensor(spec["values"], dtype=getattr(torch, spec["dtype"]), device=device)
+
+
+def attn_mask_as_bias(mask):
+    """SDPA's attn_mask as the sdpa_mask mod's float bias (a boolean one: 0 / -inf)."""
+    if mask.is_floating_point():
+        return mask
+    return torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
 
 
 def case_mods(case, device):
@@ -133,9 +161,16 @@ def mod_reference(kw, n, device="cpu"):
         elif name == "prefix_lm":
             plen = kw["prefix_len"].to(device)[:, None, None, None]
             visible = visible & ((j < plen) | (j <= i))
-        elif name == "document":  # doc (B, N): passed whole (strategy="ulysses")
+        elif name == "document":  # doc (B, N): passed whole
             doc = kw["doc"].to(device)
             visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
+        elif name == "key_padding":  # keep (B, N): passed whole
+            visible = visible & kw["keep"].to(device)[:, None, None, :]
+        elif name == "sdpa_mask":  # bias (B|1, H|1, N, N): -inf entries hide their keys
+            bias = kw["bias"].to(device)
+            finite = torch.isfinite(bias)
+            visible = visible & finite
+            score = (lambda f, t: lambda s: f(s) + t)(score, torch.where(finite, bias, 0.0))
         elif name == "sink_logits":  # the reference's `sink` (mod_sink)
             pass
         elif name == "window_sinks":
@@ -156,7 +191,8 @@ def mod_sink(kw, b):
 def run_error_case(pkg, case, rank, world, device="cpu"):
     """A call every rank must refuse with ValueError before any collective (or after the
     one shape check, which every rank joins): the message, or None if it ran. rank_n
-    gives some ranks another shard length (mismatched shards)."""
+    gives some ranks another shard length (mismatched shards), rank_mod_kw other mod
+    arguments."""
     b, n, h, hk, d = case["shape"]
     n_local = case.get("rank_n", {}).get(str(rank), n // world)
     g = torch.Generator().manual_seed(rank)
@@ -166,7 +202,10 @@ def run_error_case(pkg, case, rank, world, device="cpu"):
         pkg.ring_flash_attn_func(q, k, v, causal=case["causal"],
                                  window_size=tuple(case["window"]), strategy=case["strategy"],
                                  layout=case["layout"], dropout_p=case.get("dropout_p", 0.0),
-                                 **case_mods(case, device))
+                                 **case_mods(dict(case, mod_kw={
+                                     **case.get("mod_kw", {}),
+                                     **case.get("rank_mod_kw", {}).get(str(rank), {})}),
+                                     device))
     except ValueError as e:
         return {"case": case, "error": str(e)}
     return {"case": case, "error": None}
@@ -191,7 +230,16 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         return run_long_case(pkg, case, rank, world, q, k, v, do)
 
     mods = case_mods(case, device)
-    extra.update(mods)
+    # attn_mask (SDPA twin cases): the sdpa_mask mod's bias for the single call and the
+    # reference, the mask itself for the context-parallel call
+    ring_mask = None
+    if "attn_mask" in case:
+        ring_mask = case_tensor(case["attn_mask"], device)
+        mods = dict(mods, mods=tuple(mods.get("mods", ())) + ("sdpa_mask",),
+                    bias=attn_mask_as_bias(ring_mask))
+    else:
+        extra.update(mods)
+    wanted = list(case.get("grad_tensors", ()))  # mod tensors whose gradient is compared
     # dropout: the single-process call, the reference's mask and the context-parallel call
     # each start from torch.manual_seed(rng_seed). With rank_seeds the ranks' generators
     # differ for the context-parallel call (rank 0's is the single call's): only a (seed,
@@ -203,7 +251,8 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         extra["dropout_p"] = p
     # (a) the package's single-process call on the full sequence
     torch.manual_seed(rng_seed)
-    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window, mods, p)
+    f_out, f_lse, *f_grads = single(pkg, q, k, v, do, causal, window, mods, p, wanted)
+    f_grads, f_tgrads = f_grads[:3], f_grads[3:]
     # (b) float64 reference
     keep = None
     if p:
@@ -211,10 +260,11 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         keep = pkg.dropout_mask(b, h, n, n, p, device=device)
     rq, rk, rv = (t.double().requires_grad_() for t in (q, k, v))
     vis = visible_mask(n, n, causal=causal, window=window, bottom_right=True).to(device)
-    score_mod, mod_vis = mod_reference(mods, n, device)
+    r_kw = leaves(mods, wanted, torch.float64)
+    score_mod, mod_vis = mod_reference(r_kw, n, device)
     r_out, r_lse = attention_ref(rq.transpose(1, 2), rk.transpose(1, 2), rv.transpose(1, 2),
                                  vis & mod_vis, score_mod=score_mod, keep=keep, dropout_p=p,
-                                 sink=mod_sink(mods, b))
+                                 sink=mod_sink(r_kw, b))
     r_out = r_out.transpose(1, 2)
     r_out.backward(do.double())
 
@@ -222,6 +272,11 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         return pkg.shard(t, rank, world, dim=dim, layout=layout)
 
     torch.manual_seed(ring_seed)
+    # the context-parallel call's mod tensors: fresh leaves where a gradient is compared
+    extra = leaves(extra, wanted)
+    if ring_mask is not None:
+        ring_mask = leaves({"bias": ring_mask}, wanted)["bias"]
+        extra["attn_mask"] = ring_mask
     if sdpa:  # the SDPA twin on (B, H, N, d) shards
         sq, sk, sv = (mine(t.transpose(1, 2), dim=2).requires_grad_() for t in (q, k, v))
         out, lse = pkg.ring_scaled_dot_product_attention(
@@ -249,6 +304,11 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
            + [max_err(a, mine(ref)) for a, ref in zip(grads, f_grads)],
            "vs_ref": [max_err(out, mine(r_out)), max_err(lse, mine(r_lse, dim=2))]
            + [max_err(a, mine(ref.grad)) for a, ref in zip(grads, (rq, rk, rv))]}
+    if wanted:  # the mod tensors' gradients: every rank gets the whole call's
+        got = [ring_mask.grad if t == "bias" and ring_mask is not None else extra[t].grad
+               for t in wanted]
+        res["vs_flash_t"] = [max_err(a, f) for a, f in zip(got, f_tgrads)]
+        res["vs_ref_t"] = [max_err(a, r_kw[t].grad) for a, t in zip(got, wanted)]
     # determinism: a second call gives bitwise the same output and gradients
     if case.get("repeat"):
         sq2, sk2, sv2 = (t.detach().clone().requires_grad_() for t in (sq, sk, sv))

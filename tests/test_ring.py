@@ -9,8 +9,8 @@ LSE and dq, dk, dv against the package's single-process call on the full sequenc
 float64 reference, plus bitwise determinism of a repeated call. Shapes are tiny (Triton's
 interpreter), and each world size is one group of processes running all its cases.
 Mods (a second small package, MODS_SPEC): position-based mods under the ring against the
-single-process call and the float64 reference, a piece's kernels at global offsets, and
-the refusal of data-dependent mods and sinks.
+single-process call and the float64 reference, and a piece's kernels at global offsets
+(data-dependent masks, sinks and mod gradients: test_ring_masks.py).
 """
 import json
 import os
@@ -227,10 +227,11 @@ def test_dropout_piece_at_global_offsets_drops_the_full_calls_elements(pkg):
     assert (local[0].double() - want[0]).abs().max() > 0.1  # the offsets matter here
 
 
-def test_sdpa_twin_refuses_attn_mask_and_ungrouped_heads(pkg):
+def test_sdpa_twin_refuses_causal_attn_mask_and_ungrouped_heads(pkg):
     q = torch.zeros(1, 2, 8, 16)
-    with pytest.raises(NotImplementedError, match="attn_mask"):
-        pkg.ring_scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attn_mask and is_causal"):
+        pkg.ring_scaled_dot_product_attention(q, q, q, is_causal=True,
+                                              attn_mask=torch.ones(8, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="enable_gqa"):
         pkg.ring_scaled_dot_product_attention(q, q[:, :1], q[:, :1])
 
@@ -489,6 +490,10 @@ def assert_results(per_rank):
                 for name, e, t in zip(names, errs, tols):
                     if not e <= t:
                         failures.append((rank, c, f"{name} vs {what}: {e:.2e} > {t:.0e}"))
+            for what in ("flash", "ref"):  # mod tensors' gradients (sinks, a bias)
+                for i, e in enumerate(res.get(f"vs_{what}_t", ())):
+                    if not e <= grad_tol:
+                        failures.append((rank, c, f"mod tensor {i} grad vs {what}: {e:.2e}"))
             if "repeat_equal" in res and not res["repeat_equal"]:
                 failures.append((rank, c, "a repeated call differs"))
     assert not failures, "\n".join(map(str, failures))
@@ -519,7 +524,7 @@ def test_causal_only_package_serves_full_pieces_with_the_causal_kernel(tmp_path)
 
 
 # ----------------------------------------------------------------------------------------
-# Mods: position-based mods see global positions; data-dependent ones are refused
+# Mods: position-based mods see global positions
 # ----------------------------------------------------------------------------------------
 MODS_PACKAGE = "fg_test_ring_mods"
 MODS_SPEC = """
@@ -621,21 +626,6 @@ def test_plans_with_mods_call_contiguous_global_runs(mods_built):
                 assert torch.equal(cols, torch.arange(kg, kg + kn))
                 got[rows[:, None], cols[None, :]] += brute(qn, kn, lo, hi).int()
     assert torch.equal(got, brute(n, n, lo_g, hi_g).int())
-
-
-@pytest.mark.parametrize("mods,kw,match", [
-    (("document",), dict(doc=torch.zeros(1, 8, dtype=torch.int32)),
-     r"mod `document`.*`doc` \[B, N\].*along the sequence"),
-    (("sink_logits",), dict(sinks=torch.zeros(2)), "mod `sink_logits` is a sink"),
-])
-@pytest.mark.parametrize("strategy", ["ring", "allgather"])
-def test_data_dependent_mods_and_sinks_refused(mods_built, mods, kw, match, strategy):
-    pkg, _ = mods_built
-    q = torch.zeros(1, 8, 2, 16)
-    for fn, x in ((pkg.ring_flash_attn_func, q), (pkg.ring_scaled_dot_product_attention,
-                                                  q.transpose(1, 2))):
-        with pytest.raises(NotImplementedError, match=match):
-            fn(x, x, x, mods=mods, strategy=strategy, **kw)
 
 
 def test_mod_arguments_checked_before_launch(mods_built):

@@ -28,12 +28,10 @@ import torch
 
 from . import _runtime
 from ._registry import MODS
-from ._ring import (_all_gather, _dist, _global_band, _piece_backward, _piece_forward,
-                    segments)
+from ._ring import _dist, _global_band, _piece_backward, _piece_forward, segments
 
 # a mod tensor's extents that run along the sequence (docs/MODS.md)
 _SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 class _Plan:
@@ -229,29 +227,9 @@ def _check_mods(mods, mod_args, q, n, world):
     return names
 
 
-def _check_same_everywhere(q, k, v, plan, facts) -> None:
-    """ValueError on every rank unless every rank called with the same shapes and
-    arguments: one all_gather of a few integers, the call's first collective."""
-    mine = [*q.shape, *k.shape, *v.shape, _DTYPE_CODES.get(q.dtype, 3), *facts]
-    gathered = torch.empty((plan.world, 1, len(mine)), dtype=torch.int64, device=q.device)
-    _all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=q.device),
-                plan.group)
-    rows = gathered.view(plan.world, -1).tolist()
-    if any(r != rows[0] for r in rows):
-        shown = "; ".join(f"rank {r}: q {tuple(x[0:4])} k {tuple(x[4:8])} v {tuple(x[8:12])}"
-                          for r, x in enumerate(rows))
-        raise ValueError("context-parallel call with different shards or arguments on "
-                         f"different ranks ({shown}): every rank of the group must call "
-                         "it with the same shapes, dtype and arguments")
-
-
-def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, window,
-              return_lse, mods, mod_args):
-    """(out, lse) of this rank's rows as ring_flash_attn_func returns them; q, k, v are
-    (B, N / world, H, d) shards (possibly transposed views), checked by the caller."""
-    from ._api import flash_attn_func
-
-    h_q, h_kv = q.shape[2], k.shape[2]
+def _check_call(q, k, world, dropout_p, mods, mod_args, causal, window) -> tuple:
+    """The call's local checks (no collective): (mod names, mask, lo, hi)."""
+    h_q = q.shape[2]
     n = q.shape[1] * world
     if h_q % world:
         raise ValueError(
@@ -267,14 +245,33 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
     mask, lo, hi = _global_band(n, causal, window)
     _runtime.find_variant("fwd", mask, False, q.shape[-1], _runtime._DTYPE_NAMES[q.dtype],
                           names)
+    return names, mask, lo, hi
+
+
+def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, window,
+              return_lse, mods, mod_args, facts):
+    """(out, lse) of this rank's rows as ring_flash_attn_func returns them; q, k, v are
+    (B, N / world, H, d) shards (possibly transposed views), checked by the caller; facts:
+    the call's, for `_ring_masks.agree` (every rank joins it, also one whose own checks
+    failed, before the all-to-alls)."""
+    from . import _ring_masks
+    from ._api import flash_attn_func
+
+    h_q, h_kv = q.shape[2], k.shape[2]
+    n = q.shape[1] * world
+    try:
+        names, mask, lo, hi = _check_call(q, k, world, dropout_p, mods, mod_args, causal,
+                                          window)
+        error = None
+    except (ValueError, TypeError, NotImplementedError) as e:
+        error = e
+    _ring_masks.agree(group, world, facts, [], error)
     kw = dict(causal=causal, softmax_scale=scale, window_size=window, return_lse=True)
     if world == 1:
         out, lse = flash_attn_func(q, k, v, **kw, **({"mods": names} if names else {}),
                                    **(mod_args or {}))
         return out, lse
     plan = _Plan(group, world, layout, h_q, h_kv)
-    _check_same_everywhere(q, k, v, plan, [int(causal), *window, layout == "zigzag",
-                                           len(names)])
     call = None
     if names:
         from . import _mods

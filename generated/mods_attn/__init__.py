@@ -22,6 +22,7 @@ from ._merge import merge_attention_states
 from ._module import Attention
 from ._ring import (ring_flash_attn_func, ring_scaled_dot_product_attention, shard,
                     shard_sequence, unshard, unshard_sequence)
+from ._ring_masks import document_ids
 
 __all__ = [
     "scaled_dot_product_attention",
@@ -42,6 +43,7 @@ __all__ = [
     "unshard",
     "shard_sequence",
     "unshard_sequence",
+    "document_ids",
     "register_transformers",
     "quantize_fp8",
     "rotate_qk",

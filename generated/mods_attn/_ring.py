@@ -38,8 +38,9 @@ skipped (it contributes nothing, no NaN). Self-attention: N_q = N_k, so the diag
 top-left and bottom-right alignments coincide. The spec's position-based mods (mods=...,
 as flash_attn_func takes them: softcap, alibi, relative_bias, prefix_lm, windows with
 sinks) are exact too: each piece's kernels get its global query and key starts, which
-q_idx / kv_idx add. Mods with a tensor along the sequence (document, key_padding, bias)
-and sinks raise NotImplementedError.
+q_idx / kv_idx add. Mods with a tensor along the sequence (document ids, key padding, a
+bias or attn_mask) take it whole on every rank, sinks join the merged rows once, and mod
+tensors get their gradients: `_ring_masks`.
 
 Backward: every piece's backward is the package's own backward kernels, called with the
 GLOBAL (merged) output and LSE: D = rowsum(dO * O) and P = exp(S - LSE) are then those of
@@ -61,7 +62,12 @@ stream) as that call would and takes rank 0's (a broadcast), the backward reuses
 each piece's kernels draw the keep mask at its global rows and columns (Q_POS / KV_POS).
 The mask is drawn in 16-row x 32-column Philox blocks, so every shard chunk must start on
 a multiple of 32 tokens (N a multiple of 64 * world under zig-zag, 32 * world contiguous;
-ValueError otherwise). Data-dependent masks (attn_mask) raise NotImplementedError.
+ValueError otherwise).
+
+Bad input (shards that differ across ranks, a mask tensor of the wrong length, a world
+size that does not divide the heads for Ulysses) raises ValueError on every rank before
+any collective but one: `_ring_masks.agree`, an all_gather of a few integers that every
+rank joins, also one whose own checks failed, so no rank is left waiting.
 """
 import math
 import os
@@ -250,7 +256,7 @@ def kernel_mask(kind: str, mods=None, dropout: bool = False) -> str:
 
 
 def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None,
-              dropout: bool = False) -> tuple:
+              dropout: bool = False, visible=None) -> tuple:
     """The kernel calls of one (query shard, key shard) pair: ((q start, q len, k start,
     k len, mask, lo, hi, q global start, k global start), ...), starts and band in local
     coordinates. (lo_glob, hi_glob): the band in global positions. Fully visible pieces
@@ -259,13 +265,18 @@ def plan_pair(q_segs, k_segs, lo_glob: int, hi_glob: int, mods=None,
     share a call only where they are adjacent in the sequence too: a call's mods see
     q_idx = q global start + its local row (kv_idx likewise), so its rows and columns must
     be contiguous runs of global positions. With dropout likewise: a call draws its keep
-    mask at its global starts plus its local row / column."""
+    mask at its global starts plus its local row / column. visible(q global start, k
+    global start) (a data-dependent mask's cell table, `_ring_masks.Table`): False for a
+    pair of segments that sees nothing, which is then planned empty."""
     positional = mods is not None or dropout
     cells = {}
     for i, (qs, qn, qg) in enumerate(q_segs):
         for j, (ks, kn, kg) in enumerate(k_segs):
             lo, hi = qg - kg + lo_glob, qg - kg + hi_glob
-            cells[i, j] = (classify(qn, kn, lo, hi), lo, hi)
+            kind = classify(qn, kn, lo, hi)
+            if visible is not None and kind != "empty" and not visible(qg, kg):
+                kind = "empty"
+            cells[i, j] = (kind, lo, hi)
     calls = []
     full = sorted(ij for ij, c in cells.items() if c[0] == "full")
     rows = sorted({i for i, _ in full})
@@ -369,22 +380,29 @@ def _merge(acc, lse_acc, out, lse, qs):
     rm.merge(a, la, a, la, out, lse)
 
 
-def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None, drop=None):
+def _piece_backward(do, q, k, v, out, lse, call, scale, dq_acc, mods=None, drop=None,
+                    grads=None):
     """One planned call's backward (against the GLOBAL out and lse): its dq is added into
     the fp32 accumulator dq_acc (B, N, H, d) -- by the Gluon kernel itself, which sums
     dQ in fp32 anyway -- and its (dk, dv) over the call's keys are returned in fp32, for
     the caller to add where the shard's sum is. (In the input dtype, every piece was
     rounded once more than the single-GPU call's dK/dV: at 32k tokens on 2 ranks that
-    made dK's error against fp32 1.7x the single-GPU call's.)"""
+    made dK's error against fp32 1.7x the single-GPU call's.) grads (`_ring_masks.Grads`):
+    the mod tensors' gradient sums, which the piece's own are added into."""
     qs, qn, ks, kn, mask, lo, hi = call[:7]
     qp, kp, vp = q.narrow(1, qs, qn), k.narrow(1, ks, kn), v.narrow(1, ks, kn)
     dk = _empty_as(k, kp.shape, torch.float32)
     dv = _empty_as(v, vp.shape, torch.float32)
+    piece = _piece_mods(mods, call)
+    if grads is not None:
+        piece = grads.piece(piece)
     _runtime.backward(_bhnd(do.narrow(1, qs, qn)), _bhnd(qp), _bhnd(kp), _bhnd(vp),
                       _bhnd(out.narrow(1, qs, qn)), lse.narrow(2, qs, qn).contiguous(),
                       None, _bhnd(dk), _bhnd(dv), mask=mask, lo=lo, hi=hi, scale=scale,
-                      mods=_piece_mods(mods, call), dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)),
+                      mods=piece, dq_accum=_bhnd(dq_acc.narrow(1, qs, qn)),
                       **_piece_dropout(drop, call))
+    if grads is not None:
+        grads.add(piece)
     return dk, dv
 
 
@@ -454,20 +472,41 @@ def _ring_forward(q, k, v, cfg):
     q_segs = segments(n_local, rank, world, layout)
     acc = _empty_as(q, q.shape, torch.float32).zero_()
     lse_acc = torch.full((b, h, n_local), float("-inf"), dtype=torch.float32, device=q.device)
+    table = cfg["table"]
+
+    def run(kv, src):  # this rank's pieces on rank src's K/V, merged into (acc, lse_acc)
+        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
+                              cfg["mods"], cfg["drop"] is not None,
+                              table.visible if table is not None else None):
+            out, lse = _piece_forward(q, kv[0], kv[1], call, scale, cfg["mods"], cfg["drop"])
+            _merge(acc, lse_acc, out, lse, call[0])
+
+    if table is not None and table.sparse:  # some ranks see nothing of each other
+        from . import _ring_masks
+
+        _ring_masks.direct_forward(q, k, v, cfg, run)
+        return _finish(acc, lse_acc, q, cfg)
     kv = (k, v)  # sent as they are: no stacked copy of this rank's own shard
     for step in range(world):
         src = (rank - step) % world
         works = ()
         if step < world - 1:
             nxt, works = ring.exchange(*kv)
-        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
-                              cfg["mods"], cfg["drop"] is not None):
-            out, lse = _piece_forward(q, kv[0], kv[1], call, scale, cfg["mods"], cfg["drop"])
-            _merge(acc, lse_acc, out, lse, call[0])
+        run(kv, src)
         if works:
             _wait(works)
             kv = nxt
-    return acc.to(q.dtype), lse_acc
+    return _finish(acc, lse_acc, q, cfg)
+
+
+def _finish(acc, lse, q, cfg):
+    """(out in q's dtype, lse) from the merged fp32 rows: a sink joins their denominator
+    here, once, before the one rounding."""
+    if cfg["cp"] is not None and cfg["cp"].sink is not None:
+        from . import _ring_masks
+
+        _ring_masks.fold_sink(acc, lse, cfg["cp"])
+    return acc.to(q.dtype), lse
 
 
 def _head_groups(k, choice=None) -> int:
@@ -505,12 +544,15 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     # with dropout, one group: the keep mask is keyed by batch * heads + head, which a
     # group's call would count from its own first head. Mods that read h only as a
     # tensor's head index (ALiBi's slope[h]) get their tensors narrowed to the group's
-    # heads instead; any other use of h keeps one group too
+    # heads instead; any other use of h keeps one group too, and so do mod tensors'
+    # gradients (their sums are the whole call's)
     one = cfg["drop"] is not None or (cfg["mods"] is not None and not all(
-        MODS[m]["heads_by_index"] for m in cfg["mods"].names))
+        MODS[m]["heads_by_index"] for m in cfg["mods"].names)) or cfg.get("grads") is not None
     groups = 1 if one else _head_groups(k)
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
+    from ._ring_masks import group_mods
+
     h_q, h_kv = q.shape[2], k.shape[2]
     per_kv, per_q = h_kv // groups, h_q // groups  # (GQA: a group's query heads follow)
     dq, dk, dv = _empty_as(q, q.shape), _empty_as(k, k.shape), _empty_as(v, v.shape)
@@ -520,7 +562,7 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
         # the shard's memory order)
         kg = _empty_as(k, k[:, :, hk].shape).copy_(k[:, :, hk])
         vg = _empty_as(v, v[:, :, hk].shape).copy_(v[:, :, hk])
-        cfg_g = cfg if cfg["mods"] is None else dict(cfg, mods=_group_mods(cfg, hq, h_q))
+        cfg_g = cfg if cfg["mods"] is None else dict(cfg, mods=group_mods(cfg, hq, h_q))
         dqg, dkg, dvg = _ring_backward_heads(do[:, :, hq], q[:, :, hq], kg, vg,
                                              out[:, :, hq], lse[:, hq], cfg_g)
         del kg, vg
@@ -544,6 +586,24 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
     _, lo_g, hi_g = _global_band(n_local * world, causal, window)
     q_segs = segments(n_local, rank, world, layout)
     dq_acc = _empty_as(q, q.shape, torch.float32).zero_()
+    table = cfg["table"]
+
+    def run(kv, src, dkv):  # this rank's pieces on rank src's K/V; their dK/dV into dkv
+        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
+                              cfg["mods"], cfg["drop"] is not None,
+                              table.visible if table is not None else None):
+            dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc,
+                                     cfg["mods"], cfg["drop"], cfg.get("grads"))
+            _add_piece(dkv, call, dk, dv)
+            del dk, dv
+
+    if table is not None and table.sparse:  # some ranks see nothing of each other
+        from . import _ring_masks
+
+        dkv = _ring_masks.direct_backward(k, v, cfg, run)
+        dq = dq_acc.to(q.dtype)
+        del dq_acc
+        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
     kv = (k, v)
     dkv = arriving = None
     dkv_works = ()
@@ -563,12 +623,7 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
             # NVLink against ~450 ms of kernels)
             _wait(dkv_works)
             dkv, dkv_works, arriving = arriving, (), None
-        for call in plan_pair(q_segs, segments(n_local, src, world, layout), lo_g, hi_g,
-                              cfg["mods"], cfg["drop"] is not None):
-            dk, dv = _piece_backward(do, q, kv[0], kv[1], out, lse, call, scale, dq_acc,
-                                     cfg["mods"], cfg["drop"])
-            _add_piece(dkv, call, dk, dv)
-            del dk, dv
+        run(kv, src, dkv)
         if world > 1:
             (arriving,), dkv_works = ring.exchange(dkv)
             dkv = None  # in flight: NCCL holds it until sent
@@ -608,11 +663,15 @@ def _allgather_calls(n_local, cfg):
     dropout = cfg["drop"] is not None
     for qs, qn, qg in segments(n_local, ring.rank, ring.world, layout):
         k0 = max(0, qg + lo_g)
+        k1 = min(n, qg + qn - 1 + hi_g + 1)
+        if cfg["table"] is not None:  # only the chunks whose cells see anything
+            k0, k1 = cfg["table"].key_range(qg, k0, k1)
+            if k1 <= k0:
+                continue
         if dropout:
             # the keep mask's 32-column blocks: start the keys on one (the band hides the
             # extra keys)
             k0 -= k0 % DROPOUT_COLUMNS
-        k1 = min(n, qg + qn - 1 + hi_g + 1)
         for call in plan_pair(((qs, qn, qg),), ((k0, k1 - k0, k0),), lo_g, hi_g, cfg["mods"],
                               dropout):
             calls.append(call)
@@ -626,7 +685,8 @@ def _allgather_forward(q, k, v, cfg):
     lse = torch.empty((b, h, n_local), dtype=torch.float32, device=q.device)
     calls = _allgather_calls(n_local, cfg)
     segs = segments(n_local, cfg["ring"].rank, cfg["ring"].world, cfg["layout"])
-    if sorted((c[0], c[1]) for c in calls) == [(s, n) for s, n, _ in segs]:
+    sink = cfg["cp"] is not None and cfg["cp"].sink is not None
+    if not sink and sorted((c[0], c[1]) for c in calls) == [(s, n) for s, n, _ in segs]:
         # exactly one call per query segment (self-attention: every query sees itself):
         # its output is final, no merge
         for call in calls:
@@ -639,7 +699,7 @@ def _allgather_forward(q, k, v, cfg):
     for call in calls:
         o, l = _piece_forward(q, kv[0], kv[1], call, cfg["scale"], cfg["mods"], cfg["drop"])
         _merge(acc, lse, o, l, call[0])
-    return acc.to(q.dtype), lse
+    return _finish(acc, lse, q, cfg)
 
 
 def _allgather_backward(do, q, k, v, out, lse, cfg):
@@ -651,7 +711,8 @@ def _allgather_backward(do, q, k, v, out, lse, cfg):
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
     for call in _allgather_calls(n_local, cfg):
         _add_piece(dkv, call, *_piece_backward(do, q, kv[0], kv[1], out, lse, call,
-                                               cfg["scale"], dq_acc, cfg["mods"], cfg["drop"]))
+                                               cfg["scale"], dq_acc, cfg["mods"], cfg["drop"],
+                                               cfg.get("grads")))
     # back to rank order, then each rank gets the sum of every rank's dK/dV for its shard
     mine = torch.stack([shard(dkv, r, ring.world, dim=2, layout=layout)
                         for r in range(ring.world)])
@@ -668,10 +729,12 @@ _BACKWARD = {"ring": _ring_backward, "allgather": _allgather_backward}
 
 
 class _ContextParallel(torch.autograd.Function):
-    """(out, lse) of this rank's queries, (B, N_local, H, d) tensors; lse not differentiable."""
+    """(out, lse) of this rank's queries, (B, N_local, H, d) tensors; lse not differentiable.
+    tensors: the mod tensors whose gradient is wanted (`_ring_masks.CallMods.grads`), the
+    objects the pieces read, passed as inputs for autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cfg):
+    def forward(ctx, q, k, v, cfg, *tensors):
         out, lse = _FORWARD[cfg["strategy"]](q, k, v, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
@@ -683,8 +746,16 @@ class _ContextParallel(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout.stride(-1) != 1:
             dout = dout.contiguous()
-        dq, dk, dv = _BACKWARD[ctx.cfg["strategy"]](dout, q, k, v, out, lse, ctx.cfg)
-        return dq, dk, dv, None
+        cfg, cp = ctx.cfg, ctx.cfg["cp"]
+        if cp is None or not cp.grads:
+            return (*_BACKWARD[cfg["strategy"]](dout, q, k, v, out, lse, cfg), None)
+        from . import _ring_masks
+
+        cfg = dict(cfg, grads=_ring_masks.Grads(cp))
+        dq, dk, dv = _BACKWARD[cfg["strategy"]](dout, q, k, v, out, lse, cfg)
+        got = cfg["grads"].finish(cfg["ring"])
+        got.update(_ring_masks.sink_grads(cp, dout, out, lse, cfg["ring"]))
+        return (dq, dk, dv, None, *(got.get(t) for t in cp.grads))
 
 
 # ----------------------------------------------------------------------------------------
@@ -697,78 +768,6 @@ def _strategy(strategy) -> str:
         raise ValueError(f"strategy={strategy!r} (or {STRATEGY_ENV}): expected one of "
                          f"{STRATEGIES}")
     return strategy
-
-
-# a mod tensor's extents that run along the sequence (docs/MODS.md)
-_SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
-
-
-def _ring_mods(mods, mod_args, q, n):
-    """The `_mods.Call` of a context-parallel call's mods over the whole sequence of n
-    tokens (None without mods), validated before anything launches. Position-based mods
-    (expressions of b, h, q_idx, kv_idx, params and tensors not indexed along the
-    sequence) are exact: every piece's kernels see global positions. Refused: a tensor
-    along the sequence (each rank would need the whole of it, or its shard to travel the
-    ring with the keys) and sinks (a sink joins each row's denominator once, but a row's
-    softmax is merged from several pieces)."""
-    from . import _mods
-
-    if mods is None:
-        if mod_args:
-            raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: a mod's "
-                            "tensors and params need mods=(...)")
-        return None
-    names = _mods.combo(mods)
-    for m in names:
-        decl = MODS[m]
-        if decl["kind"] == "sink":
-            raise NotImplementedError(
-                f"mod `{m}` is a sink: under context parallelism each row's softmax is "
-                "merged from several pieces, and a sink must join that denominator exactly "
-                "once (folded into the merged LSE, with its gradient) -- not done yet; run "
-                "it single-process, or without the sink")
-        for t, dims, _ in decl["tensors"]:
-            along = [str(d) for d in dims if d in _SEQUENCE_EXTENTS]
-            if along:
-                what = ("attn_mask (the sdpa_mask mod)" if m == "sdpa_mask" else f"mod `{m}`")
-                raise NotImplementedError(
-                    f"{what} under context parallelism: its tensor `{t}` "
-                    f"[{', '.join(map(str, dims))}] is indexed along the sequence "
-                    f"({', '.join(along)}), so it is data-dependent: it would have to be "
-                    "sharded with the sequence and travel the ring with the keys, which is "
-                    "not supported. Use position-based mods (causal, window_size, alibi, "
-                    "softcap, ...), or run this mask single-process")
-    if torch.is_grad_enabled():
-        for name, value in mod_args.items():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                raise NotImplementedError(
-                    f"mod tensor `{name}` requires grad: under context parallelism the "
-                    "mods' tensors get no gradient (each rank's pieces would have to sum "
-                    "theirs and all-reduce them) -- not done yet; pass "
-                    f"{name}.detach(), or run single-process for its gradient")
-    return _mods.prepare(names, mod_args, q.shape[0], q.shape[2], n, n, q.device)
-
-
-def _group_mods(cfg, heads: slice, h_q: int):
-    """The call's mods for the query heads `heads` alone (a ring backward head group):
-    the same mods with every tensor that runs along H narrowed to those heads, so the
-    group's kernels, which count heads from the group's first, read the right ones."""
-    from . import _mods
-
-    mods = cfg["mods"]
-    names, args = mods.names, dict(cfg["mod_args"])
-    for m in names:
-        for t, dims, _ in MODS[m]["tensors"]:
-            value = args.get(t)
-            if not isinstance(value, torch.Tensor):
-                continue
-            for axis, extent in enumerate(dims):
-                # (an extent of 1 broadcasts over the heads: kept whole)
-                if str(extent) == "H" and value.shape[axis] == h_q:
-                    value = value.narrow(axis, heads.start, heads.stop - heads.start)
-            args[t] = value
-    return _mods.prepare(names, args, mods.shape[0], heads.stop - heads.start,
-                         mods.shape[2], mods.shape[3], mods.device)
 
 
 def _check_dropout_chunks(n_local: int, world: int, layout: str) -> None:
@@ -803,10 +802,9 @@ def _shared_rng(ring, device) -> torch.Tensor:
     return shared.cpu()
 
 
-def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, window_size,
-                      return_lse, strategy, layout, grad_sum_dtype, mods=None, mod_args=None):
-    """q, k, v: (B, N_local, H, d) tensors (possibly transposed views); mods / mod_args:
-    the call's mods and their tensors and params (flash_attn_func's)."""
+def _check_call(q, k, v, world, causal, dropout_p, window_size, strategy, layout,
+                grad_sum_dtype) -> tuple:
+    """A call's local checks (no collective): (strategy, grad sum dtype, window)."""
     _runtime.check_tensors(q, k, v, bnhd=True)
     _runtime.check_dropout(dropout_p)
     _check_layout(layout)
@@ -816,7 +814,6 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         raise ValueError(
             f"context-parallel attention is self-attention over one sharded sequence: q has "
             f"{q.shape[1]} rows per rank but k, v have {k.shape[1]}")
-    rank, world = _group_facts(group)
     n_local = q.shape[1]
     if layout == "zigzag" and n_local % 2:
         _check_divisible(n_local * world, world, layout,
@@ -827,30 +824,81 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         from ._api import DEFAULT_WINDOW
 
         window_size = DEFAULT_WINDOW or (-1, -1)
-    window = _runtime.check_window(window_size)
-    scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
-    if strategy == "ulysses":
+    return strategy, grad_sum, _runtime.check_window(window_size)
+
+
+def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, window_size,
+                      return_lse, strategy, layout, grad_sum_dtype, mods=None, mod_args=None,
+                      error=None):
+    """q, k, v: (B, N_local, H, d) tensors (possibly transposed views); mods / mod_args:
+    the call's mods and their tensors and params (flash_attn_func's). error: the public
+    call's own refusal. Every check that can fail on one rank alone ends in
+    `_ring_masks.agree`, one all_gather that every rank joins before any other
+    collective, so that all raise together (a rank raising alone would leave the others
+    waiting in a P2P operation or an all-to-all)."""
+    from . import _ring_masks
+
+    rank, world = _group_facts(group)
+    mod_args = dict(mod_args or {})
+    wanted = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *mod_args.values()))
+    facts = _ring_masks.facts_of(
+        q, k, v, causal=bool(causal), window=str(window_size), dropout=str(dropout_p),
+        layout=str(layout), strategy=str(strategy or os.environ.get(STRATEGY_ENV, "")),
+        mods=str(mods), grad_sum=str(grad_sum_dtype), wanted=wanted,
+        grads=sum(isinstance(t, torch.Tensor) and t.requires_grad for t in mod_args.values()))
+    cp, rows = None, []
+    if error is None:
+        try:
+            strategy, grad_sum, window = _check_call(q, k, v, world, causal, dropout_p,
+                                                     window_size, strategy, layout,
+                                                     grad_sum_dtype)
+            scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
+            n_local = q.shape[1]
+            if strategy != "ulysses":
+                mask, lo_g, hi_g = _global_band(n_local * world, bool(causal), window)
+                cp = _ring_masks.prepare(mods, mod_args, q, n_local * world)
+                call = cp.pieces if cp is not None else None
+                _runtime.find_variant("fwd", mask, dropout_p > 0.0, q.shape[-1],
+                                      _runtime._DTYPE_NAMES[q.dtype],
+                                      call.names if call is not None else ())
+                if cp is not None and cp.table:
+                    rows = _ring_masks.table_rows(cp, q, v, n_local, rank, world, layout, lo_g,
+                                                  hi_g, dropout_p > 0.0)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            error = e
+    if error is None and strategy == "ulysses":
         from . import _ulysses
 
         out, lse = _ulysses.attention(q, k, v, group=group, rank=rank, world=world,
                                       layout=layout, causal=bool(causal), dropout_p=dropout_p,
                                       scale=scale, window=window, return_lse=return_lse,
-                                      mods=mods, mod_args=mod_args)
+                                      mods=mods, mod_args=mod_args, facts=facts)
         return (out, lse) if return_lse else out
-    mask, _, _ = _global_band(n_local * world, bool(causal), window)
-    call = _ring_mods(mods, mod_args or {}, q, n_local * world)
-    _runtime.find_variant("fwd", mask, dropout_p > 0.0, q.shape[-1],
-                          _runtime._DTYPE_NAMES[q.dtype], call.names if call is not None else ())
+    rows = _ring_masks.agree(group, world, facts, rows, error)
+    table = (_ring_masks.Table(rows, n_local, world, layout)
+             if cp is not None and cp.table else None)
     ring = _Ring(group, rank, world)
     drop = (float(dropout_p), _shared_rng(ring, q.device)) if dropout_p > 0.0 else None
     cfg = dict(ring=ring, layout=layout, causal=bool(causal), window=window, scale=scale,
-               strategy=strategy, grad_sum=grad_sum, mods=call, drop=drop,
-               mod_args=dict(mod_args or {}))
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _ContextParallel.apply(q, k, v, cfg)
+               strategy=strategy, grad_sum=grad_sum, mods=cp.pieces if cp else None,
+               drop=drop, cp=cp, table=table)
+    tensors = cp.grad_inputs() if cp is not None else ()
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or tensors):
+        out, lse = _ContextParallel.apply(q, k, v, cfg, *tensors)
     else:
         out, lse = _FORWARD[strategy](q, k, v, cfg)
     return (out, lse) if return_lse else out
+
+
+def _shape_error(names, tensors, layout_name):
+    """ValueError for the first of the public call's tensors that is not 4-D, else None."""
+    for name, t in zip(names, tensors):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            return ValueError(f"{name} must be a 4-D {layout_name} torch.Tensor, got {got}")
+    return None
 
 
 @torch.compiler.disable
@@ -862,23 +910,22 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
     this rank's shards (B, N / world, H, d) cut with `layout` (see shard_sequence); returns
     this rank's output rows (B, N / world, H_q, d) and, with return_lse, their log-sum-exp
     (B, H_q, N / world) fp32. Masks apply to global positions (self-attention, N_q = N_k).
-    strategy: "ring", "allgather" or "ulysses" (default FLASHGEN_CP_STRATEGY, else "ring").
+    strategy: "ring", "allgather", "ulysses" or "hybrid" (group=(ulysses group, ring
+    group); default FLASHGEN_CP_STRATEGY, else "ring").
     grad_sum_dtype: the dtype a K/V shard's dK/dV sum travels the ring in, "float32"
     (default FLASHGEN_CP_GRAD_SUM, else "float32": rounded once, as one GPU rounds) or
     "input" (the inputs' dtype: a rounding per piece and hop, half the sums' memory); the
     all-gather strategy always sums in fp32.
     mods: the spec's mods as in flash_attn_func (mods=("alibi",), slope=slopes), seeing
-    global positions; mods with a tensor along the sequence (document, key_padding, bias)
-    and sinks raise NotImplementedError (docs/RING.md).
+    global positions; a mod tensor along the sequence (document ids, key padding, a bias)
+    is passed whole, the same on every rank (docs/RING.md).
     Every rank of the group must call it with the same arguments and shapes."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D (B, N, H, d) torch.Tensor, got {got}")
+    error = _shape_error(("q", "k", "v"), (q, k, v), "(B, N, H, d)")
     return _context_parallel(q, k, v, group=group, causal=causal, dropout_p=dropout_p,
                              softmax_scale=softmax_scale, window_size=window_size,
                              return_lse=return_lse, strategy=strategy, layout=layout,
-                             grad_sum_dtype=grad_sum_dtype, mods=mods, mod_args=mod_args)
+                             grad_sum_dtype=grad_sum_dtype, mods=mods, mod_args=mod_args,
+                             error=error)
 
 
 @torch.compiler.disable
@@ -890,19 +937,31 @@ def ring_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout
     """ring_flash_attn_func in PyTorch's SDPA layout and argument order (the context-
     parallel arguments by keyword): this rank's shards (B, H, N / world, d), cut along
     dim 2 (shard_sequence(x, dim=2)); returns (B, H_q, N / world, d) laid out like
-    `query` (and the gradients like their inputs); mods as ring_flash_attn_func's."""
-    if attn_mask is not None:
-        raise NotImplementedError(
-            "attn_mask is not supported under context parallelism (a data-dependent mask "
-            "would have to be sharded with the keys); use is_causal or window_size")
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 4-D (B, H, N, d) torch.Tensor, got {got}")
-    if query.shape[1] != key.shape[1] and not enable_gqa:
-        raise ValueError(
+    `query` (and the gradients like their inputs); mods as ring_flash_attn_func's.
+    attn_mask: boolean (True = attend) or additive float, broadcastable to (B, H, N, N)
+    over the WHOLE sequence, the same on every rank (the sdpa_mask mod; a float one that
+    requires grad gets its gradient, summed over the ranks)."""
+    error = _shape_error(("query", "key", "value"), (query, key, value), "(B, H, N, d)")
+    if error is None and query.shape[1] != key.shape[1] and not enable_gqa:
+        error = ValueError(
             f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
             "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
+    if error is None and attn_mask is not None:
+        try:
+            from . import _ring_masks
+
+            _, world = _group_facts(group)
+            mods, mod_args = _ring_masks.sdpa_attn_mask(query, key, attn_mask, is_causal,
+                                                        world, mods, mod_args)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            error = e
+    if error is not None:
+        return _context_parallel(query, key, value, group=group, causal=is_causal,
+                                 dropout_p=dropout_p, softmax_scale=scale,
+                                 window_size=window_size, return_lse=return_lse,
+                                 strategy=strategy, layout=layout,
+                                 grad_sum_dtype=grad_sum_dtype, mods=mods, mod_args=mod_args,
+                                 error=error)
     result = _context_parallel(_bhnd(query), _bhnd(key), _bhnd(value), group=group,
                                causal=is_causal, dropout_p=dropout_p, softmax_scale=scale,
                                window_size=window_size, return_lse=return_lse,

@@ -1,0 +1,220 @@
+"""Context parallelism with data-dependent masks, sinks and mod gradients (issue 51) on
+the CPU: the ring and all-gather strategies with document ids, key padding and attn_mask
+passed whole on every rank, sinks folded into the merged rows once, and the gradients of
+a float attn_mask and of the sinks, summed over pieces and ranks.
+
+In process: the cell table against brute force, planning with it (a piece that sees
+nothing is not launched), cu_seqlens to document ids. Across processes (gloo,
+tests/ring_worker.py as in test_ring): world sizes 2 and 3 (4 in the slow group) against
+the package's single-process call and the float64 reference, bitwise determinism, and the
+refusals (a sharded mask tensor, shards that differ across ranks, a bad mask on one rank
+only), raised on every rank. Shapes are tiny: Triton's interpreter runs the kernels.
+"""
+import re
+
+import pytest
+import torch
+
+from packages import build_and_import
+from test_ring import TILES, assert_results, case, run_world
+
+PACKAGE = "fg_test_ring_masks"
+SPEC = """
+    head_dims: [16]
+    dtypes: [fp32, bf16]
+    masks: [none, causal]
+    gqa: true
+    attn_mask: true
+    mods:
+      document: {builtin: document}
+      key_padding: {builtin: key_padding}
+      sink_logits: {builtin: sink_logits}
+    variants:
+      - {mask: causal, mods: [document]}
+      - {mask: none, mods: [document]}
+      - {mask: causal, mods: [key_padding]}
+      - {mask: causal, mods: [sink_logits]}
+      - {mask: causal, mods: [document, sink_logits]}
+    """
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ring_masks")
+    pkg = build_and_import(root, PACKAGE, SPEC)
+    return pkg, root / "out"
+
+
+@pytest.fixture(scope="module")
+def pkg(built):
+    return built[0]
+
+
+def ints(values, dtype="int32"):
+    return {"values": values, "dtype": dtype}
+
+
+def docs(*lengths):
+    """Document ids (1, N) for documents of these lengths, packed."""
+    return ints([[i for i, n in enumerate(lengths) for _ in range(n)]])
+
+
+def mcase(n, mods, mod_kw, **kw):
+    return case(n, mods=list(mods), mod_kw=mod_kw, **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# In process
+# ----------------------------------------------------------------------------------------
+def test_document_ids_from_cu_seqlens(pkg):
+    got = pkg.document_ids(torch.tensor([0, 3, 3, 7]), n=9)
+    assert got.tolist() == [[0, 0, 0, 2, 2, 2, 2, -1, -1]] and got.dtype == torch.int32
+    with pytest.raises(ValueError, match="non-decreasing"):
+        pkg.document_ids(torch.tensor([0, 5, 2]))
+
+
+def test_cell_table_and_plans_skip_what_sees_nothing(pkg, monkeypatch):
+    """One rank, zig-zag: the table's cells against a brute-force mask; a cell with nothing
+    visible launches no kernel (forward and backward), and the result is the single
+    call's."""
+    torch.manual_seed(0)
+    n, world = 24, 1
+    doc = torch.tensor([[0] * 12 + [1] * 12], dtype=torch.int32)  # chunk 1 sees only itself
+    q = torch.randn(1, n, 2, 16, requires_grad=True)
+    k, v = (torch.randn(1, n, 1, 16, requires_grad=True) for _ in range(2))
+    rm = pkg._ring_masks
+    cp = rm.prepare(("document",), dict(doc=doc), q, n)
+    _, lo, hi = pkg._ring._global_band(n, True, (-1, -1))
+    with pkg._runtime.override_config(**TILES):
+        rows = rm.table_rows(cp, q, v, n, 0, world, "zigzag", lo, hi, False)
+        assert rows == [1, 0, 0, 1]  # chunk 0 sees chunk 0; chunk 1 only itself
+        table = rm.Table([rows], n, world, "zigzag")
+        assert not table.sparse and table.steps(world) == []
+        launches = []
+        for name in ("forward", "backward"):
+            real = getattr(pkg._ring, f"_piece_{name}")
+            monkeypatch.setattr(pkg._ring, f"_piece_{name}", lambda *a, _r=real, _n=name, **kw:
+                                launches.append(_n) or _r(*a, **kw))
+        out = pkg.ring_flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+        g = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert launches == ["forward"] * 2 + ["backward"] * 2, launches
+        monkeypatch.undo()
+        ref = pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc)
+        g_ref = torch.autograd.grad(ref, (q, k, v), torch.ones_like(ref))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_table_needs_and_steps(pkg):
+    """need[r][s] and the ring distances some rank needs, from a whole table."""
+    rm = pkg._ring_masks
+    n_local, world = 8, 3  # contiguous: one chunk a rank
+    vis = [[1, 0, 0], [1, 1, 0], [0, 0, 1]]
+    table = rm.Table(vis, n_local, world, "contiguous")
+    assert table.need == [[True, False, False], [True, True, False], [False, False, True]]
+    assert table.sparse and table.steps(world) == [1]
+    assert table.key_range(8, 0, 24) == (0, 16) and table.key_range(16, 0, 24) == (16, 24)
+
+
+def test_sharded_mask_tensor_refused(pkg):
+    q = torch.zeros(1, 8, 2, 16)
+    doc = torch.zeros(1, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="passed whole"):
+        pkg.ring_flash_attn_func(q, q[:, :, :1], q[:, :, :1], causal=True,
+                                 mods=("document",), doc=doc)
+    with pytest.raises(ValueError, match="not this rank's shard"):
+        pkg.ring_scaled_dot_product_attention(q.transpose(1, 2), q.transpose(1, 2),
+                                              q.transpose(1, 2),
+                                              attn_mask=torch.ones(4, 4, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------------------
+# Across processes
+# ----------------------------------------------------------------------------------------
+SINKS = {"sinks": {"values": [0.5, -0.3], "dtype": "float32"}}
+
+
+def block_mask(n, blocks, seed=0):
+    """A boolean (1, 1, n, n) attn_mask: key j visible to row i iff they fall in the same
+    block of `blocks` (lengths) and j <= i, with a few more keys dropped; every row keeps
+    its own key."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([b for b, m in enumerate(blocks) for _ in range(m)])
+    m = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    m &= (torch.rand(n, n, generator=g) > 0.2) | torch.eye(n, dtype=torch.bool)
+    return m[None, None]
+
+
+def float_mask(n, blocks, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    bias = torch.randn(1, 2, n, n, generator=g) * 0.5
+    return bias.masked_fill(~block_mask(n, blocks, seed), float("-inf"))
+
+
+def tensor_spec(t):
+    return {"values": t.tolist(), "dtype": str(t.dtype).split(".")[-1]}
+
+
+# zig-zag over 2 ranks: chunks of 6 tokens, rank 0 holds chunks 0 and 3, rank 1 chunks
+# 1 and 2. Documents of 6, 9, 9: chunk 1 sees nothing of chunk 0, so rank 1 needs nothing
+# of rank 0 (the direct schedule: rank 1 sends, rank 0 sends back dK/dV)
+KEEP = ints([[True] * 9 + [False] * 9 + [True] * 6], "bool")  # chunk 2 all padding
+CASES = {
+    2: [mcase(24, ["document", "sink_logits"], {"doc": docs(6, 9, 9), **SINKS}, causal=True,
+              grad_tensors=["sinks"], repeat=True),
+        mcase(24, ["key_padding"], {"keep": KEEP}, causal=True, sdpa=True, heads=(2, 2),
+              strategy="allgather"),
+        # two blocks, one per contiguous half: rank 1 needs nothing of rank 0
+        case(24, sdpa=True, layout="contiguous", heads=(2, 1),
+             attn_mask=tensor_spec(float_mask(24, (12, 12))), grad_tensors=["bias"]),
+        mcase(24, ["document"], {"doc": docs(7, 11, 6)}, strategy="allgather", heads=(2, 2),
+              dtype="bf16")],
+    3: [mcase(36, ["document", "sink_logits"], {"doc": docs(3, 9, 4, 8, 12), **SINKS},
+              causal=True, grad_tensors=["sinks"], repeat=True)],
+    4: [mcase(48, ["document"], {"doc": docs(5, 19, 8, 16)}, causal=True),
+        case(48, sdpa=True, heads=(2, 2), strategy="allgather",
+             attn_mask=tensor_spec(float_mask(48, (20, 28))), grad_tensors=["bias"])],
+}
+
+
+def bad(n, match, **kw):
+    return dict(case(n, **kw), error=match)
+
+
+ERROR_CASES = {
+    2: [  # a document mask cut like the shards instead of whole
+        bad(24, r"passed whole", mods=["document"], mod_kw={"doc": docs(12)}, causal=True),
+        # rank 1's shard is shorter: only the agreement's all_gather can tell
+        bad(24, r"different shards.*rank 0: q \(1, 12, 2, 16\).*rank 1: q \(1, 10, 2, 16\)",
+            rank_n={"1": 10}, causal=True),
+        bad(24, r"different shards", rank_n={"0": 10}, strategy="allgather"),
+        # a bad mask on rank 1 only: rank 1 raises its own error, rank 0 learns of it
+        bad(24, r"passed whole|refused on rank\(s\) \[1\]", mods=["document"],
+            mod_kw={"doc": docs(24)}, rank_mod_kw={"1": {"doc": docs(12)}}, causal=True)],
+}
+
+
+def split(per_rank):
+    """(results, refusals) per rank."""
+    return ([[r for r in res if "error" not in r["case"]] for res in per_rank],
+            [[r for r in res if "error" in r["case"]] for res in per_rank])
+
+
+def assert_refused(per_rank):
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            msg, want = res["error"], res["case"]["error"]
+            assert msg is not None, f"rank {rank} ran {res['case']}"
+            assert re.search(want, msg, re.S), f"rank {rank}: {msg!r} !~ {want!r}"
+
+
+# world 4 in the slow group: four interpreter processes on CI's two cores
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
+def test_masks_match_single_process(built, tmp_path, world):
+    _, pkg_dir = built
+    results, refusals = split(run_world(world, pkg_dir, tmp_path,
+                                        CASES[world] + ERROR_CASES.get(world, []),
+                                        package=PACKAGE))
+    assert_results(results)
+    assert_refused(refusals)
