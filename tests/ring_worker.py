@@ -115,8 +115,28 @@ def leaves(kw, wanted, dtype=None):
 
 
 def case_tensor(spec, device):
-    """A tensor given as {"values": nested list, "dtype": name}."""
-    return torch.tensor(spec["values"], dtype=getattr(torch, spec["dtype"]), device=device)
+    """A tensor given as {"values": nested list, "dtype": name}, or an attn_mask given as
+    {"blocks": [lengths], "seed": s, "heads": h (float only), "float": bool} (block_mask)."""
+    if "values" in spec:
+        return torch.tensor(spec["values"], dtype=getattr(torch, spec["dtype"]), device=device)
+    return block_mask(spec["blocks"], spec.get("seed", 0), spec.get("heads", 1),
+                      spec.get("float", False)).to(device)
+
+
+def block_mask(blocks, seed=0, heads=1, as_float=False):
+    """An attn_mask over the sequence cut into blocks of these lengths: key j visible to
+    row i iff both are in one block and j <= i, about a fifth of those dropped at random
+    (every row keeps its own key): boolean (1, 1, N, N), or as_float an additive
+    (1, heads, N, N) fp32 bias with -inf where hidden."""
+    n = sum(blocks)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([b for b, m in enumerate(blocks) for _ in range(m)])
+    m = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    m &= (torch.rand(n, n, generator=g) > 0.2) | torch.eye(n, dtype=torch.bool)
+    if not as_float:
+        return m[None, None]
+    bias = torch.randn(1, heads, n, n, generator=g) * 0.5
+    return bias.masked_fill(~m, float("-inf"))
 
 
 def attn_mask_as_bias(mask):
@@ -188,6 +208,17 @@ def mod_sink(kw, b):
     return kw["sinks"].double()[None].expand(b, -1)
 
 
+_GROUPS = {}
+
+
+def hybrid_groups(pkg, ulysses):
+    """The (Ulysses group, ring group) pair of this rank for groups of `ulysses`, made
+    once per size (new_group is a collective: every rank runs the cases in one order)."""
+    if ulysses not in _GROUPS:
+        _GROUPS[ulysses] = pkg.hybrid_groups(ulysses)
+    return _GROUPS[ulysses]
+
+
 def run_error_case(pkg, case, rank, world, device="cpu"):
     """A call every rank must refuse with ValueError before any collective (or after the
     one shape check, which every rank joins): the message, or None if it ran. rank_n
@@ -198,8 +229,9 @@ def run_error_case(pkg, case, rank, world, device="cpu"):
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(b, n_local, heads, d, generator=g).to(device)
                for heads in (h, hk, hk))
+    group = hybrid_groups(pkg, case["ulysses"]) if case["strategy"] == "hybrid" else None
     try:
-        pkg.ring_flash_attn_func(q, k, v, causal=case["causal"],
+        pkg.ring_flash_attn_func(q, k, v, group=group, causal=case["causal"],
                                  window_size=tuple(case["window"]), strategy=case["strategy"],
                                  layout=case["layout"], dropout_p=case.get("dropout_p", 0.0),
                                  **case_mods(dict(case, mod_kw={
@@ -218,6 +250,8 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     dtype = DTYPES[case["dtype"]]
     causal, window = case["causal"], tuple(case["window"])
     layout, strategy, sdpa = case["layout"], case["strategy"], case.get("sdpa", False)
+    if isinstance(layout, dict):  # {"documents": cu_seqlens}: the per-document zig-zag
+        layout = pkg.document_layout(torch.tensor(layout["documents"]), world)
     extra = {"grad_sum_dtype": case["grad_sum"]} if "grad_sum" in case else {}
     # the ring backward's head groups (FLASHGEN_CP_HEAD_GROUPS; cases run one at a time)
     os.environ.pop("FLASHGEN_CP_HEAD_GROUPS", None)
@@ -268,9 +302,13 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     r_out = r_out.transpose(1, 2)
     r_out.backward(do.double())
 
-    def mine(t, dim=1):
-        return pkg.shard(t, rank, world, dim=dim, layout=layout)
+    ulysses = case.get("ulysses", 1)  # strategy="hybrid": the Ulysses groups' size
 
+    def mine(t, dim=1):
+        return pkg.shard(t, rank, world, dim=dim, layout=layout, ulysses=ulysses)
+
+    if strategy == "hybrid":
+        extra["group"] = hybrid_groups(pkg, ulysses)
     torch.manual_seed(ring_seed)
     # the context-parallel call's mod tensors: fresh leaves where a gradient is compared
     extra = leaves(extra, wanted)

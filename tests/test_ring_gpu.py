@@ -7,7 +7,9 @@ FileStore), with the package's own launch configs:
     masks, layouts, GQA, d = 64 and 128;
   * the 32k exactness bar: at N = 32768 (bf16, GQA, causal and a sliding window) every
     rank's output, LSE and dq, dk, dv must be as close to the single-GPU fp32 result as the
-    single-GPU bf16 call is (within a margin).
+    single-GPU bf16 call is (within a margin);
+  * mods, data-dependent masks (documents, key padding, attn_mask), sinks and mod
+    gradients on the committed generated/mods_attn.
 Timing and memory at 128k / 256k are benchmarks/ring.py's (torchrun), not tests.
 """
 import os
@@ -134,3 +136,41 @@ def mod_cases(d=128):
 def test_two_gpus_mods_match_reference(tmp_path):
     assert_results(run_world(2, ROOT / "generated", tmp_path, mod_cases(), package="mods_attn",
                              backend="nccl", timeout=400))
+
+
+def mask_cases(d=128):
+    """Data-dependent masks, sinks and mod gradients (issue 51) under both strategies, on
+    the committed generated/mods_attn (bf16): documents that straddle chunks (the cell
+    table, the direct schedule), documents within chunks (no transfer), key padding with
+    softcap, sinks and attn_mask (boolean, and float with its gradient) through the SDPA
+    twin."""
+    from test_ring_masks import docs, mask
+
+    keep = [[(i // 64) % 5 != 3 for i in range(2048)]]  # every fifth 64-token run padding
+    sinks = {"sinks": {"values": [0.5, -0.3, 1.0, 0.0], "dtype": "float32"}}
+    out = [mcase(2048, ["document"], {"doc": docs(300, 700, 148, 900)}, causal=True,
+                 repeat=True),
+           mcase(2048, ["document"], {"doc": docs(300, 700, 148, 900)}, causal=True,
+                 strategy="allgather"),
+           mcase(2048, ["document"], {"doc": docs(512, 512, 512, 512)}, causal=True),
+           mcase(2048, ["softcap", "key_padding"],
+                 {"cap": 30.0, "keep": {"values": keep, "dtype": "bool"}}, causal=True,
+                 sdpa=True),
+           mcase(2048, ["sink_logits"], sinks, causal=True, grad_tensors=["sinks"]),
+           case(1024, sdpa=True, attn_mask=mask((300, 724), as_float=False)),
+           case(1024, sdpa=True, layout="contiguous", strategy="allgather",
+                attn_mask=mask((512, 512), heads=4), grad_tensors=["bias"])]
+    for c in out:
+        c["shape"][2:4] = [4, 2]
+        c["shape"][-1] = d
+        c["dtype"] = "bf16"
+    return out
+
+
+def mcase(n, mods, mod_kw, **kw):
+    return mod_case(n, mods, mod_kw, **kw)
+
+
+def test_two_gpus_masks_match_reference(tmp_path):
+    assert_results(run_world(2, ROOT / "generated", tmp_path, mask_cases(), package="mods_attn",
+                             backend="nccl", timeout=500))

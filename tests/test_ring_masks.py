@@ -83,7 +83,7 @@ def test_cell_table_and_plans_skip_what_sees_nothing(pkg, monkeypatch):
     q = torch.randn(1, n, 2, 16, requires_grad=True)
     k, v = (torch.randn(1, n, 1, 16, requires_grad=True) for _ in range(2))
     rm = pkg._ring_masks
-    cp = rm.prepare(("document",), dict(doc=doc), q, n)
+    cp = rm.prepare(("document",), dict(doc=doc), 1, 2, n, q.device)
     _, lo, hi = pkg._ring._global_band(n, True, (-1, -1))
     with pkg._runtime.override_config(**TILES):
         rows = rm.table_rows(cp, q, v, n, 0, world, "zigzag", lo, hi, False)
@@ -117,6 +117,50 @@ def test_table_needs_and_steps(pkg):
     assert table.key_range(8, 0, 24) == (0, 16) and table.key_range(16, 0, 24) == (16, 24)
 
 
+def brute_work(doc, world, layout, pkg):
+    """Visible (query, key) pairs of each rank's rows under causal + document."""
+    n = doc.shape[1]
+    work = []
+    for r in range(world):
+        rows = pkg.shard(torch.arange(n)[None], r, world, layout=layout)[0]
+        d = doc[0]
+        vis = (d[rows][:, None] == d[None, :]) & (torch.arange(n)[None, :] <= rows[:, None])
+        work.append(int(vis.sum()))
+    return work
+
+
+def test_document_layout_balances_documents(pkg):
+    """Per-document zig-zag: shard / unshard round trip, and every rank's share of the
+    causal document mask's work is equal (lengths divisible by 2 * world: exactly; else
+    within a row per document and chunk), where the plain zig-zag is not."""
+    lengths = [8, 40, 16, 32]  # divisible by 2 * world = 8
+    cu = torch.tensor([0, 8, 48, 64, 96])
+    doc = pkg.document_ids(cu)
+    layout = pkg.document_layout(cu, 4)
+    x = torch.arange(96)[None]
+    shards = [pkg.shard(x, r, 4, layout=layout) for r in range(4)]
+    assert torch.equal(pkg.unshard(shards, layout=layout), x)
+    assert shards[0][0, :3].tolist() == [0, 8, 9]  # part 0 of each document, in order
+    assert len(set(brute_work(doc, 4, layout, pkg))) == 1
+    plain = brute_work(doc, 4, "zigzag", pkg)
+    assert max(plain) > 1.3 * min(plain), plain
+    # lengths off the 6 chunks (and 3 tokens of padding): within a row per document and
+    # chunk (here 140, 143, 147; the plain zig-zag's 100, 96, 234)
+    odd = pkg.document_layout(torch.tensor([0, 7, 30, 45]), 3, n=48)
+    work = brute_work(pkg.document_ids(torch.tensor([0, 7, 30, 45]), n=48), 3, odd, pkg)
+    assert max(work) <= 1.06 * min(work), work
+    with pytest.raises(ValueError, match="divide into 8 chunks"):
+        pkg.document_layout(torch.tensor([0, 9, 30]), 4)
+    q = torch.zeros(1, 96, 2, 16)
+    with pytest.raises(ValueError, match="needs the document mask"):
+        pkg.ring_flash_attn_func(q, q[:, :, :1], q[:, :, :1], causal=True,
+                                 layout=pkg.document_layout(cu, 1))
+    with pytest.raises(ValueError, match="do not match"):
+        pkg.ring_flash_attn_func(q, q[:, :, :1], q[:, :, :1], causal=True,
+                                 layout=pkg.document_layout(cu, 1), mods=("document",),
+                                 doc=torch.zeros(1, 96, dtype=torch.int32))
+
+
 def test_sharded_mask_tensor_refused(pkg):
     q = torch.zeros(1, 8, 2, 16)
     doc = torch.zeros(1, 4, dtype=torch.int32)
@@ -135,25 +179,9 @@ def test_sharded_mask_tensor_refused(pkg):
 SINKS = {"sinks": {"values": [0.5, -0.3], "dtype": "float32"}}
 
 
-def block_mask(n, blocks, seed=0):
-    """A boolean (1, 1, n, n) attn_mask: key j visible to row i iff they fall in the same
-    block of `blocks` (lengths) and j <= i, with a few more keys dropped; every row keeps
-    its own key."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.tensor([b for b, m in enumerate(blocks) for _ in range(m)])
-    m = (ids[:, None] == ids[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
-    m &= (torch.rand(n, n, generator=g) > 0.2) | torch.eye(n, dtype=torch.bool)
-    return m[None, None]
-
-
-def float_mask(n, blocks, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    bias = torch.randn(1, 2, n, n, generator=g) * 0.5
-    return bias.masked_fill(~block_mask(n, blocks, seed), float("-inf"))
-
-
-def tensor_spec(t):
-    return {"values": t.tolist(), "dtype": str(t.dtype).split(".")[-1]}
+def mask(blocks, seed=0, heads=2, as_float=True):
+    """An attn_mask the worker builds (ring_worker.block_mask): blocks of these lengths."""
+    return {"blocks": list(blocks), "seed": seed, "heads": heads, "float": as_float}
 
 
 # zig-zag over 2 ranks: chunks of 6 tokens, rank 0 holds chunks 0 and 3, rank 1 chunks
@@ -167,14 +195,19 @@ CASES = {
               strategy="allgather"),
         # two blocks, one per contiguous half: rank 1 needs nothing of rank 0
         case(24, sdpa=True, layout="contiguous", heads=(2, 1),
-             attn_mask=tensor_spec(float_mask(24, (12, 12))), grad_tensors=["bias"]),
-        mcase(24, ["document"], {"doc": docs(7, 11, 6)}, strategy="allgather", heads=(2, 2),
-              dtype="bf16")],
+             attn_mask=mask((12, 12)), grad_tensors=["bias"]),
+        # the per-document zig-zag: the call runs on the permuted sequence
+        mcase(24, ["document"], {"doc": docs(7, 11, 6)}, causal=True, heads=(2, 2),
+              dtype="bf16", layout={"documents": [0, 7, 18, 24]})],
     3: [mcase(36, ["document", "sink_logits"], {"doc": docs(3, 9, 4, 8, 12), **SINKS},
               causal=True, grad_tensors=["sinks"], repeat=True)],
     4: [mcase(48, ["document"], {"doc": docs(5, 19, 8, 16)}, causal=True),
+        mcase(48, ["document"], {"doc": docs(7, 11, 30)}, strategy="allgather", heads=(2, 2)),
+        # hybrid 2 x 2 (Ulysses pairs x a ring of 2): the ring's cell table on its heads
+        mcase(48, ["document", "sink_logits"], {"doc": docs(5, 19, 8, 16), **SINKS},
+              causal=True, strategy="hybrid", ulysses=2),
         case(48, sdpa=True, heads=(2, 2), strategy="allgather",
-             attn_mask=tensor_spec(float_mask(48, (20, 28))), grad_tensors=["bias"])],
+             attn_mask=mask((20, 28)), grad_tensors=["bias"])],
 }
 
 

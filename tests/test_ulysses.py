@@ -7,14 +7,16 @@ layouts, the SDPA twin, GQA with K/V heads partitioned, replicated (H_kv < world
 straddled (a rank's query heads read two K/V heads), bf16, mods including the whole-
 sequence document mask and sinks that the ring refuses; bitwise equal to the single call
 where no K/V head is replicated. And the refusals: ValueError on every rank, within a
-timeout (no rank left waiting in a collective).
+timeout (no rank left waiting in a collective). The hybrid strategy (Ulysses groups x a
+ring, `hybrid_groups`): degenerate at world 2, 2 x 2 at world 4 (slow).
 """
 import re
 
 import pytest
+import torch
 
 from test_ring import (ALIBI, MODS_PACKAGE, assert_results, built, case, mod_case,  # noqa: F401
-                       mods_built, run_world)
+                       mods_built, pkg, run_world)
 
 
 def uly(n, **kw):
@@ -30,11 +32,21 @@ CASES = {
         uly(20, causal=True, layout="contiguous", sdpa=True, heads=(4, 2), exact=True),
         uly(24, window=(3, 2), heads=(4, 2), layout="contiguous", exact=True),
         uly(24, causal=True, dtype="bf16", heads=(6, 3)),
-        uly(24, causal=True, dtype="bf16", heads=(2, 2))],
+        uly(24, causal=True, dtype="bf16", heads=(2, 2)),
+        # hybrid, degenerate at world 2: Ulysses over both (one ring rank; the K/V head
+        # replicated), then the ring over both (Ulysses groups of one)
+        case(24, causal=True, strategy="hybrid", ulysses=2, heads=(4, 1)),
+        case(24, causal=True, strategy="hybrid", ulysses=1, layout="contiguous", sdpa=True)],
     4: [uly(32, causal=True, heads=(4, 2), repeat=True),
         uly(32, window=(5, 3), heads=(8, 2)),
         uly(32, causal=True, heads=(4, 4), layout="contiguous", sdpa=True, exact=True),
-        uly(24, heads=(8, 4), exact=True)],
+        uly(24, heads=(8, 4), exact=True),
+        # hybrid 2 x 2: Ulysses pairs x a ring of 2; K/V heads replicated (4:1) and
+        # straddled (6:3)
+        case(32, causal=True, strategy="hybrid", ulysses=2, heads=(4, 1), repeat=True),
+        case(32, window=(5, 3), strategy="hybrid", ulysses=2, heads=(4, 2),
+             layout="contiguous", sdpa=True),
+        case(32, causal=True, strategy="hybrid", ulysses=2, heads=(6, 3), dtype="bf16")],
 }
 
 
@@ -94,7 +106,9 @@ ERROR_CASES = {
             rank_n={"1": 10}),
         bad(24, r"dropout under strategy='ulysses'", dropout_p=0.1),
         # the ring's own check: zig-zag shards have an even length
-        bad(22, r"cannot split", causal=True)],
+        bad(22, r"cannot split", causal=True),
+        dict(case(24, heads=(3, 1), strategy="hybrid", ulysses=2),
+             error=r"strategy='hybrid' gives each of the 2 ranks.*H_q = 3")],
     4: [bad(32, r"H_q = 6 does not divide by 4", heads=(6, 2)),
         bad(32, r"different shards", heads=(4, 2), rank_n={"3": 6})],
 }
@@ -123,3 +137,20 @@ def test_ulysses_sharded_mod_tensor_refused(mods_built, tmp_path):
     _, pkg_dir = mods_built
     assert_refused(run_world(2, pkg_dir, tmp_path, MOD_ERROR_CASES[2], package=MODS_PACKAGE,
                              timeout=240))
+
+
+def test_hybrid_sharding_round_trip(pkg):
+    """Hybrid sharding over 2 ring ranks x Ulysses pairs: each ring rank's zig-zag chunks
+    are split between its pair, and unshard inverts shard."""
+    x = torch.arange(32)[None]
+    shards = [pkg.shard(x, r, 4, ulysses=2) for r in range(4)]
+    # ring rank 0 holds chunks 0 and 3 (of 8 tokens): its pair gets halves of each
+    assert shards[0].tolist() == [[0, 1, 2, 3, 24, 25, 26, 27]]
+    assert shards[1].tolist() == [[4, 5, 6, 7, 28, 29, 30, 31]]
+    assert shards[2].tolist() == [[8, 9, 10, 11, 16, 17, 18, 19]]
+    assert torch.equal(pkg.unshard(shards, ulysses=2), x)
+    with pytest.raises(ValueError, match="ulysses=3"):
+        pkg.shard(x, 0, 4, ulysses=3)
+    q = torch.zeros(1, 8, 2, 16)
+    with pytest.raises(ValueError, match="strategy='hybrid' takes group="):
+        pkg.ring_flash_attn_func(q, q, q, strategy="hybrid")

@@ -20,8 +20,9 @@ from ._kvquant import quantize_kv_cache
 from ._hf import register_transformers
 from ._merge import merge_attention_states
 from ._module import Attention
-from ._ring import (ring_flash_attn_func, ring_scaled_dot_product_attention, shard,
-                    shard_sequence, unshard, unshard_sequence)
+from ._ring import (document_layout, hybrid_groups, ring_flash_attn_func,
+                    ring_scaled_dot_product_attention, shard, shard_sequence, unshard,
+                    unshard_sequence)
 from ._ring_masks import document_ids
 
 __all__ = [
@@ -44,6 +45,8 @@ __all__ = [
     "shard_sequence",
     "unshard_sequence",
     "document_ids",
+    "hybrid_groups",
+    "document_layout",
     "register_transformers",
     "quantize_fp8",
     "rotate_qk",

@@ -30,6 +30,8 @@ Strategies (`strategy=`, or FLASHGEN_CP_STRATEGY; default "ring"):
     can be the faster one. Both give the same answer.
   * "ulysses" (all-to-all; `_ulysses`): sequence shards become head shards of the whole
     sequence, one flash_attn_func per rank; mods with tensors along the sequence work.
+  * "hybrid" (`_ulysses.hybrid`; group = (Ulysses group, ring group), `hybrid_groups`):
+    the all-to-all inside each Ulysses group, the ring across them on each rank's heads.
 
 Masks see global positions: every kernel call gets the band offsets (runtime.band) of its
 query and key pieces shifted by their global starts, so causal and sliding-window masks
@@ -69,16 +71,18 @@ size that does not divide the heads for Ulysses) raises ValueError on every rank
 any collective but one: `_ring_masks.agree`, an all_gather of a few integers that every
 rank joins, also one whose own checks failed, so no rank is left waiting.
 """
-import math
 import os
 
 import torch
 
 from . import _runtime
 from ._registry import BUILT_FOR, MODS, PACKAGE, VARIANTS
+from ._ring_shard import (LAYOUTS, DocumentLayout, _all_gather, _check_divisible,  # noqa: F401
+                          _check_layout, _group_facts, _reduce_scatter, document_layout,
+                          hybrid_groups, segments, shard, shard_sequence, unshard,
+                          unshard_sequence)
 
-STRATEGIES = ("ring", "allgather", "ulysses")
-LAYOUTS = ("zigzag", "contiguous")
+STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 STRATEGY_ENV = "FLASHGEN_CP_STRATEGY"
 GRAD_SUMS = ("input", "float32")
 GRAD_SUM_ENV = "FLASHGEN_CP_GRAD_SUM"
@@ -97,113 +101,6 @@ def _dist():
     import torch.distributed as dist
 
     return dist
-
-
-# ----------------------------------------------------------------------------------------
-# Sharding: which global rows a rank holds
-# ----------------------------------------------------------------------------------------
-def segments(n_local: int, rank: int, world: int, layout: str) -> tuple:
-    """The pieces of a rank's shard: ((local start, length, global start), ...), in local
-    order. zigzag: chunks rank and 2 * world - 1 - rank of size n_local / 2."""
-    if layout == "zigzag":
-        c = n_local // 2
-        return ((0, c, rank * c), (c, c, (2 * world - 1 - rank) * c))
-    return ((0, n_local, rank * n_local),)
-
-
-def _check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r}: expected one of {LAYOUTS}")
-
-
-def _check_divisible(n: int, world: int, layout: str, what: str = "the sequence") -> None:
-    parts = 2 * world if layout == "zigzag" else world
-    if n % parts:
-        how = (f"2 * world = {parts} equal chunks" if layout == "zigzag"
-               else f"{world} equal pieces")
-        fix = f"pad it to a multiple of {parts}"
-        if layout == "zigzag":
-            fix += (f", or shard with layout='contiguous' (a multiple of {world}; no causal "
-                    "load balance)")
-        raise ValueError(f"{what} has length {n}, which {layout} sharding over {world} "
-                         f"ranks cannot split into {how}: {fix}")
-
-
-def shard(x: torch.Tensor, rank: int, world_size: int, *, dim: int = 1,
-          layout: str = "zigzag") -> torch.Tensor:
-    """Rank `rank`'s shard of the full sequence x along `dim` (1 for (B, N, H, d), 2 for
-    (B, H, N, d)), a new contiguous tensor."""
-    _check_layout(layout)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in [0, {world_size})")
-    n = x.shape[dim]
-    _check_divisible(n, world_size, layout)
-    n_local = n // world_size
-    return torch.cat([x.narrow(dim, g, length)
-                      for _, length, g in segments(n_local, rank, world_size, layout)],
-                     dim=dim).contiguous()
-
-
-def unshard(shards, *, dim: int = 1, layout: str = "zigzag") -> torch.Tensor:
-    """The full sequence from every rank's shard (a list in rank order), along `dim`."""
-    _check_layout(layout)
-    world = len(shards)
-    n_local = shards[0].shape[dim]
-    if layout == "zigzag" and n_local % 2:
-        raise ValueError(f"zig-zag shards have an even length, got {n_local}")
-    pieces = []
-    for rank, s in enumerate(shards):
-        for start, length, g in segments(n_local, rank, world, layout):
-            pieces.append((g, s.narrow(dim, start, length)))
-    return torch.cat([p for _, p in sorted(pieces, key=lambda gp: gp[0])], dim=dim)
-
-
-def _group_facts(group) -> tuple:
-    """(rank, world size) in `group`; (0, 1) when torch.distributed is not initialised."""
-    dist = _dist()
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not "
-                             "initialised: call torch.distributed.init_process_group first")
-        return 0, 1
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError("this process is not a member of the given process group")
-    return rank, dist.get_world_size(group)
-
-
-def shard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag"):
-    """This rank's shard (see `shard`) of a full sequence that every rank holds."""
-    rank, world = _group_facts(group)
-    return shard(x, rank, world, dim=dim, layout=layout)
-
-
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """out (world, *inp.shape) <- every rank's inp (out passed concatenated along dim 0,
-    the form both NCCL and gloo take)."""
-    dist = _dist()
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out.view((-1,) + tuple(out.shape[2:])), inp, group=group)
-
-
-def _reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """out <- the sum over ranks of their inp[rank], inp (world, *out.shape)."""
-    dist = _dist()
-    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp.view((-1,) + tuple(inp.shape[2:])), group=group)
-
-
-def unshard_sequence(x: torch.Tensor, group=None, *, dim: int = 1, layout: str = "zigzag"):
-    """The full sequence on every rank, from each rank's shard x (a collective: every rank
-    of the group must call it). Not differentiable."""
-    _check_layout(layout)
-    rank, world = _group_facts(group)
-    if world == 1:
-        return unshard([x], dim=dim, layout=layout)
-    x = x.contiguous()
-    gathered = torch.empty((world,) + tuple(x.shape), dtype=x.dtype, device=x.device)
-    _all_gather(gathered, x, group)
-    return unshard(list(gathered.unbind(0)), dim=dim, layout=layout)
 
 
 # ----------------------------------------------------------------------------------------
@@ -802,13 +699,17 @@ def _shared_rng(ring, device) -> torch.Tensor:
     return shared.cpu()
 
 
-def _check_call(q, k, v, world, causal, dropout_p, window_size, strategy, layout,
+def _check_call(q, k, v, group, world, causal, dropout_p, window_size, strategy, layout,
                 grad_sum_dtype) -> tuple:
     """A call's local checks (no collective): (strategy, grad sum dtype, window)."""
     _runtime.check_tensors(q, k, v, bnhd=True)
     _runtime.check_dropout(dropout_p)
     _check_layout(layout)
     strategy = _strategy(strategy)
+    if (strategy == "hybrid") != isinstance(group, tuple):
+        raise ValueError(f"strategy={strategy!r} with group={group!r}: strategy='hybrid' takes "
+                         "group=(Ulysses group, ring group) (hybrid_groups(ulysses_size) makes "
+                         "them), the other strategies one process group")
     grad_sum = _grad_sum_dtype(grad_sum_dtype, k.dtype)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
@@ -818,7 +719,7 @@ def _check_call(q, k, v, world, causal, dropout_p, window_size, strategy, layout
     if layout == "zigzag" and n_local % 2:
         _check_divisible(n_local * world, world, layout,
                          what=f"the sequence ({world} shards of {n_local})")
-    if dropout_p > 0.0 and strategy != "ulysses":
+    if dropout_p > 0.0 and strategy not in ("ulysses", "hybrid"):
         _check_dropout_chunks(n_local, world, layout)
     if window_size is None:
         from ._api import DEFAULT_WINDOW
@@ -840,24 +741,33 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
 
     rank, world = _group_facts(group)
     mod_args = dict(mod_args or {})
+    # a per-document zig-zag: the call runs on its permuted sequence, plain zig-zag there
+    documents = layout if isinstance(layout, DocumentLayout) else None
+    layout_key = documents.key() if documents is not None else str(layout)
+    layout = "zigzag" if documents is not None else layout
     wanted = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, *mod_args.values()))
     facts = _ring_masks.facts_of(
         q, k, v, causal=bool(causal), window=str(window_size), dropout=str(dropout_p),
-        layout=str(layout), strategy=str(strategy or os.environ.get(STRATEGY_ENV, "")),
+        layout=layout_key, strategy=str(strategy or os.environ.get(STRATEGY_ENV, "")),
         mods=str(mods), grad_sum=str(grad_sum_dtype), wanted=wanted,
         grads=sum(isinstance(t, torch.Tensor) and t.requires_grad for t in mod_args.values()))
     cp, rows = None, []
     if error is None:
         try:
-            strategy, grad_sum, window = _check_call(q, k, v, world, causal, dropout_p,
+            strategy, grad_sum, window = _check_call(q, k, v, group, world, causal, dropout_p,
                                                      window_size, strategy, layout,
                                                      grad_sum_dtype)
             scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
             n_local = q.shape[1]
-            if strategy != "ulysses":
+            if documents is not None:
+                mods, mod_args = _ring_masks.on_documents(documents, mods, mod_args,
+                                                          n_local * world, world, window,
+                                                          dropout_p)
+            if strategy in ("ring", "allgather"):
                 mask, lo_g, hi_g = _global_band(n_local * world, bool(causal), window)
-                cp = _ring_masks.prepare(mods, mod_args, q, n_local * world)
+                cp = _ring_masks.prepare(mods, mod_args, q.shape[0], q.shape[2],
+                                         n_local * world, q.device)
                 call = cp.pieces if cp is not None else None
                 _runtime.find_variant("fwd", mask, dropout_p > 0.0, q.shape[-1],
                                       _runtime._DTYPE_NAMES[q.dtype],
@@ -867,13 +777,16 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
                                                   hi_g, dropout_p > 0.0)
         except (ValueError, TypeError, NotImplementedError) as e:
             error = e
-    if error is None and strategy == "ulysses":
+    if error is None and strategy in ("ulysses", "hybrid"):
         from . import _ulysses
 
-        out, lse = _ulysses.attention(q, k, v, group=group, rank=rank, world=world,
-                                      layout=layout, causal=bool(causal), dropout_p=dropout_p,
-                                      scale=scale, window=window, return_lse=return_lse,
-                                      mods=mods, mod_args=mod_args, facts=facts)
+        kw = dict(group=group, layout=layout, causal=bool(causal), dropout_p=dropout_p,
+                  scale=scale, window=window, return_lse=return_lse, mods=mods,
+                  mod_args=mod_args, facts=facts)
+        if strategy == "hybrid":
+            out, lse = _ulysses.hybrid(q, k, v, grad_sum=grad_sum, **kw)
+        else:
+            out, lse = _ulysses.attention(q, k, v, rank=rank, world=world, **kw)
         return (out, lse) if return_lse else out
     rows = _ring_masks.agree(group, world, facts, rows, error)
     table = (_ring_masks.Table(rows, n_local, world, layout)

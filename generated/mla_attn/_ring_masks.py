@@ -68,9 +68,9 @@ class CallMods:
         return tuple(self.whole.tensors[t] for t in self.grads)
 
 
-def prepare(mods, mod_args: dict, q, n: int):
-    """A CallMods for a context-parallel call's mods over the whole sequence of n tokens
-    (None without mods), validated before anything launches."""
+def prepare(mods, mod_args: dict, b: int, h: int, n: int, device):
+    """A CallMods for a context-parallel call's mods over the whole sequence of n tokens,
+    batch b and h query heads (None without mods), validated before anything launches."""
     from . import _mods
 
     if mods is None:
@@ -79,9 +79,8 @@ def prepare(mods, mod_args: dict, q, n: int):
                             "tensors and params need mods=(...)")
         return None
     names = _mods.combo(mods)
-    b, h = q.shape[0], q.shape[2]
     try:
-        whole = _mods.prepare(names, mod_args, b, h, n, n, q.device)
+        whole = _mods.prepare(names, mod_args, b, h, n, n, device)
     except ValueError as e:
         along = [t for m in names for t, dims, _ in MODS[m]["tensors"]
                  if any(str(d) in _SEQUENCE_EXTENTS for d in dims)]
@@ -104,7 +103,7 @@ def prepare(mods, mod_args: dict, q, n: int):
                 f"mods, {'+'.join(rest)}, without it and the sink joins the merged rows once, "
                 f"but {PACKAGE} has no variant with mods {'+'.join(rest)}: add one (its mask "
                 f"as the sink's variant's) to `variants` in {BUILT_FOR['spec']} and rebuild")
-        cp.pieces = _mods.prepare(rest, cp.piece_args, b, h, n, n, q.device)
+        cp.pieces = _mods.prepare(rest, cp.piece_args, b, h, n, n, device)
     wanted = torch.is_grad_enabled()
     cp.grads = tuple(t for t in list(whole.info["grads"]) + list(whole.info["sink_tensors"])
                      if wanted and whole.tensors[t].requires_grad)
@@ -159,6 +158,71 @@ def sdpa_attn_mask(query, key, attn_mask, is_causal, world, mods, mod_args):
                          "shard") from None
     names = () if mods is None else ((mods,) if isinstance(mods, str) else tuple(mods))
     return names + ("sdpa_mask",), {**mod_args, "bias": bias}
+
+
+def _positions_as_indices(source: str) -> bool:
+    """Whether a mod's expression reads q_idx and kv_idx only as bare tensor indices
+    (doc[b, q_idx], keep[b, kv_idx], bias[b, h, q_idx, kv_idx]): such a mod is the same
+    on a permuted sequence whose tensors are permuted alike."""
+    import ast
+
+    def ok(node, index: bool) -> bool:
+        if isinstance(node, ast.Name) and node.id in ("q_idx", "kv_idx"):
+            return index
+        if isinstance(node, ast.Subscript):
+            idx = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+            return ok(node.value, False) and all(ok(e, isinstance(e, ast.Name)) for e in idx)
+        return all(ok(c, False) for c in ast.iter_child_nodes(node))
+
+    return ok(ast.parse(source, mode="eval").body, False)
+
+
+def on_documents(layout, mods, mod_args: dict, n: int, world: int, window, dropout_p):
+    """(mods, mod_args) of a call sharded with a `document_layout`, on its permuted
+    sequence P: the tensors along the sequence permuted like it. Refused (ValueError): a
+    layout that does not fit, a window or dropout (positions), no document mask, mods that
+    read positions other than as tensor indices, document ids that are not the layout's
+    documents (one id per document, constant inside it)."""
+    from . import _mods
+    from ._ring_shard import _on_documents
+
+    _on_documents(layout, world, n)
+    if tuple(window) != (-1, -1) or dropout_p > 0.0:
+        raise ValueError("a document layout runs the call on a permuted sequence: no "
+                         "sliding window and no dropout (they read positions)")
+    names = _mods.combo(mods) if mods is not None else ()
+    docs = [m for m in names if MODS[m].get("builtin") == "document"]
+    if not docs:
+        raise ValueError("a document layout needs the document mask: mods=('document', ...), "
+                         "doc=document_ids(cu_seqlens)")
+    for m in names:
+        if not _positions_as_indices(MODS[m]["source"]):
+            raise ValueError(f"mod `{m}` ({MODS[m]['source']}) reads positions other than as "
+                             "tensor indices: a document layout runs the call on a permuted "
+                             "sequence, where only those mods are exact; use layout='zigzag'")
+    args = dict(mod_args)
+    for m in names:
+        for t, dims, _ in MODS[m]["tensors"]:
+            x = args.get(t)
+            if not isinstance(x, torch.Tensor):
+                continue
+            for axis, extent in enumerate(dims):
+                # (a wrong length is left for `prepare` to report)
+                if str(extent) in _SEQUENCE_EXTENTS and x.dim() > axis and x.shape[axis] >= n:
+                    x = layout.to_p(x.narrow(axis, 0, n), axis)
+            args[t] = x
+    doc = mod_args.get(MODS[docs[0]]["tensors"][0][0])
+    if isinstance(doc, torch.Tensor) and doc.dim() == 2 and doc.shape[1] >= n:
+        d = doc[:, :n]
+        firsts = d.index_select(1, torch.tensor(layout.starts, device=d.device))
+        same = (d == firsts.repeat_interleave(
+            torch.tensor(layout.lengths, device=d.device), dim=1)).all()
+        distinct = (firsts.sort(1).values.diff(dim=1) != 0).all()
+        if not bool(same & distinct):
+            raise ValueError(f"the document ids do not match {layout!r}: each document needs "
+                             "one id of its own (document_ids(cu_seqlens) with the same "
+                             "cu_seqlens)")
+    return names, args
 
 
 def document_ids(cu_seqlens, n: "int | None" = None) -> torch.Tensor:
@@ -289,7 +353,18 @@ def agree(group, world: int, facts: list, rows: list, error) -> list:
     """Every rank's table rows, after checking that every rank called alike: one
     all_gather of (a flag for a rank whose own checks failed, the facts, the rows). A
     failed rank re-raises its own error; the others raise ValueError naming it; facts that
-    differ raise ValueError on every rank. With one rank: its own rows (or its error)."""
+    differ raise ValueError on every rank. With one rank: its own rows (or its error).
+    group = (Ulysses group, ring group) (strategy="hybrid"): the facts within the Ulysses
+    group, then the facts and rows within the ring group, a refusal carried from the first
+    into the second -- every ring group holds a member of every Ulysses group, so every
+    rank learns of any refusal; the rows are the ring group's."""
+    if isinstance(group, tuple):
+        a2a, ring = group
+        try:
+            agree(a2a, _dist().get_world_size(a2a), facts, [], error)
+        except (ValueError, TypeError, NotImplementedError) as e:
+            error = e
+        return agree(ring, _dist().get_world_size(ring), facts, rows, error)
     if world == 1:
         if error is not None:
             raise error

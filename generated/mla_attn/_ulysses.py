@@ -39,8 +39,8 @@ class _Plan:
     onwards on rank j, and kv_heads[j], the K/V heads they read (a partition when H_kv
     divides by the world size, else replicas)."""
 
-    def __init__(self, group, world, layout, h_q, h_kv):
-        self.group, self.world, self.layout = group, world, layout
+    def __init__(self, group, world, layout, h_q, h_kv, hybrid=False):
+        self.group, self.world, self.layout, self.hybrid = group, world, layout, hybrid
         self.h_q, self.h_kv = h_q, h_kv
         per = h_q // world
         g = h_q // h_kv  # query heads per K/V head
@@ -55,6 +55,18 @@ class _Plan:
         self.kv_heads = kv
         self.replicated = h_kv % world != 0
 
+    def slots(self, n_local: int, r: int) -> tuple:
+        """Where rank r's shard goes in the sequence the all-to-all assembles: ((start in
+        the shard, length, start there), ...). Ulysses: the whole sequence, at global
+        starts. Hybrid: the ring rank's shard (its zig-zag chunks whole), member r holding
+        the r-th part of each chunk (`_ring_shard.segments` with ulysses)."""
+        if not self.hybrid:
+            return segments(n_local, r, self.world, self.layout)
+        if self.layout == "zigzag":
+            c = n_local // 2
+            return ((0, c, r * c), (c, c, (self.world + r) * c))
+        return ((0, n_local, r * n_local),)
+
 
 def _a2a(send: torch.Tensor, group) -> torch.Tensor:
     """recv[r] <- rank r's send[this rank]; send is (world, ...) and contiguous."""
@@ -63,30 +75,33 @@ def _a2a(send: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
-def _to_global(recv: torch.Tensor, layout: str, dim: int) -> torch.Tensor:
-    """The whole sequence along `dim` (global order) from every rank's shard, recv[r]."""
+def _to_global(recv: torch.Tensor, plan: _Plan, dim: int) -> torch.Tensor:
+    """The sequence along `dim` (plan.slots: the whole in global order, or a hybrid ring
+    rank's shard) from every rank's shard, recv[r]."""
     world, n_local = recv.shape[0], recv.shape[1 + dim]
-    if layout == "contiguous":  # rank order is global order (a view when B = 1)
+    if plan.layout == "contiguous":  # rank order is global order (a view when B = 1)
         return recv.movedim(0, dim).flatten(dim, dim + 1)
     shape = list(recv.shape[1:])
     shape[dim] = n_local * world
     out = recv.new_empty(shape)
     for r in range(world):
-        for start, length, g in segments(n_local, r, world, layout):
+        for start, length, g in plan.slots(n_local, r):
             out.narrow(dim, g, length).copy_(recv[r].narrow(dim, start, length))
     return out
 
 
-def _to_shards(x: torch.Tensor, world: int, layout: str, dim: int) -> torch.Tensor:
-    """(world, ...) with [r] rank r's shard of the whole sequence x along `dim`."""
+def _to_shards(x: torch.Tensor, plan: _Plan, dim: int) -> torch.Tensor:
+    """(world, ...) with [r] rank r's shard of the sequence x along `dim` (_to_global's
+    inverse)."""
+    world = plan.world
     n_local = x.shape[dim] // world
-    if layout == "contiguous":
+    if plan.layout == "contiguous":
         return x.unflatten(dim, (world, n_local)).movedim(dim, 0).contiguous()
     shape = [world] + list(x.shape)
     shape[1 + dim] = n_local
     send = x.new_empty(shape)
     for r in range(world):
-        for start, length, g in segments(n_local, r, world, layout):
+        for start, length, g in plan.slots(n_local, r):
             send[r].narrow(dim, start, length).copy_(x.narrow(dim, g, length))
     return send
 
@@ -100,7 +115,7 @@ def _seq_to_heads(x: torch.Tensor, plan: _Plan, heads) -> torch.Tensor:
         index = torch.tensor([i for sel in heads for i in sel], device=x.device)
         send = x.index_select(2, index).unflatten(2, (plan.world, -1)).movedim(2, 0)
         send = send.contiguous()
-    return _to_global(_a2a(send, plan.group), plan.layout, 1)
+    return _to_global(_a2a(send, plan.group), plan, 1)
 
 
 def _empty_in_order(order, shape, dtype, device):
@@ -120,7 +135,7 @@ def _heads_to_seq(y: torch.Tensor, plan: _Plan, heads, h: int, order, dtype):
     """The inverse: this rank's heads over the whole sequence (B, N, m, d) -> its sequence
     shard of all h heads in `dtype`, its dims in memory `order`. A head several ranks held
     (a replicated K/V head) gets the sum of their values, in fp32 and rank order."""
-    recv = _a2a(_to_shards(y, plan.world, plan.layout, 1), plan.group)  # [j]: rank j's heads
+    recv = _a2a(_to_shards(y, plan, 1), plan.group)  # [j]: rank j's heads
     b, n_local, _, d = recv.shape[1:]
     out = _empty_in_order(order, (b, n_local, h, d), dtype, y.device)
     if heads is plan.q_heads or not plan.replicated:
@@ -171,7 +186,7 @@ class _Ulysses(torch.autograd.Function):
 
 def _lse_to_seq(lse: torch.Tensor, plan: _Plan) -> torch.Tensor:
     """(B, H_q / world, N) of this rank's heads -> (B, H_q, N / world) of its rows."""
-    recv = _a2a(_to_shards(lse, plan.world, plan.layout, 2), plan.group)
+    recv = _a2a(_to_shards(lse, plan, 2), plan.group)
     return recv.movedim(0, 1).flatten(1, 2)
 
 
@@ -227,20 +242,22 @@ def _check_mods(mods, mod_args, q, n, world):
     return names
 
 
-def _check_call(q, k, world, dropout_p, mods, mod_args, causal, window) -> tuple:
-    """The call's local checks (no collective): (mod names, mask, lo, hi)."""
+def _check_call(q, k, world, dropout_p, mods, mod_args, causal, window, n=None,
+                strategy="ulysses") -> tuple:
+    """The call's local checks (no collective): (mod names, mask, lo, hi). world: the
+    ranks the heads are split over; n: the whole sequence (default N / world * world)."""
     h_q = q.shape[2]
-    n = q.shape[1] * world
+    n = q.shape[1] * world if n is None else n
     if h_q % world:
         raise ValueError(
-            f"strategy='ulysses' gives each of the {world} ranks H_q / world query heads, "
-            f"but H_q = {h_q} does not divide by {world}: use a world size that divides "
-            f"{h_q}, or strategy='ring'")
+            f"strategy={strategy!r} gives each of the {world} ranks of its all-to-all H_q / "
+            f"{world} query heads, but H_q = {h_q} does not divide by {world}: use a group "
+            f"size that divides {h_q}, or strategy='ring'")
     if dropout_p > 0.0:
         raise ValueError(
-            "dropout under strategy='ulysses': the keep mask is keyed by (batch * heads + "
-            "head), which a rank's slice of the heads counts from its own first head, so it "
-            "would not drop the single-process call's elements; use strategy='ring'")
+            f"dropout under strategy={strategy!r}: the keep mask is keyed by (batch * heads "
+            "+ head), which a rank's slice of the heads counts from its own first head, so "
+            "it would not drop the single-process call's elements; use strategy='ring'")
     names = _check_mods(mods, dict(mod_args or {}), q, n, world)
     mask, lo, hi = _global_band(n, causal, window)
     _runtime.find_variant("fwd", mask, False, q.shape[-1], _runtime._DTYPE_NAMES[q.dtype],
@@ -282,3 +299,82 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
     cfg = dict(plan=plan, scale=scale, mods=call, return_lse=return_lse,
                call=(0, n, 0, n, mask, lo, hi, 0, 0))
     return _Ulysses.apply(q, k, v, cfg)
+
+
+# ----------------------------------------------------------------------------------------
+# Hybrid: Ulysses inside a group x the ring across the groups (TransformerEngine's a2a+p2p)
+# ----------------------------------------------------------------------------------------
+class _Hybrid(torch.autograd.Function):
+    """(out, lse) of this rank's rows: the all-to-all inside the Ulysses group gives it its
+    heads over its ring rank's shard (both zig-zag chunks whole), the ring (`_ring`'s own
+    forward and backward, over the ring group) runs on those, and the inverse all-to-all
+    returns its rows; the backward mirrors it. A replicated K/V head's dK/dV leave the
+    ring in the input dtype and are summed in fp32, in rank order."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cfg):
+        from . import _ring
+
+        plan = cfg["plan"]
+        qh = _seq_to_heads(q, plan, plan.q_heads)
+        kh, vh = (_seq_to_heads(t, plan, plan.kv_heads) for t in (k, v))
+        out_h, lse_h = _ring._FORWARD["ring"](qh, kh, vh, cfg["ring_cfg"])
+        out = _heads_to_seq(out_h, plan, plan.q_heads, plan.h_q, _order(q), q.dtype)
+        lse = _lse_to_seq(lse_h, plan) if cfg["return_lse"] else None
+        ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
+        ctx.cfg, ctx.orders = cfg, (_order(q), _order(k), _order(v))
+        if lse is not None:
+            ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        from . import _ring
+
+        qh, kh, vh, out_h, lse_h = ctx.saved_tensors
+        cfg, (oq, ok, ov) = ctx.cfg, ctx.orders
+        plan = cfg["plan"]
+        do_h = _seq_to_heads(dout, plan, plan.q_heads)
+        dq, dk, dv = _ring._BACKWARD["ring"](do_h, qh, kh, vh, out_h, lse_h, cfg["ring_cfg"])
+        return (_heads_to_seq(dq, plan, plan.q_heads, plan.h_q, oq, qh.dtype),
+                _heads_to_seq(dk, plan, plan.kv_heads, plan.h_kv, ok, kh.dtype),
+                _heads_to_seq(dv, plan, plan.kv_heads, plan.h_kv, ov, vh.dtype), None)
+
+
+def hybrid(q, k, v, *, group, layout, causal, dropout_p, scale, window, return_lse, mods,
+           mod_args, facts, grad_sum):
+    """(out, lse) of this rank's rows under strategy="hybrid", group = (Ulysses group,
+    ring group) (`hybrid_groups`); q, k, v are (B, N / world, H, d) shards cut with
+    `shard(..., ulysses=U)`, checked by the caller. Mods as under Ulysses (tensors along
+    the sequence passed whole, sinks; no gradients for mod tensors), run by the ring on
+    this rank's heads, with its cell table for a data-dependent mask."""
+    from . import _ring, _ring_masks
+
+    a2a, ring_group = group
+    dist = _dist()
+    u, size = dist.get_rank(a2a), dist.get_world_size(a2a)
+    j, ring_size = dist.get_rank(ring_group), dist.get_world_size(ring_group)
+    h_q, h_kv = q.shape[2], k.shape[2]
+    n_ring = q.shape[1] * size  # the ring rank's shard, after the all-to-all
+    cp, rows, error = None, [], None
+    try:
+        names, mask, lo, hi = _check_call(q, k, size, dropout_p, mods, mod_args, causal,
+                                          window, n=n_ring * ring_size, strategy="hybrid")
+        if names:
+            per = h_q // size
+            heads = list(range(u * per, (u + 1) * per))
+            cp = _ring_masks.prepare(names, _head_mod_args(names, mod_args or {}, heads, h_q),
+                                     q.shape[0], per, n_ring * ring_size, q.device)
+            if cp.table:
+                rows = _ring_masks.table_rows(cp, q, v, n_ring, j, ring_size, layout, lo, hi,
+                                              False)
+    except (ValueError, TypeError, NotImplementedError) as e:
+        error = e
+    rows = _ring_masks.agree(group, 0, facts, rows, error)
+    table = (_ring_masks.Table(rows, n_ring, ring_size, layout)
+             if cp is not None and cp.table else None)
+    ring_cfg = dict(ring=_ring._Ring(ring_group, j, ring_size), layout=layout, causal=causal,
+                    window=window, scale=scale, strategy="ring", grad_sum=grad_sum,
+                    mods=cp.pieces if cp is not None else None, drop=None, cp=cp, table=table)
+    plan = _Plan(a2a, size, layout, h_q, h_kv, hybrid=True)
+    return _Hybrid.apply(q, k, v, dict(plan=plan, ring_cfg=ring_cfg, return_lse=return_lse))
