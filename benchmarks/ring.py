@@ -1,9 +1,17 @@
-"""Context parallelism (ring / all-gather) against one GPU: time, peak memory, exactness.
+"""Context parallelism (ring / all-gather / Ulysses / hybrid) against one GPU: time, peak
+memory, exactness.
 
     torchrun --nproc_per_node 2 benchmarks/ring.py [--seqlens 32768,131072,262144]
-        [--strategies ring,allgather,ring:g1] [--heads 32 --kv-heads 8 --head-dim 128]
-        [--mask causal|none|window:4096] [--reps 5] [--oom-seqlen N] [--out ring.json]
-        [--api flash|sdpa]
+        [--strategies ring,allgather,ring:g1,ulysses,hybrid:u2]
+        [--heads 32 --kv-heads 8 --head-dim 128] [--mask causal|none|window:4096]
+        [--docs 64 [--doc-lengths equal|random:SEED] [--layout zigzag|documents]]
+        [--reps 5] [--oom-seqlen N] [--out ring.json] [--api flash|sdpa]
+
+--docs D: D documents packed into each sequence, under the document mask (the committed
+generated/mods_attn, whose document variant is causal): equal lengths, or random ones
+(--doc-lengths random:SEED, multiples of 2 * world); --layout documents shards them with
+document_layout (the zig-zag per document), zigzag (default) with the plain zig-zag.
+hybrid:uU: strategy="hybrid" over hybrid_groups(U).
 
 For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
 forward + backward step:
@@ -40,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import generated.llama_attn as pkg  # noqa: E402
+import generated.llama_attn as llama  # noqa: E402
+
+pkg = llama  # generated.mods_attn under --docs (main)
 
 
 def parse():
@@ -56,6 +66,9 @@ def parse():
     p.add_argument("--oom-seqlen", type=int, default=0)
     p.add_argument("--check-fp32", action="store_true")
     p.add_argument("--api", default="flash", choices=("flash", "sdpa"))
+    p.add_argument("--docs", type=int, default=0)
+    p.add_argument("--doc-lengths", default="equal")
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "documents"))
     p.add_argument("--out", default="")
     return p.parse_args()
 
@@ -83,12 +96,40 @@ def make(n, args, device, seed=0):
                         dtype=torch.bfloat16) for s, h in shapes]
 
 
-def attend(q, k, v, args, ring=False, strategy=None):
-    """One call of the chosen API (forward only)."""
+def doc_lengths(n, args, world):
+    """The --docs document lengths of a sequence of n tokens."""
+    d = args.docs
+    if args.doc_lengths == "equal":
+        return [n // d] * (d - 1) + [n - n // d * (d - 1)]
+    g = torch.Generator().manual_seed(int(args.doc_lengths.split(":")[1]))
+    unit = 2 * world
+    weights = torch.rand(d, generator=g) + 0.1
+    units = (weights / weights.sum() * (n // unit)).floor().long().clamp(min=1)
+    units[-1] += n // unit - units.sum()
+    return [int(u) * unit for u in units]
+
+
+def doc_kw(n, args, world, device):
+    """The document mask's call arguments (and the layout) of a --docs run, else {}."""
+    if not args.docs:
+        return {}, "zigzag"
+    lengths = doc_lengths(n, args, world)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    kw = dict(mods=("document",), doc=pkg.document_ids(cu).to(device))
+    layout = pkg.document_layout(cu, world) if args.layout == "documents" else "zigzag"
+    return kw, layout
+
+
+def attend(q, k, v, args, ring=False, strategy=None, extra=None):
+    """One call of the chosen API (forward only); extra: the context-parallel call's
+    group / layout and the mods' arguments."""
     kw = mask_args(args.mask)
+    kw.update(extra or {})
     if args.api == "flash":
         if ring:
             return pkg.ring_flash_attn_func(q, k, v, strategy=strategy, **kw)
+        kw.pop("layout", None)
+        kw.pop("group", None)
         return pkg.flash_attn_func(q, k, v, **kw)
     sdpa_kw = dict(is_causal=kw["causal"], enable_gqa=args.heads != args.kv_heads)
     if "window_size" in kw:
@@ -123,16 +164,17 @@ def timed_step(fn, reps, warmup, collective=True, baseline=0):
     return statistics.median(times), torch.cuda.max_memory_allocated() - baseline
 
 
-def one_gpu(n, args, device, keep=False):
+def one_gpu(n, args, device, world, keep=False):
     q = k = v = do = None
     baseline = torch.cuda.memory_allocated()
     try:
         q, k, v, do = make(n, args, device)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
+        extra = doc_kw(n, args, world, device)[0]
 
         def step():
             q.grad = k.grad = v.grad = None
-            out = attend(q, k, v, args)
+            out = attend(q, k, v, args, extra=extra)
             out.backward(do)
             return out
 
@@ -144,7 +186,7 @@ def one_gpu(n, args, device, keep=False):
             result["tensors"] = [out.detach(), q.grad, k.grad, v.grad]
             if args.check_fp32:
                 q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
-                o32 = attend(q32, k32, v32, args)
+                o32 = attend(q32, k32, v32, args, extra=extra)
                 o32.backward(do.float())
                 result["bf16_vs_fp32"] = [(a.float() - b).abs().max().item() for a, b in
                                           zip(result["tensors"], (o32, q32.grad, k32.grad, v32.grad))]
@@ -156,19 +198,37 @@ def one_gpu(n, args, device, keep=False):
         torch.cuda.empty_cache()
 
 
-def context_parallel(n, strategy, args, device, rank, world, keep=False):
-    """strategy: "ring", "allgather", or "ring:gN" (the ring with its backward in N head
-    groups, FLASHGEN_CP_HEAD_GROUPS=N; plain "ring" takes the package's choice, auto)."""
-    strategy, _, groups = strategy.partition(":g")
+_HYBRID = {}
+
+
+def cp_call(strategy, n, args, device, world):
+    """(strategy, the call's extra arguments, the shard() keywords) of a --strategies
+    entry: "ring", "allgather", "ulysses", "ring:gN" (the ring's backward in N head
+    groups, FLASHGEN_CP_HEAD_GROUPS=N; plain "ring": auto), "hybrid:uU"."""
+    name, _, groups = strategy.partition(":g")
     os.environ["FLASHGEN_CP_HEAD_GROUPS"] = groups or "auto"
+    extra, layout = doc_kw(n, args, world, device)
+    shard_kw = dict(layout=layout)
+    if name.startswith("hybrid"):
+        size = int(name.partition(":u")[2] or 2)
+        if size not in _HYBRID:  # (new_group: a collective, once per size)
+            _HYBRID[size] = pkg.hybrid_groups(size)
+        name, extra["group"], shard_kw["ulysses"] = "hybrid", _HYBRID[size], size
+    extra["layout"] = layout
+    return name, extra, shard_kw
+
+
+def context_parallel(n, strategy, args, device, rank, world, keep=False):
+    strategy, extra, shard_kw = cp_call(strategy, n, args, device, world)
     dim = SEQ_DIM[args.api]
     baseline = torch.cuda.memory_allocated()
-    q, k, v, do = (pkg.shard(t, rank, world, dim=dim) for t in make(n, args, device))
+    q, k, v, do = (pkg.shard(t, rank, world, dim=dim, **shard_kw)
+                   for t in make(n, args, device))
     q, k, v = (t.requires_grad_() for t in (q, k, v))
 
     def step():
         q.grad = k.grad = v.grad = None
-        out = attend(q, k, v, args, ring=True, strategy=strategy)
+        out = attend(q, k, v, args, ring=True, strategy=strategy, extra=extra)
         out.backward(do)
         return out
 
@@ -179,6 +239,7 @@ def context_parallel(n, strategy, args, device, rank, world, keep=False):
         if keep:
             out = step()
             result["tensors"] = [out.detach(), q.grad, k.grad, v.grad]
+            result["shard_kw"] = shard_kw
         return result
     except torch.OutOfMemoryError:
         return {"ms": None, "peak_gib": None, "oom": True}
@@ -191,7 +252,12 @@ def slowest(value):
 
 
 def main():
+    global pkg
     args = parse()
+    if args.docs:
+        import generated.mods_attn as mods_attn
+
+        pkg = mods_attn
     local = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(local)  # before NCCL starts
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
@@ -205,8 +271,9 @@ def main():
         if n % (2 * world):
             raise SystemExit(f"N={n} is not a multiple of 2 * world = {2 * world}")
         row = {"seqlen": n, "world": world, "mask": args.mask, "heads": args.heads,
-               "kv_heads": args.kv_heads, "head_dim": args.head_dim}
-        single = one_gpu(n, args, device, keep=(i == 0)) if rank == 0 else None
+               "kv_heads": args.kv_heads, "head_dim": args.head_dim, "docs": args.docs,
+               "doc_lengths": args.doc_lengths, "layout": args.layout}
+        single = one_gpu(n, args, device, world, keep=(i == 0)) if rank == 0 else None
         dist.barrier()
         if rank == 0:
             row["one_gpu"] = {k: v for k, v in single.items() if k != "tensors"}
@@ -219,7 +286,10 @@ def main():
                      "peak_gib_max_rank": None if peak == float("inf") else round(peak, 2)}
             if "tensors" in res:
                 # exactness against rank 0's one-GPU result
-                full = [pkg.unshard_sequence(t.contiguous(), dim=SEQ_DIM[args.api])
+                kw = res["shard_kw"]
+                group = _HYBRID[kw["ulysses"]] if "ulysses" in kw else None
+                full = [pkg.unshard_sequence(t.contiguous(), group, dim=SEQ_DIM[args.api],
+                                             layout=kw["layout"])
                         for t in res["tensors"]]
                 if rank == 0 and "tensors" in single:
                     entry["max_abs_err_vs_one_gpu"] = [

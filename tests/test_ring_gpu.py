@@ -1,5 +1,6 @@
 """Context parallelism on 2 GPUs (NCCL): `python -m pytest -m "gpu and multigpu"
-tests/test_ring_gpu.py` on a machine with >= 2 GPUs (skipped with a reason on fewer).
+tests/test_ring_gpu.py` on a machine with >= 2 GPUs (skipped with a reason on fewer; the
+world-4 test on fewer than 4).
 
 Same worker as the CPU tests (tests/ring_worker.py, one process per GPU, joined through a
 FileStore), with the package's own launch configs:
@@ -159,7 +160,10 @@ def mask_cases(d=128):
            mcase(2048, ["sink_logits"], sinks, causal=True, grad_tensors=["sinks"]),
            case(1024, sdpa=True, attn_mask=mask((300, 724), as_float=False)),
            case(1024, sdpa=True, layout="contiguous", strategy="allgather",
-                attn_mask=mask((512, 512), heads=4), grad_tensors=["bias"])]
+                attn_mask=mask((512, 512), heads=4), grad_tensors=["bias"]),
+           # the per-document zig-zag (document_layout): the call on the permuted sequence
+           mcase(2048, ["document"], {"doc": docs(300, 700, 148, 900)}, causal=True,
+                 layout={"documents": [0, 300, 1000, 1148, 2048]})]
     for c in out:
         c["shape"][2:4] = [4, 2]
         c["shape"][-1] = d
@@ -174,3 +178,40 @@ def mcase(n, mods, mod_kw, **kw):
 def test_two_gpus_masks_match_reference(tmp_path):
     assert_results(run_world(2, ROOT / "generated", tmp_path, mask_cases(), package="mods_attn",
                              backend="nccl", timeout=500))
+
+
+def strategy_cases(d=128):
+    """Ulysses and the hybrid on NCCL (2 GPUs: the hybrid's degenerate forms, Ulysses
+    over both and the ring over both), GQA with K/V heads replicated."""
+    out = [case(1024, causal=True, strategy="ulysses", heads=(8, 2), repeat=True),
+           case(1024, strategy="ulysses", heads=(4, 1), layout="contiguous", sdpa=True),
+           case(1024, causal=True, strategy="hybrid", ulysses=2, heads=(4, 1)),
+           case(1000, causal=True, window=(100, 0), strategy="hybrid", ulysses=1)]
+    for c in out:
+        c["shape"][-1] = d
+    return out
+
+
+def test_two_gpus_ulysses_and_hybrid(pkg_dir, tmp_path):
+    assert_results(run_world(2, pkg_dir, tmp_path, strategy_cases(), package=PACKAGE,
+                             backend="nccl", timeout=400))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4,
+                    reason=f"needs 4 GPUs, this machine has {torch.cuda.device_count()}")
+def test_four_gpus_hybrid_and_masks(tmp_path):
+    """World 4 (nvidia-h200-x4 / -x8): the hybrid 2 x 2 (Ulysses pairs x a ring of 2) and
+    the masks' cases, on generated/mods_attn."""
+    from test_ring_masks import docs
+
+    cases = [c for c in mask_cases() if c["shape"][1] % 8 == 0]
+    cases += [mcase(2048, ["document"], {"doc": docs(300, 700, 148, 900)}, causal=True,
+                    strategy="hybrid", ulysses=2),
+              case(2048, causal=True, strategy="hybrid", ulysses=2),
+              case(2048, causal=True, strategy="ulysses")]
+    for c in cases[-3:]:
+        c["shape"][2:4] = [4, 1]
+        c["shape"][-1] = 128
+        c["dtype"] = "bf16"
+    assert_results(run_world(4, ROOT / "generated", tmp_path, cases, package="mods_attn",
+                             backend="nccl", timeout=600))
