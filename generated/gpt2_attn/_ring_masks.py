@@ -30,6 +30,10 @@ columns of an fp32 sum (`Grads`); the ranks' sums are then added by an all-reduc
 each rank's rows are its own (bitwise the same in any order: the others add zeros), else
 gathered and added in rank order. Every rank gets the whole gradient, the single-process
 call's.
+
+Also here: SDPA's attn_mask as the sdpa_mask mod over the whole sequence
+(`sdpa_attn_mask`), document ids from cu_seqlens (`document_ids`), and the mods of a call
+sharded with a `document_layout` (`on_documents`: its tensors permuted like the sequence).
 """
 import torch
 
@@ -52,8 +56,9 @@ class CallMods:
     `_mods.Call` its kernels run (without the sink; None when nothing else is left);
     `whole`, the call's own (with the sink); `sink`, the sink mod's name or None; `grads`,
     the tensors whose gradient is wanted (an additive bias's, a sink's); `table`, whether
-    the cells are classified by data (a mask mod or an additive bias); `piece_args`: the
-    pieces' tensors and params (narrowed per head group by `_ring._group_mods`)."""
+    the cells are classified by data (a mask mod or an additive bias); `bias`: the names
+    of the additive biases (their finite elements are what a cell sees); `piece_args`:
+    the pieces' tensors and params (narrowed per head group by `group_mods`)."""
 
     __slots__ = ("pieces", "whole", "sink", "grads", "table", "piece_args", "bias")
 

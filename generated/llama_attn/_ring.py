@@ -820,7 +820,8 @@ def ring_flash_attn_func(q, k, v, group=None, causal=False, dropout_p=0.0, softm
                          layout="zigzag", grad_sum_dtype=None, mods=None, **mod_args):
     """flash_attn_func over a sequence sharded across the ranks of `group` (default: the
     default process group; without torch.distributed initialised, one rank). q, k, v are
-    this rank's shards (B, N / world, H, d) cut with `layout` (see shard_sequence); returns
+    this rank's shards (B, N / world, H, d) cut with `layout` ("zigzag", "contiguous" or a
+    document_layout(cu_seqlens, world): see shard_sequence); returns
     this rank's output rows (B, N / world, H_q, d) and, with return_lse, their log-sum-exp
     (B, H_q, N / world) fp32. Masks apply to global positions (self-attention, N_q = N_k).
     strategy: "ring", "allgather", "ulysses" or "hybrid" (group=(ulysses group, ring
