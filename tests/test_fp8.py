@@ -39,7 +39,7 @@ def _reference(q, k, v, causal):
     s = torch.einsum("bnhd,bmhd->bhnm", q, k) / q.shape[-1] ** 0.5
     if causal:
         n_q, n_k = q.shape[1], k.shape[1]
-        keep = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
         s = s.masked_fill(~keep, float("-inf"))
     return torch.einsum("bhnm,bmhd->bnhd", s.softmax(-1), v), s.logsumexp(-1)
 
@@ -58,9 +58,9 @@ def _rmse(a, b):
 @pytest.mark.parametrize("per", ["tensor", "head"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("n", [1, 59, 127])
-def test_fp8_against_float64(pkg, n, causal, per):
+def test_fp8_against_float64(pkg, device, n, causal, per):
     torch.manual_seed(n + 7 * causal)
-    src = [torch.randn(B, n, h, D, requires_grad=True) for h in (HQ, HK, HK)]
+    src = [torch.randn(B, n, h, D).to(device).requires_grad_() for h in (HQ, HK, HK)]
     q8, qd = pkg.quantize_fp8(src[0], per, kv_heads=HK)
     k8, kd = pkg.quantize_fp8(src[1], per)
     v8, vd = pkg.quantize_fp8(src[2], per)
@@ -226,14 +226,14 @@ def test_rotate_qk_keeps_the_scores_and_the_gradients(pkg, d):
         pkg.rotate_qk(*pkg.quantize_fp8(q.detach())[:1], k)
 
 
-def test_attention_module_in_fp8(pkg, monkeypatch):
+def test_attention_module_in_fp8(pkg, device, monkeypatch):
     """Attention(fp8=True): the same block as in bf16 up to fp8's error, its gradients
     reaching the projection's weights in bf16 (through the rotation and the quantization)."""
     torch.manual_seed(11)
-    blocks = [pkg.Attention(HQ * D, HQ, num_kv_heads=HK, fp8=fp8).to(torch.bfloat16)
+    blocks = [pkg.Attention(HQ * D, HQ, num_kv_heads=HK, fp8=fp8).to(device, torch.bfloat16)
               for fp8 in (False, True)]
     blocks[1].load_state_dict(blocks[0].state_dict())
-    x = torch.randn(2, 37, HQ * D, dtype=torch.bfloat16)
+    x = torch.randn(2, 37, HQ * D, dtype=torch.bfloat16).to(device)
     outs = [blk(x) for blk in blocks]
     assert outs[1].dtype == torch.bfloat16 and outs[1].shape == outs[0].shape
     scale = outs[0].float().pow(2).mean().sqrt().item()

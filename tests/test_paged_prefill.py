@@ -284,3 +284,24 @@ def test_paged_calls_never_take_gluon(pkg):
     why = pkg._runtime.gluon_varlen_reason("fwd_causal_d32_bf16", {"family": "gluon"}, q, q,
                                            q, q, 8, "causal", serving=True)
     assert why == pkg._runtime.SERVING_GLUON_REASON and "block_table" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [TILES, None], ids=["small_tiles", "planned"])
+@pytest.mark.parametrize("page_size", [16, 64, 24])
+def test_on_cuda(pkg, page_size, tiles):
+    """The paged prefill on the GPU, GQA 4:1, causal: against float64, and at one tile bit
+    for bit against the dense varlen call on the gathered keys (the same kernel)."""
+    gen = torch.Generator().manual_seed(100 + page_size)
+    k_cache, v_cache, bt, k, v = paged_cache(LK, page_size, 2, torch.bfloat16, gen=gen)
+    q = torch.randn(sum(LQ), 8, D, generator=gen).to(torch.bfloat16)
+    lengths = (cu(LQ).cuda(), cu(LK).cuda(), max(LQ), max(LK))
+    with pkg._runtime.override_config(**tiles) if tiles else _nothing():
+        out, lse = pkg.flash_attn_varlen_func(q.cuda(), k_cache.cuda(), v_cache.cuda(),
+                                              *lengths, block_table=bt.cuda(), causal=True,
+                                              return_lse=True)
+        if tiles:
+            dense = pkg.flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), *lengths,
+                                               causal=True, return_lse=True)
+            assert torch.equal(out, dense[0]) and torch.equal(lse, dense[1])
+    check((out.cpu(), lse.cpu()), reference(q, k, v, LQ, LK, causal=True), torch.bfloat16)

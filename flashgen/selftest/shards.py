@@ -50,10 +50,10 @@ class Shard:
 
 SHARDS: tuple[Shard, ...] = (
     Shard("tl", "the `tl` family: forward, backward, dropout, varlen, the nn.Module, the host "
-          "path, head dims past 256", ("tests/test_forward.py", "tests/test_backward.py",
+          "path, head dims past 256, fp8 inputs", ("tests/test_forward.py", "tests/test_backward.py",
                                        "tests/test_dropout.py", "tests/test_varlen.py",
                                        "tests/test_module.py", "tests/test_host_path.py",
-                                       "tests/test_head_dim_512.py"),
+                                       "tests/test_head_dim_512.py", "tests/test_fp8.py"),
           est_s=130),
     Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs",
           ("tests/test_gluon.py",), est_s=130),
@@ -65,10 +65,12 @@ SHARDS: tuple[Shard, ...] = (
           ("tests/test_gluon_varlen.py",), est_s=210),
     Shard("mods", "score, mask and sink mods, dense and varlen",
           ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=265),
-    # (test_kv_quant.py's 25 s on top of the measured 55 is an estimate, not yet measured)
+    # (test_kv_quant.py's and test_paged_prefill.py's 35 s on top of the measured 55 are
+    # estimates, not yet measured)
     Shard("decode", "flash_attn_with_kvcache: split-KV, paged caches, appends, rotary, "
-          "quantized (fp8 / int8) caches", ("tests/test_decode.py", "tests/test_decode_rotary.py",
-                                              "tests/test_kv_quant.py"), est_s=80),
+          "quantized (fp8 / int8) caches; chunked prefill over pages", ("tests/test_decode.py", "tests/test_decode_rotary.py",
+                                              "tests/test_kv_quant.py",
+                                              "tests/test_paged_prefill.py"), est_s=90),
     Shard("mla", "MLA head dims: training, the latent decode (Gluon 576/512)",
           ("tests/test_mla.py",), est_s=65),
     Shard("ring", "context parallelism: the pieces and merge_attention_states on one GPU, the "
