@@ -251,6 +251,71 @@ def test_append_into_int8_cache_writes_per_token_scales(pkg, device, poison, pag
     assert_close(out, lse, *ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("page, interleaved", [(16, True), (None, False)],
+                         ids=["paged16_gptj", "contiguous_batch_idx_neox"])
+def test_rotary_append_into_int8_cache(pkg, poison, page, interleaved):
+    """Rotary on append with a quantized cache (and, contiguous, cache_batch_idx): the new
+    keys are rotated at their cache positions, then quantized per token as they are
+    written; q is rotated at its positions. Against float64: the rotated rows, quantized by
+    quantize_kv_cache (one int8 step for rounding), and attention on the dequantized cache."""
+    from test_decode_rotary import LSE_ATOL, TOL, rotate64
+
+    ROT_TOL, ROT_LSE_ATOL = TOL[torch.bfloat16], LSE_ATOL[torch.bfloat16]
+
+    gen = torch.Generator().manual_seed(12)
+    before, n_new, group, h_kv, d, rot = [5, 20, 33], 2, 4, 2, 32, 16
+    batch, capacity = 3, 40
+    table, rows_of = None, [2, 0, 1]  # contiguous: cache row of each batch element
+    if page is None:
+        shape = (batch, capacity, h_kv, d)
+    else:
+        table, num_blocks = paged(batch, capacity, page, gen)
+        shape = (num_blocks, page, h_kv, d)
+    # unit-size rows: the rotated q reaches the scores rounded to bf16 (see below), and one
+    # ulp of it times a key 30x the others (raw()'s spread) would be all the error measured
+    kq, ks = pkg.quantize_kv_cache(torch.randn(shape, generator=gen), INT8, "token")
+    vq, vs = pkg.quantize_kv_cache(torch.randn(shape, generator=gen), INT8, "token")
+    k_new = torch.randn(batch, n_new, h_kv, d, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(batch, n_new, h_kv, d, generator=gen).to(torch.bfloat16)
+    q = torch.randn(batch, n_new, h_kv * group, d, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(64, rot // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().float(), angles.sin().float()
+    extra = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    if page is None:
+        extra["cache_batch_idx"] = torch.tensor(rows_of, dtype=torch.int32)
+    with pkg._runtime.override_config(**TILES):
+        out, lse = pkg.flash_attn_with_kvcache(
+            q, kq, vq, k_new, v_new, cache_seqlens=torch.tensor(before, dtype=torch.int32),
+            block_table=table, causal=True, return_lse=True, k_scale=ks, v_scale=vs, **extra)
+
+    def slot(b, j):
+        return (rows_of[b], j) if table is None else (int(table[b, j // page]), j % page)
+
+    for b in range(batch):
+        pos = torch.arange(before[b], before[b] + n_new)
+        want_q, want_s = pkg.quantize_kv_cache(
+            rotate64(k_new[b].float(), cos, sin, pos, interleaved).float()[None], INT8, "token")
+        want_q, want_s = want_q[0], want_s[0]
+        for t in range(n_new):
+            row = slot(b, before[b] + t)
+            torch.testing.assert_close(ks[row], want_s[t], rtol=1e-2, atol=0)
+            assert (kq[row].int() - want_q[t].int()).abs().max() <= 1
+    # the reference in the batch elements' own order: their cache rows gathered
+    lengths = [n + n_new for n in before]
+    k_deq, v_deq = dequant(kq, ks, "token"), dequant(vq, vs, "token")
+    if table is None:
+        k_deq, v_deq = k_deq[rows_of], v_deq[rows_of]
+    q_rot = torch.stack([rotate64(q[b].float(), cos, sin,
+                                  torch.arange(before[b], before[b] + n_new), interleaved)
+                         for b in range(batch)])
+    ref_out, ref_lse = reference(q_rot, k_deq, v_deq, table, lengths, True)
+    # test_decode_rotary's tolerances: the kernel rounds the rotated q to bf16 before its
+    # dot (the interpreter by truncation), which the float64 rotation does not
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.double(), ref_out, atol=ROT_TOL, rtol=ROT_TOL)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=ROT_LSE_ATOL, rtol=1e-5)
+
+
 def test_append_into_fp8_cache_uses_the_head_scales_and_saturates(pkg, device, poison):
     gen = torch.Generator().manual_seed(12)
     batch, capacity, h_kv, group, d = 3, 24, 2, 4, 32
