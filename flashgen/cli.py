@@ -43,7 +43,7 @@ def family_summary(spec) -> str:
     not Hopper, one line: every kernel there is `tl`. (A spec without an arch is planned
     for the H100, so it gets the Hopper summary.)"""
     from . import families
-    from .render import gluon_reason
+    from .render import gluon_decode_reason, gluon_reason
     from .variants import variants_for
 
     capability = spec.gpu.capability
@@ -54,6 +54,8 @@ def family_summary(spec) -> str:
     gluon, tl = [], {}
     for v in variants_for(spec):
         why = gluon_reason(v, spec)
+        if v.kind == "decode" and gluon_decode_reason(v) is None:
+            why = None  # the Gluon latent (MLA) decode, templates/gluon/decode_mla.py.j2
         if why is None:
             gluon.append(v.name)
         else:
@@ -61,12 +63,17 @@ def family_summary(spec) -> str:
     hopper = ", ".join(f"sm{a}{b}" for a, b in families.GLUON_CAPABILITIES)
     lines = [f"== kernel families on {hopper} with Triton {', '.join(families.GLUON_TRITON)} "
              "(every other GPU, Triton or the interpreter runs `tl` for all)"]
+    latent = [n for n in gluon if n.startswith("decode")]
+    gluon = [n for n in gluon if n not in latent]
     if gluon:
         d = families.gluon_default(128)
         lines.append(f"gluon ({len(gluon)}): {', '.join(gluon)}")
         lines.append(f"  untuned: {d['block_m']}x{d['block_n']} tiles (2 consumer warpgroups x 64 "
                      f"rows), a {d['num_stages']}-deep K/V ring; tuned configs may pick `tl` "
                      "per bucket")
+    if latent:
+        lines.append(f"gluon ({len(latent)}): {', '.join(latent)}\n  the latent (MLA) decode "
+                     "kernel, DeepSeek's 576/512 cache")
     for why, names in tl.items():
         lines.append(f"tl ({len(names)}): {', '.join(names)}\n  why: {why}")
     return "\n".join(lines)
