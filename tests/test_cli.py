@@ -321,7 +321,7 @@ def test_plan_shows_the_gluon_section_for_hopper_only(work):
     res = flashgen("plan", "specs/gpt2.yaml", cwd=work)
     assert "== kernel families on sm90 with Triton" in res.stdout and "gluon (" in res.stdout
     # the MLA spec's 576/512 decode runs the Gluon latent kernel; its 192/128 one `tl`
-    res = flashgen("plan", "specs/mla.yaml", cwd=work)
+    res = flashgen("plan", ROOT / "specs" / "mla.yaml", cwd=work)
     assert ("gluon (1): decode_causal_d576v512_bf16\n  the latent (MLA) decode kernel"
             in res.stdout), res.stdout
     assert "decode_causal_d576v512_bf16\n  why:" not in res.stdout
