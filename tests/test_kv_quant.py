@@ -528,3 +528,40 @@ def test_gpu_paged_prefill_planned_tiles(pkg, poison, dtype, per, page):
         rows += n_q
     assert_close(out[None], lse[None], torch.cat(outs)[None],
                  torch.cat(lses, 1)[None], torch.bfloat16)
+
+
+def test_quantized_decode_with_a_score_mod(tmp_path):
+    """A spec's score mod (softcap) on a quantized cache: the mod sees the scores after the
+    per-token K scale (the scores the float64 reference forms from the dequantized cache)."""
+    pkg = build_and_import(tmp_path, "fg_test_kvq_mods", """
+        head_dims: [32]
+        dtypes: [bf16]
+        masks: [causal]
+        gqa: true
+        decode: true
+        kv_cache_dtypes: [bf16, int8]
+        mods:
+          softcap: {builtin: softcap, params: {cap: 2.0}}
+        variants:
+          - {mask: causal, mods: [softcap]}
+        """)
+    gen = torch.Generator().manual_seed(21)
+    lengths, page = [59, 1, 40], 16
+    table, num_blocks = paged(3, 64, page, gen)
+    kq, vq, ks, vs = quant_cache(pkg, (num_blocks, page, 2, 32), INT8, "token", gen, "cpu")
+    q = (torch.randn(3, 2, 8, 32, generator=gen) * 3).to(torch.bfloat16)
+    with pkg._runtime.override_config(**TILES):
+        out, lse = pkg.flash_attn_with_kvcache(
+            q, kq, vq, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
+            block_table=table, causal=True, return_lse=True, k_scale=ks, v_scale=vs,
+            num_splits=2, mods=("softcap",))
+    k, v = dequant(kq, ks, "token"), dequant(vq, vs, "token")
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        kb, vb = (logical(t, table, b, n)[None].transpose(1, 2) for t in (k, v))
+        vis = visible_mask(2, n, causal=True, bottom_right=True)
+        o, l_ = attention_ref(q[b:b + 1].transpose(1, 2), kb, vb, vis,
+                              score_mod=lambda s: 2.0 * torch.tanh(s / 2.0))
+        outs.append(o.transpose(1, 2))
+        lses.append(l_)
+    assert_close(out, lse, torch.cat(outs), torch.cat(lses), torch.bfloat16)
