@@ -102,7 +102,7 @@ def logical(cache, table, b, n):
     return torch.stack(rows) if rows else cache.new_zeros((0,) + tuple(cache.shape[2:]))
 
 
-def reference(q, k, v, table, lengths, causal):
+def reference(q, k, v, table, lengths, causal, score_mod=None):
     """(out (B, N_q, H_q, d), lse (B, H_q, N_q)) in float64 from dequantized caches."""
     q, k, v = q.cpu(), k.cpu(), v.cpu()
     table = None if table is None else table.cpu()
@@ -111,7 +111,7 @@ def reference(q, k, v, table, lengths, causal):
         kb = logical(k, table, b, n)[None].transpose(1, 2)
         vb = logical(v, table, b, n)[None].transpose(1, 2)
         vis = visible_mask(q.shape[1], n, causal=causal, bottom_right=True)
-        o, lse = attention_ref(q[b:b + 1].transpose(1, 2), kb, vb, vis)
+        o, lse = attention_ref(q[b:b + 1].transpose(1, 2), kb, vb, vis, score_mod=score_mod)
         outs.append(o.transpose(1, 2))
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -125,6 +125,20 @@ def assert_close(out, lse, ref_out, ref_lse, qdtype):
     assert torch.equal(torch.isfinite(lse).cpu(), seen)
     torch.testing.assert_close(lse.double().cpu()[seen], ref_lse[seen], atol=LSE_TOL[0],
                                rtol=LSE_TOL[1])
+
+
+def assert_prefill_matches(out, lse, q, kq, vq, ks, vs, per, table, lq, lk, causal):
+    """A paged prefill's packed (out, lse) against float64, one sequence at a time on its
+    dequantized pages."""
+    kd, vd = dequant(kq.cpu(), ks.cpu(), per), dequant(vq.cpu(), vs.cpu(), per)
+    rows, outs, lses = 0, [], []
+    for b, (n_q, n_k) in enumerate(zip(lq, lk)):
+        o, l_ = reference(q.cpu()[rows:rows + n_q][None], kd, vd, table[b:b + 1], [n_k], causal)
+        outs.append(o[0])
+        lses.append(l_[0])
+        rows += n_q
+    assert_close(out[None], lse[None], torch.cat(outs)[None], torch.cat(lses, 1)[None],
+                 torch.bfloat16)
 
 
 def paged(batch, capacity, page_size, gen):
@@ -365,15 +379,7 @@ def test_paged_prefill_matches_float64(pkg, device, poison, dtype, per, page, ca
         out, lse = pkg.flash_attn_varlen_func(
             q, kq, vq, cu(LQ, device), cu(LK, device), max(LQ), max(LK), causal=causal,
             block_table=table.to(device), return_lse=True, k_scale=ks, v_scale=vs)
-    kd, vd = dequant(kq.cpu(), ks.cpu(), per), dequant(vq.cpu(), vs.cpu(), per)
-    rows, outs, lses = 0, [], []
-    for b, (n_q, n_k) in enumerate(zip(LQ, LK)):
-        o, l_ = reference(q.cpu()[rows:rows + n_q][None], kd, vd, table[b:b + 1], [n_k], causal)
-        outs.append(o[0])
-        lses.append(l_[0])
-        rows += n_q
-    assert_close(out[None], lse[None], torch.cat(outs)[None],
-                 torch.cat(lses, 1)[None], torch.bfloat16)
+    assert_prefill_matches(out, lse, q, kq, vq, ks, vs, per, table, LQ, LK, causal)
 
 
 # ---------------------------------------------------------------------------------------
@@ -519,15 +525,7 @@ def test_gpu_paged_prefill_planned_tiles(pkg, poison, dtype, per, page):
     out, lse = pkg.flash_attn_varlen_func(
         q, kq, vq, cu(lq, "cuda"), cu(lk, "cuda"), max(lq), max(lk), causal=True,
         block_table=table.cuda(), return_lse=True, k_scale=ks, v_scale=vs)
-    kd, vd = dequant(kq.cpu(), ks.cpu(), per), dequant(vq.cpu(), vs.cpu(), per)
-    rows, outs, lses = 0, [], []
-    for b, (n_q, n_k) in enumerate(zip(lq, lk)):
-        o, l_ = reference(q.cpu()[rows:rows + n_q][None], kd, vd, table[b:b + 1], [n_k], True)
-        outs.append(o[0])
-        lses.append(l_[0])
-        rows += n_q
-    assert_close(out[None], lse[None], torch.cat(outs)[None],
-                 torch.cat(lses, 1)[None], torch.bfloat16)
+    assert_prefill_matches(out, lse, q, kq, vq, ks, vs, per, table, lq, lk, True)
 
 
 def test_quantized_decode_with_a_score_mod(tmp_path):
@@ -555,13 +553,6 @@ def test_quantized_decode_with_a_score_mod(tmp_path):
             q, kq, vq, cache_seqlens=torch.tensor(lengths, dtype=torch.int32),
             block_table=table, causal=True, return_lse=True, k_scale=ks, v_scale=vs,
             num_splits=2, mods=("softcap",))
-    k, v = dequant(kq, ks, "token"), dequant(vq, vs, "token")
-    outs, lses = [], []
-    for b, n in enumerate(lengths):
-        kb, vb = (logical(t, table, b, n)[None].transpose(1, 2) for t in (k, v))
-        vis = visible_mask(2, n, causal=True, bottom_right=True)
-        o, l_ = attention_ref(q[b:b + 1].transpose(1, 2), kb, vb, vis,
-                              score_mod=lambda s: 2.0 * torch.tanh(s / 2.0))
-        outs.append(o.transpose(1, 2))
-        lses.append(l_)
-    assert_close(out, lse, torch.cat(outs), torch.cat(lses), torch.bfloat16)
+    ref = reference(q, dequant(kq, ks, "token"), dequant(vq, vs, "token"), table, lengths,
+                    True, score_mod=lambda s: 2.0 * torch.tanh(s / 2.0))
+    assert_close(out, lse, *ref, torch.bfloat16)

@@ -675,8 +675,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     tensors and params as keyword arguments, as in flash_attn_func; here q_idx is a
     query's cache position and kv_idx a key's (tensors indexed by them must cover the
     cache: Nq / Nk / N >= its capacity). A repeated call finds its plan in two lookups."""
-    if (isinstance(v_cache, torch.Tensor) and isinstance(k_cache, torch.Tensor)
-            and v_cache.data_ptr() != k_cache.data_ptr() and not _runtime.v_in_place(v_cache)):
+    # (v_in_place answers from the head dim first: at d = 64 / 128 / 256 / 512 this is one
+    # modulo a call)
+    if (isinstance(v_cache, torch.Tensor) and not _runtime.v_in_place(v_cache)
+            and isinstance(k_cache, torch.Tensor) and v_cache.data_ptr() != k_cache.data_ptr()):
         # V rows Triton 3.6 reads wrong at a narrow head-dim chunk (_plans.v_in_place; the
         # decode kernel tiles d like the forward): attend over a contiguous copy, and give
         # an append's new rows back to the caller's cache. Only such unusual layouts pay.
