@@ -16,7 +16,7 @@ from .resources import templates_dir
 from .plan import variant_score_bytes
 from .spec import FP8_DTYPES, Spec
 from .tuning_data import load_tuned
-from .variants import Variant, reads_quantized_kv
+from .variants import DTYPE_BYTES, Variant, reads_quantized_kv
 
 TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's copy
 PLANNER_SOURCE = Path(planner_core.__file__)
@@ -457,6 +457,7 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
                                      families.fwd_consumer_counts(variant.head_dim, variant.dropout or bool(variant.mods))),
         "gluon_triton": " / ".join(families.GLUON_TRITON),
         "philox_rounds": families.PHILOX_ROUNDS,
+        "dtype_bytes": literal(DTYPE_BYTES),  # the runtime's replanning (_plans) on another GPU
         **{k: v for k, v in context.items()
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
                     "gl_score_offset_raw", "gl_score_offset_log2",
@@ -581,6 +582,7 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
         **registry_context(spec, plans, tuned),
         "tuning_info": literal(tuning_info or {}),
         "philox_rounds": families.PHILOX_ROUNDS,
+        "dtype_bytes": literal(DTYPE_BYTES),  # for _plans' replanning on another GPU
         # a sliding-window-only package applies the spec's window to calls without one
         "default_window": literal((spec.window.left, spec.window.right)
                                   if spec.masks == ("sliding_window",) else None),

@@ -424,7 +424,8 @@ def test_padded_v_cache_rows_at_a_split_head_dim(pkg, poison, n_q, pad):
     v_want = v_cache.clone()
     for b, n in enumerate(lengths):
         v_want[int(table[b, n // 64]), n % 64] = v_new[b, 0]
-    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, tiles=None, k=k_new, v=v_new)
+    out, lse = run(pkg, q, k_cache, v_cache, lengths, causal=True, tiles=None, table=table,
+                   k=k_new, v=v_new)
     assert torch.equal(v_cache, v_want), "the new V rows must reach the caller's cache"
     grown = [n + 1 for n in lengths]
     assert_matches(out, lse, *reference(q, k_cache, v_cache, table, grown, causal=True), dt)

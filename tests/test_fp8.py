@@ -174,6 +174,20 @@ def test_fp8_quantize_and_describe(pkg):
     assert "fwd_causal_d32_fp8_e4m3" in text and "no Gluon fp8 kernel yet" in text
 
 
+def test_fp8_replans_on_a_gpu_it_was_not_planned_for(pkg, monkeypatch):
+    """On a GPU other than the spec's target (an H200 for an H100 spec) the runtime plans
+    each variant again from its dtype's bytes, fp8's too (an H200 found a KeyError here)."""
+    plans = pkg._plans
+    monkeypatch.setattr(plans, "gpu_key", lambda device: ("NVIDIA H200|sm90|132sm", 232448, 132))
+    monkeypatch.setattr(plans, "gluon_ready", lambda device: "not in this test")
+    monkeypatch.setattr(plans, "_configs", {})
+    names = [n for n in plans.VARIANTS if n.endswith("fp8_e4m3")]
+    assert names
+    for name in names:
+        config = plans.launch_config(name, torch.device("cuda", 0), 4096)
+        assert config["block_m"] >= 16 and config["block_n"] >= 16, (name, config)
+
+
 def test_fp8_through_a_call_without_descales_says_where_they_go(pkg):
     """The packed QKV call takes no descales: an fp8 QKV is refused before any launch,
     naming the calls that take fp8 (not a missing-argument error from the launcher)."""

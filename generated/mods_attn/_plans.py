@@ -18,7 +18,7 @@ from ._tma import _descriptor_ready
 
 
 _MASK_WORDS = {"none": "", "causal": "causal", "sliding_window": "window"}
-_DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+_DTYPE_BYTES = {'fp16': 2, 'bf16': 2, 'fp32': 4, 'fp8_e4m3': 1}
 
 
 # ----------------------------------------------------------------------------------------
