@@ -28,7 +28,8 @@ own error against fp32 for scale when --check-fp32 is given).
 
 --oom-seqlen N: one more length, expected not to fit one GPU and to run on all of them
 (the "OOM on one, runs on two" bar); no exactness check there (gathering the shards
-would not fit either). Rank 0 prints a table and writes --out (JSON).
+would not fit either); --oom-skip-one-gpu leaves its one-GPU timing out.
+Rank 0 prints a table and writes --out (JSON).
 
 --api sdpa: (B, H, N, d) tensors through scaled_dot_product_attention and
 ring_scaled_dot_product_attention (shards cut along dim 2) instead of flash-attn's
@@ -64,6 +65,8 @@ def parse():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--oom-seqlen", type=int, default=0)
+    p.add_argument("--oom-skip-one-gpu", action="store_true",
+                   help="do not time one GPU at --oom-seqlen (an H200 fits 1M tokens: ~1 min a step)")
     p.add_argument("--check-fp32", action="store_true")
     p.add_argument("--api", default="flash", choices=("flash", "sdpa"))
     p.add_argument("--docs", type=int, default=0)
@@ -273,7 +276,12 @@ def main():
         row = {"seqlen": n, "world": world, "mask": args.mask, "heads": args.heads,
                "kv_heads": args.kv_heads, "head_dim": args.head_dim, "docs": args.docs,
                "doc_lengths": args.doc_lengths, "layout": args.layout}
-        single = one_gpu(n, args, device, world, keep=(i == 0)) if rank == 0 else None
+        if rank != 0:
+            single = None
+        elif n == args.oom_seqlen and args.oom_skip_one_gpu:
+            single = {"ms": None, "peak_gib": None, "skipped": True}
+        else:
+            single = one_gpu(n, args, device, world, keep=(i == 0))
         dist.barrier()
         if rank == 0:
             row["one_gpu"] = {k: v for k, v in single.items() if k != "tensors"}
@@ -310,7 +318,8 @@ def main():
             f"{s + ' ms':>12} {'frac':>5} {'GiB':>6}" for s in args.strategies.split(",")))
         for row in rows:
             one = row["one_gpu"]
-            line = f"{row['seqlen']:>8} {one['ms'] or 'OOM':>11} {one['peak_gib'] or '-':>6}  "
+            none = "skipped" if one.get("skipped") else "OOM"
+            line = f"{row['seqlen']:>8} {one['ms'] or none:>11} {one['peak_gib'] or '-':>6}  "
             for s in args.strategies.split(","):
                 e = row[s]
                 line += (f"  {e['ms'] or 'OOM':>12} {e.get('fraction_of_one_gpu', '-'):>5} "

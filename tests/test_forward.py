@@ -211,6 +211,7 @@ def test_padded_v_rows_at_split_head_dims(pkg, device, poison, d, pad):
     ((1, 257, 1, 96), (24672, 96, 96, 1), 0, True),        # contiguous
     ((1, 257, 3, 80), (61680, 240, 80, 1), 0, True),       # contiguous d = 80
     ((1, 257, 1, 128), (33153, 129, 129, 1), 0, True),     # no narrow chunk at 128
+    ((1, 257, 1, 40), (10280, 40, 40, 1), 0, True),        # d = 40: a copy is no better
 ])
 def test_which_v_the_forward_reads_in_place(pkg, shape, strides, ptr, in_place):
     class CudaV:  # the attributes v_in_place reads, as a CUDA tensor has them

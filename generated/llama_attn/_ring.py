@@ -452,7 +452,9 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
 
     h_q, h_kv = q.shape[2], k.shape[2]
     per_kv, per_q = h_kv // groups, h_q // groups  # (GQA: a group's query heads follow)
-    dq, dk, dv = _empty_as(q, q.shape), _empty_as(k, k.shape), _empty_as(v, v.shape)
+    kv_dtype = torch.float32 if cfg.get("dkv_fp32") else None
+    dq = _empty_as(q, q.shape)
+    dk, dv = _empty_as(k, k.shape, kv_dtype), _empty_as(v, v.shape, kv_dtype)
     for g in range(groups):
         hq, hk = slice(g * per_q, (g + 1) * per_q), slice(g * per_kv, (g + 1) * per_kv)
         # k, v of the group travel the ring: P2P operations take dense tensors (copies in
@@ -500,7 +502,7 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
         dkv = _ring_masks.direct_backward(k, v, cfg, run)
         dq = dq_acc.to(q.dtype)
         del dq_acc
-        return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+        return dq, *_dkv_out(dkv, k, v, cfg)
     kv = (k, v)
     dkv = arriving = None
     dkv_works = ()
@@ -534,7 +536,16 @@ def _ring_backward_heads(do, q, k, v, out, lse, cfg):
     del arriving
     dq = dq_acc.to(q.dtype)
     del dq_acc  # before the dK/dV conversions: the peak is at the end
-    return dq, dkv[0].to(k.dtype), dkv[1].to(v.dtype)  # (no copy when the sum is 16-bit)
+    return dq, *_dkv_out(dkv, k, v, cfg)
+
+
+def _dkv_out(dkv, k, v, cfg):
+    """A K/V shard's summed (dK, dV) in the inputs' dtypes (no copy when the sum is
+    16-bit), or fp32 for a caller that sums them further (cfg["dkv_fp32"]: the hybrid's
+    replicated K/V heads)."""
+    if cfg.get("dkv_fp32"):
+        return dkv[0].float(), dkv[1].float()
+    return dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 # ----------------------------------------------------------------------------------------

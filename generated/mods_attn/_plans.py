@@ -73,8 +73,11 @@ def v_in_place(v) -> bool:
     narrow chunk's P @ V on Hopper wrong (measured on H100 and H200: d = 96 output columns
     64..95 wrong from the 16th key on, whatever the tile; the interpreter is right). Such V
     is copied to a contiguous tensor first, which only unusual layouts (rows padded by a
-    few elements) ever pay: every natural layout of d = 80 or 96 is aligned."""
-    return (v.shape[-1] % 64 == 0 or v.device.type != "cuda"
+    few elements) ever pay: every natural layout of d = 80 or 96 is aligned. A head dim
+    that is not a multiple of 16 (40 = 32 + 16 padded) is read in place: a copy's rows would
+    be no better aligned (and the decode, which stages a copy and calls itself, would never
+    stop); MLA's d = 24 / v = 40 tests run so on the GPU."""
+    return (v.shape[-1] % 64 == 0 or v.shape[-1] % 16 != 0 or v.device.type != "cuda"
             or (v.data_ptr() % 16 == 0 and all(s % 16 == 0 for s in v.stride()[:-1])))
 
 

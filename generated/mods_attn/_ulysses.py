@@ -309,7 +309,7 @@ class _Hybrid(torch.autograd.Function):
     heads over its ring rank's shard (both zig-zag chunks whole), the ring (`_ring`'s own
     forward and backward, over the ring group) runs on those, and the inverse all-to-all
     returns its rows; the backward mirrors it. A replicated K/V head's dK/dV leave the
-    ring in the input dtype and are summed in fp32, in rank order."""
+    ring in fp32 (ring_cfg's dkv_fp32) and are summed in fp32, in rank order: rounded once."""
 
     @staticmethod
     def forward(ctx, q, k, v, cfg):
@@ -373,8 +373,12 @@ def hybrid(q, k, v, *, group, layout, causal, dropout_p, scale, window, return_l
     rows = _ring_masks.agree(group, 0, facts, rows, error)
     table = (_ring_masks.Table(rows, n_ring, ring_size, layout)
              if cp is not None and cp.table else None)
+    plan = _Plan(a2a, size, layout, h_q, h_kv, hybrid=True)
+    # dkv_fp32: a replicated K/V head's dK/dV leave the ring unrounded, so that the sum over
+    # its replicas rounds once (rounded per replica, 4 x H200 measured 2 ulps off the
+    # single-process call's dV)
     ring_cfg = dict(ring=_ring._Ring(ring_group, j, ring_size), layout=layout, causal=causal,
                     window=window, scale=scale, strategy="ring", grad_sum=grad_sum,
-                    mods=cp.pieces if cp is not None else None, drop=None, cp=cp, table=table)
-    plan = _Plan(a2a, size, layout, h_q, h_kv, hybrid=True)
+                    mods=cp.pieces if cp is not None else None, drop=None, cp=cp, table=table,
+                    dkv_fp32=plan.replicated)
     return _Hybrid.apply(q, k, v, dict(plan=plan, ring_cfg=ring_cfg, return_lse=return_lse))
