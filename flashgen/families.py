@@ -24,9 +24,20 @@ GLUON_TRITON = ("3.6",)
 # sm_90(a) instructions, and Blackwell (sm_100) has different tensor-core instructions
 GLUON_CAPABILITIES = ((9, 0),)
 
-# head dims with a Gluon kernel; 96 is padded to 128 inside the tiles (TMA zero-fills the
-# extra columns): 33% more tensor-core work, still faster than the `tl` kernel at 96
-GLUON_HEAD_DIMS = (64, 96, 128)
+# head dims with a Gluon kernel (Q, K and V alike); 96 is padded to 128 inside the tiles
+# (TMA zero-fills the extra columns): 33% more tensor-core work, still faster than the `tl`
+# kernel at 96. 256 (Gemma 2/3) has its own tiles: LARGE_HEAD_DIM_FWD below.
+GLUON_HEAD_DIMS = (64, 96, 128, 256)
+# (Q/K, V) pairs beside them: DeepSeek-style MLA prefill and training (qk 192 = 128 + 64
+# rotary, v 128), LARGE_HEAD_DIM_FWD too
+GLUON_SPLIT_HEAD_DIMS = ((192, 128),)
+# the head dims of the backward's Gluon kernel: its dK and dV accumulators are [64, d] fp32
+# for each of a consumer's 64 keys, d registers a thread at 128 threads -- 256 of 240 at
+# d = 256 -- so the large head dims need another split of the work (issue 47) and keep
+# the `tl` backward until it exists
+GLUON_BWD_HEAD_DIMS = (64, 96, 128)
+# shared memory one block may use on sm_90 (227 KiB), which every Gluon kernel is for
+GLUON_SHARED_BYTES = 232448
 
 QUERY_ROWS_PER_CONSUMER = 64  # one wgmma M extent per warpgroup
 # Consumer warpgroups of the backward, and of the forward unless said otherwise below
@@ -272,9 +283,43 @@ KEY_SPAN_FWD_KNOBS = {
 DROPOUT_FWD_KNOBS = {"q_buffers": 2}
 
 
+# ----------------------------------------------------------------------------------------
+# The forward's tiles at the large head dims: d = 256 and (qk 192, v 128)
+# ----------------------------------------------------------------------------------------
+# Shared memory, 2-byte elements, sm_90's 232,448 bytes a block (GLUON_SHARED_BYTES):
+#   Q: 2 consumers x 64 rows x d_qk; O staging: 2 x 64 x d_v; the K/V ring: stages x
+#   block_n x (d_qk + d_v); about 1 KiB of barriers.
+#   d = 256: Q 64 KiB, O 64 KiB, 64 KiB a 64-key stage (128 KiB a 128-key one).
+#     128 x 64, 2 stages: 64 + 64 + 128 = 256 KiB, over; with O staged in its consumer's
+#     Q slot once the tile's last S = Q K^T is done (o_in_q) 192 KiB (197,632 bytes).
+#     3 stages or 128-key blocks: 256 KiB even then.
+#   192 / 128: Q 48 KiB (192 columns are three 64-column TMA boxes: qk_boxes), O 32 KiB,
+#     640 bytes a key of a stage.
+#     128 x 128, 2 stages: 48 + 32 + 160 = 240 KiB, over; O in Q: 208 KiB (214,016).
+#     128 x 64, 3 stages: 48 + 32 + 120 = 200 KiB with O apart (a tuner point).
+# Registers a consumer thread (a warpgroup's [64, n] fp32 accumulator is n / 2 of its 128
+# threads' registers), of CONSUMER_REGS = 240:
+#   d = 256, 64 keys: O 128, S 32, the last block's P carried fp32 into the next 32:
+#     192, and ~30 of addresses, row statistics and the softmax's temporaries. 128 keys
+#     would be O 128 + S 64 + P 64 = 256, over, so the 64-key block is the register file's
+#     choice as well as shared memory's.
+#   192 / 128, 128 keys: O 64, S 64, P 64: d = 128's budget (the Q K^T product's third
+#     64-column box is a third wgmma into the same S, no registers).
+# FlashAttention-3 (hopper/tile_size.h; FA4's _tile_size_fwd_sm90 the same) runs 128 x 80
+# at d = 256 and 128 x 128 at 192 / 128, 2 stages, with O aliasing its V buffers (the
+# producer waits for the epilogue before the next tile's first V); here O takes the Q slot
+# instead (the producer waits for it before the next tile's Q), and a Gluon tensor's
+# extents are powers of two, hence 64 keys rather than 80.
+# The tile-boundary knobs measured at d <= 128 (KEY_SPAN_FWD_KNOBS, DROPOUT_FWD_KNOBS: a
+# second Q slot, 64-key blocks) are not applied here: a second Q slot does not fit.
+LARGE_HEAD_DIM_FWD = {(256, 256): {"block_n": 64, "num_stages": 2},
+                      (192, 128): {"block_n": 128, "num_stages": 2}}
+
+
 def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
                   mods: tuple = (), key_span: str | None = None,
-                  dropout: bool = False, bucket: int | None = None) -> dict:
+                  dropout: bool = False, bucket: int | None = None,
+                  v_dim: int | None = None) -> dict:
     """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
     its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS, and dropout at d > 64,
     DROPOUT_FWD_KNOBS). At d <= 64 the forward's
@@ -284,7 +329,11 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     the H100, see GLUON_DEFAULT), in 192-row tiles of three consumers that do take turns
     (THREE_CONSUMER_REGS; +3..+11% over two consumers at N = 2k-16k); so does the causal
     one from the length bucket THREE_CONSUMER_DEFAULT_MASKS names (`bucket`: the call's;
-    None, no length, keeps two consumers), with its key blocks in order."""
+    None, no length, keeps two consumers), with its key blocks in order. d = 256 and
+    (qk 192, v: v_dim 128) take LARGE_HEAD_DIM_FWD's tiles."""
+    large = LARGE_HEAD_DIM_FWD.get((head_dim, v_dim or head_dim))
+    if kind == "fwd" and large is not None:
+        return {**GLUON_DEFAULT, **large}
     if kind == "bwd":
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
@@ -315,7 +364,7 @@ def variant_gluon_default(facts: dict, bucket: int | None = None) -> dict:
     a call's length bucket (None: no length)."""
     return gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
                          tuple(facts.get("mods", ())), facts.get("key_span"),
-                         bool(facts.get("dropout")), bucket)
+                         bool(facts.get("dropout")), bucket, facts.get("v_head_dim"))
 
 
 # The persistent forward's last round, dealt by key block when whole tiles would leave
@@ -374,17 +423,41 @@ def head_dim_pad(head_dim: int) -> int:
     return p
 
 
-def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str) -> str | None:
-    """Why a variant has no Gluon kernel (None when it has one)."""
+def qk_boxes(head_dim: int) -> tuple[int, int]:
+    """(boxes, columns a box) of a Gluon forward's Q and K tiles: TMA boxes and Gluon
+    tensors are powers of two wide, so 192 is three 64-column boxes, S = Q K^T one wgmma a
+    box into the same accumulator (padded to one 256-column box it would be a third more
+    work and, at 128-key blocks, 64 KiB more shared memory than fits); any other head dim
+    is one box of head_dim_pad columns (96: 128, zero-filled)."""
+    pad = head_dim_pad(head_dim)
+    if pad != head_dim and head_dim % 64 == 0:
+        return head_dim // 64, 64
+    return 1, pad
+
+
+def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str,
+                 v_dim: int | None = None) -> str | None:
+    """Why a variant has no Gluon kernel (None when it has one); v_dim: V's head dim where
+    it is not Q's."""
     if kind not in ("fwd", "bwd"):
         return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
     if dtype.startswith("fp8"):
         return f"{dtype}: no Gluon fp8 kernel yet (issue 50); the `tl` kernel runs it"
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
-    if head_dim not in GLUON_HEAD_DIMS:
+    pair = (head_dim, v_dim or head_dim)
+    if pair[0] == pair[1] and head_dim not in GLUON_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
-                f"{', '.join(map(str, GLUON_HEAD_DIMS))}")
+                f"{', '.join(map(str, GLUON_HEAD_DIMS))} and (q/k, v) "
+                f"{', '.join(f'{a}/{b}' for a, b in GLUON_SPLIT_HEAD_DIMS)}")
+    if pair[0] != pair[1] and pair not in GLUON_SPLIT_HEAD_DIMS:
+        return (f"head dims {pair[0]}/{pair[1]} (q/k, v): the Gluon tiles are built for "
+                f"the pairs {', '.join(f'{a}/{b}' for a, b in GLUON_SPLIT_HEAD_DIMS)} and "
+                f"equal dims {', '.join(map(str, GLUON_HEAD_DIMS))}")
+    if kind == "bwd" and (pair[0] != pair[1] or head_dim not in GLUON_BWD_HEAD_DIMS):
+        return (f"head dims {pair[0]}/{pair[1]}: the Gluon backward is built for "
+                f"{', '.join(map(str, GLUON_BWD_HEAD_DIMS))} (its dK, dV accumulators "
+                "are d fp32 registers a thread each; the `tl` backward runs this one)")
     return None
 
 
@@ -413,14 +486,35 @@ def mla_decode_shared_bytes(head_dim: int, dtype_bytes: int, block_n: int,
 
 
 def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int,
-                 q_buffers: int = 1, consumers: int = CONSUMERS) -> int:
+                 q_buffers: int = 1, consumers: int = CONSUMERS, v_dim: int | None = None,
+                 o_in_q: bool = False) -> int:
     """Shared memory of a Gluon forward tile: Q (q_buffers slots) and O staging per
-    consumer, the K/V ring, and the mbarriers (a few hundred bytes; 1 KiB is reserved for
-    them)."""
-    d = head_dim_pad(head_dim)
-    qo = (q_buffers + 1) * consumers * QUERY_ROWS_PER_CONSUMER * d * dtype_bytes
-    kv = 2 * num_buffers * block_n * d * dtype_bytes
+    consumer (none with o_in_q: O is staged in the Q slot), the K/V ring, and the mbarriers
+    (a few hundred bytes; 1 KiB is reserved for them). v_dim: V's head dim where it is not
+    Q's."""
+    boxes, width = qk_boxes(head_dim)
+    d, dv = boxes * width, head_dim_pad(v_dim or head_dim)
+    rows = consumers * QUERY_ROWS_PER_CONSUMER
+    qo = (q_buffers * d + (0 if o_in_q else dv)) * rows * dtype_bytes
+    kv = num_buffers * block_n * (d + dv) * dtype_bytes
     return qo + kv + 1024
+
+
+def o_in_q(config: dict, head_dim: int, v_dim: int | None = None, dtype_bytes: int = 2) -> bool:
+    """Whether a Gluon forward config stages each consumer's output in its Q slot (the
+    kernel's O_IN_Q; LARGE_HEAD_DIM_FWD says why): at head dims above 128, where an output
+    buffer of its own does not fit in sm_90's shared memory beside the config's Q slots and
+    K/V ring. (At d <= 128 the measured kernels keep their own buffer: with one the next
+    tile's Q loads while this tile's output is still being stored.)"""
+    v_dim = v_dim or head_dim
+    boxes, width = qk_boxes(head_dim)
+    if max(head_dim, v_dim) <= 128 or head_dim_pad(v_dim) > boxes * width:
+        return False  # (an output wider than the Q slot could not be staged there)
+    need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"],
+                        config.get("q_buffers", GLUON_DEFAULT["q_buffers"]),
+                        config.get("block_m", CONSUMERS * QUERY_ROWS_PER_CONSUMER)
+                        // QUERY_ROWS_PER_CONSUMER, v_dim)
+    return need > GLUON_SHARED_BYTES
 
 
 def bwd_shared_bytes(head_dim: int, dtype_bytes: int, block_m: int, num_buffers: int) -> int:
@@ -494,10 +588,12 @@ def consumer_reason(config: dict, consumers: tuple = (CONSUMERS,)) -> str | None
 
 
 def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int,
-                  consumers: tuple = (CONSUMERS,)) -> str | None:
+                  consumers: tuple = (CONSUMERS,), v_dim: int | None = None) -> str | None:
     """Why a Gluon launch config cannot run (None when it can): the tile shape is fixed by
     the warpgroups (`consumers`: the counts the variant's kernel is rendered for,
-    fwd_consumer_counts), and the whole tile must fit in one block's shared memory."""
+    fwd_consumer_counts), and the whole tile must fit in one block's shared memory (v_dim:
+    V's head dim where it is not Q's; at the large head dims the output may be staged in
+    the Q slots, o_in_q)."""
     reason = consumer_reason(config, consumers)
     if reason is not None:
         return reason
@@ -511,8 +607,12 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
     q_buffers = config.get("q_buffers", GLUON_DEFAULT["q_buffers"])
     if q_buffers not in (1, 2):
         return "q_buffers (Q slots per consumer) must be 1 or 2"
+    staged = o_in_q(config, head_dim, v_dim, dtype_bytes)
+    if staged and config.get("overlap", GLUON_DEFAULT["overlap"]):
+        return ("overlap stores a tile's output during the next tile, whose Q then fills the "
+                "slot the output is staged in at this head dim (o_in_q)")
     need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"],
-                        q_buffers, n_consumers)
+                        q_buffers, n_consumers, v_dim, staged)
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
     return None

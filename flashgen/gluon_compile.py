@@ -174,12 +174,13 @@ def _compile_sm90(fn, name: str, tile: str, const: dict, pointers: dict, num_war
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                     mod_types: dict | None = None, varlen: bool = False,
-                    persistent: bool = False) -> GluonResources:
+                    persistent: bool = False, v_dim: int | None = None) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
     the signature types of the variant's mod arguments, see mod_arg_types; varlen: the
     packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one; persistent:
     a block-mask backward's PERSISTENT form, its WORK counter an int32 pointer -- the
-    runtime's GLUON_BWD_PERSISTENT_MASKS -- else WORK is None, as the runtime passes it)."""
+    runtime's GLUON_BWD_PERSISTENT_MASKS -- else WORK is None, as the runtime passes it;
+    v_dim: V's head dim where it is not Q's)."""
     from triton.experimental.gluon import language as gl
 
     fn = getattr(module, f"{name}_kernel")
@@ -234,8 +235,10 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         descriptors = {arg: _descriptor_type(dt, box, const[lay])
                        for arg, (box, lay, dt) in boxes.items()}
     else:
-        q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, d_pad]
-        kv_box = [1, 1, config["block_n"], d_pad]
+        # (as the runtime's _gluon_forward_launcher: Q and K in qk_boxes, O's and V's
+        # boxes take the same layouts)
+        q_box = [1, 1, families.QUERY_ROWS_PER_CONSUMER, families.qk_boxes(head_dim)[1]]
+        kv_box = [1, 1, config["block_n"], families.qk_boxes(head_dim)[1]]
         const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                      NUM_BUFFERS=config["num_stages"], PINGPONG=bool(config.get("pingpong", True)),
                      Q_BUFFERS=int(config.get("q_buffers", families.GLUON_DEFAULT["q_buffers"])),
@@ -245,7 +248,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      **regs,
                      QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gdtype),
                      KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype),
-                     VARLEN=varlen)
+                     VARLEN=varlen, O_IN_Q=families.o_in_q(config, head_dim, v_dim))
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
         descriptors = {}
         # what the runtime launches: a dense band's tiles dealt by the host's table, a
@@ -280,6 +283,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         f" poly-exp2 1/{config['poly_exp2']}" if config.get("poly_exp2") else "") + (
         " stream-k" if const.get("STREAM_K") else "") + (
         " philox-split" if const.get("PHILOX_SPLIT") else "") + (
+        " o-in-q" if const.get("O_IN_Q") else "") + (
         " persistent" if const.get("PERSISTENT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
@@ -338,7 +342,8 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
                 continue
             for packed in (False, True) if varlen else (False,):
                 res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
-                                      mod_arg_types(registry, name)[0], varlen=packed)
+                                      mod_arg_types(registry, name)[0], varlen=packed,
+                                      v_dim=facts.get("v_head_dim"))
                 if log:
                     log(res.row())
                 out.append(res)

@@ -378,9 +378,8 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
         return ("a mod reading a [q, kv] tile (a bias) is staged through shared memory by "
                 "the `tl` kernel; the Gluon kernels would gather it in registers")
-    if variant.v_dim != variant.head_dim and variant.kind in ("fwd", "bwd"):
-        return "V's head dim differs from Q's: the `tl` kernels only so far"
-    return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype)
+    return families.gluon_reason(variant.kind, variant.dropout, variant.head_dim, variant.dtype,
+                                 variant.v_dim)
 
 
 def gluon_decode_reason(variant: Variant) -> str | None:
@@ -433,6 +432,12 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "name": variant.name,
         "head_dim": variant.head_dim,
         "head_dim_pad": families.head_dim_pad(variant.head_dim),
+        # the forward's Q/K tiles as TMA boxes (192: three of 64 columns), V's own dims
+        "qk_boxes": families.qk_boxes(variant.head_dim)[0],
+        "qk_box": families.qk_boxes(variant.head_dim)[1],
+        "qk_cols": families.qk_boxes(variant.head_dim)[0] * families.qk_boxes(variant.head_dim)[1],
+        "v_dim": variant.v_dim,
+        "v_dim_pad": families.head_dim_pad(variant.v_dim),
         "dtype": variant.dtype,
         "mask": variant.mask,
         "dropout": variant.dropout,

@@ -186,10 +186,16 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
         facts["head_dim"], bool(facts.get("dropout") or facts.get("mods"))))
     if why is not None:
         raise ValueError(f"{PACKAGE}: launch config {dict(cfg)} of `{name}`: {why}")
-    d_pad = _families.head_dim_pad(d)
+    # Q's and K's boxes (192: three of 64 columns, _families.qk_boxes); V's and O's are as
+    # wide as their own head dim's tile and take the same shared layouts (asserted)
+    d_v = facts.get("v_head_dim") or facts["head_dim"]
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, d_pad]
-    kv_box = [1, 1, cfg["block_n"], d_pad]
+    q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, _families.qk_boxes(d)[1]]
+    kv_box = [1, 1, cfg["block_n"], _families.qk_boxes(d)[1]]
+    layouts = dict(QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
+                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype))
+    assert layouts["QO_LAYOUT"] == gl.NVMMASharedLayout.get_default_for(
+        q_box[:3] + [_families.head_dim_pad(d_v)], gl_dtype), "O's box takes Q's layout"
     consumer_regs, producer_regs = _families.regs(cfg)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 PINGPONG=bool(cfg.get("pingpong", True)),
@@ -198,10 +204,10 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
                 OVERLAP=bool(cfg.get("overlap", _families.GLUON_DEFAULT["overlap"])),
                 DIAG_FIRST=bool(cfg.get("diag_first", _families.GLUON_DEFAULT["diag_first"])),
                 POLY_EXP2=int(cfg.get("poly_exp2", _families.GLUON_DEFAULT["poly_exp2"])),
-                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
-                KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
-                VARLEN=varlen, TILE_TABLE=table, STREAM_K=stream_k, num_warps=4)
+                CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, **layouts,
+                VARLEN=varlen, TILE_TABLE=table, STREAM_K=stream_k,
+                # the large head dims stage O in the Q slots (_families.o_in_q)
+                O_IN_Q=_families.o_in_q(cfg, d, d_v), num_warps=4)
     # persistent: one program per SM walks its share of the tiles; else one per tile
     grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
     return Launcher(kernel(name, family="gluon"), grid, meta)
@@ -285,7 +291,7 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         _descriptor_allocator()
     if tma == _GLUON:
         if launch.meta["STREAM_K"]:
-            args = (*args[:-2], *_sk_workspace(launch, q.device, q.shape[-1]))
+            args = (*args[:-2], *_sk_workspace(launch, q.device, v.shape[-1]))
         lists = mods.sparse(*sparse, lo, hi, merged=True) if sparse else ()
         if sparse and launch.meta["TILE_TABLE"]:  # a block mask's deal, from its lists
             table = mods.tile_table(lists, *sparse[:3], lo, hi, launch.grid[0],

@@ -64,6 +64,14 @@ end), so the blocks that straddle the band's right edge (under a causal mask: th
 come first: the first block, which no P V product overlaps, takes the mask arithmetic, and
 the running max starts from the diagonal's scores.
 
+Head dims: HEAD_DIM is Q's and K's, HEAD_DIM_V V's and the output's (MLA's 192 / 128 differ).
+A tile is a power of two wide (d = 96 runs 128 columns, zero-filled by TMA), but Q and K at
+192 are three 64-column boxes, and S = Q K^T a wgmma a box into one accumulator. At the
+large head dims (O_IN_Q; families.LARGE_HEAD_DIM_FWD has the arithmetic) an output buffer
+and the Q slots do not both fit beside a 2-deep K/V ring: a consumer stages its output in
+its Q slot once the tile's last S = Q K^T is done, and hands the slot to the producer for
+the next tile's Q only when the store has left it.
+
 Tensors are read through 4-D TMA descriptors over (batch, head, sequence, head dim), made on
 the device by each program, so any
 strides work as long as TMA accepts them (16-byte aligned base and row strides; the
@@ -91,9 +99,17 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
 # ----------------------------------------------------------------------------------------
-HEAD_DIM = gl.constexpr(64)
-# the tiles' head dim: a power of two; TMA zero-fills the columns past HEAD_DIM
+HEAD_DIM = gl.constexpr(64)  # Q's and K's
+# the Q and K tiles' head dim: QK_BOXES TMA boxes of QK_BOX columns (a power of two; TMA
+# zero-fills the columns past HEAD_DIM: d=96 runs 128-wide tiles), and S = Q K^T one
+# wgmma a box (families.qk_boxes: 192 is three boxes of 64, not one of 256)
 HEAD_DIM_PAD = gl.constexpr(64)
+QK_BOX = gl.constexpr(64)
+QK_BOXES = gl.constexpr(1)
+# V's and the output's head dim (HEAD_DIM but for split dims such as MLA's 192 / 128), and
+# the width of the V tiles and the O accumulator: a power of two
+HEAD_DIM_V = gl.constexpr(64)
+HEAD_DIM_V_PAD = gl.constexpr(64)
 # Whether the band has a lower edge (sliding window) and an upper edge (causal / window).
 MASK_LEFT = gl.constexpr(False)
 MASK_RIGHT = gl.constexpr(True)
@@ -347,7 +363,7 @@ def _store_tma(desc_o, o_buf, o, db, h, row):
     """A consumer's SPLIT_M output rows from `row` on, through its staging buffer and TMA
     (a box past the end of N_Q stores nothing there)."""
     tma.store_wait(0)  # this consumer's previous output has left the buffer
-    o_buf.reshape([SPLIT_M, HEAD_DIM_PAD]).store(o)
+    o_buf.reshape([SPLIT_M, HEAD_DIM_V_PAD]).store(o)
     fence_async_shared()
     tma.async_copy_shared_to_global(desc_o, [db, h, row, 0], o_buf)
 
@@ -361,18 +377,23 @@ def _store_rows(O, o_buf, o, h, row, n_rows, stride_oh, stride_om):
     straight from the accumulator's layout spilled ~490 bytes a thread, and failed to
     lower at all when mixed with the TMA path.)"""
     tma.store_wait(0)  # this consumer's previous output has left the buffer
-    buf = o_buf.reshape([SPLIT_M, HEAD_DIM_PAD])
+    buf = o_buf.reshape([SPLIT_M, HEAD_DIM_V_PAD])
     buf.store(o)
-    cols_t: gl.constexpr = HEAD_DIM_PAD // 8  # threads along a row, 8 elements each
+    # threads along a row, 8 elements each (at most a warp's 32: 256 columns)
+    cols_t: gl.constexpr = HEAD_DIM_V_PAD // 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_t, cols_t], [4, 1], [1, 0])
     r = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
-    c = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, layout))
+    c = gl.arange(0, HEAD_DIM_V_PAD, layout=gl.SliceLayout(0, layout))
     base = O + h.to(gl.int64) * stride_oh + row.to(gl.int64) * stride_om
-    offs = gl.expand_dims(r * stride_om, 1) + gl.expand_dims(c, 0)
+    # (+ zero: n_rows' minimum with 0, which the compiler cannot see is 0, keeps the offsets
+    # from being hoisted out of the tile loop and held on the stack across it: at d = 256
+    # 376 stack bytes a thread without it, 64 with)
+    zero = gl.minimum(n_rows, 0)
+    offs = gl.expand_dims(r * stride_om, 1) + gl.expand_dims(c + zero, 0)
     for r0 in gl.static_range(0, SPLIT_M, 16):
         part = buf.slice(r0, 16).load(layout)
         gl.store(base + r0 * stride_om + offs, part,
-                 mask=gl.expand_dims(r0 + r < n_rows, 1) & gl.expand_dims(c < HEAD_DIM, 0))
+                 mask=gl.expand_dims(r0 + r < n_rows, 1) & gl.expand_dims(c < HEAD_DIM_V, 0))
 
 
 # ----------------------------------------------------------------------------------------
@@ -543,10 +564,13 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
             qph = (k // Q_BUFFERS) & 1
         for c in gl.static_range(NUM_CONSUMERS):
             # consumer c has finished the S = Q K^T products of the last tile in this slot
+            # (with O_IN_Q: the tile before has also stored its output from this slot)
             mbarrier.wait(q_empty.index(qb + c), qph ^ 1)
-            mbarrier.expect(q_ready.index(qb + c), desc_q.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m_start + c * SPLIT_M, 0],
-                                            q_ready.index(qb + c), q_smem.index(qb + c))
+            mbarrier.expect(q_ready.index(qb + c), QK_BOXES * desc_q.block_type.nbytes)
+            for i in gl.static_range(QK_BOXES):
+                tma.async_copy_global_to_shared(desc_q, [db, h, q0 + m_start + c * SPLIT_M, i * QK_BOX],
+                                                q_ready.index(qb + c),
+                                                q_smem.index((qb + c) * QK_BOXES + i))
         if DIAG_FIRST:
             mirror = lo + lo + ((hi - lo - 1) // BLOCK_N) * BLOCK_N  # lo + the last block's start
         for n_up in range(lo, hi, BLOCK_N):
@@ -557,8 +581,10 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
             ph = (cnt // NUM_BUFFERS) & 1
             # K and V have barriers of their own, so S = Q K^T can start before V lands
             mbarrier.wait(k_empty.index(s), ph ^ 1)
-            mbarrier.expect(k_full.index(s), desc_k.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n0, 0], k_full.index(s), k_smem.index(s))
+            mbarrier.expect(k_full.index(s), QK_BOXES * desc_k.block_type.nbytes)
+            for i in gl.static_range(QK_BOXES):
+                tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n0, i * QK_BOX], k_full.index(s),
+                                                k_smem.index(s * QK_BOXES + i))
             mbarrier.wait(v_empty.index(s), ph ^ 1)
             mbarrier.expect(v_full.index(s), desc_v.block_type.nbytes)
             tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n0, 0], v_full.index(s), v_smem.index(s))
@@ -676,15 +702,15 @@ def _softmax_step(qk, m_i, l_i, n0, rows, cols, N_K, LO_OFF, HI_OFF, qk_scale, P
 
 @gluon.jit
 def _sk_slot(SK_WS, SK_FLAGS, slot, row_s: gl.constexpr, o_layout: gl.constexpr):
-    """STREAM_K: the pointers of a part's slot in the workspace: its [SPLIT_M, HEAD_DIM_PAD]
+    """STREAM_K: the pointers of a part's slot in the workspace: its [SPLIT_M, HEAD_DIM_V_PAD]
     unnormalised O in the accumulator's layout, its row max (raw units) and row sum (l = m
     + SPLIT_M), and its counter (SK_FLAGS + slot * SK_FLAG_STRIDE) once per thread of the
     warpgroup."""
-    base = SK_WS + slot.to(gl.int64) * (SPLIT_M * (HEAD_DIM_PAD + 2))
+    base = SK_WS + slot.to(gl.int64) * (SPLIT_M * (HEAD_DIM_V_PAD + 2))
     r = gl.arange(0, SPLIT_M, layout=gl.SliceLayout(1, o_layout))
-    c = gl.arange(0, HEAD_DIM_PAD, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = base + gl.expand_dims(r * HEAD_DIM_PAD, 1) + gl.expand_dims(c, 0)
-    m_ptrs = base + SPLIT_M * HEAD_DIM_PAD + gl.arange(0, SPLIT_M, layout=row_s)
+    c = gl.arange(0, HEAD_DIM_V_PAD, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = base + gl.expand_dims(r * HEAD_DIM_V_PAD, 1) + gl.expand_dims(c, 0)
+    m_ptrs = base + SPLIT_M * HEAD_DIM_V_PAD + gl.arange(0, SPLIT_M, layout=row_s)
     one_each: gl.constexpr = gl.BlockedLayout([1], [32], [SK_THREADS // 32], [0])
     ones = gl.full([SK_THREADS], 1, gl.int32, layout=one_each)
     return o_ptrs, m_ptrs, SK_FLAGS + slot * SK_FLAG_STRIDE + ones * 0, ones
@@ -764,12 +790,13 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
               stride_om, CID: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, POLY_EXP2: gl.constexpr,
-              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
-    # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_PAD]
+              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr,
+              O_IN_Q: gl.constexpr):
+    # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_V_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM_PAD, 16])
+                                                       instr_shape=[16, HEAD_DIM_V_PAD, 16])
     # P as the register A operand of O += P V
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
@@ -779,13 +806,17 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
     # three consumers hold 160 registers each: P leaves fp32 (64 a thread) for the operand's
     # dtype (32) as soon as nothing in flight still reads the last block's P; with fp32 P
     # carried into the next block beside its S and O, ptxas serialised the wgmmas (C7512)
-    EARLY_P: gl.constexpr = NUM_CONSUMERS > 2
     # and a block that straddles the band's right edge (a causal diagonal, a ragged end)
     # is masked by one compare an element against a bound a row (_softmax_step): with two,
-    # ptxas spilled in the key loop at 160 registers (causal 136 bytes, 12 LDL/STL a block)
-    ROW_BOUND: gl.constexpr = NUM_CONSUMERS > 2
+    # ptxas spilled in the key loop at 160 registers (causal 136 bytes, 12 LDL/STL a block).
+    # Both also where S = Q K^T takes several boxes (192: three wgmma chains, their
+    # shared-memory descriptors live across the key loop): the qk 192 / v 128 kernels
+    # spilled 1-8 LDL/STL a block in the key loop without them, 0 with them
+    EARLY_P: gl.constexpr = (NUM_CONSUMERS > 2) or (QK_BOXES > 1)
+    ROW_BOUND: gl.constexpr = (NUM_CONSUMERS > 2) or (QK_BOXES > 1)
     nxt: gl.constexpr = (CID + 1) % NUM_CONSUMERS
-    o_buf = o_smem.index(CID)
+    if not O_IN_Q:
+        o_buf = o_smem.index(CID)
 
     cnt = 0
     tphase = 0
@@ -794,7 +825,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         # the last tile's normalised output and what its stores need: they run behind the
         # next tile's first S = Q K^T, so the tensor cores work while its rows go out
         zero_i = gl.program_id(0) * 0
-        o_p = gl.zeros([SPLIT_M, HEAD_DIM_PAD], dtype, layout=o_layout)
+        o_p = gl.zeros([SPLIT_M, HEAD_DIM_V_PAD], dtype, layout=o_layout)
         lse_p = gl.full([SPLIT_M], float("-inf"), gl.float32, layout=row_s)
         db_p = zero_i
         h_p = zero_i
@@ -835,13 +866,20 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         else:
             qb = (k % Q_BUFFERS) * NUM_CONSUMERS + CID
             qph = (k // Q_BUFFERS) & 1
-        q_buf = q_smem.index(qb).reshape([SPLIT_M, HEAD_DIM_PAD])
+        q_buf = q_smem.index(qb * QK_BOXES).reshape([SPLIT_M, QK_BOX])
+        if O_IN_Q:
+            # the output is staged in this tile's Q slot once its last S = Q K^T is done
+            # (families.o_in_q: where a buffer of its own does not fit): its first
+            # HEAD_DIM_V_PAD columns' bytes, the [SPLIT_M, HEAD_DIM_V_PAD] box laid out as
+            # the Q boxes are (64-column blocks of 128-byte swizzled rows, one after another)
+            o_buf = q_smem.index(qb * QK_BOXES)._reinterpret(dtype, [1, 1, SPLIT_M, HEAD_DIM_V_PAD],
+                                                           q_smem.layout)
         bh = b * H_Q + h
         row0 = m_start + CID * SPLIT_M  # this consumer's first query row
 
         m_i = gl.full([SPLIT_M], float("-inf"), gl.float32, layout=row_s)  # running max (raw)
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, layout=row_s)  # running sum
-        acc = gl.zeros([SPLIT_M, HEAD_DIM_PAD], gl.float32, layout=o_layout)
+        acc = gl.zeros([SPLIT_M, HEAD_DIM_V_PAD], gl.float32, layout=o_layout)
         zero_s = gl.zeros([SPLIT_M, BLOCK_N], gl.float32, layout=s_layout)
         mbarrier.wait(q_ready.index(qb), qph)
 
@@ -855,10 +893,14 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
             mbarrier.wait(k_full.index(s), ph)
-            k_buf = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM_PAD])
+            k_buf = k_smem.index(s * QK_BOXES).reshape([BLOCK_N, QK_BOX])
             if PINGPONG:
                 mbarrier.wait(turn.index(CID), turn_phase)
             qk = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            for i in gl.static_range(1, QK_BOXES):  # the head dim's other boxes (192: 64 + 64 + 64)
+                qk = warpgroup_mma(q_smem.index(qb * QK_BOXES + i).reshape([SPLIT_M, QK_BOX]),
+                                   k_smem.index(s * QK_BOXES + i).reshape([BLOCK_N, QK_BOX]).permute((1, 0)),
+                                   qk, is_async=True)
             if PINGPONG:
                 mbarrier.arrive(turn.index(nxt), count=1)
                 turn_phase ^= 1
@@ -892,14 +934,18 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 s = cnt % NUM_BUFFERS
                 ph = (cnt // NUM_BUFFERS) & 1
                 mbarrier.wait(k_full.index(s), ph)
-                k_buf = k_smem.index(s).reshape([BLOCK_N, HEAD_DIM_PAD])
+                k_buf = k_smem.index(s * QK_BOXES).reshape([BLOCK_N, QK_BOX])
                 if PINGPONG:
                     mbarrier.wait(turn.index(CID), turn_phase)
                 # issue this block's S = Q K^T ...
                 qk = warpgroup_mma(q_buf, k_buf.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                for i in gl.static_range(1, QK_BOXES):
+                    qk = warpgroup_mma(q_smem.index(qb * QK_BOXES + i).reshape([SPLIT_M, QK_BOX]),
+                                       k_smem.index(s * QK_BOXES + i).reshape([BLOCK_N, QK_BOX]).permute((1, 0)),
+                                       qk, is_async=True)
                 # ... and the previous block's O += P V behind it
                 mbarrier.wait(v_full.index(v_s), v_ph)
-                v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_PAD])
+                v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_V_PAD])
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
                 if PINGPONG:
@@ -926,10 +972,12 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 v_ph = ph
                 cnt += 1
             # every S = Q K^T of this tile is done: the producer may load the next tile's Q
-            mbarrier.arrive(q_empty.index(qb), count=1)
+            # (O_IN_Q: once the output has left the slot too, at the end of the tile)
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(qb), count=1)
             # the last block's O += P V
             mbarrier.wait(v_full.index(v_s), v_ph)
-            v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_PAD])
+            v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_V_PAD])
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
@@ -940,7 +988,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 mbarrier.wait(turn.index(CID), turn_phase)
                 mbarrier.arrive(turn.index(nxt), count=1)
                 turn_phase ^= 1
-            mbarrier.arrive(q_empty.index(qb), count=1)
+            if not O_IN_Q:
+                mbarrier.arrive(q_empty.index(qb), count=1)
             if OVERLAP:
                 if k > 0:  # (no product to hide them behind)
                     _store_tile(o_p, lse_p, db_p, h_p, q0_p, n_q_p, row0_p, desc_o, o_buf, O, LSE,
@@ -992,6 +1041,12 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                         _store_tma(desc_o, o_buf, o.to(dtype), db, h, q0 + row0)
                 else:
                     _store_tma(desc_o, o_buf, o.to(dtype), db, h, row0)
+        if O_IN_Q:
+            # the output has left this tile's Q slot (TMA has read it; VARLEN: every warp has
+            # read its rows back): the producer may load the next tile's Q into it
+            tma.store_wait(0)
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty.index(qb), count=1)
         tphase ^= 1
     if OVERLAP:
         if n_tiles > 0:  # the last tile's stores: no next tile to hide them behind
@@ -1053,11 +1108,17 @@ def fwd_causal_d64_bf16_kernel(
     POLY_EXP2: gl.constexpr,  # 1 / POLY_EXP2 of P's columns by a cubic on the FMA units (0: none)
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
-    QO_LAYOUT: gl.constexpr,  # shared-memory layouts of the [1, 1, rows, HEAD_DIM_PAD] boxes
+    # shared-memory layouts of the [1, 1, rows, columns] boxes: Q's and O's, K's and V's (the
+    # same 128-byte swizzle for either box of a pair: every box is at least 64 two-byte
+    # columns wide)
+    QO_LAYOUT: gl.constexpr,
     KV_LAYOUT: gl.constexpr,
     VARLEN: gl.constexpr,  # a packed ragged batch (flash_attn_varlen_func); False: dense
     TILE_TABLE: gl.constexpr,  # walk the tiles TILE_ORDER deals (band or block masks, persistent grid)
     STREAM_K: gl.constexpr,  # deal the last rounds by key block (no band, persistent grid)
+    # stage each consumer's output in its Q slot, not in a buffer of its own (families.o_in_q:
+    # the large head dims, where both do not fit beside a 2-deep K/V ring)
+    O_IN_Q: gl.constexpr,
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
     # persistent grid) rather than encoded by the host on every call, which cost ~30 us of
@@ -1069,24 +1130,29 @@ def fwd_causal_d64_bf16_kernel(
         desc_b = 1
     desc_q = tma.make_tensor_descriptor(Q, [desc_b, H_Q, N_Q, HEAD_DIM],
                                         [stride_qb, stride_qh, stride_qm, 1],
-                                        [1, 1, SPLIT_M, HEAD_DIM_PAD], QO_LAYOUT)
-    desc_o = tma.make_tensor_descriptor(O, [desc_b, H_Q, N_Q, HEAD_DIM],
+                                        [1, 1, SPLIT_M, QK_BOX], QO_LAYOUT)
+    desc_o = tma.make_tensor_descriptor(O, [desc_b, H_Q, N_Q, HEAD_DIM_V],
                                         [stride_ob, stride_oh, stride_om, 1],
-                                        [1, 1, SPLIT_M, HEAD_DIM_PAD], QO_LAYOUT)
+                                        [1, 1, SPLIT_M, HEAD_DIM_V_PAD], QO_LAYOUT)
     desc_k = tma.make_tensor_descriptor(K, [desc_b, H_Q // KV_GROUP, N_K, HEAD_DIM],
                                         [stride_kb, stride_kh, stride_kn, 1],
-                                        [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
-    desc_v = tma.make_tensor_descriptor(V, [desc_b, H_Q // KV_GROUP, N_K, HEAD_DIM],
+                                        [1, 1, BLOCK_N, QK_BOX], KV_LAYOUT)
+    desc_v = tma.make_tensor_descriptor(V, [desc_b, H_Q // KV_GROUP, N_K, HEAD_DIM_V],
                                         [stride_vb, stride_vh, stride_vn, 1],
-                                        [1, 1, BLOCK_N, HEAD_DIM_PAD], KV_LAYOUT)
+                                        [1, 1, BLOCK_N, HEAD_DIM_V_PAD], KV_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
-    # Q (Q_BUFFERS slots) and O staging per consumer ([1, 1, SPLIT_M, HEAD_DIM_PAD] boxes), the
-    # K/V ring
-    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS] + desc_q.block_type.shape,
+    gl.static_assert(not (O_IN_Q and OVERLAP), "OVERLAP stores a tile's output during the next tile, "
+                     "whose Q is then in the slot O_IN_Q stages it in")
+    # Q (Q_BUFFERS slots per consumer, QK_BOXES boxes a slot) and O staging per consumer
+    # ([1, 1, SPLIT_M, HEAD_DIM_V_PAD] boxes; with O_IN_Q, the Q slots), the K/V ring
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFFERS * NUM_CONSUMERS * QK_BOXES] + desc_q.block_type.shape,
                                        desc_q.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_k.block_type.shape, desc_k.layout)
+    if O_IN_Q:
+        o_smem = q_smem  # (unused: _consumer stages O in its tile's Q slot)
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [NUM_CONSUMERS] + desc_o.block_type.shape, desc_o.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS * QK_BOXES] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS] + desc_v.block_type.shape, desc_v.layout)
     bar_layout: gl.constexpr = mbarrier.MBarrierLayout()
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS * NUM_CONSUMERS, 1], bar_layout)
@@ -1119,21 +1185,21 @@ def fwd_causal_d64_bf16_kernel(
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 2, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                          k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                          NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
@@ -1147,14 +1213,14 @@ def fwd_causal_d64_bf16_kernel(
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                          k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                          NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
