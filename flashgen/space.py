@@ -48,6 +48,9 @@ class Facts:
     # bytes the variant's mods read per score element as [block_m, block_n] tiles (a bias:
     # planner_core.smem_estimate stages them, as the package plans such a variant)
     score_bytes: int = 0
+    # V's head dim where it is not Q's (MLA's 192 / 128: head_dim is then the larger, Q's,
+    # as the planner's; the Gluon forward's shared memory counts each, families.config_reason)
+    v_head_dim: int | None = None
 
 
 Predicate = Callable[[Mapping[str, Any], Facts], "str | None"]
@@ -266,7 +269,7 @@ class Space:
             else:
                 reason = families.config_reason(config, self.facts.head_dim,
                                                 self.facts.dtype_bytes, self.facts.sram_bytes,
-                                                self.facts.consumers)
+                                                self.facts.consumers, self.facts.v_head_dim)
         else:
             reason = self.tile_reasons.get(tile, "not a planner candidate")
         if reason is not None:
@@ -349,17 +352,19 @@ def space_for(kind: str, head_dim: int, dtype_bytes: int, sram_bytes: int,
               knobs: Mapping[str, tuple[Knob, ...]] | None = None,
               gluon: str | None = "no Gluon kernel considered",
               mask: str | None = None, block_sparse: bool = False,
-              consumers: tuple = (families.CONSUMERS,), score_bytes: int = 0) -> Space:
+              consumers: tuple = (families.CONSUMERS,), score_bytes: int = 0,
+              v_head_dim: int | None = None) -> Space:
     """The search space of a `kind` kernel at `head_dim` on a GPU with `sram_bytes` of shared
     memory per block. `gluon`: why the variant cannot run a Gluon kernel on this GPU and
     Triton (None when it can: the space then holds the Gluon family's points too).
-    `score_bytes`: what the variant's mods read per score element as a tile (Facts). Raises
-    ValueError (the planner's message) if no tile fits."""
+    `score_bytes`: what the variant's mods read per score element as a tile (Facts);
+    `v_head_dim`: V's head dim where it is not Q's (Facts). Raises ValueError (the
+    planner's message) if no tile fits."""
     plan = planner_core.plan(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                              arch=_arch(capability), score_bytes=score_bytes)
     facts = Facts(kind, head_dim, dtype_bytes, sram_bytes, sm_count,
                   tuple(capability) if capability is not None else None, gluon, mask,
-                  block_sparse, tuple(consumers), score_bytes)
+                  block_sparse, tuple(consumers), score_bytes, v_head_dim)
     return Space(
         facts=facts,
         knobs=tuple((KNOBS if knobs is None else knobs).get(kind, ())),

@@ -178,13 +178,14 @@ def _space(kind, facts, gpu: GpuInfo, mod_kinds=(), no_gluon: str | None = None)
                                               bool(facts.get("dropout") or facts.get("mods")))
                  if kind == "fwd" else (families.CONSUMERS,))
     # tiles are planned for the larger of Q's and V's head dims, as the package plans them
-    # (an MLA variant's V has its own; its kernels are `tl` only, so no Gluon points)
+    # (an MLA variant's V has its own: the Gluon forward's points count each, v_head_dim)
     plan_dim = max(facts["head_dim"], facts.get("v_head_dim") or 0)
     return space_for(kind, plan_dim, DTYPE_BYTES[facts["dtype"]], gpu.sram_bytes,
                      gpu.sm_count, gpu.capability,
                      gluon=no_gluon or gluon_here(kind, facts, gpu),
                      mask=facts.get("mask"), block_sparse="mask" in mod_kinds,
-                     consumers=consumers, score_bytes=facts.get("score_bytes", 0))
+                     consumers=consumers, score_bytes=facts.get("score_bytes", 0),
+                     v_head_dim=facts.get("v_head_dim"))
 
 
 
@@ -195,7 +196,7 @@ def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
     import triton
 
     reason = families.gluon_reason(kind, facts.get("dropout", False), facts["head_dim"],
-                                   facts["dtype"])
+                                   facts["dtype"], facts.get("v_head_dim"))
     if reason is None and kind == "bwd" and torch.are_deterministic_algorithms_enabled():
         # the package sends such a call to `tl` (runtime.gluon_backward_reason): a Gluon
         # point would time the planner's `tl` kernels under the Gluon family's name

@@ -199,6 +199,24 @@ def test_flops_formula():
     assert suites.flops(1, 1, 10, 10, 8, True, "bwd") == 2.5 * 1600
     # 1 ms at B=1, H=16, N=16k, d=128, non-causal fwd = 2.2e15 FLOP/s
     assert suites.tflops(1.0, 1, 16, 16384, 128, False, "fwd") == pytest.approx(2199.02, abs=0.01)
+    # V with a head dim of its own: Q K^T at d, P V at dv
+    assert suites.flops(1, 1, 10, 10, 192, False, "fwd", 128) == 2 * 100 * (192 + 128)
+
+
+def test_bench_times_a_specs_split_head_dims():
+    """A --spec pair {qk: 192, v: 128}: the training suite's cases carry V's head dim (the
+    runner makes V that wide, and counts P V's FLOPs at it) and say so in their label; the
+    bundled large-dims spec's dry run lists d = 256 and 192/128."""
+    res = flashgen("bench", "--dry-run", "--spec", "specs/bench/large_dims.yaml", "--n", "4096",
+                   "--mode", "fwd", "--providers", "flashgen", "fa4", "sdpa_cudnn", cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    lines = [x for x in res.stdout.splitlines() if x.startswith("  training")]
+    assert len(lines) == 4, res.stdout
+    assert any("d=192/128 causal B=4 H=10 N=4096: flashgen, flashgen_tl, sdpa_cudnn, fa4" in x
+               for x in lines), lines
+    assert any("d=256 full   B=4 H=8 N=4096" in x for x in lines), lines
+    cases = suites.plan_cases("training", [4096], [192, 256], ("fwd",), dvs={192: 128})
+    assert {(c.d, c.dv) for c in cases} == {(192, 128), (256, 0)}
 
 
 def synthetic_rows():

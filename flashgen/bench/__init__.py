@@ -109,7 +109,8 @@ def _resolve(args):
 
 def bench(args) -> int:
     ds, causals, package = _resolve(args)
-    cases = suites.plan_cases(args.suite, args.n, ds, args.mode, args.providers, causals)
+    dvs = suites.spec_v_dims(args.spec) if args.spec is not None else None
+    cases = suites.plan_cases(args.suite, args.n, ds, args.mode, args.providers, causals, dvs)
     if args.dry_run:
         print(suites.dry_run_text(cases))
         name = suites.result_name(args.suite, args.n, ds if args.spec is None else args.d,

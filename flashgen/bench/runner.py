@@ -22,7 +22,7 @@ from . import mods as bench_mods
 from .providers import Providers, load_package, raise_recompile_limit
 from .report import cell_text, default_out_dir, markdown_tables, plot, write_results
 from .suites import (keep, plan_cases, result_name, spec_causals, spec_head_dims,
-                     spec_package, tflops)
+                     spec_package, spec_v_dims, tflops)
 from .timing import host_time_us, interleaved_rounds, record_rounds, timed_call
 
 TOL = 3e-2  # bf16 output against the float32 reference (as every suite)
@@ -71,8 +71,8 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1
     rows, told = [], set()
     torch.manual_seed(0)
     for case in cases:
-        q, k, v = (torch.randn(case.b, case.h, case.n, case.d, device=device,
-                               dtype=torch.bfloat16) for _ in range(3))
+        q, k, v = (torch.randn(case.b, case.h, case.n, d, device=device,
+                               dtype=torch.bfloat16) for d in (case.d, case.d, case.dv or case.d))
         if case.suite == "mods":
             ref = bench_mods.reference(case.mod, provs.mods_inputs(case)[0], q, k, v)
         else:
@@ -131,7 +131,7 @@ def measure_attention(cases, meta, log=print, spec=None, progress=None, rounds=1
                 progress.advance(f"{case.label().strip()} {name}", steps=rounds - timed[name])
             if ms is not None:
                 row["tflops"] = round(tflops(ms, case.b, case.h, case.n, case.d,
-                                             case.causal, case.mode), 1)
+                                             case.causal, case.mode, case.dv), 1)
                 if case.suite == "small" and name == "flashgen":
                     call, _ = timed_call(ready[name], q, k, v, case)
                     row["host_us"], row["wall_us"] = host_time_us(call)
@@ -195,11 +195,11 @@ def run(suite="all", ns=None, ds=None, modes=("fwd", "bwd"), providers=None, out
     measure_attention. Returns (rows, paths)."""
     from ..progress import Progress
 
-    causals, package, case_ds = (False, True), None, ds
+    causals, package, case_ds, dvs = (False, True), None, ds, None
     if spec is not None:
         causals, package = spec_causals(spec), spec_package(spec)
-        case_ds = ds or spec_head_dims(spec)
-    cases = plan_cases(suite, ns, case_ds, modes, providers, causals)
+        case_ds, dvs = ds or spec_head_dims(spec), spec_v_dims(spec)
+    cases = plan_cases(suite, ns, case_ds, modes, providers, causals, dvs)
     meta = environment()
     log(f"# {meta['gpu']}, torch {meta['torch']}, triton {meta['triton']}, bf16; "
         f"{len(cases)} cases" + (f", {rounds} interleaved rounds" if rounds > 1 else ""))

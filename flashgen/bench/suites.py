@@ -86,6 +86,7 @@ class Case:
     p: float = 0.0
     providers: tuple = field(default=(), compare=False)
     mod: str = ""  # the mods suite's case (mods.MOD_CASES)
+    dv: int = 0  # V's head dim where it is not d (a --spec pair such as {qk: 192, v: 128})
 
     def label(self) -> str:
         causal = "causal" if self.causal else "full"
@@ -96,7 +97,8 @@ class Case:
         if self.suite == "decode":
             return (f"{self.suite:8s} 1 query token d={self.d} B={self.b} Hq={self.h} "
                     f"Hkv={self.h // 4} KV={self.n}")
-        return (f"{self.suite:8s} {self.mode} d={self.d} {causal:6s} B={self.b} H={self.h} "
+        dims = f"{self.d}/{self.dv}" if self.dv else f"{self.d}"
+        return (f"{self.suite:8s} {self.mode} d={dims} {causal:6s} B={self.b} H={self.h} "
                 f"N={self.n}{p}")
 
 
@@ -107,12 +109,13 @@ def keep(names, wanted):
 
 
 def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), providers=None,
-               causals=(False, True)):
+               causals=(False, True), dvs=None):
     """The cases a run measures, each with the providers it would try. `ns` overrides the
     N list of the training and dropout suites (and the KV lengths of decode); `ds` the head
     dims of training; `modes` applies to training and dropout; `providers` filters by name
     (a name also selects its variants, e.g. flashgen -> flashgen_p0, flashgen_s0); `causals`
-    the causalities of the training and small suites (a user's spec may lack a mask)."""
+    the causalities of the training and small suites (a user's spec may lack a mask); `dvs`
+    V's head dim for the training suite's head dims that have their own (spec_v_dims)."""
     suites = SUITES if suite == "all" else (suite,)
     cases = []
     for s in suites:
@@ -125,7 +128,8 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
                             names = [x for x in TRAINING_PROVIDERS
                                      if x != "naive" or n <= NAIVE_MAX_N]
                             cases.append(Case(s, mode, d, causal, max(TOKENS // n, 1), h, n,
-                                              providers=keep(names, providers)))
+                                              providers=keep(names, providers),
+                                              dv=(dvs or {}).get(d, 0)))
         elif s == "dropout":
             for n in (ns or DROPOUT_N):
                 for mode in modes:
@@ -156,17 +160,18 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
     return cases
 
 
-def flops(b, h, nq, nk, d, causal, mode):
+def flops(b, h, nq, nk, d, causal, mode, dv=0):
     """FLOPs of one call (docs/H100_ANCHORS.md): forward 4*B*H*Nq*Nk*d, halved when
-    causal; backward 2.5x the forward. GQA counts query heads."""
-    f = 4 * b * h * nq * nk * d
+    causal; backward 2.5x the forward. GQA counts query heads. With V's own head dim dv,
+    2*B*H*Nq*Nk*(d + dv) (Q K^T at d, P V at dv)."""
+    f = 2 * b * h * nq * nk * (d + (dv or d))
     if causal:
         f /= 2
     return 2.5 * f if mode == "bwd" else float(f)
 
 
-def tflops(ms, b, h, n, d, causal, mode):
-    return flops(b, h, n, n, d, causal, mode) / (ms * 1e-3) / 1e12
+def tflops(ms, b, h, n, d, causal, mode, dv=0):
+    return flops(b, h, n, n, d, causal, mode, dv) / (ms * 1e-3) / 1e12
 
 
 def result_name(suite, ns=None, ds=None, modes=("fwd", "bwd"), providers=None,
@@ -208,6 +213,12 @@ def spec_causals(spec_path) -> tuple:
 def spec_head_dims(spec_path) -> list:
     from ..spec import load_spec
     return list(load_spec(spec_path).head_dims)
+
+
+def spec_v_dims(spec_path) -> dict:
+    """{Q/K head dim: V's} of a spec's pairs whose V has its own head dim."""
+    from ..spec import load_spec
+    return {qk: v for qk, v in load_spec(spec_path).head_dim_pairs if v != qk}
 
 
 def spec_package(spec_path) -> str:

@@ -55,8 +55,9 @@ SHARDS: tuple[Shard, ...] = (
                                        "tests/test_module.py", "tests/test_host_path.py",
                                        "tests/test_head_dim_512.py", "tests/test_fp8.py"),
           est_s=130),
-    Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs",
-          ("tests/test_gluon.py",), est_s=130),
+    Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs, "
+          "the large head dims (256, qk 192 / v 128)",
+          ("tests/test_gluon.py", "tests/test_gluon_large_dims.py"), est_s=190),
     Shard("gluon-bwd", "the Gluon backward, dense and with mods (persistent block lists)",
           ("tests/test_gluon_bwd.py", "tests/test_gluon_bwd_mods.py"), est_s=100),
     Shard("gluon-dropout", "the Gluon forward and backward with dropout (Philox in registers)",

@@ -32,10 +32,17 @@ GLUON_HEAD_DIMS = (64, 96, 128, 256)
 # (Q/K, V) pairs beside them: DeepSeek-style MLA prefill and training (qk 192 = 128 + 64
 # rotary, v 128), LARGE_HEAD_DIM_FWD too
 GLUON_SPLIT_HEAD_DIMS = ((192, 128),)
-# the head dims of the backward's Gluon kernel: its dK and dV accumulators are [64, d] fp32
-# for each of a consumer's 64 keys, d registers a thread at 128 threads -- 256 of 240 at
-# d = 256 -- so the large head dims need another split of the work (issue 47) and keep
-# the `tl` backward until it exists
+# The head dims of the backward's Gluon kernel. A consumer owns 64 keys and holds their dK
+# and dV in fp32 registers, (d_qk + d_v) / 2 a thread over its 128 threads -- 256 at
+# d = 256, 160 at qk 192 / v 128 -- beside S^T and dP^T (32 each at 64-row steps) and its
+# share of dQ (48-64): over the 240 a consumer has either way. The large head dims need the work
+# split another way (issue 47), e.g. FlashAttention-3's d = 256 one: two consumers on the
+# same 64 keys, each with half of dK's and dV's columns (64 + 64 registers), S^T and dP^T
+# cut between them along the step's query rows and P^T, dS^T exchanged through shared
+# memory (SS wgmma for dV and dK). Its shared memory at 64-row steps: Q and dO one slot
+# each (64 KiB), K and V (64 KiB), P^T and dS^T (16 KiB), dQ's fp32 staging (64 KiB):
+# 208 KiB of the 227; a 2-deep Q/dO ring does not fit. Until it exists they run the `tl`
+# backward (gluon_reason says so in describe()).
 GLUON_BWD_HEAD_DIMS = (64, 96, 128)
 # shared memory one block may use on sm_90 (227 KiB), which every Gluon kernel is for
 GLUON_SHARED_BYTES = 232448
@@ -501,6 +508,15 @@ def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int
     return qo + kv + 1024
 
 
+def fwd_accumulator_regs(block_n: int, v_dim: int) -> int:
+    """Registers a consumer thread of the Gluon forward holds in its key loop's wgmma
+    accumulators and P: O ([64, v_dim] fp32), S and the last block's P carried in fp32
+    ([64, block_n] each), n / 2 a thread for a [64, n] fp32 tile over a warpgroup's 128
+    threads (LARGE_HEAD_DIM_FWD). The rest of CONSUMER_REGS holds the softmax's row
+    statistics, temporaries and addresses (~30-50 measured)."""
+    return (head_dim_pad(v_dim) + 2 * block_n) // 2
+
+
 def o_in_q(config: dict, head_dim: int, v_dim: int | None = None, dtype_bytes: int = 2) -> bool:
     """Whether a Gluon forward config stages each consumer's output in its Q slot (the
     kernel's O_IN_Q; LARGE_HEAD_DIM_FWD says why): at head dims above 128, where an output
@@ -608,6 +624,10 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
     q_buffers = config.get("q_buffers", GLUON_DEFAULT["q_buffers"])
     if q_buffers not in (1, 2):
         return "q_buffers (Q slots per consumer) must be 1 or 2"
+    held = fwd_accumulator_regs(config["block_n"], v_dim or head_dim)
+    if held > regs(config)[0]:
+        return (f"block_n {config['block_n']} at this head dim: O, S and P alone take {held} "
+                f"registers a consumer thread, the split gives {regs(config)[0]}")
     staged = o_in_q(config, head_dim, v_dim, dtype_bytes)
     if staged and config.get("overlap", GLUON_DEFAULT["overlap"]):
         return ("overlap stores a tile's output during the next tile, whose Q then fills the "
