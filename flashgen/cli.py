@@ -71,6 +71,11 @@ def family_summary(spec) -> str:
         lines.append(f"  untuned: {d['block_m']}x{d['block_n']} tiles (2 consumer warpgroups x 64 "
                      f"rows), a {d['num_stages']}-deep K/V ring; tuned configs may pick `tl` "
                      "per bucket")
+        for (qk, dv), tile in families.LARGE_HEAD_DIM_FWD.items():
+            if any(v.kind == "fwd" and (v.head_dim, v.v_dim) == (qk, dv) for v in variants_for(spec)
+                   if gluon_reason(v, spec) is None):
+                lines.append(f"  the forward at head dims {qk}/{dv}: 128x{tile['block_n']} tiles, "
+                             f"a {tile['num_stages']}-deep ring, the output staged in the Q slots")
     if latent:
         lines.append(f"gluon ({len(latent)}): {', '.join(latent)}\n  the latent (MLA) decode "
                      "kernel, DeepSeek's 576/512 cache")
