@@ -167,6 +167,10 @@ def test_launcher_stages_o_in_q_where_the_tile_needs_it(pkg):
         box = 64 if d == 192 else 256
         assert meta["QO_LAYOUT"] == gl.NVMMASharedLayout.get_default_for([1, 1, 64, box],
                                                                          gl.bfloat16)
+    # a forced overlap where the output is staged in Q: a ValueError, not a compile error
+    with pytest.raises(ValueError, match="`fwd_d256_bf16`: overlap stores"):
+        launcher("fwd_d256_bf16", {**families.variant_gluon_default(v["fwd_d256_bf16"]),
+                                   "overlap": True}, torch.bfloat16, 256, 10, 10, varlen=False)
     three = {**families.variant_gluon_default(v["fwd_d192v128_bf16"]), "block_n": 64,
              "num_stages": 3}
     assert not launcher("fwd_d192v128_bf16", three, torch.bfloat16, 192, 10, 10,

@@ -508,6 +508,19 @@ def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int
     return qo + kv + 1024
 
 
+def overlap_reason(config: dict, head_dim: int, v_dim: int | None = None,
+                   dtype_bytes: int = 2) -> str | None:
+    """Why a Gluon forward config cannot take `overlap` (None when it can, or has it off):
+    a tile's stores run during the next tile, whose Q then fills the slot the output is
+    staged in where o_in_q. (config_reason, and the runtime's launcher for a forced
+    config.)"""
+    if config.get("overlap", GLUON_DEFAULT["overlap"]) and o_in_q(config, head_dim, v_dim,
+                                                                  dtype_bytes):
+        return ("overlap stores a tile's output during the next tile, whose Q then fills the "
+                "slot the output is staged in at this head dim (o_in_q)")
+    return None
+
+
 def fwd_accumulator_regs(block_n: int, v_dim: int) -> int:
     """Registers a consumer thread of the Gluon forward holds in its key loop's wgmma
     accumulators and P: O ([64, v_dim] fp32), S and the last block's P carried in fp32
@@ -628,10 +641,10 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
     if held > regs(config)[0]:
         return (f"block_n {config['block_n']} at this head dim: O, S and P alone take {held} "
                 f"registers a consumer thread, the split gives {regs(config)[0]}")
+    reason = overlap_reason(config, head_dim, v_dim, dtype_bytes)
+    if reason is not None:
+        return reason
     staged = o_in_q(config, head_dim, v_dim, dtype_bytes)
-    if staged and config.get("overlap", GLUON_DEFAULT["overlap"]):
-        return ("overlap stores a tile's output during the next tile, whose Q then fills the "
-                "slot the output is staged in at this head dim (o_in_q)")
     need = shared_bytes(head_dim, dtype_bytes, config["block_n"], config["num_stages"],
                         q_buffers, n_consumers, v_dim, staged)
     if need > sram_bytes:

@@ -183,7 +183,8 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
 
     facts = VARIANTS[name]
     why = _families.consumer_reason(cfg, _families.fwd_consumer_counts(
-        facts["head_dim"], bool(facts.get("dropout") or facts.get("mods"))))
+        facts["head_dim"], bool(facts.get("dropout") or facts.get("mods")))) or (
+        _families.overlap_reason(cfg, facts["head_dim"], facts.get("v_head_dim")))
     if why is not None:
         raise ValueError(f"{PACKAGE}: launch config {dict(cfg)} of `{name}`: {why}")
     # Q's and K's boxes (192: three of 64 columns, _families.qk_boxes); V's and O's are as
