@@ -286,16 +286,20 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon kernels run o
                                   "other GPUs take the tl kernels")
 
 
-def _forward(pkg, q, k, v, knobs, **kw):
+def _forward(pkg, q, k, v, knobs, launches=None, **kw):
     """(out, lse) of the Gluon forward, asked for (most shapes here are below
     GLUON_MIN_FLOPS, where the package picks `tl`), with `knobs` over the variant's default;
-    the `tl` backward follows it (no Gluon backward at these dims)."""
+    the `tl` backward follows it (no Gluon backward at these dims). `launches`: a list that
+    gets the call's Launchers (override_config empties the plan caches on its way out)."""
     rt = pkg._runtime
     rt._forward_plans.clear()
     with rt.override_config(family="gluon", **knobs):
         out, lse = pkg.flash_attn_func(q, k, v, return_lse=True, **kw)
-        kinds = {type(p[0].fn).__name__ for p in rt._forward_plans.values() if p[0] is not None}
+        made = [p[0] for p in rt._forward_plans.values() if p[0] is not None]
+        kinds = {type(launch.fn).__name__ for launch in made}
         assert kinds == {"GluonJITFunction"}, kinds
+    if launches is not None:
+        launches.extend(made)
     return out, lse
 
 
@@ -383,9 +387,9 @@ def test_gluon_large_dim_stream_k_against_float64(pkg, poison, monkeypatch, d, d
     between two programs, its parts merged through the workspace, [64, d_v] fp32 a slot)."""
     monkeypatch.setattr(pkg._runtime._families, "STREAM_K_MIN_KEY_BLOCKS", 2)
     q, k, v = _qkv(2, 1100, 1100, 5, 5, d, dv, torch.bfloat16)
-    out, lse = _forward(pkg, q, k, v, {"programs": 11})
-    launches = [p[0] for p in pkg._runtime._forward_plans.values() if p[0] is not None]
-    assert any(launch.meta["STREAM_K"] for launch in launches)
+    launches = []
+    out, lse = _forward(pkg, q, k, v, {"programs": 11}, launches)
+    assert launches and all(launch.meta["STREAM_K"] for launch in launches)
     vis = visible_mask(1100, 1100, causal=False, bottom_right=True)
     ref, ref_lse = attention_ref(*(t.transpose(1, 2) for t in (q, k, v)), vis)
     _assert_out(out, lse, ref, ref_lse, torch.bfloat16)
