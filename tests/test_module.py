@@ -11,6 +11,7 @@ On the CPU the kernels run in Triton's interpreter, so the shapes are tiny.
 """
 import functools
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,21 @@ def test_views_and_flags_passed(pkg, calls, causal, window, expected_window):
     assert k.untyped_storage().data_ptr() == storage == v.untyped_storage().data_ptr()
     assert q.untyped_storage().nbytes() == 2 * 7 * (4 + 2 + 2) * 32 * 4
     assert (k.data_ptr() - q.data_ptr(), v.data_ptr() - q.data_ptr()) == (4 * 32 * 4, 6 * 32 * 4)
+
+
+def test_markov_bench_data_has_the_loss_floor_it_states(gpt):
+    """examples/gpt.py --data markov: the batches follow one chain, and the entropy rate it
+    reports (the loss floor issue 50's fp8 bar is read against) is what the samples show."""
+    batches, floor = gpt.markov_batches(4, 16, 500, states=16, seed=3)
+    again, _ = gpt.markov_batches(4, 16, 500, states=16, seed=3)
+    assert len(batches) == 4 and batches[0].shape == (16, 500)
+    assert all(torch.equal(a, b) for a, b in zip(batches, again))
+    tokens = torch.stack(batches).flatten(0, 1)
+    assert 0 <= int(tokens.min()) and int(tokens.max()) < 16
+    assert 0.0 < floor < math.log(16)
+    pairs = torch.zeros(16, 16, dtype=torch.float64)
+    pairs.index_put_((tokens[:, :-1].flatten(), tokens[:, 1:].flatten()),
+                     torch.ones(tokens[:, 1:].numel(), dtype=torch.float64), accumulate=True)
+    cond = pairs / pairs.sum(1, keepdim=True)
+    seen = -(pairs * cond.clamp_min(1e-300).log()).sum() / pairs.sum()  # plug-in estimate
+    assert abs(float(seen) - floor) < 0.05, (float(seen), floor)
