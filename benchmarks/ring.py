@@ -4,13 +4,14 @@ memory, exactness.
     torchrun --nproc_per_node 2 benchmarks/ring.py [--seqlens 32768,131072,262144]
         [--strategies ring,allgather,ring:g1,ulysses,hybrid:u2]
         [--heads 32 --kv-heads 8 --head-dim 128] [--mask causal|none|window:4096]
-        [--docs 64 [--doc-lengths equal|random:SEED] [--layout zigzag|documents]]
+        [--docs 64 [--doc-lengths equal|random:SEED] [--layout zigzag|documents|balanced]]
         [--reps 5] [--oom-seqlen N] [--out ring.json] [--api flash|sdpa]
 
 --docs D: D documents packed into each sequence, under the document mask (the committed
 generated/mods_attn, whose document variant is causal): equal lengths, or random ones
 (--doc-lengths random:SEED, multiples of 2 * world); --layout documents shards them with
-document_layout (the zig-zag per document), zigzag (default) with the plain zig-zag.
+document_layout (the zig-zag per document), balanced with document_layout(...,
+balanced=True) (whole documents on ranks), zigzag (default) with the plain zig-zag.
 hybrid:uU: strategy="hybrid" over hybrid_groups(U).
 
 For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
@@ -71,7 +72,7 @@ def parse():
     p.add_argument("--api", default="flash", choices=("flash", "sdpa"))
     p.add_argument("--docs", type=int, default=0)
     p.add_argument("--doc-lengths", default="equal")
-    p.add_argument("--layout", default="zigzag", choices=("zigzag", "documents"))
+    p.add_argument("--layout", default="zigzag", choices=("zigzag", "documents", "balanced"))
     p.add_argument("--out", default="")
     return p.parse_args()
 
@@ -119,7 +120,8 @@ def doc_kw(n, args, world, device):
     lengths = doc_lengths(n, args, world)
     cu = torch.tensor([0] + lengths).cumsum(0)
     kw = dict(mods=("document",), doc=pkg.document_ids(cu).to(device))
-    layout = pkg.document_layout(cu, world) if args.layout == "documents" else "zigzag"
+    layout = ("zigzag" if args.layout == "zigzag" else
+              pkg.document_layout(cu, world, balanced=args.layout == "balanced"))
     return kw, layout
 
 

@@ -250,8 +250,9 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     dtype = DTYPES[case["dtype"]]
     causal, window = case["causal"], tuple(case["window"])
     layout, strategy, sdpa = case["layout"], case["strategy"], case.get("sdpa", False)
-    if isinstance(layout, dict):  # {"documents": cu_seqlens}: the per-document zig-zag
-        layout = pkg.document_layout(torch.tensor(layout["documents"]), world)
+    if isinstance(layout, dict):  # {"documents": cu_seqlens[, "balanced": True]}
+        layout = pkg.document_layout(torch.tensor(layout["documents"]), world,
+                                     balanced=layout.get("balanced", False))
     extra = {"grad_sum_dtype": case["grad_sum"]} if "grad_sum" in case else {}
     # the ring backward's head groups (FLASHGEN_CP_HEAD_GROUPS; cases run one at a time)
     os.environ.pop("FLASHGEN_CP_HEAD_GROUPS", None)

@@ -161,6 +161,47 @@ def test_document_layout_balances_documents(pkg):
                                  doc=torch.zeros(1, 96, dtype=torch.int32))
 
 
+def cross_needs(layout, world, pkg):
+    """The (rank, other rank) pairs where a rank's queries see a key of the other's."""
+    n = layout.n
+    owner = torch.empty(n, dtype=torch.long)
+    for r in range(world):
+        owner[pkg.shard(torch.arange(n)[None], r, world, layout=layout)[0]] = r
+    pairs = set()
+    for start, length in zip(layout.starts, layout.lengths):
+        o = owner[start:start + length].tolist()
+        pairs |= {(a, b) for i, a in enumerate(o) for b in set(o[:i + 1]) if a != b}
+    return pairs
+
+
+def test_balanced_document_layout(pkg):
+    """Whole documents on ranks: the round trip, each document's tokens in order on the
+    permuted sequence (the causal mask unchanged), the causal work within 5% of equal, and
+    most ranks needing nothing of the others (the per-document zig-zag: every pair); a
+    document costing more than a rank's share is zig-zagged over every rank."""
+    g = torch.Generator().manual_seed(0)
+    lengths = [8 * int(x) for x in torch.randint(2, 12, (40,), generator=g)]
+    lengths[-1] += -sum(lengths) % 64
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    doc = pkg.document_ids(cu)
+    layout = pkg.document_layout(cu, 4, balanced=True)
+    x = torch.arange(layout.n)[None]
+    shards = [pkg.shard(x, r, 4, layout=layout) for r in range(4)]
+    assert torch.equal(pkg.unshard(shards, layout=layout), x)
+    place = layout.inverse
+    for start, length in zip(layout.starts, layout.lengths):
+        assert bool((place[start:start + length].diff() > 0).all())
+    work = brute_work(doc, 4, layout, pkg)
+    assert max(work) <= 1.05 * sum(work) / 4, work
+    assert len(cross_needs(layout, 4, pkg)) <= 4
+    assert len(cross_needs(pkg.document_layout(cu, 4), 4, pkg)) == 12
+    assert "balanced" in repr(layout) and layout.key() != pkg.document_layout(cu, 4).key()
+    # one long document among short ones: zig-zagged over the ranks, the work equal
+    cu = torch.tensor([0, 8, 16, 24, 32, 96])
+    work = brute_work(pkg.document_ids(cu), 2, pkg.document_layout(cu, 2, balanced=True), pkg)
+    assert max(work) <= 1.05 * sum(work) / 2, work
+
+
 def test_sharded_mask_tensor_refused(pkg):
     q = torch.zeros(1, 8, 2, 16)
     doc = torch.zeros(1, 4, dtype=torch.int32)
@@ -198,10 +239,19 @@ CASES = {
              attn_mask=mask((12, 12)), grad_tensors=["bias"]),
         # the per-document zig-zag: the call runs on the permuted sequence
         mcase(24, ["document"], {"doc": docs(7, 11, 6)}, causal=True, heads=(2, 2),
-              dtype="bf16", layout={"documents": [0, 7, 18, 24]})],
+              dtype="bf16", layout={"documents": [0, 7, 18, 24]}),
+        # whole documents on ranks: 4 + 4 + 5 | 6 + 5 on rank 0, the 11 cut across ranks
+        mcase(24, ["document"], {"doc": docs(4, 4, 5, 11)}, causal=True, heads=(2, 1),
+              layout={"documents": [0, 4, 8, 13, 24], "balanced": True}, repeat=True),
+        mcase(24, ["document"], {"doc": docs(4, 4, 5, 11)}, causal=True, heads=(2, 2),
+              strategy="ulysses", layout={"documents": [0, 4, 8, 13, 24], "balanced": True})],
     3: [mcase(36, ["document", "sink_logits"], {"doc": docs(3, 9, 4, 8, 12), **SINKS},
-              causal=True, grad_tensors=["sinks"], repeat=True)],
+              causal=True, grad_tensors=["sinks"], repeat=True),
+        mcase(36, ["document"], {"doc": docs(5, 7, 6, 6, 4, 8)}, causal=True,
+              layout={"documents": [0, 5, 12, 18, 24, 28, 36], "balanced": True})],
     4: [mcase(48, ["document"], {"doc": docs(5, 19, 8, 16)}, causal=True),
+        mcase(48, ["document"], {"doc": docs(6, 5, 7, 4, 6, 8, 5, 7)}, causal=True,
+              layout={"documents": [0, 6, 11, 18, 22, 28, 36, 41, 48], "balanced": True}),
         mcase(48, ["document"], {"doc": docs(7, 11, 30)}, strategy="allgather", heads=(2, 2)),
         # hybrid 2 x 2 (Ulysses pairs x a ring of 2): the ring's cell table on its heads
         mcase(48, ["document", "sink_logits"], {"doc": docs(5, 19, 8, 16), **SINKS},

@@ -33,6 +33,11 @@ CASES = {
         uly(24, window=(3, 2), heads=(4, 2), layout="contiguous", exact=True),
         uly(24, causal=True, dtype="bf16", heads=(6, 3)),
         uly(24, causal=True, dtype="bf16", heads=(2, 2)),
+        # a rank's query heads in groups (FLASHGEN_CP_HEAD_GROUPS): two groups with a K/V
+        # head each, two sharing one (their dK/dV summed in fp32), three over straddled
+        uly(24, causal=True, heads=(8, 4), head_groups=2, exact=True),
+        uly(24, causal=True, heads=(8, 2), head_groups=2, repeat=True),
+        uly(24, causal=True, dtype="bf16", heads=(6, 3), head_groups=3, sdpa=True),
         # hybrid, degenerate at world 2: Ulysses over both (one ring rank; the K/V head
         # replicated), then the ring over both (Ulysses groups of one)
         case(24, causal=True, strategy="hybrid", ulysses=2, heads=(4, 1)),

@@ -147,41 +147,148 @@ def _heads_to_seq(y: torch.Tensor, plan: _Plan, heads, h: int, order, dtype):
     return out.copy_(acc)
 
 
+def _group_send(x: torch.Tensor, world: int, groups: int, g: int) -> torch.Tensor:
+    """(world, B, N / world, m, d): the m heads of group g of every rank's query heads in a
+    sequence shard (B, N / world, world * groups * m, d), contiguous for the all-to-all."""
+    return x.unflatten(2, (world, groups, -1)).select(3, g).movedim(2, 0).contiguous()
+
+
+def _group_heads(x, plan, groups, g):
+    """Group g of this rank's query heads over the whole sequence, (B, N, m, d)."""
+    if groups == 1:
+        return _seq_to_heads(x, plan, plan.q_heads)
+    return _to_global(_a2a(_group_send(x, plan.world, groups, g), plan.group), plan, 1)
+
+
+def _group_back(y, plan, groups, g, dst) -> None:
+    """dst (a (B, N / world, H_q, d) sequence shard) <- at the heads of group g of every
+    rank, their rows of y (this rank's group over the whole sequence; `_group_heads`'s
+    inverse)."""
+    recv = _a2a(_to_shards(y, plan, 1), plan.group)  # [j]: rank j's group g
+    dst.unflatten(2, (plan.world, groups, -1)).select(3, g).copy_(recv.movedim(0, 2))
+
+
+def _kv_span(plan, rank, groups, g) -> tuple:
+    """(first, count) of this rank's K/V heads (plan.kv_heads[rank]) that group g of its
+    query heads reads."""
+    per, kv = plan.h_q // plan.world, len(plan.kv_heads[rank])
+    ratio, size = per // kv, per // groups  # query heads per local K/V head; per group
+    first = g * size // ratio
+    return first, ((g + 1) * size - 1) // ratio + 1 - first
+
+
+def head_groups(plan, b: int, n: int, d: int, elt: int) -> int:
+    """How many groups of its query heads a Ulysses rank runs one after another, forward
+    and backward. A group's query-side tensors over the whole sequence (Q, O, dO, and the
+    fp32 dQ sum) exist one group at a time: with every head at once they are 4.5 x a
+    query shard on top of the shards themselves, more than one process's share of the
+    peak. FLASHGEN_CP_HEAD_GROUPS as the ring's (`_ring._head_groups`): "auto", the most
+    groups (at most HEAD_GROUPS_MAX) whose Q is at least HEAD_GROUP_MIN_BYTES, or a
+    count; a group reads a run of whole K/V heads or part of one."""
+    import os
+
+    from ._ring import HEAD_GROUP_MIN_BYTES, HEAD_GROUPS_ENV, HEAD_GROUPS_MAX
+
+    per, kv = plan.h_q // plan.world, len(plan.kv_heads[0])
+    ratio = per // kv
+
+    def ok(groups):
+        size = per // groups
+        return per % groups == 0 and (size % ratio == 0 or ratio % size == 0)
+
+    choice = os.environ.get(HEAD_GROUPS_ENV, "") or "auto"
+    if choice != "auto":
+        try:
+            groups = int(choice)
+        except ValueError:
+            groups = 0
+        if groups < 1 or not ok(groups):
+            raise ValueError(f"{HEAD_GROUPS_ENV}={choice!r}: strategy='ulysses' takes 'auto' "
+                             f"or a divisor of the {per} query heads of a rank whose groups "
+                             f"read whole K/V heads or share one ({ratio} per K/V head)")
+        return groups
+    best = 1
+    for groups in range(1, min(per, HEAD_GROUPS_MAX) + 1):
+        if ok(groups) and b * n * (per // groups) * d * elt >= HEAD_GROUP_MIN_BYTES:
+            best = groups
+    return best
+
+
 class _Ulysses(torch.autograd.Function):
     """(out, lse) of this rank's rows from its (B, N / world, H, d) shards: all-to-all to
     its heads over the whole sequence, the package's kernels on them (the ring's whole-
-    sequence piece, `_piece_forward`), and back; the backward mirrors it. dK/dV leave the
-    kernels in fp32 and a replicated K/V head's are summed in fp32: rounded once, as the
-    single-process call rounds them."""
+    sequence piece, `_piece_forward`), and back; the backward mirrors it. Memory: the
+    query heads run in groups (`head_groups`), and only the shards are saved (q, k, v,
+    out) with the head-layout LSE: the backward brings its heads over again, one group at
+    a time, so no head-layout copy lives from the forward to the backward. dK/dV leave the
+    kernels in fp32, are summed over the groups in fp32 and a replicated K/V head's over
+    its ranks in fp32: rounded once, as the single-process call rounds them."""
 
     @staticmethod
     def forward(ctx, q, k, v, cfg):
-        plan, call = cfg["plan"], cfg["call"]
-        qh = _seq_to_heads(q, plan, plan.q_heads)
+        plan, groups, rank = cfg["plan"], cfg["groups"], cfg["rank"]
         kh, vh = (_seq_to_heads(t, plan, plan.kv_heads) for t in (k, v))
-        out_h, lse_h = _piece_forward(qh, kh, vh, call, cfg["scale"], cfg["mods"])
-        out = _heads_to_seq(out_h, plan, plan.q_heads, plan.h_q, _order(q), q.dtype)
+        b, n = q.shape[0], kh.shape[1]
+        out = _empty_in_order(_order(q), tuple(q.shape), q.dtype, q.device)
+        lse_h = torch.empty((b, plan.h_q // plan.world, n), dtype=torch.float32,
+                            device=q.device)
+        size = lse_h.shape[1] // groups
+        for g in range(groups):
+            qh = _group_heads(q, plan, groups, g)
+            first, count = _kv_span(plan, rank, groups, g)
+            out_h, lse_g = _piece_forward(qh, kh.narrow(2, first, count),
+                                          vh.narrow(2, first, count), cfg["call"],
+                                          cfg["scale"], cfg["mods"][g])
+            del qh
+            lse_h.narrow(1, g * size, size).copy_(lse_g)
+            if groups == 1:
+                out.copy_(_heads_to_seq(out_h, plan, plan.q_heads, plan.h_q, _order(q),
+                                        q.dtype))
+            else:
+                _group_back(out_h, plan, groups, g, out)
+            del out_h, lse_g
+        del kh, vh
         lse = _lse_to_seq(lse_h, plan) if cfg["return_lse"] else None
-        ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
-        ctx.cfg, ctx.orders = cfg, (_order(q), _order(k), _order(v))
+        ctx.save_for_backward(q, k, v, out, lse_h)
+        ctx.cfg = cfg
         if lse is not None:
             ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        qh, kh, vh, out_h, lse_h = ctx.saved_tensors
-        cfg, (oq, ok, ov) = ctx.cfg, ctx.orders
-        plan = cfg["plan"]
-        do_h = _seq_to_heads(dout, plan, plan.q_heads)
-        dq_acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)
-        dk, dv = _piece_backward(do_h, qh, kh, vh, out_h, lse_h, cfg["call"], cfg["scale"],
-                                 dq_acc, cfg["mods"])
+        q, k, v, out, lse_h = ctx.saved_tensors
+        cfg = ctx.cfg
+        plan, groups, rank = cfg["plan"], cfg["groups"], cfg["rank"]
+        kh, vh = (_seq_to_heads(t, plan, plan.kv_heads) for t in (k, v))
+        dkv = torch.zeros((2,) + tuple(kh.shape), dtype=torch.float32, device=kh.device)
+        dq = _empty_in_order(_order(q), tuple(q.shape), q.dtype, q.device)
+        size = lse_h.shape[1] // groups
+        for g in range(groups):
+            qh, out_h, do_h = (_group_heads(t, plan, groups, g) for t in (q, out, dout))
+            first, count = _kv_span(plan, rank, groups, g)
+            dq_acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)
+            dk, dv = _piece_backward(do_h, qh, kh.narrow(2, first, count),
+                                     vh.narrow(2, first, count), out_h,
+                                     lse_h.narrow(1, g * size, size), cfg["call"],
+                                     cfg["scale"], dq_acc, cfg["mods"][g])
+            del qh, out_h, do_h
+            dkv[0].narrow(2, first, count).add_(dk)
+            dkv[1].narrow(2, first, count).add_(dv)
+            del dk, dv
+            dq_g = dq_acc.to(q.dtype)
+            del dq_acc
+            if groups == 1:
+                dq.copy_(_heads_to_seq(dq_g, plan, plan.q_heads, plan.h_q, _order(q), q.dtype))
+            else:
+                _group_back(dq_g, plan, groups, g, dq)
+            del dq_g
+        del kh, vh
         if not plan.replicated:  # each K/V head's whole sum is here: round before sending
-            dk, dv = dk.to(kh.dtype), dv.to(vh.dtype)
-        return (_heads_to_seq(dq_acc.to(qh.dtype), plan, plan.q_heads, plan.h_q, oq, qh.dtype),
-                _heads_to_seq(dk, plan, plan.kv_heads, plan.h_kv, ok, kh.dtype),
-                _heads_to_seq(dv, plan, plan.kv_heads, plan.h_kv, ov, vh.dtype), None)
+            dkv = dkv.to(k.dtype)
+        dk = _heads_to_seq(dkv[0], plan, plan.kv_heads, plan.h_kv, _order(k), k.dtype)
+        dv = _heads_to_seq(dkv[1], plan, plan.kv_heads, plan.h_kv, _order(v), v.dtype)
+        return dq, dk, dv, None
 
 
 def _lse_to_seq(lse: torch.Tensor, plan: _Plan) -> torch.Tensor:
@@ -279,6 +386,8 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
     try:
         names, mask, lo, hi = _check_call(q, k, world, dropout_p, mods, mod_args, causal,
                                           window)
+        groups = head_groups(_Plan(group, world, layout, h_q, h_kv), q.shape[0], n,
+                             q.shape[-1], q.element_size())
         error = None
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e
@@ -289,15 +398,18 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
                                    **(mod_args or {}))
         return out, lse
     plan = _Plan(group, world, layout, h_q, h_kv)
-    call = None
+    per = h_q // world
+    size = per // groups
+    mods_g = [None] * groups
     if names:
         from . import _mods
 
-        heads = plan.q_heads[rank]
-        call = _mods.prepare(names, _head_mod_args(names, mod_args or {}, heads, h_q), q.shape[0],
-                             len(heads), n, n, q.device)
-    cfg = dict(plan=plan, scale=scale, mods=call, return_lse=return_lse,
-               call=(0, n, 0, n, mask, lo, hi, 0, 0))
+        for g in range(groups):
+            heads = plan.q_heads[rank][g * size:(g + 1) * size]
+            mods_g[g] = _mods.prepare(names, _head_mod_args(names, mod_args or {}, heads, h_q),
+                                      q.shape[0], size, n, n, q.device)
+    cfg = dict(plan=plan, scale=scale, mods=mods_g, return_lse=return_lse, groups=groups,
+               rank=rank, call=(0, n, 0, n, mask, lo, hi, 0, 0))
     return _Ulysses.apply(q, k, v, cfg)
 
 
@@ -319,10 +431,14 @@ class _Hybrid(torch.autograd.Function):
         qh = _seq_to_heads(q, plan, plan.q_heads)
         kh, vh = (_seq_to_heads(t, plan, plan.kv_heads) for t in (k, v))
         out_h, lse_h = _ring._FORWARD["ring"](qh, kh, vh, cfg["ring_cfg"])
+        del qh, kh, vh
         out = _heads_to_seq(out_h, plan, plan.q_heads, plan.h_q, _order(q), q.dtype)
+        del out_h
         lse = _lse_to_seq(lse_h, plan) if cfg["return_lse"] else None
-        ctx.save_for_backward(qh, kh, vh, out_h, lse_h)
-        ctx.cfg, ctx.orders = cfg, (_order(q), _order(k), _order(v))
+        # the shards, not their head-layout copies: those are brought over again by the
+        # backward (as under Ulysses, no head-layout copy lives from forward to backward)
+        ctx.save_for_backward(q, k, v, out, lse_h)
+        ctx.cfg = cfg
         if lse is not None:
             ctx.mark_non_differentiable(lse)
         return out, lse
@@ -331,14 +447,17 @@ class _Hybrid(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         from . import _ring
 
-        qh, kh, vh, out_h, lse_h = ctx.saved_tensors
-        cfg, (oq, ok, ov) = ctx.cfg, ctx.orders
+        q, k, v, out, lse_h = ctx.saved_tensors
+        cfg = ctx.cfg
         plan = cfg["plan"]
-        do_h = _seq_to_heads(dout, plan, plan.q_heads)
+        qh, out_h, do_h = (_seq_to_heads(t, plan, plan.q_heads) for t in (q, out, dout))
+        kh, vh = (_seq_to_heads(t, plan, plan.kv_heads) for t in (k, v))
         dq, dk, dv = _ring._BACKWARD["ring"](do_h, qh, kh, vh, out_h, lse_h, cfg["ring_cfg"])
-        return (_heads_to_seq(dq, plan, plan.q_heads, plan.h_q, oq, qh.dtype),
-                _heads_to_seq(dk, plan, plan.kv_heads, plan.h_kv, ok, kh.dtype),
-                _heads_to_seq(dv, plan, plan.kv_heads, plan.h_kv, ov, vh.dtype), None)
+        del qh, kh, vh, out_h, do_h
+        dq = _heads_to_seq(dq, plan, plan.q_heads, plan.h_q, _order(q), q.dtype)
+        dk = _heads_to_seq(dk, plan, plan.kv_heads, plan.h_kv, _order(k), k.dtype)
+        dv = _heads_to_seq(dv, plan, plan.kv_heads, plan.h_kv, _order(v), v.dtype)
+        return dq, dk, dv, None
 
 
 def hybrid(q, k, v, *, group, layout, causal, dropout_p, scale, window, return_lse, mods,

@@ -15,6 +15,9 @@ ring rank's whole chunks (of its heads).
 import torch
 
 LAYOUTS = ("zigzag", "contiguous")
+# a balanced document layout zig-zags the fewest longest documents that bring the busiest
+# rank's causal work within this factor of the mean
+BALANCE_SLACK = 1.05
 
 
 def _dist():
@@ -221,40 +224,36 @@ class DocumentLayout:
     order, so a causal mask with the document mask is the same on P (`perm[i]`: the
     original position of P's i-th token). The call runs on P: the document ids and other
     tensors along the sequence are permuted with it, and only mods that read positions as
-    tensor indices (document, key_padding, a bias) are exact (ValueError otherwise)."""
+    tensor indices (document, key_padding, a bias) are exact (ValueError otherwise).
+    balanced: whole documents on ranks instead (`_balanced_chunks`), P still cut into the
+    plain zig-zag's 2 * world chunks."""
 
-    def __init__(self, lengths, world):
+    def __init__(self, lengths, world, balanced=False):
         self.lengths, self.world = tuple(int(x) for x in lengths), int(world)
+        self.balanced = bool(balanced)
         parts = 2 * self.world
         n = sum(self.lengths)
         if n % parts:
             raise ValueError(f"a document layout over {self.world} ranks needs the sequence "
                              f"({n} tokens) to divide into {parts} chunks: pad it")
-        # part k of document d: its length's share, the remainders dealt round-robin over
-        # the parts across documents so that every chunk of P gets n / parts tokens
-        cuts, turn = [], 0
-        for length in self.lengths:
-            base, extra = divmod(length, parts)
-            sizes = [base + ((k - turn) % parts < extra) for k in range(parts)]
-            turn = (turn + extra) % parts
-            offs = [sum(sizes[:k]) for k in range(parts)]
-            cuts.append(list(zip(offs, sizes)))
         self.starts = [sum(self.lengths[:d]) for d in range(len(self.lengths))]
-        order = []
-        for k in range(parts):
-            for start, cut in zip(self.starts, cuts):
-                order.append(torch.arange(start + cut[k][0], start + cut[k][0] + cut[k][1]))
+        chunks = (_balanced_chunks if self.balanced else _zigzag_chunks)(
+            self.lengths, self.starts, self.world)
+        order = [torch.arange(a, a + m) for chunk in chunks for a, m in chunk if m]
         self.perm = torch.cat(order) if order else torch.zeros(0, dtype=torch.long)
         self.inverse = torch.empty_like(self.perm)
         self.inverse[self.perm] = torch.arange(n)
         self.n = n
 
     def __repr__(self):
-        return f"DocumentLayout({len(self.lengths)} documents, {self.n} tokens, world {self.world})"
+        kind = ", balanced" if self.balanced else ""
+        return (f"DocumentLayout({len(self.lengths)} documents, {self.n} tokens, world "
+                f"{self.world}{kind})")
 
     def key(self) -> str:
         """A string every rank's equal layout shares (`_ring_masks.agree`'s facts)."""
-        return f"documents:{self.world}:{','.join(map(str, self.lengths))}"
+        kind = "balanced" if self.balanced else "documents"
+        return f"{kind}:{self.world}:{','.join(map(str, self.lengths))}"
 
     def to_p(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """x (the original order along dim) in P's order."""
@@ -264,14 +263,134 @@ class DocumentLayout:
         return x.index_select(dim, self.inverse.to(x.device))
 
 
+def _zigzag_parts(length: int, parts: int, turn: int) -> tuple:
+    """(the (offset, size) of each of a document's parts, the next turn): its length's
+    share, the remainders dealt round-robin over the parts across documents so that the
+    chunks of P stay equal."""
+    base, extra = divmod(length, parts)
+    sizes = [base + ((k - turn) % parts < extra) for k in range(parts)]
+    return [(sum(sizes[:k]), sizes[k]) for k in range(parts)], (turn + extra) % parts
+
+
+def _zigzag_chunks(lengths, starts, world) -> list:
+    """P's chunks as (original start, length) runs: part k of every document in chunk k."""
+    parts, turn = 2 * world, 0
+    chunks = [[] for _ in range(parts)]
+    for length, start in zip(lengths, starts):
+        cut, turn = _zigzag_parts(length, parts, turn)
+        for k, (off, size) in enumerate(cut):
+            chunks[k].append((start + off, size))
+    return chunks
+
+
+def _balanced_chunks(lengths, starts, world) -> list:
+    """P's chunks with whole documents on ranks. Under the document mask a document
+    attends only to itself, so one that lies on one rank needs no K/V from any other:
+    the zig-zag per document (every document on every rank) makes every ring step run and
+    send, however short the documents. The k longest documents are zig-zagged over every
+    rank (as `_zigzag_chunks`), the rest placed by `_place_whole`; k is the fewest of 0,
+    1, 2, 4, ... whose busiest rank has at most BALANCE_SLACK x the mean causal work
+    (else the best found)."""
+    by_length = sorted(range(len(lengths)), key=lambda d: (-lengths[d], d))
+    best = None
+    for k in sorted({0, len(lengths)} | {1 << i for i in range(len(lengths).bit_length())}):
+        chunks = _place_whole(lengths, starts, world, set(by_length[:k]))
+        work = _chunk_work(chunks, lengths, starts, world)
+        skew = max(work) * world / max(1, sum(work))
+        if best is None or skew < best[0]:
+            best = (skew, chunks)
+        if skew <= BALANCE_SLACK:
+            break
+    return best[1]
+
+
+def _chunk_work(chunks, lengths, starts, world) -> list:
+    """Each rank's visible (query, key) pairs under the causal document mask."""
+    import bisect
+
+    work = [0] * world
+    for k, chunk in enumerate(chunks):
+        r = k if k < world else 2 * world - 1 - k
+        for start, m in chunk:
+            off = start - starts[bisect.bisect_right(starts, start) - 1]
+            work[r] += m * off + m * (m + 1) // 2
+    return work
+
+
+def _place_whole(lengths, starts, world, zz) -> list:
+    """P's chunks: the documents zz zig-zagged; rank r's chunks r and 2 * world - 1 - r
+    read as one stream of 2 * c tokens, where the other documents go whole, longest
+    first, to the rank with the least causal work (length**2 / 2) that has room
+    (longest-processing-time); what fits nowhere whole is cut into the ranks' remaining
+    room in P's order (a document's tokens stay in order in P, which keeps the causal
+    mask the same)."""
+    parts, n = 2 * world, sum(lengths)
+    c = n // parts
+    chunks = [[] for _ in range(parts)]
+    turn = 0
+    for d in sorted(zz):
+        cut, turn = _zigzag_parts(lengths[d], parts, turn)
+        for k, (off, size) in enumerate(cut):
+            chunks[k].append((starts[d] + off, size))
+    used = [sum(m for _, m in chunk) for chunk in chunks]
+    room = [2 * c - used[r] - used[parts - 1 - r] for r in range(world)]
+    load, streams, left = [0.0] * world, [[] for _ in range(world)], []
+    for d in sorted(set(range(len(lengths))) - set(zz), key=lambda d: (-lengths[d], d)):
+        fits = [r for r in range(world) if room[r] >= lengths[d]]
+        if not fits:
+            left.append(d)
+            continue
+        r = min(fits, key=lambda r: (load[r], r))
+        streams[r].append((starts[d], lengths[d]))
+        room[r] -= lengths[d]
+        load[r] += lengths[d] ** 2 / 2
+    # each rank's stream: its whole documents, then its free room; the first c - used
+    # tokens in chunk r after its zig-zag parts, the rest in chunk 2w-1-r before them
+    free, placed = [], [[] for _ in range(parts)]
+    for r in range(world):
+        first, pos = c - used[r], 0
+        for start, m in streams[r] + [(None, room[r])]:
+            while m:
+                k = r if pos < first else parts - 1 - r
+                take = min(m, first - pos) if pos < first else m
+                if start is None:
+                    free.append((k, len(placed[k]), take))
+                    placed[k].append(None)
+                else:
+                    placed[k].append((start, take))
+                    start += take
+                pos, m = pos + take, m - take
+    # the leftovers in the free runs in P's order (chunk, then place in the chunk)
+    runs = iter(sorted(free))
+    k = slot = size = None
+    pending = [(starts[d], lengths[d]) for d in left]
+    filled = {}
+    for start, m in pending:
+        while m:
+            if not size:
+                k, slot, size = next(runs)
+                filled[k, slot] = []
+            take = min(m, size)
+            filled[k, slot].append((start, take))
+            start, m, size = start + take, m - take, size - take
+    for k in range(parts):
+        runs_k = [x for i, x in enumerate(placed[k])
+                  for x in ([x] if x is not None else filled.get((k, i), []))]
+        chunks[k] = chunks[k] + runs_k if k < world else runs_k + chunks[k]
+    if any(sum(m for _, m in chunk) != c for chunk in chunks):
+        raise AssertionError("_place_whole: a chunk of P is not n / (2 * world) long")
+    return chunks
+
+
 def document_layout(cu_seqlens, world_size: "int | None" = None, *, n: "int | None" = None,
-                    group=None) -> DocumentLayout:
+                    group=None, balanced: bool = False) -> DocumentLayout:
     """The per-document zig-zag (`DocumentLayout`) of a sequence of n tokens (default
     cu_seqlens[-1]) packed from documents with boundaries cu_seqlens ([D + 1] from 0,
     flash-attn's varlen convention; tokens past the last boundary form one more document),
     over world_size ranks (default: the group's). Shard with it (shard_sequence(x,
     layout=it)) and pass it as the call's layout, with the document mask (`doc=
-    document_ids(cu_seqlens, n)`)."""
+    document_ids(cu_seqlens, n)`). balanced=True: whole documents on ranks instead
+    (`_balanced_chunks`): most attention stays on its rank and sends nothing."""
     if world_size is None:
         world_size = _group_facts(group)[1]
     cu = [int(x) for x in torch.as_tensor(cu_seqlens).flatten().tolist()]
@@ -279,4 +398,5 @@ def document_layout(cu_seqlens, world_size: "int | None" = None, *, n: "int | No
         raise ValueError("cu_seqlens must be a non-decreasing [D + 1] sequence from 0")
     if n is not None and n > cu[-1]:
         cu.append(int(n))
-    return DocumentLayout([b - a for a, b in zip(cu, cu[1:]) if b > a], world_size)
+    return DocumentLayout([b - a for a, b in zip(cu, cu[1:]) if b > a], world_size,
+                          balanced)
