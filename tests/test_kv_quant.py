@@ -88,7 +88,9 @@ def hide_unread(kq, vq, ks, vs, per, table, lengths, page_size):
     if per == "token":
         ks[~keep] = float("nan")
         vs[~keep] = float("nan")
-    if kq.dtype == FP8:  # 0x7f: e4m3's NaN
+    if kq.dtype == FP8:  # 0x7f: e4m3's NaN; the kernels' bit placement reads it as +480
+        # (past e4m3's 448): a key row of it dominates every query whose elements sum > 0,
+        # and its value row then sets the output -- an error far past the tolerance
         kq.view(torch.uint8)[~keep] = 0x7F
         vq.view(torch.uint8)[~keep] = 0x7F
 
@@ -168,6 +170,37 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+# ---------------------------------------------------------------------------------------
+# the kernels' dequantization (_kvquant.dequant_tile: bit placement), every byte
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("code, src", [(1, FP8), (2, INT8)], ids=["fp8", "int8"])
+@pytest.mark.parametrize("qdt", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dequant_tile_every_byte(pkg, code, src, qdt):
+    """All 256 bytes against torch's own conversion: e4m3 (subnormals and zeros too) is
+    x * 2^-120 in bf16 and x * 2^-8 in fp16, exactly; int8 exactly x. e4m3's NaN bytes
+    read as +-480 (finite: what hide_unread's poison relies on)."""
+    import triton
+    import triton.language as tl
+
+    global _dequant_tile  # the interpreter looks the helper up in this module's globals
+    _dequant_tile = pkg._kvquant.dequant_tile
+
+    @triton.jit
+    def kernel(X, Y, DT: tl.constexpr, KV_QUANT: tl.constexpr):
+        o = tl.arange(0, 256)
+        tl.store(Y + o, _dequant_tile(tl.load(X + o), DT, KV_QUANT))
+
+    pkg._runtime.kernel("decode_d32_bf16")  # (the interpreter's fixes)
+    x = torch.arange(256, dtype=torch.uint8).view(src)
+    y = torch.empty(256, dtype=qdt)
+    kernel[(1,)](x, y, tl.bfloat16 if qdt == torch.bfloat16 else tl.float16, code)
+    unit = 2.0 ** (120 if qdt == torch.bfloat16 else 8) if code == 1 else 1.0
+    want, got = x.double(), y.double() * unit
+    nan = want.isnan()
+    assert torch.equal(got[~nan], want[~nan])
+    assert got[nan].tolist() == ([480.0, -480.0] if code == 1 else [])
 
 
 # ---------------------------------------------------------------------------------------

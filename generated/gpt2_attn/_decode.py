@@ -494,7 +494,7 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
                        max(d, dv), q.element_size(), q.device,
                        VARIANTS[name].get("score_bytes", 0))
     if plan.kvq.code:
-        cfg = _planner.kv_quant_tile(cfg, "decode", plan.kvq.token)
+        cfg = {**_planner.kv_quant_tile(cfg, "decode", plan.kvq.token), **_kvquant.tile_override()}
     block_n, block_m = cfg["block_n"], cfg["block_m"]
     row_blocks = _cdiv(group * n_q, block_m)
     left, right = window

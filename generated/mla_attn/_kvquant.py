@@ -20,7 +20,11 @@ are the given ones, and the conversion saturates (int8 to +-127, e4m3 to +-448).
 FlashInfer's float k_scale is torch.full((1,), k_scale, device=...) here: a tensor is read
 on the device, so a call never syncs and a CUDA graph replays with new scale values.
 """
+import os
+
 import torch
+import triton
+import triton.language as tl
 
 from ._registry import BUILT_FOR, PACKAGE, VARIANTS
 
@@ -179,3 +183,103 @@ def quantize_kv_cache(x, dtype=torch.float8_e4m3fn, per=None, scale=None):
         else:
             xq = _fp8.to_e4m3(xf, wide)
     return xq, scale.contiguous()
+
+
+# ---------------------------------------------------------------------------------------
+# The kernels' dequantization (templates/decode.py.j2, fwd.py.j2): a 1-byte tile becomes
+# Q's dtype by placing its bits, a power of two off, which the scales absorb. Triton's own
+# fp8 -> bf16 conversion is two per-element cvts (e4m3 -> f16 -> bf16: F2F, 16 a clock an
+# SM, less than the 18 bytes a clock an SM that the H200's HBM delivers), sm_90 offline.
+# e4m3's sign, exponent and mantissa land in the 16-bit type's with their exponent bias
+# left out, so every byte (subnormals and 0 too) is exactly x * 2^-120 in bf16, x * 2^-8
+# in fp16; e4m3's NaN bytes (0x7F, 0xFF) become +-480. int8 read in fp16: 0x6400 | (b ^
+# 0x80) is 1024 + (x + 128), exact, less 1152; read in bf16 Triton's own conversion (no
+# I2F: bit operations and one bf16x2 add a pair) stays.
+# The units: K's tile 2^-120 x k against q x 2^64 leaves scores 2^-56 of q . k (products
+# far from fp32's subnormals: a tensor core may flush those); V's tile 2^-120 x v against P
+# x 2^120 gives acc P V itself. So a fp8 cache read with bf16 q needs |q| < 2^64 (bf16
+# holds up to 2^128), and its scales times SCORE_UNIT stay finite (scales < 2^70).
+# ---------------------------------------------------------------------------------------
+# the interpreter runs no inline PTX: it takes the same arithmetic in Triton's integer ops
+# (per element on a GPU: 3 ops an element, worse than the cvts; so the PTX there)
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+# e4m3 bytes b0..b3 of a 32-bit word: PRMT makes 16-bit lanes (sign of b replicated | b),
+# shifted by 4 (bf16) or 7 (fp16) and masked: 6 ops for 4 elements, every one full rate
+_E4M3_PTX = """{
+.reg .b32 lo, hi;
+prmt.b32 lo, $2, 0, 0x9180;
+prmt.b32 hi, $2, 0, 0xB3A2;
+shl.b32 lo, lo, %(shift)d;
+shl.b32 hi, hi, %(shift)d;
+and.b32 $0, lo, %(mask)s;
+and.b32 $1, hi, %(mask)s;
+}"""
+E4M3_BF16_PTX = tl.constexpr(_E4M3_PTX % dict(shift=4, mask="0x87F087F0"))
+E4M3_FP16_PTX = tl.constexpr(_E4M3_PTX % dict(shift=7, mask="0xBF80BF80"))
+
+@triton.jit
+def dequant_tile(x, DT: tl.constexpr, KV_QUANT: tl.constexpr):
+    """A tile of a 1-byte cache (KV_QUANT 1: fp8 e4m3, 2: int8) in the 16-bit dtype DT:
+    x * 2^-120 (fp8 read in bf16), x * 2^-8 (fp8 read in fp16), x (int8)."""
+    if KV_QUANT == 1:
+        if _PTX:
+            if DT == tl.bfloat16:
+                y = tl.inline_asm_elementwise(E4M3_BF16_PTX, "=r,=r,r", [x.to(tl.int8, bitcast=True)],
+                                              dtype=tl.bfloat16, is_pure=True, pack=4)
+            else:
+                y = tl.inline_asm_elementwise(E4M3_FP16_PTX, "=r,=r,r", [x.to(tl.int8, bitcast=True)],
+                                              dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            # (sign of b replicated | b), as PRMT makes it
+            h = x.to(tl.int8, bitcast=True).to(tl.int16).to(tl.uint16, bitcast=True)
+            if DT == tl.bfloat16:
+                h = (h << 4) & tl.full([], 0x87F0, tl.uint16)
+            else:
+                h = (h << 7) & tl.full([], 0xBF80, tl.uint16)
+            y = h.to(DT, bitcast=True)
+    else:
+        y = x.to(DT)
+    return y
+
+
+@triton.jit
+def q_unit(q, KV_QUANT: tl.constexpr):
+    """q as the key tiles of dequant_tile want it (2^64 q for fp8 read in bf16)."""
+    if KV_QUANT == 1 and q.dtype == tl.bfloat16:
+        return (q.to(tl.float32) * 18446744073709551616.0).to(tl.bfloat16)
+    return q
+
+
+@triton.jit
+def score_unit(DT: tl.constexpr, KV_QUANT: tl.constexpr):
+    """What the scores of q_unit(q) . dequant_tile(k) are multiplied by to be q . k."""
+    if KV_QUANT == 1:
+        if DT == tl.bfloat16:
+            return 72057594037927936.0  # 2^56 = 2^120 / 2^64
+        return 256.0
+    return 1.0
+
+
+@triton.jit
+def p_unit(DT: tl.constexpr, KV_QUANT: tl.constexpr):
+    """What P is multiplied by before P @ dequant_tile(v), for acc to hold P V."""
+    if KV_QUANT == 1:
+        if DT == tl.bfloat16:
+            return 1.329227995784916e36  # 2^120
+        return 256.0
+    return 1.0
+
+
+def tile_override() -> dict:
+    """FLASHGEN_KVQ_TILE=MxNwWsS (e.g. 16x128w8s4): the decode launch config of calls that
+    read a 1-byte cache, for an A/B on the GPU of configs that keep more bytes in flight
+    (a 1-byte tile at the bf16 variant's BLOCK_N and stages holds half its bytes; shared
+    memory: stages - 1 K and V blocks of BLOCK_N x d bytes, 16 x 128 at 5 stages 4 x 32 KB).
+    Read at plan time; unset: the planned config."""
+    value = os.environ.get("FLASHGEN_KVQ_TILE")
+    if not value:
+        return {}
+    from ._planner import parse_tile
+
+    bm, bn, w, st = parse_tile(value)
+    return dict(block_m=bm, block_n=bn, num_warps=w, num_stages=st)

@@ -53,8 +53,9 @@ arithmetic.
 
 Quantized caches (KV_QUANT; spec `kv_cache_dtypes`): K and V may be 1-byte caches, fp8 e4m3
 (KV_QUANT 1) or int8 (2), with fp32 scales KS, VS (x = x_q * scale). The kernel reads the
-bytes and converts each tile to Q's dtype in registers (exact: e4m3 and int8 values are
-fp16 and bf16 values); the scales apply to fp32 products, never to a copy of the cache.
+bytes and makes each tile Q's dtype in registers (_kvquant.dequant_tile: fp8 by placing its
+bits, exactly x * 2^-120 in bf16, 2^-8 in fp16, with q and P taking the power of two:
+q_unit, score_unit, p_unit); the scales apply to fp32 products, never to a copy of the cache.
 One scale per KV head (or per tensor) joins the softmax scale (K) and the final 1 / l (V);
 per-token scales (KV_SCALE_TOKEN, laid out like the cache without d) are loaded beside the
 tile, K's multiplying its column of scores, V's its column of P before P V (over the
@@ -87,6 +88,8 @@ addresses b * stride + j * stride_n directly, with no table.
 """
 import triton
 import triton.language as tl
+
+from .._kvquant import dequant_tile, p_unit, q_unit, score_unit
 
 # ----------------------------------------------------------------------------------------
 # Compile-time facts of this variant (chosen by `flashgen build`, not at run time)
@@ -265,6 +268,9 @@ def decode_window_d128_bf16_kernel(
     if KV_QUANT:
         ks_base = KS + s_base  # this KV head's scales (+ s_rows: a token's)
         vs_base = VS + s_base
+        # the bit-placed key tiles' unit (q_unit's q against dequant_tile's k) joins the
+        # softmax scale, before any scale could make it small
+        QK_SCALE_LOG2 = QK_SCALE_LOG2 * score_unit(Q.dtype.element_ty, KV_QUANT)
         if KV_SCALE_TOKEN:
             v_unit = tl.full([], 1.0, tl.float32)  # the accumulators' unit (the key loop's)
         else:
@@ -315,6 +321,8 @@ def decode_window_d128_bf16_kernel(
     q0 = tl.load(Q + q_rows[:, None] + offs_d0[None, :], mask=load_q[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
     if ROTARY_DIM > D0_OFFSET:
         q0 = _rotate(q0, Q + q_rows[:, None], offs_d0, load_q[:, None], ro_pos[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
+    if KV_QUANT:
+        q0 = q_unit(q0, KV_QUANT)
     offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
     accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
@@ -360,8 +368,8 @@ def decode_window_d128_bf16_kernel(
                 v_rows = pos.to(tl.int64) * stride_vn
                 s_rows = pos.to(tl.int64) * stride_sn  # [BLOCK_N] per-token scales
             k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
-            if KV_QUANT:  # a 1-byte cache: its values are exact in Q's dtype
-                k0 = k0.to(Q.dtype.element_ty)
+            if KV_QUANT:  # a 1-byte cache, in Q's dtype by bit placement (_kvquant.dequant_tile)
+                k0 = dequant_tile(k0, Q.dtype.element_ty, KV_QUANT)
             # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
             s = tl.dot(q0, tl.trans(k0))
             if KV_SCALE_TOKEN:  # each key's own scale, on its column of scores
@@ -389,9 +397,11 @@ def decode_window_d128_bf16_kernel(
                 v_scale = tl.load(vs_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
                 v_top = tl.max(v_scale, 0)
                 v_top = tl.where(v_top > 0.0, v_top, v_unit)
-                p = p * (v_scale / v_top)[None, :]
+                p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
                 alpha = alpha * (v_unit / v_top)
                 v_unit = v_top
+            elif KV_QUANT == 1:
+                p = p * p_unit(Q.dtype.element_ty, KV_QUANT)  # (V's tile is 2^-120 v)
             p = p.to(Q.dtype.element_ty)
             if V_IS_K:
                 # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
@@ -400,7 +410,7 @@ def decode_window_d128_bf16_kernel(
             else:
                 vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
             if KV_QUANT:
-                vv0 = vv0.to(Q.dtype.element_ty)
+                vv0 = dequant_tile(vv0, Q.dtype.element_ty, KV_QUANT)
             accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
             m_i = m_new
 
@@ -440,8 +450,8 @@ def decode_window_d128_bf16_kernel(
             v_rows = pos.to(tl.int64) * stride_vn
             s_rows = pos.to(tl.int64) * stride_sn  # [BLOCK_N] per-token scales
         k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
-        if KV_QUANT:  # a 1-byte cache: its values are exact in Q's dtype
-            k0 = k0.to(Q.dtype.element_ty)
+        if KV_QUANT:  # a 1-byte cache, in Q's dtype by bit placement (_kvquant.dequant_tile)
+            k0 = dequant_tile(k0, Q.dtype.element_ty, KV_QUANT)
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         if KV_SCALE_TOKEN:  # each key's own scale, on its column of scores
@@ -460,9 +470,11 @@ def decode_window_d128_bf16_kernel(
             v_scale = tl.load(vs_base + s_rows)  # [BLOCK_N]
             v_top = tl.max(v_scale, 0)
             v_top = tl.where(v_top > 0.0, v_top, v_unit)
-            p = p * (v_scale / v_top)[None, :]
+            p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
             alpha = alpha * (v_unit / v_top)
             v_unit = v_top
+        elif KV_QUANT == 1:
+            p = p * p_unit(Q.dtype.element_ty, KV_QUANT)  # (V's tile is 2^-120 v)
         p = p.to(Q.dtype.element_ty)
         if V_IS_K:
             # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
@@ -471,7 +483,7 @@ def decode_window_d128_bf16_kernel(
         else:
             vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
         if KV_QUANT:
-            vv0 = vv0.to(Q.dtype.element_ty)
+            vv0 = dequant_tile(vv0, Q.dtype.element_ty, KV_QUANT)
         accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
 
@@ -514,8 +526,8 @@ def decode_window_d128_bf16_kernel(
             v_rows = pos.to(tl.int64) * stride_vn
             s_rows = pos.to(tl.int64) * stride_sn  # [BLOCK_N] per-token scales
         k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
-        if KV_QUANT:  # a 1-byte cache: its values are exact in Q's dtype
-            k0 = k0.to(Q.dtype.element_ty)
+        if KV_QUANT:  # a 1-byte cache, in Q's dtype by bit placement (_kvquant.dequant_tile)
+            k0 = dequant_tile(k0, Q.dtype.element_ty, KV_QUANT)
         # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
         s = tl.dot(q0, tl.trans(k0))
         if KV_SCALE_TOKEN:  # each key's own scale, on its column of scores
@@ -543,9 +555,11 @@ def decode_window_d128_bf16_kernel(
             v_scale = tl.load(vs_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
             v_top = tl.max(v_scale, 0)
             v_top = tl.where(v_top > 0.0, v_top, v_unit)
-            p = p * (v_scale / v_top)[None, :]
+            p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
             alpha = alpha * (v_unit / v_top)
             v_unit = v_top
+        elif KV_QUANT == 1:
+            p = p * p_unit(Q.dtype.element_ty, KV_QUANT)  # (V's tile is 2^-120 v)
         p = p.to(Q.dtype.element_ty)
         if V_IS_K:
             # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
@@ -554,7 +568,7 @@ def decode_window_d128_bf16_kernel(
         else:
             vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
         if KV_QUANT:
-            vv0 = vv0.to(Q.dtype.element_ty)
+            vv0 = dequant_tile(vv0, Q.dtype.element_ty, KV_QUANT)
         accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
 
