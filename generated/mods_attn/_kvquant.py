@@ -186,25 +186,29 @@ def quantize_kv_cache(x, dtype=torch.float8_e4m3fn, per=None, scale=None):
 
 
 # ---------------------------------------------------------------------------------------
-# The kernels' dequantization (templates/decode.py.j2, fwd.py.j2): a 1-byte tile becomes
-# Q's dtype by placing its bits, a power of two off, which the scales absorb. Triton's own
+# The decode kernels' dequantization (templates/decode.py.j2): a 1-byte tile becomes Q's
+# dtype by placing its bits, a power of two off, which q and P absorb. Triton's own
 # fp8 -> bf16 conversion is two per-element cvts (e4m3 -> f16 -> bf16: F2F, 16 a clock an
 # SM, less than the 18 bytes a clock an SM that the H200's HBM delivers), sm_90 offline.
 # e4m3's sign, exponent and mantissa land in the 16-bit type's with their exponent bias
 # left out, so every byte (subnormals and 0 too) is exactly x * 2^-120 in bf16, x * 2^-8
-# in fp16; e4m3's NaN bytes (0x7F, 0xFF) become +-480. int8 read in fp16: 0x6400 | (b ^
-# 0x80) is 1024 + (x + 128), exact, less 1152; read in bf16 Triton's own conversion (no
-# I2F: bit operations and one bf16x2 add a pair) stays.
+# in fp16; e4m3's NaN bytes (0x7F, 0xFF) become +-480. int8 keeps Triton's conversion,
+# which has no I2F in bf16 (bit operations and a bf16x2 add a pair, sm_90 offline).
 # The units: K's tile 2^-120 x k against q x 2^64 leaves scores 2^-56 of q . k (products
 # far from fp32's subnormals: a tensor core may flush those); V's tile 2^-120 x v against P
 # x 2^120 gives acc P V itself. So a fp8 cache read with bf16 q needs |q| < 2^64 (bf16
 # holds up to 2^128), and its scales times SCORE_UNIT stay finite (scales < 2^70).
 # ---------------------------------------------------------------------------------------
-# the interpreter runs no inline PTX: it takes the same arithmetic in Triton's integer ops
-# (per element on a GPU: 3 ops an element, worse than the cvts; so the PTX there)
-_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+# Triton's integer ops below become PRMT / IMAD.SHL / LOP3, some on packed pairs (sm_90
+# offline, the decode bench's 16 x 128 fp8 tile: 1419 SASS a loop iteration a warp, no F2F;
+# Triton's cvts: 1379 with 256 F2F at a quarter rate). FLASHGEN_KVQ_PTX=1 takes the PTX
+# below instead, 6 ops for 4 elements (1281; but the window variant's 32 x 128 tile with
+# per-token scales spilled 32 / 44 B at 255 registers, the integer ops none at 196): a GPU
+# A/B. The interpreter runs no PTX.
+_PTX = tl.constexpr(os.environ.get("FLASHGEN_KVQ_PTX") == "1"
+                    and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 # e4m3 bytes b0..b3 of a 32-bit word: PRMT makes 16-bit lanes (sign of b replicated | b),
-# shifted by 4 (bf16) or 7 (fp16) and masked: 6 ops for 4 elements, every one full rate
+# shifted by 4 (bf16) or 7 (fp16) and masked
 _E4M3_PTX = """{
 .reg .b32 lo, hi;
 prmt.b32 lo, $2, 0, 0x9180;
@@ -216,6 +220,7 @@ and.b32 $1, hi, %(mask)s;
 }"""
 E4M3_BF16_PTX = tl.constexpr(_E4M3_PTX % dict(shift=4, mask="0x87F087F0"))
 E4M3_FP16_PTX = tl.constexpr(_E4M3_PTX % dict(shift=7, mask="0xBF80BF80"))
+
 
 @triton.jit
 def dequant_tile(x, DT: tl.constexpr, KV_QUANT: tl.constexpr):
