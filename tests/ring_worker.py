@@ -69,9 +69,26 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
             # 16 x 16 tiles would walk slowly in the interpreter)
             own = (pkg._runtime.override_config(**case["tiles"])
                    if "tiles" in case and device == "cpu" else nullcontext())
-            with own:
-                results.append(run_case(pkg, case, rank, world, attention_ref, visible_mask,
-                                        device))
+            # agree=False: the case runs under FLASHGEN_CP_AGREE=0, and the agreement's
+            # all_gathers are counted either way
+            os.environ.pop("FLASHGEN_CP_AGREE", None)
+            if case.get("agree") is False:
+                os.environ["FLASHGEN_CP_AGREE"] = "0"
+            gathers, real = [0], pkg._ring_masks._all_gather
+
+            def counted(*args, **kw):
+                gathers[0] += 1
+                return real(*args, **kw)
+
+            pkg._ring_masks._all_gather = counted
+            try:
+                with own:
+                    results.append(run_case(pkg, case, rank, world, attention_ref,
+                                            visible_mask, device))
+            finally:
+                pkg._ring_masks._all_gather = real
+                os.environ.pop("FLASHGEN_CP_AGREE", None)
+            results[-1]["agree_gathers"] = gathers[0]
             # progress in the log run_world shows when a world fails or runs out of time
             print(f"rank {rank}: case {i + 1}/{len(cases)} in "
                   f"{time.perf_counter() - start:.1f} s: {case}", flush=True)

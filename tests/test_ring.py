@@ -431,6 +431,23 @@ def test_context_parallel_matches_single_process(built, tmp_path, world):
     assert_results(per_rank)
 
 
+def test_agreement_opt_out_skips_its_all_gather(built, tmp_path):
+    """FLASHGEN_CP_AGREE=0 (a caller that vouches for symmetric calls, e.g. under CUDA-graph
+    capture): the same results with no agreement all_gather; by default one a call (and
+    its repeat), on each strategy."""
+    _, pkg_dir = built
+    cases = [case(24, causal=True, repeat=True, agree=agree, strategy=strategy)
+             for strategy in ("ring", "allgather", "ulysses") for agree in (True, False)]
+    for c in cases[4:]:
+        c["shape"][2:4] = [2, 2]  # Ulysses: heads divisible by the world
+    per_rank = run_world(2, pkg_dir, tmp_path, cases)
+    assert_results(per_rank)
+    for results in per_rank:
+        for res in results:
+            want = 2 if res["case"]["agree"] else 0
+            assert res["agree_gathers"] == want, (res["case"], res["agree_gathers"])
+
+
 # Dropout: shard chunks of 32 tokens (the keep mask's Philox blocks are 32 columns wide),
 # so N = 64 * world under zig-zag. 32 x 32 tiles (16 x 16 would walk these lengths slowly
 # in the interpreter); one case takes 16-key tiles, the keep mask's half-block path.

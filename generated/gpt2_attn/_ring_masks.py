@@ -35,6 +35,8 @@ Also here: SDPA's attn_mask as the sdpa_mask mod over the whole sequence
 (`sdpa_attn_mask`), document ids from cu_seqlens (`document_ids`), and the mods of a call
 sharded with a `document_layout` (`on_documents`: its tensors permuted like the sequence).
 """
+import os
+
 import torch
 
 from . import _runtime
@@ -48,6 +50,11 @@ _SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
 TABLE_TILE = {"cuda": 128, "cpu": 16}
 # the integers every rank contributes to `agree` ahead of its table rows
 FACTS = 24
+# FLASHGEN_CP_AGREE=0: the caller vouches that every rank calls alike, and a call that
+# needs no cell table skips the agreement (no all_gather, no host sync: what CUDA-graph
+# capture needs); a rank whose own checks fail then raises alone while the others wait
+# in the call's first collective. A data-dependent mask's cell table is gathered anyway.
+AGREE_ENV = "FLASHGEN_CP_AGREE"
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 
 
@@ -370,10 +377,10 @@ def agree(group, world: int, facts: list, rows: list, error) -> list:
         except (ValueError, TypeError, NotImplementedError) as e:
             error = e
         return agree(ring, _dist().get_world_size(ring), facts, rows, error)
-    if world == 1:
+    if world == 1 or (not rows and os.environ.get(AGREE_ENV, "1") == "0"):
         if error is not None:
             raise error
-        return [rows]
+        return [rows] * max(world, 1)
     width = 4 * world  # two segments x 2 * world chunks at most
     if len(facts) > FACTS:
         raise AssertionError("agree: more facts than FACTS")
