@@ -185,33 +185,19 @@ def head_groups(plan, b: int, n: int, d: int, elt: int) -> int:
     peak. FLASHGEN_CP_HEAD_GROUPS as the ring's (`_ring._head_groups`): "auto", the most
     groups (at most HEAD_GROUPS_MAX) whose Q is at least HEAD_GROUP_MIN_BYTES, or a
     count; a group reads a run of whole K/V heads or part of one."""
-    import os
-
-    from ._ring import HEAD_GROUP_MIN_BYTES, HEAD_GROUPS_ENV, HEAD_GROUPS_MAX
+    from ._ring import HEAD_GROUP_MIN_BYTES, group_count
 
     per, kv = plan.h_q // plan.world, len(plan.kv_heads[0])
     ratio = per // kv
 
-    def ok(groups):
+    def fits(groups):
         size = per // groups
         return per % groups == 0 and (size % ratio == 0 or ratio % size == 0)
 
-    choice = os.environ.get(HEAD_GROUPS_ENV, "") or "auto"
-    if choice != "auto":
-        try:
-            groups = int(choice)
-        except ValueError:
-            groups = 0
-        if groups < 1 or not ok(groups):
-            raise ValueError(f"{HEAD_GROUPS_ENV}={choice!r}: strategy='ulysses' takes 'auto' "
-                             f"or a divisor of the {per} query heads of a rank whose groups "
-                             f"read whole K/V heads or share one ({ratio} per K/V head)")
-        return groups
-    best = 1
-    for groups in range(1, min(per, HEAD_GROUPS_MAX) + 1):
-        if ok(groups) and b * n * (per // groups) * d * elt >= HEAD_GROUP_MIN_BYTES:
-            best = groups
-    return best
+    return group_count(None, per, fits,
+                       lambda g: b * n * (per // g) * d * elt >= HEAD_GROUP_MIN_BYTES,
+                       f"(strategy='ulysses') a divisor of the {per} query heads of a rank "
+                       f"whose groups read whole K/V heads or share one ({ratio} per K/V head)")
 
 
 class _Ulysses(torch.autograd.Function):

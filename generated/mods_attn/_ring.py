@@ -415,24 +415,29 @@ def _head_groups(k, choice=None) -> int:
     groups. "auto" (default): the most groups (a divisor of H_kv, at most HEAD_GROUPS_MAX)
     that leave every group's K/V shard at least HEAD_GROUP_MIN_BYTES; short sequences
     keep one group. An int forces that many (it must divide H_kv)."""
+    h_kv, kv_bytes = k.shape[2], 2 * k.numel() * k.element_size()
+    return group_count(choice, h_kv, lambda g: h_kv % g == 0,
+                       lambda g: kv_bytes // g >= HEAD_GROUP_MIN_BYTES,
+                       f"a divisor of the {h_kv} K/V heads")
+
+
+def group_count(choice, most: int, fits, enough, expected: str) -> int:
+    """A head-group count: `choice` (None: FLASHGEN_CP_HEAD_GROUPS, default "auto") as an
+    int that fits(g), else ValueError naming `expected`; "auto" takes the most groups (at
+    most `most` and HEAD_GROUPS_MAX) that fit and are each `enough`, else one. The ring
+    backward's (_head_groups) and Ulysses' (_ulysses.head_groups)."""
     if choice is None:
         choice = os.environ.get(HEAD_GROUPS_ENV, "") or "auto"
-    h_kv = k.shape[2]
     if choice != "auto":
         try:
             groups = int(choice)
         except (TypeError, ValueError):
             groups = 0
-        if groups < 1 or h_kv % groups:
-            raise ValueError(f"{HEAD_GROUPS_ENV}={choice!r}: expected 'auto' or a divisor "
-                             f"of the {h_kv} K/V heads")
+        if groups < 1 or not fits(groups):
+            raise ValueError(f"{HEAD_GROUPS_ENV}={choice!r}: expected 'auto' or {expected}")
         return groups
-    kv_bytes = 2 * k.numel() * k.element_size()
-    best = 1
-    for groups in range(1, min(h_kv, HEAD_GROUPS_MAX) + 1):
-        if h_kv % groups == 0 and kv_bytes // groups >= HEAD_GROUP_MIN_BYTES:
-            best = groups
-    return best
+    return max((g for g in range(1, min(most, HEAD_GROUPS_MAX) + 1) if fits(g) and enough(g)),
+               default=1)
 
 
 def _ring_backward(do, q, k, v, out, lse, cfg):
