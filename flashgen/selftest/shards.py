@@ -10,13 +10,12 @@ file no shard names would never run in `flashgen selftest`. tests/test_selftest_
 checks this by scanning tests/ the way `gpu_test_files` does (and against pytest's own
 collection), so a new GPU test file fails CI until it is given a shard here.
 
-`est_s` is the shard's wall time on one H100 at the default settings (two shards at a
-time, 4 xdist workers each, a cold Triton cache): the run's --budget starts a shard only
-when its estimate fits the time left, and its default timeout is 3x the estimate. They
-are the measured seconds of the H100 run in docs/TESTING.md's "Last green" table
-(benchmarks/results/nvidia-h100-80gb-hbm3/selftest_shards.txt; the 2-GPU ring part's and
-the fuzz shard's are still estimates); update them from a measured run (selftest.json's
-`seconds`) when they drift.
+`est_s` is the shard's wall time at the default settings with a cold Triton cache: the
+run's --budget starts a shard only when its estimate fits the time left, and its default
+timeout is 3x the estimate. They are the measured seconds of the newest full run in
+docs/TESTING.md's "Last green" table (5cfc9d0 on nvidia-h200-x4, one shard a GPU, 8
+workers: benchmarks/results/nvidia-h200-x4/selftest_shards.txt); update them from a
+measured run (selftest.json's `seconds`) when they drift.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ class Shard:
     name: str
     about: str
     files: tuple[str, ...]              # single-GPU tests, under xdist
-    est_s: int                          # wall seconds on one H100 at the defaults
+    est_s: int                          # wall seconds of a measured run at the defaults
     multigpu_files: tuple[str, ...] = ()  # `multigpu` tests: >= 2 GPUs, no xdist
     multigpu_est_s: int = 0
     max_workers: int | None = None      # a shard of a few big tests gains nothing from 4
@@ -54,45 +53,40 @@ SHARDS: tuple[Shard, ...] = (
                                        "tests/test_dropout.py", "tests/test_varlen.py",
                                        "tests/test_module.py", "tests/test_host_path.py",
                                        "tests/test_head_dim_512.py", "tests/test_fp8.py"),
-          est_s=130),
+          est_s=180),
     Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs, "
           "the large head dims (256, qk 192 / v 128)",
-          # (est_s: 242 s measured with the large dims on one H200, 4 workers, cold cache)
-          ("tests/test_gluon.py", "tests/test_gluon_large_dims.py"), est_s=250),
+          ("tests/test_gluon.py", "tests/test_gluon_large_dims.py"), est_s=235),
     Shard("gluon-bwd", "the Gluon backward, dense and with mods (persistent block lists)",
-          ("tests/test_gluon_bwd.py", "tests/test_gluon_bwd_mods.py"), est_s=100),
+          ("tests/test_gluon_bwd.py", "tests/test_gluon_bwd_mods.py"), est_s=185),
     Shard("gluon-dropout", "the Gluon forward and backward with dropout (Philox in registers)",
-          ("tests/test_gluon_dropout.py",), est_s=105),
+          ("tests/test_gluon_dropout.py",), est_s=125),
     Shard("gluon-varlen", "the Gluon forward and backward on packed ragged batches",
-          # (est_s: still running at 270 s on an H200 of nvidia-h200-x4, 8 workers: its two
-          # many-sequence tests are the tail)
-          ("tests/test_gluon_varlen.py",), est_s=300),
+          ("tests/test_gluon_varlen.py",), est_s=400),
     Shard("mods", "score, mask and sink mods, dense and varlen",
-          ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=265),
-    # (test_kv_quant.py's and test_paged_prefill.py's 35 s on top of the measured 55 are
-    # estimates, not yet measured)
+          ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=215),
     Shard("decode", "flash_attn_with_kvcache: split-KV, paged caches, appends, rotary, "
           "quantized (fp8 / int8) caches; chunked prefill over pages", ("tests/test_decode.py", "tests/test_decode_rotary.py",
                                               "tests/test_kv_quant.py",
-                                              "tests/test_paged_prefill.py"), est_s=90),
+                                              "tests/test_paged_prefill.py"), est_s=135),
     Shard("mla", "MLA head dims: training, the latent decode (Gluon 576/512)",
-          ("tests/test_mla.py",), est_s=65),
+          ("tests/test_mla.py",), est_s=90),
     Shard("ring", "context parallelism: the pieces and merge_attention_states on one GPU, the "
           "ring on 2 GPUs (NCCL)", ("tests/test_ring_pieces_gpu.py", "tests/test_merge.py"),
-          est_s=60,
-          multigpu_files=("tests/test_ring_gpu.py",), multigpu_est_s=300),
+          est_s=85,
+          multigpu_files=("tests/test_ring_gpu.py",), multigpu_est_s=210),
     # tens of GB each: conftest's gpu_memory_alone runs one at a time across workers
     Shard("row-offsets", "tensors past 2**31 elements (64-bit row offsets)",
-          ("tests/test_row_offsets.py",), est_s=55, max_workers=2),
+          ("tests/test_row_offsets.py",), est_s=125, max_workers=2),
     Shard("other-gpus", "the A100 / RTX 4090 packages' planned tiles run on this GPU",
-          ("tests/test_other_gpus_gpu.py",), est_s=45),
+          ("tests/test_other_gpus_gpu.py",), est_s=50),
     Shard("other", "transformers integration, peak memory against SDPA",
-          ("tests/test_transformers.py", "tests/test_gpu_memory.py"), est_s=185,
+          ("tests/test_transformers.py", "tests/test_gpu_memory.py"), est_s=240,
           max_workers=4),
     # two tests, each dealing its cases to its own worker processes (kernels compile in
-    # parallel there); an estimate, not yet measured on a GPU
+    # parallel there)
     Shard("fuzz", "100 seeded fuzz cases and the sanitizer's case set against float64",
-          ("tests/test_selftest_fuzz.py",), est_s=360, max_workers=2),
+          ("tests/test_selftest_fuzz.py",), est_s=370, max_workers=2),
 )
 
 # 8 xdist workers per GPU in all: what the suite has run with on the H100 (`-m gpu -n 8`)
