@@ -22,8 +22,10 @@ from .build import build_spec
 from .spec import load_spec
 from .variants import variants_for
 
-# dtype -> max |got - ref| allowed, relative to max(1, |ref|); see tests/conftest.py
-_TOL = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 4e-2}
+# dtype -> max |got - ref| allowed, relative to max(1, |ref|); see tests/conftest.py. fp8:
+# against float64 on the dequantized inputs, so what is counted is P rounded to e4m3 for
+# P V (2^-4 relative an element, 16x bf16's 2^-8; tests/test_fp8.py) and its reach into D
+_TOL = {"fp32": 1e-4, "fp16": 5e-3, "bf16": 4e-2, "fp8_e4m3": 0.2}
 _DROPOUT_P = 0.2
 
 
@@ -62,20 +64,28 @@ def _check_training(pkg, spec, variant, label, b, n_q, n_k, h_q, h_kv, device, d
     causal = variant.mask == "causal"
     window = _window(spec, variant)
     p = _DROPOUT_P if variant.dropout else 0.0
-    q = torch.randn(b, n_q, h_q, variant.head_dim, dtype=dtype, device=device, requires_grad=True)
-    k = torch.randn(b, n_k, h_kv, variant.head_dim, dtype=dtype, device=device, requires_grad=True)
+    fp8 = dtype is None  # (fp8_e4m3: bf16 inputs quantized, one scale a tensor)
+    src = torch.bfloat16 if fp8 else dtype
+    q = torch.randn(b, n_q, h_q, variant.head_dim, dtype=src, device=device, requires_grad=True)
+    k = torch.randn(b, n_k, h_kv, variant.head_dim, dtype=src, device=device, requires_grad=True)
     # (V and the output have V's head dim: an MLA pair's own)
-    v = torch.randn(b, n_k, h_kv, variant.v_dim, dtype=dtype, device=device, requires_grad=True)
-    do = torch.randn(b, n_q, h_q, variant.v_dim, dtype=dtype, device=device)
+    v = torch.randn(b, n_k, h_kv, variant.v_dim, dtype=src, device=device, requires_grad=True)
+    do = torch.randn(b, n_q, h_q, variant.v_dim, dtype=src, device=device)
     mod_kw, score_mod, mod_mask, sink = _mod_inputs(spec, variant, b, n_q, n_k, h_q, device)
+    args, deq = (q, k, v), (q, k, v)
+    if fp8:  # the gradients reach q, k, v straight through (quantize_fp8)
+        quant = [pkg.quantize_fp8(t) for t in (q, k, v)]
+        args = tuple(x for x, _ in quant)
+        mod_kw = dict(mod_kw, q_descale=quant[0][1], k_descale=quant[1][1], v_descale=quant[2][1])
+        deq = tuple(x.double() * d.double() for x, d in quant)
     state = torch.get_rng_state() if device == "cpu" else torch.cuda.get_rng_state()
-    out = pkg.flash_attn_func(q, k, v, dropout_p=p, causal=causal, window_size=window, **mod_kw)
+    out = pkg.flash_attn_func(*args, dropout_p=p, causal=causal, window_size=window, **mod_kw)
     out.backward(do)
     keep = None
     if p:
         (torch.set_rng_state if device == "cpu" else torch.cuda.set_rng_state)(state)
         keep = pkg.dropout_mask(b, h_q, n_q, n_k, p, device=device)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in deq)
     vis = visible_mask(n_q, n_k, causal=causal, window=window, bottom_right=True)
     if mod_mask is not None:
         vis = vis & mod_mask
@@ -196,7 +206,8 @@ def check(spec_path, quick: bool = False, out=sys.stdout, planned: bool = False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     spec = load_spec(spec_path)
-    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+    dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
+              "fp8_e4m3": None}  # (_check_training quantizes bf16 inputs)
     where = "GPU " + torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     print(f"checking {spec.package} from {spec_path} on {where}", file=out)
     ok_all = True

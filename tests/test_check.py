@@ -57,3 +57,22 @@ variants:
     out = io.StringIO()
     assert check(spec, quick=True, out=out)
     assert "ok   fwd_causal_pad_d16_fp32 (+ bwd)" in out.getvalue()
+
+
+def test_check_verifies_fp8_variants(tmp_path, monkeypatch):
+    """fp8 variants: bf16 inputs quantized with one scale a tensor, against float64 on the
+    dequantized inputs (the check raised KeyError on them). A descale the kernel ignored
+    would be caught: the reference multiplies by it."""
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC.replace("dtypes: [fp32]", "dtypes: [bf16, fp8_e4m3]")
+                    .replace("dropout: true", "dropout: false"))
+    out = io.StringIO()
+    assert check(spec, quick=True, out=out)
+    assert "ok   fwd_causal_d16_fp8_e4m3 (+ bwd)" in out.getvalue()
+
+    real = flashgen.reference.attention_ref
+    monkeypatch.setattr(flashgen.reference, "attention_ref",
+                        lambda *a, **kw: (lambda o, lse: (o * 1.3, lse))(*real(*a, **kw)))
+    out = io.StringIO()
+    assert not check(spec, quick=True, out=out)
+    assert "FAIL fwd_causal_d16_fp8_e4m3" in out.getvalue()
