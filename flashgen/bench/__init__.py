@@ -6,6 +6,7 @@ package, which imports nothing from here:
     suites.py     what is measured: suites, shapes, providers, the case list, FLOPs (pure)
     providers.py  the callables timed: flashgen's packages (built from their specs) and peers
     fa4.py        FlashAttention-4 as a peer: whether it runs here (else why not), its calls
+    fp8.py        the fp8 rows: flashgen's fp8 kernels and cuDNN's fp8 graphs (opt-in names)
     timing.py     interleaved rounds, the callable do_bench times, host time
     report.py     markdown tables, CSV, JSON, the PNG plot, the default output folder
     runner.py     the GPU run: check every provider, time it, write the results

@@ -3,7 +3,8 @@ specs into a temporary folder once per process) and the peers (SDPA's flash, cuD
 efficient backends, FlexAttention, naive PyTorch), each as fn(q, k, v, causal, p) -> out.
 
 The flashgen packages come from specs/gpt2.yaml (d=64) and specs/llama.yaml (d=128),
-specs/bench/dropout_d128.yaml for the dropout suite, specs/mods.yaml for the mods suite
+specs/bench/dropout_d128.yaml for the dropout suite, specs/mods.yaml for the mods suite,
+specs/bench/fp8_d128.yaml (d=128) and gpt2.yaml (d=64) for the fp8 rows (bench/fp8.py)
 (the copies inside the installed package when flashgen is installed from a wheel), or the
 user's `--spec`, which replaces them for the head dims it was built for.
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 from ..resources import bundled_spec
 from . import fa4 as bench_fa4
-from .suites import DROPOUT_SPEC, SPECS
+from . import fp8 as bench_fp8
+from .suites import DROPOUT_SPEC, FP8_SPECS, SPECS
 
 _packages = {}  # (spec path, spec sha) -> (module, sha): one build per process
 
@@ -78,6 +80,7 @@ class Providers:
         self.spec = spec
         self._flex = None
         self._fa4 = None  # flash_attn.cute, or the Unavailable that says why not
+        self._cudnn = None  # cuDNN's frontend (the cudnn_fp8 rows), or the Unavailable
         self._masks = {}
 
     def package(self, d, dropout=False):
@@ -139,6 +142,18 @@ class Providers:
                     mask = self._masks[key]
                 return compiled(q, k, v, block_mask=mask)
             return run
+        if name in ("flashgen_fp8", "cudnn_fp8"):
+            pkg, _ = load_package(bundled_spec(FP8_SPECS[case.d]))
+            if name == "flashgen_fp8":
+                return bench_fp8.flashgen_fp8(pkg)
+            if self._cudnn is None:
+                try:
+                    self._cudnn = bench_fp8.load_cudnn()
+                except bench_fp8.Unavailable as e:
+                    self._cudnn = e
+            if isinstance(self._cudnn, Exception):
+                raise bench_fp8.Unavailable(str(self._cudnn))
+            return bench_fp8.cudnn_fp8(self._cudnn, pkg.quantize_fp8)
         if name == "fa4":
             module = self.fa4()
 

@@ -38,6 +38,8 @@ TOKENS, WIDTH = 16384, 2048  # B*N and H*d of the anchor table
 # head dim -> the example spec whose package the training suite times
 SPECS = {64: "gpt2.yaml", 128: "llama.yaml"}
 DROPOUT_SPEC = "bench/dropout_d128.yaml"
+# head dim -> the spec whose package has the fp8 kernels the flashgen_fp8 rows time
+FP8_SPECS = {64: "gpt2.yaml", 128: "bench/fp8_d128.yaml"}
 
 # provider name -> what it is (the dry run and the table's headers)
 PROVIDERS = {
@@ -50,6 +52,10 @@ PROVIDERS = {
                       "head (kv_cache_dtypes), contiguous and paged",
     "flashgen_int8kv": "decode: the same package over an int8 KV cache, one scale per token "
                        "and head (kv_cache_dtypes), contiguous and paged",
+    "flashgen_fp8": "training: flashgen's fp8 kernels on e4m3 copies of the inputs, one scale a "
+                    "tensor, bf16 out (bench/fp8.py; opt in with --providers)",
+    "cudnn_fp8": "training: cuDNN's fp8 SDPA graphs (nvidia-cudnn-frontend), e4m3 in and out, "
+                 "where installed; skipped with the reason otherwise (opt in with --providers)",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
     "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
@@ -65,6 +71,8 @@ PROVIDERS = {
 MODS_PROVIDERS = ("flashgen", "flex")
 TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "fa4", "flex",
                       "naive")
+# training rows that run only when named (--providers flashgen_fp8 cudnn_fp8 flashgen): fp8
+FP8_PROVIDERS = ("flashgen_fp8", "cudnn_fp8")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
 # decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
@@ -127,6 +135,7 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
                         for n in (ns or TRAINING_N):
                             names = [x for x in TRAINING_PROVIDERS
                                      if x != "naive" or n <= NAIVE_MAX_N]
+                            names += [x for x in FP8_PROVIDERS if x in (providers or ())]
                             cases.append(Case(s, mode, d, causal, max(TOKENS // n, 1), h, n,
                                               providers=keep(names, providers),
                                               dv=(dvs or {}).get(d, 0)))
