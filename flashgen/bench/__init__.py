@@ -13,6 +13,7 @@ package, which imports nothing from here:
     decode.py     the decode suite's measurement (also `python -m flashgen.bench.decode`)
     mods.py       the mods suite's cases, inputs and reference (the tuner uses its inputs)
     varlen.py     the packed-varlen benchmark, `python -m flashgen.bench.varlen`
+    prefill.py    chunked prefill over a paged cache, `python -m flashgen.bench.prefill`
 
 Everything the dry run needs is pure Python; torch and triton are imported when measuring.
 """
