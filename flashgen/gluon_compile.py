@@ -185,22 +185,21 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
 
     fn = getattr(module, f"{name}_kernel")
     gdtype = gl.bfloat16 if dtype == "bf16" else gl.float16
-    d_pad = families.head_dim_pad(head_dim)
     regs = dict(CONSUMER_REGS=families.regs(config)[0], PRODUCER_REGS=families.regs(config)[1])
     if name.startswith("bwd"):
-        split = families.KEY_ROWS_PER_CONSUMER
+        # (as the runtime's _gluon_backward_launcher: the boxes of families.bwd_boxes)
+        box = families.bwd_boxes(head_dim, v_dim, config["block_m"])
         const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                      NUM_BUFFERS=config["num_stages"], **regs,
-                     QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(
-                         [1, 1, config["block_m"], d_pad], gdtype),
-                     KV_LAYOUT=gl.NVMMASharedLayout.get_default_for([1, 1, split, d_pad], gdtype),
-                     DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, config["block_m"]],
-                                                                    gdtype),
-                     DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(
-                         [1, 1, config["block_m"], d_pad // families.CONSUMERS], gl.float32),
+                     QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["Q"], gdtype),
+                     KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["K"], gdtype),
+                     DS_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["DS"], gdtype),
+                     DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["DQ_ACC"], gl.float32),
                      VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([config["block_m"]],
                                                                      gl.float32),
                      HOST_DESC=True, VARLEN=varlen)
+        if families.large_bwd(head_dim, v_dim):  # the large head dims' kernel
+            const["DQ_SLOTS"] = int(config.get("dq_slots", 2))
         if varlen and "PROG_ORDER" in fn.arg_names:  # a packed batch's walk is its own
             const["PROG_ORDER"] = None
         if "WORK" in fn.arg_names:  # a block mask's: the persistent form's work counter
@@ -215,23 +214,20 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         # what the runtime launches: TMA descriptors made on the host (VARLEN: LSE and D
         # are read by plain loads, from pointers)
         pointers = {"DK": dtype, "DV": dtype}
-        boxes = {"Q": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
-                 "DO": ([1, 1, config["block_m"], d_pad], "QD_LAYOUT", gdtype),
-                 "K": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
-                 "V": ([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
-                 "DQ_ACC": ([1, 1, config["block_m"], d_pad // families.CONSUMERS],
-                            "DQ_LAYOUT", gl.float32)}
+        boxes = {"Q": (box["Q"], "QD_LAYOUT", gdtype), "DO": (box["DO"], "QD_LAYOUT", gdtype),
+                 "K": (box["K"], "KV_LAYOUT", gdtype), "V": (box["V"], "KV_LAYOUT", gdtype),
+                 "DQ_ACC": (box["DQ_ACC"], "DQ_LAYOUT", gl.float32)}
         # the runtime stores dK, dV through host-made descriptors (VARLEN: the boxes inside
         # their sequence; a sequence's last partial block from registers)
-        boxes.update(DK_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype),
-                     DV_DESC=([1, 1, split, d_pad], "KV_LAYOUT", gdtype))
+        boxes.update(DK_DESC=(box["K"], "KV_LAYOUT", gdtype),
+                     DV_DESC=(box["V"], "KV_LAYOUT", gdtype))
         if persistent:
             pointers["WORK"] = "i32"
         if varlen:
             pointers.update(LSE="fp32", DELTA="fp32")
         else:
-            boxes.update(LSE=([config["block_m"]], "VEC_LAYOUT", gl.float32),
-                         DELTA=([config["block_m"]], "VEC_LAYOUT", gl.float32))
+            boxes.update(LSE=(box["LSE"], "VEC_LAYOUT", gl.float32),
+                         DELTA=(box["LSE"], "VEC_LAYOUT", gl.float32))
         descriptors = {arg: _descriptor_type(dt, box, const[lay])
                        for arg, (box, lay, dt) in boxes.items()}
     else:
@@ -284,11 +280,15 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         " stream-k" if const.get("STREAM_K") else "") + (
         " philox-split" if const.get("PHILOX_SPLIT") else "") + (
         " o-in-q" if const.get("O_IN_Q") else "") + (
+        f" dq-slots {const['DQ_SLOTS']}" if "DQ_SLOTS" in const else "") + (
         " persistent" if const.get("PERSISTENT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")
+    # (the large head dims' backward reads every wgmma operand from shared memory: its key
+    # loop is the innermost loop with a wgmma)
     return _compile_sm90(fn, name, tile, const, pointers, config["num_warps"],
-                         descriptors=descriptors, mod_types=mod_types)
+                         descriptors=descriptors, mod_types=mod_types,
+                         any_wgmma="DQ_SLOTS" in const)
 
 
 def compile_mla_decode(module, name: str, dtype: str = "bf16", config: dict | None = None,
@@ -340,7 +340,10 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
         for config in configs or own:
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
-            for packed in (False, True) if varlen else (False,):
+            # (the large head dims' backward serves dense batches only)
+            dense_only = facts["kind"] == "bwd" and families.large_bwd(
+                facts["head_dim"], facts.get("v_head_dim"))
+            for packed in (False, True) if varlen and not dense_only else (False,):
                 res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
                                       mod_arg_types(registry, name)[0], varlen=packed,
                                       v_dim=facts.get("v_head_dim"))

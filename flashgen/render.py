@@ -22,6 +22,9 @@ TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's cop
 PLANNER_SOURCE = Path(planner_core.__file__)
 FAMILIES_SOURCE = Path(families.__file__)
 GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2", "bwd": "gluon/bwd.py.j2"}
+# the backward at head dims 256 and (192, 128): the consumers split the columns, not the keys
+# (families.LARGE_HEAD_DIM_BWD)
+GLUON_BWD_LARGE_TEMPLATE = "gluon/bwd_large.py.j2"
 # the Gluon latent (MLA) decode (issue 16): the package's default on Hopper for the calls it
 # serves (_decode.MLA_GLUON; FLASHGEN_FAMILY=tl turns it off)
 GLUON_DECODE_TEMPLATE = "gluon/decode_mla.py.j2"
@@ -373,6 +376,10 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
         # the `tl` dK/dV kernel writes each element's gradient once, no atomics
         return ("a mod tensor with a gradient (a bias read at every (q_idx, kv_idx)): the "
                 "`tl` backward writes it")
+    if variant.mods and variant.kind == "bwd" and families.large_bwd(variant.head_dim,
+                                                                    variant.v_dim):
+        return (f"mods at head dims {variant.head_dim}/{variant.v_dim}: the large head dims' "
+                "Gluon backward takes none yet; the `tl` backward runs this one")
     if variant.mods and variant_score_bytes(spec, variant):
         # measured offline: the gather of an fp32 bias tile in the consumers' registers
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
@@ -423,11 +430,22 @@ def render_gluon_decode_kernel(spec: Spec, variant: Variant,
     return env.get_template(GLUON_DECODE_TEMPLATE).render(**gluon_decode_context(spec, variant))
 
 
+def gluon_template(variant: Variant) -> str:
+    """The Gluon template of a variant's kernel."""
+    if variant.kind == "bwd" and families.large_bwd(variant.head_dim, variant.v_dim):
+        return GLUON_BWD_LARGE_TEMPLATE
+    return GLUON_TEMPLATES[variant.kind]
+
+
 def gluon_context(spec: Spec, variant: Variant) -> dict:
-    template = GLUON_TEMPLATES[variant.kind]
+    template = gluon_template(variant)
     consumers = list(range(families.CONSUMERS))
     context = mod_context(spec, variant)
+    large = (families.large_bwd_split(variant.head_dim, variant.v_dim)
+             if template == GLUON_BWD_LARGE_TEMPLATE else None)
     return {
+        # the large head dims' backward: its boxes and each consumer's columns
+        "large": large,
         "header": header(f"templates/{template}", spec),
         "name": variant.name,
         "head_dim": variant.head_dim,
@@ -475,7 +493,7 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
 
 def render_gluon_kernel(spec: Spec, variant: Variant, env: jinja2.Environment | None = None) -> str:
     env = env or environment()
-    return env.get_template(GLUON_TEMPLATES[variant.kind]).render(**gluon_context(spec, variant))
+    return env.get_template(gluon_template(variant)).render(**gluon_context(spec, variant))
 
 
 def registry_context(spec: Spec, plans: dict, tuned: dict) -> dict:
