@@ -76,6 +76,12 @@ def family_summary(spec) -> str:
                    if gluon_reason(v, spec) is None):
                 lines.append(f"  the forward at head dims {qk}/{dv}: 128x{tile['block_n']} tiles, "
                              f"a {tile['num_stages']}-deep ring, the output staged in the Q slots")
+        for (qk, dv), tile in families.LARGE_HEAD_DIM_BWD.items():
+            if any(v.kind == "bwd" and (v.head_dim, v.v_dim) == (qk, dv) for v in variants_for(spec)
+                   if gluon_reason(v, spec) is None):
+                lines.append(f"  the backward at head dims {qk}/{dv}: 64x64 tiles (the consumers "
+                             f"split dK, dV, dQ by columns), a {tile['num_stages']}-deep ring; "
+                             "opt-in until a GPU has run it (FLASHGEN_GLUON_BWD_LARGE=1)")
     if latent:
         lines.append(f"gluon ({len(latent)}): {', '.join(latent)}\n  the latent (MLA) decode "
                      "kernel, DeepSeek's 576/512 cache")

@@ -1,7 +1,7 @@
 """The Gluon forward at the large head dims: d = 256 (Gemma 2/3) and (qk 192, v 128) (MLA).
 
 On the CPU: which variants get a Gluon kernel at these dims and why the others do not (the
-backward stays `tl`), the tiles families.LARGE_HEAD_DIM_FWD picks and the shared-memory and
+backward's own kernel, opt-in: tests/test_gluon_bwd.py), the tiles families.LARGE_HEAD_DIM_FWD picks and the shared-memory and
 register arithmetic behind them, the rendered kernels' head-dim constants, the launcher's
 compile-time arguments (O staged in the Q slots) and the tuner's space. In the slow group:
 every new (head dim, tile) compiles for sm_90 through ptxas with no spill in its key loop.
@@ -50,15 +50,18 @@ def pkg(tmp_path_factory):
 # which variants have a Gluon kernel, and why not
 # ---------------------------------------------------------------------------------------
 def test_forwards_get_gluon_kernels_and_backwards_say_why_not(pkg):
+    """(The plain backwards at these dims have a Gluon kernel of their own, opt-in:
+    tests/test_gluon_bwd.py; with dropout or mods they say why they run `tl`.)"""
     reasons = pkg._registry.GLUON
     fwd = [n for n in reasons if n.startswith("fwd_") and ("_d256_" in n or "_d192v128_" in n)
            and "sdpa_mask" not in n]  # (attn_mask's bias tile: `tl`, as at every head dim)
     assert len(fwd) == (3 + 3) * 2 * 2 * 2  # (masks + mods) x dropout x dims x dtypes
     assert all(reasons[n] is None for n in fwd), {n: reasons[n] for n in fwd}
     assert "[q, kv] tile" in reasons["fwd_sdpa_mask_d256_bf16"]
-    for name in ("bwd_d256_bf16", "bwd_causal_d192v128_fp16", "bwd_causal_softcap_d256_bf16",
-                 "bwd_window_dropout_d192v128_bf16"):
-        assert "the Gluon backward is built for 64, 96, 128" in reasons[name], name
+    for name in ("bwd_d256_bf16", "bwd_causal_d192v128_fp16"):
+        assert reasons[name] is None, name
+    assert "mods at head dims 256/256" in reasons["bwd_causal_softcap_d256_bf16"]
+    assert "draws no keep mask" in reasons["bwd_window_dropout_d192v128_bf16"]
     # a head dim with no Gluon tiles names the ones that have
     assert "head dim 160" in reasons["fwd_d160_bf16"] and "192/128" in reasons["fwd_d160_bf16"]
     rendered = {p.stem for p in (Path(pkg.__file__).parent / "kernels" / "gluon").glob("*.py")}
@@ -81,7 +84,8 @@ def test_describe_names_the_tiles_and_the_backwards_reason(pkg):
     assert "opt-in" not in line("fwd_d256_bf16")  # the Hopper default on this branch
     # dropout at these dims is not timed: asked for only
     assert "opt-in" in line("fwd_causal_dropout_d256_bf16")
-    assert "tl (head dims 256/256: the Gluon backward" in line("bwd_causal_d256_bf16")
+    assert "opt-in until a GPU has run it" in line("bwd_causal_d256_bf16")
+    assert "tl (dropout at head dims 256/256" in line("bwd_causal_dropout_d256_bf16")
 
 
 # ---------------------------------------------------------------------------------------
@@ -289,7 +293,7 @@ needs_hopper = pytest.mark.skipif(not _hopper(), reason="the Gluon kernels run o
 def _forward(pkg, q, k, v, knobs, launches=None, **kw):
     """(out, lse) of the Gluon forward, asked for (most shapes here are below
     GLUON_MIN_FLOPS, where the package picks `tl`), with `knobs` over the variant's default;
-    the `tl` backward follows it (no Gluon backward at these dims). `launches`: a list that
+    the `tl` backward follows it (the Gluon one at these dims is opt-in: test_gluon_bwd.py). `launches`: a list that
     gets the call's Launchers (override_config empties the plan caches on its way out)."""
     rt = pkg._runtime
     rt._forward_plans.clear()
@@ -480,7 +484,7 @@ def test_gluon_large_dim_dropout_against_float64(pkg, poison, d, dv, causal):
 @pytest.mark.parametrize("name", ["fwd_causal_d256_bf16", "fwd_d192v128_fp16"])
 def test_gluon_large_dim_is_the_default(pkg, name):
     """Untuned, on Hopper, a call large enough for the Gluon kernel's fixed cost runs it;
-    its backward runs `tl` (no Gluon backward at these dims)."""
+    its backward runs `tl` (the Gluon one at these dims is opt-in until a GPU has run it)."""
     facts = pkg._registry.VARIANTS[name]
     d, dv = facts["head_dim"], facts.get("v_head_dim") or facts["head_dim"]
     dt = torch.bfloat16 if name.endswith("bf16") else torch.float16

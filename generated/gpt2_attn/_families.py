@@ -16,6 +16,8 @@ is copied into every generated package next to the planner.
 """
 from __future__ import annotations
 
+import os
+
 # Triton versions the Gluon templates were compiled and run on. Gluon's API changes between
 # releases (warp_specialize's signature did in 3.5 -> 3.6), so any other version takes the
 # `tl` kernels rather than risk a compile error at the first call.
@@ -187,6 +189,8 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
         return False  # (with mods as well: not measured, so `tl`)
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
+    if kind == "bwd" and head_dim in LARGE_BWD_QK_DIMS:  # (LARGE_HEAD_DIM_BWD: not run yet)
+        return GLUON_BWD_LARGE_DEFAULT
     min_n = gluon_min_n(kind, dropout, head_dim)
     if min_n is not None:
         return n is not None and n >= min_n
@@ -324,6 +328,140 @@ LARGE_HEAD_DIM_FWD = {(256, 256): {"block_n": 64, "num_stages": 2},
                       (192, 128): {"block_n": 128, "num_stages": 2}}
 
 
+# ----------------------------------------------------------------------------------------
+# The backward at the large head dims: d = 256 and (qk 192, v 128) (templates/gluon/
+# bwd_large.py.j2)
+# ----------------------------------------------------------------------------------------
+# The d <= 128 kernel gives each consumer 64 keys and every column of their dK and dV:
+# (d_qk + d_v) / 2 fp32 registers a thread, 256 at d = 256. Here both consumers work on the
+# same 64 keys and split the head dim's columns (FlashAttention-3's d = 256 shape): a
+# consumer holds dK's and dV's columns of its TMA boxes and makes dQ's columns of its
+# 64-column units; S^T and dP^T are cut along the step's 64 query rows (32 a consumer) and
+# P^T, dS^T pass through shared memory, since every consumer's dV, dK and dQ product reads
+# all 64 rows of them. Columns (large_bwd_split): d = 256: Q, K, dK and dO, V, dV in boxes
+# of 128, consumer c owns box c of each and dQ's units 2c, 2c + 1 (128 columns of each of
+# the three products a consumer). 192 / 128: boxes of 64 (Q, K three, dO, V two); consumer 0
+# owns dK boxes 0-1, dV box 0, dQ unit 0, consumer 1 dK box 2, dV box 1, dQ units 1-2: 256
+# product columns each.
+# Registers a consumer thread ([64, n] fp32 over a warpgroup's 128 threads: n / 2), of
+# CONSUMER_REGS = 240 (large_bwd_regs):
+#   d = 256: dK 64 + dV 64 held across the steps; a step's S^T and dP^T 16 + 16 (P^T and
+#   dS^T, and their 16-bit copies, in the same registers), then dQ's two units 2 x 32: 192
+#   at most, the rest for LSE, D (8 each), addresses. 192 / 128: 96 + 32 and 64 + 64.
+# Shared memory, 2-byte elements (large_bwd_shared_bytes), of sm_90's 232,448 bytes:
+#   K, V 64 x (d_qk + d_v) x 2; a Q/dO stage the same plus LSE and D (512 bytes); P^T and
+#   dS^T 2 x 64 x 64 x 2 = 16 KiB; dQ staging, 2 consumers x dq_slots [64, 64] fp32 tiles of
+#   16 KiB; 1 KiB for the barriers.
+#   d = 256: 64 KiB + one stage 64.5 KiB + 16 KiB + 2 x 2 slots 64 KiB = 214,528 bytes. A
+#     second stage does not fit, even with one slot a consumer (247,808): the Q/dO ring is
+#     one deep, as FlashAttention-3's and FA4's d = 256 backward (Q: 1, dO: 1).
+#   192 / 128: 40 KiB + two stages 81 KiB + 16 KiB + 64 KiB = 206,848 bytes; three stages
+#     with one slot a consumer 215,552 (a tuner point), with two 248,320 (over).
+# Not the Hopper default until a GPU has run it against float64 and timed it (written and
+# compiled offline, issue 47): FLASHGEN_GLUON_BWD_LARGE=1 when the package is imported makes
+# it the default at these dims; FLASHGEN_FAMILY=gluon and override_config(family="gluon")
+# run it too (the GPU tests: tests/test_gluon_bwd.py). Varlen, dropout and mods keep `tl`.
+LARGE_HEAD_DIM_BWD = {(256, 256): {"num_stages": 1, "dq_slots": 2},
+                      (192, 128): {"num_stages": 2, "dq_slots": 2}}
+LARGE_BWD_ROWS = 64  # BLOCK_M = BLOCK_N: one wgmma M extent; half the rows a consumer's S^T
+DQ_UNIT = 64  # columns of a dQ reduce-add
+GLUON_BWD_LARGE_DEFAULT = os.environ.get("FLASHGEN_GLUON_BWD_LARGE", "") == "1"
+LARGE_BWD_QK_DIMS = frozenset(qk for qk, _ in LARGE_HEAD_DIM_BWD)
+
+
+def large_bwd(head_dim: int, v_dim: int | None = None) -> bool:
+    """Whether (head_dim, v_dim) is served by the large head dims' Gluon backward."""
+    return (head_dim, v_dim or head_dim) in LARGE_HEAD_DIM_BWD
+
+
+def large_bwd_split(head_dim: int, v_dim: int | None = None) -> dict:
+    """The columns of the large head dims' backward: Q, K, dK in `qk_boxes` TMA boxes of
+    `qk_box` columns, dO, V, dV in `v_boxes` of `v_box`, and for each consumer the (first,
+    count) of the dK boxes, dV boxes and dQ units (DQ_UNIT columns) it owns. A box is half
+    the head dim where that is a power of two (256: 128), else 64; consumer 0 takes the
+    first half of the dK boxes (rounded up), of the dV boxes and of the dQ units (rounded
+    down), so both make about the same product columns."""
+    v_dim = v_dim or head_dim
+
+    def box(d):
+        return d // 2 if (d // 2) & (d // 2 - 1) == 0 else 64
+
+    qk_box, v_box = box(head_dim), box(v_dim)
+    nk, nv, nq = head_dim // qk_box, v_dim // v_box, head_dim // DQ_UNIT
+    k0, v0, q0 = -(-nk // 2), nv // 2, nq // 2
+    return {"qk_box": qk_box, "qk_boxes": nk, "v_box": v_box, "v_boxes": nv,
+            "consumers": [{"dk": (0, k0), "dv": (0, v0), "dq": (0, q0)},
+                          {"dk": (k0, nk - k0), "dv": (v0, nv - v0), "dq": (q0, nq - q0)}]}
+
+
+def bwd_boxes(head_dim: int, v_dim: int | None, block_m: int) -> dict:
+    """The TMA boxes of a Gluon backward's descriptors, by kernel argument (dK and dV take
+    K's and V's), and `DS`: the shape whose default shared layout P^T / dS^T take (the
+    large head dims': a swizzle block per consumer's columns)."""
+    if large_bwd(head_dim, v_dim):
+        split, rows = large_bwd_split(head_dim, v_dim), LARGE_BWD_ROWS
+        qk, v = split["qk_box"], split["v_box"]
+        return {"Q": [1, 1, block_m, qk], "DO": [1, 1, block_m, v], "K": [1, 1, rows, qk],
+                "V": [1, 1, rows, v], "DQ_ACC": [1, 1, block_m, DQ_UNIT], "LSE": [block_m],
+                "DS": [rows, block_m // CONSUMERS]}
+    d = head_dim_pad(head_dim)
+    keys = KEY_ROWS_PER_CONSUMER
+    return {"Q": [1, 1, block_m, d], "DO": [1, 1, block_m, d], "K": [1, 1, keys, d],
+            "V": [1, 1, keys, d], "DQ_ACC": [1, 1, block_m, d // CONSUMERS], "LSE": [block_m],
+            "DS": [keys, block_m]}
+
+
+def large_bwd_regs(head_dim: int, v_dim: int | None = None) -> list:
+    """(held, peak) fp32 accumulator registers a thread of each consumer: its dK and dV
+    columns across the steps, plus the larger of a step's S^T and dP^T ([64, 32] each) and
+    its dQ units ([64, 64] each)."""
+    split = large_bwd_split(head_dim, v_dim)
+    rows = LARGE_BWD_ROWS
+    out = []
+    for c in split["consumers"]:
+        held = (c["dk"][1] * split["qk_box"] + c["dv"][1] * split["v_box"]) * rows // 128
+        step = max(2 * rows * (rows // CONSUMERS) // 128, c["dq"][1] * DQ_UNIT * rows // 128)
+        out.append((held, held + step))
+    return out
+
+
+def large_bwd_shared_bytes(head_dim: int, v_dim: int | None, dtype_bytes: int,
+                           num_buffers: int, dq_slots: int) -> int:
+    """Shared memory of the large head dims' backward (LARGE_HEAD_DIM_BWD's arithmetic):
+    K and V, the Q/dO ring with LSE and D, P^T and dS^T, the consumers' fp32 dQ staging
+    tiles, and 1 KiB for the barriers."""
+    rows, cols = LARGE_BWD_ROWS, head_dim + (v_dim or head_dim)
+    kv = rows * cols * dtype_bytes
+    ring = num_buffers * (rows * cols * dtype_bytes + 2 * rows * 4)
+    pds = 2 * rows * rows * dtype_bytes
+    dq = CONSUMERS * dq_slots * rows * DQ_UNIT * 4
+    return kv + ring + pds + dq + 1024
+
+
+def large_bwd_config_reason(config: dict, head_dim: int, v_dim: int | None, dtype_bytes: int,
+                            sram_bytes: int) -> str | None:
+    """Why a launch config of the large head dims' backward cannot run (None when it can)."""
+    rows = LARGE_BWD_ROWS
+    if config.get("block_m") != rows or config.get("block_n") != rows:
+        return f"block_m and block_n must be {rows} at head dims {head_dim}/{v_dim or head_dim}"
+    if config.get("num_warps") != 4:
+        return "num_warps must be 4 (one warpgroup per partition)"
+    if config.get("num_stages") not in (1, 2, 3):
+        return "num_stages (the Q/dO ring depth) must be 1, 2 or 3"
+    if config.get("dq_slots", 2) not in (1, 2):
+        return "dq_slots (dQ staging tiles a consumer) must be 1 or 2"
+    if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
+        return f"regs must be one of {', '.join(REG_SPLITS)} (consumer/producer per thread)"
+    peak = max(p for _, p in large_bwd_regs(head_dim, v_dim))
+    if peak > regs(config)[0]:
+        return f"the accumulators take {peak} registers a consumer thread, the split gives {regs(config)[0]}"
+    need = large_bwd_shared_bytes(head_dim, v_dim, dtype_bytes, config["num_stages"],
+                                  config.get("dq_slots", 2))
+    if need > sram_bytes:
+        return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
+    return None
+
+
 def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
                   mods: tuple = (), key_span: str | None = None,
                   dropout: bool = False, bucket: int | None = None,
@@ -342,6 +480,9 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     large = LARGE_HEAD_DIM_FWD.get((head_dim, v_dim or head_dim))
     if kind == "fwd" and large is not None:
         return {**GLUON_DEFAULT, **large}
+    if kind == "bwd" and large_bwd(head_dim, v_dim):
+        return {**GLUON_BWD_DEFAULT, "block_m": LARGE_BWD_ROWS, "block_n": LARGE_BWD_ROWS,
+                **LARGE_HEAD_DIM_BWD[(head_dim, v_dim or head_dim)]}
     if kind == "bwd":
         cfg = dict(GLUON_BWD_DEFAULT)
         if head_dim <= 64:
@@ -462,6 +603,11 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str,
         return (f"head dims {pair[0]}/{pair[1]} (q/k, v): the Gluon tiles are built for "
                 f"the pairs {', '.join(f'{a}/{b}' for a, b in GLUON_SPLIT_HEAD_DIMS)} and "
                 f"equal dims {', '.join(map(str, GLUON_HEAD_DIMS))}")
+    if kind == "bwd" and large_bwd(*pair):
+        if dropout:
+            return (f"dropout at head dims {pair[0]}/{pair[1]}: the large head dims' Gluon "
+                    "backward draws no keep mask yet; the `tl` backward runs this one")
+        return None
     if kind == "bwd" and (pair[0] != pair[1] or head_dim not in GLUON_BWD_HEAD_DIMS):
         return (f"head dims {pair[0]}/{pair[1]}: the Gluon backward is built for "
                 f"{', '.join(map(str, GLUON_BWD_HEAD_DIMS))} (its dK, dV accumulators "
@@ -575,11 +721,13 @@ def bwd_shared_bytes(head_dim: int, dtype_bytes: int, block_m: int, num_buffers:
 
 
 def bwd_config_reason(config: dict, head_dim: int, dtype_bytes: int,
-                      sram_bytes: int) -> str | None:
+                      sram_bytes: int, v_dim: int | None = None) -> str | None:
     """Why a Gluon backward launch config cannot run (None when it can): the backward's
     counterpart of config_reason. The program's keys are the consumers' (block_n), the
     query step is one or two wgmma extents (block_m), and the whole tile must fit in one
-    block's shared memory (bwd_shared_bytes)."""
+    block's shared memory (bwd_shared_bytes; the large head dims: large_bwd_config_reason)."""
+    if large_bwd(head_dim, v_dim):
+        return large_bwd_config_reason(config, head_dim, v_dim, dtype_bytes, sram_bytes)
     keys = CONSUMERS * KEY_ROWS_PER_CONSUMER
     if config.get("block_n") != keys:
         return f"block_n must be {CONSUMERS} consumers x {KEY_ROWS_PER_CONSUMER} keys"

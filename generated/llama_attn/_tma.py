@@ -19,18 +19,18 @@ def _gluon_bwd_descriptors(boxes, q, k, v, do, lse, delta, dq_acc, dk, dv,
     misaligned, or fp32 pieces whose K/V slots hold 16 bits: the epilogue then stores
     from registers). checked: the plan's first call made them
     through TensorDescriptor's own checks, so these are made without them (_bare_descriptor)."""
-    (qd_box, kv_box, dq_box, vec_box), lay = boxes
+    box, lay = boxes  # (box: _families.bwd_boxes, by kernel argument)
     make = _descriptor_maker(checked)
 
     def desc(t, box, layout):
         return make(t, list(t.shape), list(t.stride()), box, layout)
 
-    return (desc(q, qd_box, lay["QD_LAYOUT"]), desc(k, kv_box, lay["KV_LAYOUT"]),
-            desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
-            desc(lse.view(-1), vec_box, lay["VEC_LAYOUT"]),
-            desc(delta.view(-1), vec_box, lay["VEC_LAYOUT"]),
-            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]),
-            *((desc(dk, kv_box, lay["KV_LAYOUT"]), desc(dv, kv_box, lay["KV_LAYOUT"]))
+    return (desc(q, box["Q"], lay["QD_LAYOUT"]), desc(k, box["K"], lay["KV_LAYOUT"]),
+            desc(v, box["V"], lay["KV_LAYOUT"]), desc(do, box["DO"], lay["QD_LAYOUT"]),
+            desc(lse.view(-1), box["LSE"], lay["VEC_LAYOUT"]),
+            desc(delta.view(-1), box["LSE"], lay["VEC_LAYOUT"]),
+            desc(dq_acc, box["DQ_ACC"], lay["DQ_LAYOUT"]),
+            *((desc(dk, box["K"], lay["KV_LAYOUT"]), desc(dv, box["V"], lay["KV_LAYOUT"]))
               if dk.dtype == dv.dtype == k.dtype
               and _descriptor_ready((dk, dk.stride()), (dv, dv.stride())) else (None, None)))
 
@@ -87,7 +87,7 @@ def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc, dk, dv, checked=Fa
     _gluon_bwd_descriptors (dK / dV's alignment is checked every call: the plan's key does
     not fix their addresses)."""
     make = _descriptor_maker(checked)
-    (qd_box, kv_box, dq_box, _), lay = boxes
+    box, lay = boxes
 
     def desc(t, box, layout):
         return make(t, [1, t.shape[1], t.shape[0], t.shape[2]],
@@ -95,8 +95,8 @@ def _gluon_varlen_bwd_descriptors(boxes, q, k, v, do, dq_acc, dk, dv, checked=Fa
 
     ready = _descriptor_ready((dk, (0, dk.stride(1), dk.stride(0))),
                               (dv, (0, dv.stride(1), dv.stride(0))))
-    return (desc(q, qd_box, lay["QD_LAYOUT"]), desc(k, kv_box, lay["KV_LAYOUT"]),
-            desc(v, kv_box, lay["KV_LAYOUT"]), desc(do, qd_box, lay["QD_LAYOUT"]),
-            desc(dq_acc, dq_box, lay["DQ_LAYOUT"]),
-            *((desc(dk, kv_box, lay["KV_LAYOUT"]), desc(dv, kv_box, lay["KV_LAYOUT"]))
+    return (desc(q, box["Q"], lay["QD_LAYOUT"]), desc(k, box["K"], lay["KV_LAYOUT"]),
+            desc(v, box["V"], lay["KV_LAYOUT"]), desc(do, box["DO"], lay["QD_LAYOUT"]),
+            desc(dq_acc, box["DQ_ACC"], lay["DQ_LAYOUT"]),
+            *((desc(dk, box["K"], lay["KV_LAYOUT"]), desc(dv, box["V"], lay["KV_LAYOUT"]))
               if ready else (None, None)))

@@ -374,22 +374,27 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
     own (GLUON_BWD_HOST_DESCRIPTORS)."""
     from triton.experimental.gluon import language as gl
 
-    d_pad = _families.head_dim_pad(d)
     gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
     block_m = cfg["block_m"]
-    split = _families.KEY_ROWS_PER_CONSUMER
+    v_dim = VARIANTS[name].get("v_head_dim")
     consumer_regs, producer_regs = _families.regs(cfg)
-    qd_box, kv_box = [1, 1, block_m, d_pad], [1, 1, split, d_pad]
-    dq_box = [1, 1, block_m, d_pad // _families.CONSUMERS]
-    layouts = dict(QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(qd_box, gl_dtype),
-                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype),
-                   DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(dq_box, gl.float32),
+    # (the large head dims' kernel: Q / K and dO / V in boxes of their own widths)
+    box = _families.bwd_boxes(d, v_dim, block_m)
+    layouts = dict(QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["Q"], gl_dtype),
+                   KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["K"], gl_dtype),
+                   DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["DQ_ACC"], gl.float32),
                    VEC_LAYOUT=gl.NVMMASharedLayout.get_default_for([block_m], gl.float32))
     host = GLUON_BWD_HOST_DESCRIPTORS
     meta = dict(BLOCK_M=block_m, BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
-                DS_LAYOUT=gl.NVMMASharedLayout.get_default_for([split, block_m], gl_dtype),
+                DS_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["DS"], gl_dtype),
                 HOST_DESC=host, VARLEN=varlen, num_warps=4, **layouts)
+    if _families.large_bwd(d, v_dim):  # dQ staging tiles a consumer
+        meta["DQ_SLOTS"] = int(cfg.get("dq_slots", _families.gluon_default(
+            d, "bwd", v_dim=v_dim)["dq_slots"]))
+        why = _families.large_bwd_config_reason(cfg, d, v_dim, 2, _families.GLUON_SHARED_BYTES)
+        if why is not None:  # a forced config: an error here, not at the kernel's compile
+            raise ValueError(f"`{name}`: {why}")
     if VARIANTS[name]["dropout"]:
         # each Philox call drawn once per warpgroup instead of by both warps that use its
         # words (a shared-memory exchange and a barrier a step; an override_config knob,
@@ -400,5 +405,5 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
         # a block mask's kernel: named even when False (its default), since the Launcher's
         # direct path needs every compile-time argument in the meta
         meta["PERSISTENT"] = persistent
-    boxes = ((qd_box, kv_box, dq_box, [block_m]), layouts) if host else None
+    boxes = (box, layouts) if host else None
     return Launcher(fn, (programs,), meta), boxes

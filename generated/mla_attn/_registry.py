@@ -88,9 +88,7 @@ TUNED = {}
 # canonical variant name -> None when it has a Gluon (Hopper) kernel in kernels/gluon/,
 # else why not (the `tl` kernel serves it everywhere)
 GLUON = {'fwd_causal_d192v128_bf16': None,
- 'bwd_causal_d192v128_bf16': 'head dims 192/128: the Gluon backward is built for 64, 96, 128 '
-                             '(its dK, dV accumulators are d fp32 registers a thread each; the '
-                             '`tl` backward runs this one)',
+ 'bwd_causal_d192v128_bf16': None,
  'decode_causal_d192v128_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '
                                 'every GPU',
  'decode_causal_d576v512_bf16': 'no Gluon decode kernel yet: the `tl` kernel serves it on '

@@ -3,7 +3,7 @@
 (VARLEN) or the Gluon backward with VARLEN, planned once per call signature."""
 import torch
 
-from . import _planner
+from . import _families, _planner
 from ._backward import PREPROCESS_BLOCK, _gluon_backward_launcher, _preprocess
 from ._checks import _DTYPE_NAMES, _rows_span_past_int32, row_span_past_int32
 from ._forward import (LOG2E, _GLUON, _NO_DROP, _WHOLE, _dropout, _gluon_dropout_args,
@@ -100,6 +100,8 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
     some keys, and VARLEN_GLUON_BACKWARD."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
+    if _large_bwd(VARIANTS[name]):
+        return "the large head dims' Gluon backward serves dense batches; `tl` runs this one"
     reason = _varlen_mods_reason(mods)
     if reason is not None:
         return reason
@@ -123,6 +125,11 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
     if not _descriptor_ready(*((t, (t.stride(0), t.stride(1), t.stride(0))) for t in (q, k, v, do))):
         return "TMA needs 16-byte aligned tensors and strides"
     return _gluon_too_small(1, h_q, total_q, max_k, d, mask)
+
+
+def _large_bwd(facts) -> bool:
+    """Whether a variant's Gluon backward is the large head dims' (dense only)."""
+    return _families.large_bwd(facts["head_dim"], facts.get("v_head_dim"))
 
 
 def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, lo, hi,
