@@ -34,17 +34,11 @@ GLUON_HEAD_DIMS = (64, 96, 128, 256)
 # (Q/K, V) pairs beside them: DeepSeek-style MLA prefill and training (qk 192 = 128 + 64
 # rotary, v 128), LARGE_HEAD_DIM_FWD too
 GLUON_SPLIT_HEAD_DIMS = ((192, 128),)
-# The head dims of the backward's Gluon kernel. A consumer owns 64 keys and holds their dK
-# and dV in fp32 registers, (d_qk + d_v) / 2 a thread over its 128 threads -- 256 at
-# d = 256, 160 at qk 192 / v 128 -- beside S^T and dP^T (32 each at 64-row steps) and its
-# share of dQ (48-64): over the 240 a consumer has either way. The large head dims need the work
-# split another way (issue 47), e.g. FlashAttention-3's d = 256 one: two consumers on the
-# same 64 keys, each with half of dK's and dV's columns (64 + 64 registers), S^T and dP^T
-# cut between them along the step's query rows and P^T, dS^T exchanged through shared
-# memory (SS wgmma for dV and dK). Its shared memory at 64-row steps: Q and dO one slot
-# each (64 KiB), K and V (64 KiB), P^T and dS^T (16 KiB), dQ's fp32 staging (64 KiB):
-# 208 KiB of the 227; a 2-deep Q/dO ring does not fit. Until it exists they run the `tl`
-# backward (gluon_reason says so in describe()).
+# The head dims of the backward's Gluon kernel (templates/gluon/bwd.py.j2). A consumer owns
+# 64 keys and holds their dK and dV in fp32 registers, (d_qk + d_v) / 2 a thread over its
+# 128 threads -- 256 at d = 256, 160 at qk 192 / v 128 -- beside S^T and dP^T (32 each at
+# 64-row steps) and its share of dQ (48-64): over the 240 a consumer has either way. The
+# large head dims split the work another way, in a kernel of their own: LARGE_HEAD_DIM_BWD.
 GLUON_BWD_HEAD_DIMS = (64, 96, 128)
 # shared memory one block may use on sm_90 (227 KiB), which every Gluon kernel is for
 GLUON_SHARED_BYTES = 232448
