@@ -357,6 +357,7 @@ LARGE_HEAD_DIM_FWD = {(256, 256): {"block_n": 64, "num_stages": 2},
 LARGE_HEAD_DIM_BWD = {(256, 256): {"num_stages": 1, "dq_slots": 2},
                       (192, 128): {"num_stages": 2, "dq_slots": 2}}
 LARGE_BWD_ROWS = 64  # BLOCK_M = BLOCK_N: one wgmma M extent; half the rows a consumer's S^T
+LARGE_BWD_STAGES = (1, 2, 3)  # Q/dO ring depths (shared memory decides: d = 256 takes 1)
 DQ_UNIT = 64  # columns of a dQ reduce-add
 GLUON_BWD_LARGE_DEFAULT = os.environ.get("FLASHGEN_GLUON_BWD_LARGE", "") == "1"
 LARGE_BWD_QK_DIMS = frozenset(qk for qk, _ in LARGE_HEAD_DIM_BWD)
@@ -439,7 +440,7 @@ def large_bwd_config_reason(config: dict, head_dim: int, v_dim: int | None, dtyp
         return f"block_m and block_n must be {rows} at head dims {head_dim}/{v_dim or head_dim}"
     if config.get("num_warps") != 4:
         return "num_warps must be 4 (one warpgroup per partition)"
-    if config.get("num_stages") not in (1, 2, 3):
+    if config.get("num_stages") not in LARGE_BWD_STAGES:
         return "num_stages (the Q/dO ring depth) must be 1, 2 or 3"
     if config.get("dq_slots", 2) not in (1, 2):
         return "dq_slots (dQ staging tiles a consumer) must be 1 or 2"

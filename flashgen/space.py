@@ -265,7 +265,8 @@ class Space:
             # the Gluon tile is fixed by its warpgroups; the planner's model is the tl kernel's
             if self.facts.kind == "bwd":
                 reason = families.bwd_config_reason(config, self.facts.head_dim,
-                                                    self.facts.dtype_bytes, self.facts.sram_bytes)
+                                                    self.facts.dtype_bytes, self.facts.sram_bytes,
+                                                    self.facts.v_head_dim)
             else:
                 reason = families.config_reason(config, self.facts.head_dim,
                                                 self.facts.dtype_bytes, self.facts.sram_bytes,
@@ -331,9 +332,12 @@ GLUON_TILES = tuple(TileConfig(c * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
 # the tiles a Gluon backward may take: 2 consumer warpgroups x 64 keys, 4 warps a partition,
 # 64 or 128 query rows a step, a 2- to 4-deep Q/dO ring (bwd_config_reason drops what does
 # not fit: at d=128 block_m 128 and a 4-deep ring, at d=64 block_m 128 past a 2-deep ring)
+# (and the large head dims' 64 x 64 tiles, a 1- to 3-deep ring: families.LARGE_HEAD_DIM_BWD)
 GLUON_BWD_TILES = tuple(
     TileConfig(m, families.CONSUMERS * families.KEY_ROWS_PER_CONSUMER, 4, s)
-    for m in families.GLUON_BWD_BLOCK_MS for s in families.GLUON_BWD_STAGES)
+    for m in families.GLUON_BWD_BLOCK_MS for s in families.GLUON_BWD_STAGES) + tuple(
+    TileConfig(families.LARGE_BWD_ROWS, families.LARGE_BWD_ROWS, 4, s)
+    for s in families.LARGE_BWD_STAGES)
 
 
 def _default_first(knob: Knob) -> tuple:

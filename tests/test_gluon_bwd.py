@@ -371,8 +371,11 @@ def test_large_head_dim_backward_launcher(large_pkg):
     assert "dense batches" in why
 
 
-def test_large_head_dim_backward_stays_out_of_the_tuner():
-    from flashgen import tune
+def test_large_head_dim_backward_stays_out_of_the_tuner(monkeypatch):
+    """Until switched on, the tuner measures `tl` alone at these dims; switched on, its
+    space holds the kernel's 64 x 64 tiles that fit (d = 256: a one-deep ring)."""
+    from flashgen import families, tune
+    from flashgen.space import space_for
 
     gpu = tune.GpuInfo(key="H100|sm90|132sm", name="H100", capability=(9, 0), sm_count=132,
                        sram_bytes=H100)
@@ -381,6 +384,15 @@ def test_large_head_dim_backward_stays_out_of_the_tuner():
         assert "FLASHGEN_GLUON_BWD_LARGE=1" in tune.gluon_here("bwd", facts, gpu)
     assert "FLASHGEN_GLUON_BWD_LARGE" not in (tune.gluon_here("bwd", {"head_dim": 128,
                                                                       "dtype": "bf16"}, gpu) or "")
+    monkeypatch.setattr(families, "GLUON_BWD_LARGE_DEFAULT", True)
+    for d, dv, stages in ((256, None, {1}), (192, 128, {1, 2})):
+        space = space_for("bwd", d, 2, H100, 132, (9, 0), gluon=None, mask="causal",
+                          v_head_dim=dv)
+        gluon = [p for p in space.points() if p["family"] == "gluon"]
+        assert {(p["block_m"], p["block_n"]) for p in gluon} == {(64, 64)}
+        assert {p["num_stages"] for p in gluon} == stages
+        default = space.config(families.gluon_default(d, "bwd", v_dim=dv))
+        assert space.check(default) is None, space.check(default)
 
 
 _LARGE_COMPILE = r"""
