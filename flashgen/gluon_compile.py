@@ -200,6 +200,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      HOST_DESC=True, VARLEN=varlen)
         if families.large_bwd(head_dim, v_dim):  # the large head dims' kernel
             const["DQ_SLOTS"] = int(config.get("dq_slots", 2))
+            const["DO_BUFFERS"] = int(config.get("do_stages", config["num_stages"]))
         if varlen and "PROG_ORDER" in fn.arg_names:  # a packed batch's walk is its own
             const["PROG_ORDER"] = None
         if "WORK" in fn.arg_names:  # a block mask's: the persistent form's work counter
@@ -281,6 +282,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         " philox-split" if const.get("PHILOX_SPLIT") else "") + (
         " o-in-q" if const.get("O_IN_Q") else "") + (
         f" dq-slots {const['DQ_SLOTS']}" if "DQ_SLOTS" in const else "") + (
+        f" do-stages {const['DO_BUFFERS']}" if const.get("DO_BUFFERS", const["NUM_BUFFERS"])
+        != const["NUM_BUFFERS"] else "") + (
         " persistent" if const.get("PERSISTENT") else "") + (
         "" if families.regs(config) == (families.CONSUMER_REGS, families.PRODUCER_REGS)
         else f" regs {config['regs']}")

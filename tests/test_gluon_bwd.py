@@ -317,6 +317,9 @@ def test_large_head_dim_backward_tiles_fit(d, dv):
     if d == 256:  # not even with one (the ring stays one deep, as FA3's and FA4's)
         assert "shared memory" in families.bwd_config_reason(
             {**cfg, "num_stages": 2, "dq_slots": 1}, d, 2, H100, dv)
+        # a second Q slot alone fits with one dQ slot a consumer
+        assert families.bwd_config_reason({**cfg, "num_stages": 2, "do_stages": 1,
+                                           "dq_slots": 1}, d, 2, H100, dv) is None
     else:
         assert families.bwd_config_reason({**cfg, "num_stages": 3, "dq_slots": 1}, d, 2, H100,
                                           dv) is None
@@ -356,7 +359,8 @@ def test_large_head_dim_backward_launcher(large_pkg):
         launch, (boxes, layouts) = rt._gluon_backward_launcher(name, cfg, torch.bfloat16, d, 10,
                                                                varlen=False)
         assert (launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]) == (64, 64)
-        assert (launch.meta["NUM_BUFFERS"], launch.meta["DQ_SLOTS"]) == (stages, 2)
+        assert (launch.meta["NUM_BUFFERS"], launch.meta["DO_BUFFERS"]) == (stages, stages)
+        assert launch.meta["DQ_SLOTS"] == 2
         assert boxes["Q"] == boxes["K"] == [1, 1, 64, box] and boxes["DQ_ACC"] == [1, 1, 64, 64]
         # P^T and dS^T: a 64-byte swizzle, one block a consumer's 32 columns
         assert launch.meta["DS_LAYOUT"].swizzle_byte_width == 64
@@ -414,20 +418,22 @@ print(json.dumps(out))
 """
 
 # (variant, knobs): every mask at both head dims and dtypes' defaults, and the other points
-# that fit (one dQ slot a consumer; 192 / 128 one and three Q/dO stages; another register
-# split). GQA is a run-time loop over the query heads of a K/V head: the same binary.
+# that fit (one dQ slot a consumer; d = 256 a second Q slot; 192 / 128 one and three Q/dO
+# stages; another register split). GQA is a run-time loop over the query heads of a K/V
+# head: the same binary.
 _LARGE_CASES = [
     ["bwd_d256_bf16", {}], ["bwd_causal_d256_bf16", {}], ["bwd_window_d256_fp16", {}],
     ["bwd_d192v128_fp16", {}], ["bwd_causal_d192v128_bf16", {}],
     ["bwd_window_d192v128_bf16", {}],
     ["bwd_causal_d256_bf16", {"dq_slots": 1}],
+    ["bwd_d256_bf16", {"num_stages": 2, "do_stages": 1, "dq_slots": 1}],
     ["bwd_causal_d256_fp16", {"regs": "232/40"}],
     ["bwd_d192v128_bf16", {"num_stages": 3, "dq_slots": 1}],
     ["bwd_causal_d192v128_fp16", {"num_stages": 1}],
 ]
 
 
-@pytest.mark.slow  # an offline compile of ten kernels (about 30 s on 2 cores)
+@pytest.mark.slow  # an offline compile of eleven kernels (about 40 s on 2 cores)
 def test_large_head_dim_backwards_compile_for_sm90(large_pkg):
     """sm_90 through ptxas (Triton 3.6.0): no stack frame at all (no spill anywhere, the key
     loop included), the 240/24 register split (setmaxnreg), shared memory within the model
@@ -456,7 +462,8 @@ def test_large_head_dim_backwards_compile_for_sm90(large_pkg):
         facts = large_pkg._registry.VARIANTS[r["variant"]]
         d, dv = facts["head_dim"], facts.get("v_head_dim") or facts["head_dim"]
         cfg = {**families.variant_gluon_default(facts), **r["knobs"]}
-        model = families.large_bwd_shared_bytes(d, dv, 2, cfg["num_stages"], cfg["dq_slots"])
+        model = families.large_bwd_shared_bytes(d, dv, 2, cfg["num_stages"], cfg["dq_slots"],
+                                                cfg.get("do_stages"))
         assert r["shared"] <= model <= H100, r
         assert set(families.regs(cfg)) <= set(r["setmaxnreg"]), r
         assert r["spill_bytes"] == 0 and r["loop_spills"] == 0, r
@@ -509,14 +516,16 @@ def _assert_large_grads(grads, refs, dt):
 @pytest.mark.parametrize("case", _LARGE_GPU_CASES, ids=_LARGE_IDS)
 @pytest.mark.parametrize("knobs", [
     {}, {"dq_slots": 1, "regs": "232/40"}, {"bwd_head_group": 5},
-    # (192 / 128 only) a one-deep and a three-deep Q/dO ring
+    # a second Q slot (the dO ring one deep), and (192 / 128 only) a one-deep and a
+    # three-deep Q/dO ring
+    {"num_stages": 2, "do_stages": 1, "dq_slots": 1},
     {"num_stages": 1}, {"num_stages": 3, "dq_slots": 1},
-], ids=["default", "dq-slots-1-regs", "group5", "mla-s1", "mla-s3"])
+], ids=["default", "dq-slots-1-regs", "group5", "q2-do1", "mla-s1", "mla-s3"])
 def test_gluon_large_head_dim_backward_against_float64(large_pkg, poison, case, knobs):
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only; other GPUs take the tl kernels")
     b, nq, nk, hq, hkv, d, dv, dt, causal, window = case
-    if "num_stages" in knobs and d == 256:
+    if "num_stages" in knobs and "do_stages" not in knobs and d == 256:
         pytest.skip("d = 256 has a one-deep ring (a second stage does not fit)")
     pkg = large_pkg
     pkg._runtime._backward_plans.clear()

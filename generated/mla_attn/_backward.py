@@ -389,9 +389,10 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs,
                 DS_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["DS"], gl_dtype),
                 HOST_DESC=host, VARLEN=varlen, num_warps=4, **layouts)
-    if _families.large_bwd(d, v_dim):  # dQ staging tiles a consumer
-        meta["DQ_SLOTS"] = int(cfg.get("dq_slots", _families.gluon_default(
-            d, "bwd", v_dim=v_dim)["dq_slots"]))
+    if _families.large_bwd(d, v_dim):  # dQ staging tiles a consumer, dO's own ring depth
+        default = _families.gluon_default(d, "bwd", v_dim=v_dim)
+        meta["DQ_SLOTS"] = int(cfg.get("dq_slots", default["dq_slots"]))
+        meta["DO_BUFFERS"] = int(cfg.get("do_stages", cfg["num_stages"]))
         why = _families.large_bwd_config_reason(cfg, d, v_dim, 2, _families.GLUON_SHARED_BYTES)
         if why is not None:  # a forced config: an error here, not at the kernel's compile
             raise ValueError(f"`{name}`: {why}")

@@ -348,7 +348,9 @@ LARGE_HEAD_DIM_FWD = {(256, 256): {"block_n": 64, "num_stages": 2},
 #   16 KiB; 1 KiB for the barriers.
 #   d = 256: 64 KiB + one stage 64.5 KiB + 16 KiB + 2 x 2 slots 64 KiB = 214,528 bytes. A
 #     second stage does not fit, even with one slot a consumer (247,808): the Q/dO ring is
-#     one deep, as FlashAttention-3's and FA4's d = 256 backward (Q: 1, dO: 1).
+#     one deep, as FA4's d = 256 backward (Q: 1, dO: 1). A second slot for Q alone fits with
+#     one dQ slot a consumer (do_stages 1, a config key: 214,784), so that the next Q loads
+#     during the whole step (FlashAttention-3's C++ kernel: Q 2, dO 1): an A/B for the GPU.
 #   192 / 128: 40 KiB + two stages 81 KiB + 16 KiB + 64 KiB = 206,848 bytes; three stages
 #     with one slot a consumer 215,552 (a tuner point), with two 248,320 (over).
 # Not the Hopper default until a GPU has run it against float64 and timed it (written and
@@ -421,13 +423,16 @@ def large_bwd_regs(head_dim: int, v_dim: int | None = None) -> list:
 
 
 def large_bwd_shared_bytes(head_dim: int, v_dim: int | None, dtype_bytes: int,
-                           num_buffers: int, dq_slots: int) -> int:
+                           num_buffers: int, dq_slots: int, do_buffers: int | None = None) -> int:
     """Shared memory of the large head dims' backward (LARGE_HEAD_DIM_BWD's arithmetic):
-    K and V, the Q/dO ring with LSE and D, P^T and dS^T, the consumers' fp32 dQ staging
-    tiles, and 1 KiB for the barriers."""
-    rows, cols = LARGE_BWD_ROWS, head_dim + (v_dim or head_dim)
+    K and V, the Q ring with LSE (num_buffers deep) and the dO ring with D (do_buffers,
+    default num_buffers), P^T and dS^T, the consumers' fp32 dQ staging tiles, and 1 KiB
+    for the barriers."""
+    v_dim = v_dim or head_dim
+    rows, cols = LARGE_BWD_ROWS, head_dim + v_dim
     kv = rows * cols * dtype_bytes
-    ring = num_buffers * (rows * cols * dtype_bytes + 2 * rows * 4)
+    ring = (num_buffers * (rows * head_dim * dtype_bytes + rows * 4)
+            + (do_buffers or num_buffers) * (rows * v_dim * dtype_bytes + rows * 4))
     pds = 2 * rows * rows * dtype_bytes
     dq = CONSUMERS * dq_slots * rows * DQ_UNIT * 4
     return kv + ring + pds + dq + 1024
@@ -441,8 +446,9 @@ def large_bwd_config_reason(config: dict, head_dim: int, v_dim: int | None, dtyp
         return f"block_m and block_n must be {rows} at head dims {head_dim}/{v_dim or head_dim}"
     if config.get("num_warps") != 4:
         return "num_warps must be 4 (one warpgroup per partition)"
-    if config.get("num_stages") not in LARGE_BWD_STAGES:
-        return "num_stages (the Q/dO ring depth) must be 1, 2 or 3"
+    stages = (config.get("num_stages"), config.get("do_stages", config.get("num_stages")))
+    if not set(stages) <= set(LARGE_BWD_STAGES):
+        return "num_stages and do_stages (the Q and dO ring depths) must be 1, 2 or 3"
     if config.get("dq_slots", 2) not in (1, 2):
         return "dq_slots (dQ staging tiles a consumer) must be 1 or 2"
     if str(config.get("regs", REG_SPLITS[0])) not in REG_SPLITS:
@@ -450,8 +456,8 @@ def large_bwd_config_reason(config: dict, head_dim: int, v_dim: int | None, dtyp
     peak = max(p for _, p in large_bwd_regs(head_dim, v_dim))
     if peak > regs(config)[0]:
         return f"the accumulators take {peak} registers a consumer thread, the split gives {regs(config)[0]}"
-    need = large_bwd_shared_bytes(head_dim, v_dim, dtype_bytes, config["num_stages"],
-                                  config.get("dq_slots", 2))
+    need = large_bwd_shared_bytes(head_dim, v_dim, dtype_bytes, stages[0],
+                                  config.get("dq_slots", 2), stages[1])
     if need > sram_bytes:
         return f"needs {need} bytes of shared memory, the GPU has {sram_bytes}"
     return None

@@ -11,7 +11,8 @@ warpgroups work on the same BLOCK_N = 64 keys and split the head dim's columns i
 
 * A producer warp loads the program's K and V once and streams the query blocks that see
   them -- Q with its rows' LSE, dO with their D, BLOCK_M = 64 rows -- through a
-  NUM_BUFFERS-deep ring of shared-memory slots (TMA, "full" / "empty" mbarriers). Q and K
+  ring of shared-memory slots (TMA, "full" / "empty" mbarriers; Q's NUM_BUFFERS deep, dO's
+  DO_BUFFERS: at d = 256 a second slot fits for one of them at most). Q and K
   are QK_BOXES boxes of QK_BOX columns, dO and V V_BOXES boxes of V_BOX columns.
 * Per query block, consumer c takes its SPLIT_M = 32 query rows, transposed so that the
   keys are the wgmma rows:
@@ -134,7 +135,8 @@ def _opaque_zero_i32():
 def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem, k_smem,
               v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full, do_empty, N_Q,
               N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW, HEAD_GROUP, BATCH,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr):
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
+              DO_BUFFERS: gl.constexpr):
     b, kv_h, n_start = _block_coords(NUM_N, H_KV, HEAD_GROUP, BATCH, BLOCK_N)
     # this program's K and V, once (a box past N_K reads zeros)
     mbarrier.expect(kv_ready, QK_BOXES * desc_k.block_type.nbytes + V_BOXES * desc_v.block_type.nbytes)
@@ -145,7 +147,7 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
         tma.async_copy_global_to_shared(desc_v, [b, kv_h, n_start, i * V_BOX], kv_ready,
                                         v_smem.index(i))
     lo, full_lo, full_hi, hi = _query_range(n_start, N_Q, N_K, LO_OFF, HI_OFF, BLOCK_M, BLOCK_N)
-    cnt = 0  # query blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
+    cnt = 0  # query blocks loaded so far: Q's slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # GQA: the query heads that share this K/V head
         row0 = (b * (H_KV * KV_GROUP) + h) * VEC_ROW  # this head's first row of LSE and D
@@ -160,12 +162,13 @@ def _producer(desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_
                 tma.async_copy_global_to_shared(desc_q, [b, h, m0, i * QK_BOX], q_full.index(s),
                                                 q_smem.index(s * QK_BOXES + i))
             tma.async_copy_global_to_shared(desc_lse, [row0 + m0], q_full.index(s), lse_smem.index(s))
-            mbarrier.wait(do_empty.index(s), ph ^ 1)
-            mbarrier.expect(do_full.index(s), V_BOXES * desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
+            t = cnt % DO_BUFFERS  # (dO's ring)
+            mbarrier.wait(do_empty.index(t), ((cnt // DO_BUFFERS) & 1) ^ 1)
+            mbarrier.expect(do_full.index(t), V_BOXES * desc_do.block_type.nbytes + desc_delta.block_type.nbytes)
             for i in gl.static_range(V_BOXES):
-                tma.async_copy_global_to_shared(desc_do, [b, h, m0, i * V_BOX], do_full.index(s),
-                                                do_smem.index(s * V_BOXES + i))
-            tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(s), delta_smem.index(s))
+                tma.async_copy_global_to_shared(desc_do, [b, h, m0, i * V_BOX], do_full.index(t),
+                                                do_smem.index(t * V_BOXES + i))
+            tma.async_copy_global_to_shared(desc_delta, [row0 + m0], do_full.index(t), delta_smem.index(t))
             cnt += 1
 
 
@@ -196,7 +199,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds
               DV_FIRST: gl.constexpr, DV_BOXES: gl.constexpr,  # its dV (and dO / V) boxes
               DQ_FIRST: gl.constexpr, DQ_UNITS: gl.constexpr,  # its dQ units
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUFFERS: gl.constexpr,
-              DQ_SLOTS: gl.constexpr):
+              DO_BUFFERS: gl.constexpr, DQ_SLOTS: gl.constexpr):
     gl.static_assert(DK_BOXES <= 2 and DV_BOXES <= 2 and DQ_UNITS <= 2,
                      "a consumer holds at most two pieces of each gradient")
     gl.static_assert(BLOCK_M == NUM_CONSUMERS * SPLIT_M, "a step's rows are the consumers' halves")
@@ -229,13 +232,15 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds
     zero_q = gl.zeros([BLOCK_M, DQ_UNIT], gl.float32, layout=q_layout)
     mbarrier.wait(kv_ready, 0)
 
-    cnt = 0  # steps so far: the ring's slot and phase, the P^T / dS^T hand-over's phase
+    cnt = 0  # steps so far: the rings' slots and phases, the P^T / dS^T hand-over's phase
     for g in range(0, KV_GROUP):
         h = kv_h * KV_GROUP + g  # the query head
         for m0 in range(lo, hi, BLOCK_M):
             z = _opaque_zero_i32()  # (every buffer's index: see _opaque_zero_i32)
-            s = cnt % NUM_BUFFERS + z
+            s = cnt % NUM_BUFFERS + z  # Q's slot
             ph = (cnt // NUM_BUFFERS) & 1
+            t = cnt % DO_BUFFERS + z  # dO's
+            t_ph = (cnt // DO_BUFFERS) & 1
             # S^T and dP^T of this consumer's query rows, a wgmma per box of the head dim
             mbarrier.wait(q_full.index(s), ph)
             st = zero_s
@@ -243,10 +248,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds
                 q_rows = _box(q_smem, s * QK_BOXES + i, BLOCK_M, QK_BOX).slice(CID * SPLIT_M, SPLIT_M)
                 st = warpgroup_mma(_box(k_smem, z + i, BLOCK_N, QK_BOX), q_rows.permute((1, 0)),
                                    st, use_acc=i > 0, is_async=True)
-            mbarrier.wait(do_full.index(s), ph)
+            mbarrier.wait(do_full.index(t), t_ph)
             dpt = zero_s
             for i in gl.static_range(V_BOXES):
-                do_rows = _box(do_smem, s * V_BOXES + i, BLOCK_M, V_BOX).slice(CID * SPLIT_M, SPLIT_M)
+                do_rows = _box(do_smem, t * V_BOXES + i, BLOCK_M, V_BOX).slice(CID * SPLIT_M, SPLIT_M)
                 dpt = warpgroup_mma(_box(v_smem, z + i, BLOCK_N, V_BOX), do_rows.permute((1, 0)),
                                     dpt, use_acc=i > 0, is_async=True)
             st = warpgroup_mma_wait(V_BOXES, deps=(st, ))  # (dP^T's products may still run)
@@ -266,7 +271,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds
                     visible = visible & (kj >= qi + LO_OFF)
                 pt = gl.where(visible, pt, 0.0)
             dpt = warpgroup_mma_wait(0, deps=(dpt, ))
-            delta = delta_smem.index(s).slice(CID * SPLIT_M, SPLIT_M).load(col_s)  # handover: do_full
+            delta = delta_smem.index(t).slice(CID * SPLIT_M, SPLIT_M).load(col_s)  # handover: do_full
             # dS^T, with the softmax scale of both dK = scale dS^T Q and dQ = scale dS K
             # folded in once here
             dst = pt * (dpt - gl.expand_dims(delta, 0)) * SCALE  # [BLOCK_N, SPLIT_M]
@@ -291,10 +296,10 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds
             if DK_BOXES > 1:
                 dk1 = warpgroup_mma(ds_tile, _box(q_smem, s * QK_BOXES + DK_FIRST + 1, BLOCK_M, QK_BOX),
                                     dk1, is_async=True)
-            dv0 = warpgroup_mma(pt_tile, _box(do_smem, s * V_BOXES + DV_FIRST, BLOCK_M, V_BOX),
+            dv0 = warpgroup_mma(pt_tile, _box(do_smem, t * V_BOXES + DV_FIRST, BLOCK_M, V_BOX),
                                 dv0, is_async=True)
             if DV_BOXES > 1:
-                dv1 = warpgroup_mma(pt_tile, _box(do_smem, s * V_BOXES + DV_FIRST + 1, BLOCK_M, V_BOX),
+                dv1 = warpgroup_mma(pt_tile, _box(do_smem, t * V_BOXES + DV_FIRST + 1, BLOCK_M, V_BOX),
                                     dv1, is_async=True)
             # dQ = dS K (dS = (dS^T)^T: the A operand), a unit at a time: DQ_UNIT columns of
             # one K box
@@ -306,7 +311,7 @@ def _consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds
             dk0, dk1 = warpgroup_mma_wait(DV_BOXES + DQ_UNITS, deps=(dk0, dk1))
             mbarrier.arrive(q_empty.index(s), count=1)
             dv0, dv1 = warpgroup_mma_wait(DQ_UNITS, deps=(dv0, dv1))
-            mbarrier.arrive(do_empty.index(s), count=1)
+            mbarrier.arrive(do_empty.index(t), count=1)
             dq0 = warpgroup_mma_wait(DQ_UNITS - 1, deps=(dq0, ))
             if DQ_UNITS == 1:
                 mbarrier.arrive(pds_free, count=1)  # done with P^T and dS^T
@@ -402,7 +407,8 @@ def bwd_causal_d192v128_bf16_kernel(
     HEAD_GROUP,  # K/V heads whose key blocks are ordered together (_block_coords)
     BLOCK_M: gl.constexpr,  # query rows per step
     BLOCK_N: gl.constexpr,  # key rows per program
-    NUM_BUFFERS: gl.constexpr,  # Q/dO ring depth
+    NUM_BUFFERS: gl.constexpr,  # Q/LSE ring depth
+    DO_BUFFERS: gl.constexpr,  # dO/D ring depth
     CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
     QD_LAYOUT: gl.constexpr,  # shared-memory layouts of the Q and dO boxes,
@@ -451,15 +457,15 @@ def bwd_causal_d192v128_bf16_kernel(
         desc_delta = tma.make_tensor_descriptor(DELTA, [BATCH * H_Q * VEC_ROW], [1], [BLOCK_M],
                                                 VEC_LAYOUT)
     dtype: gl.constexpr = desc_q.dtype
-    # the Q/dO ring (a slot: QK_BOXES boxes of Q, V_BOXES of dO), K and V, LSE and D
+    # the Q and dO rings (a slot: QK_BOXES boxes of Q, V_BOXES of dO), K and V, LSE and D
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS * QK_BOXES] + desc_q.block_type.shape,
                                        desc_q.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUFFERS * V_BOXES] + desc_do.block_type.shape,
+    do_smem = gl.allocate_shared_memory(dtype, [DO_BUFFERS * V_BOXES] + desc_do.block_type.shape,
                                         desc_do.layout)
     k_smem = gl.allocate_shared_memory(dtype, [QK_BOXES] + desc_k.block_type.shape, desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [V_BOXES] + desc_v.block_type.shape, desc_v.layout)
     lse_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], VEC_LAYOUT)
-    delta_smem = gl.allocate_shared_memory(gl.float32, [NUM_BUFFERS, BLOCK_M], VEC_LAYOUT)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [DO_BUFFERS, BLOCK_M], VEC_LAYOUT)
     # the step's P^T and dS^T, [BLOCK_N, BLOCK_M]: each consumer writes its SPLIT_M columns
     pt_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], DS_LAYOUT)
     ds_smem = gl.allocate_shared_memory(dtype, [1, BLOCK_N, BLOCK_M], DS_LAYOUT)
@@ -470,8 +476,8 @@ def bwd_causal_d192v128_bf16_kernel(
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)
     q_full = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
-    do_full = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
-    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUFFERS, 1], bar_layout)
+    do_full = gl.allocate_shared_memory(gl.int64, [DO_BUFFERS, 1], bar_layout)
+    do_empty = gl.allocate_shared_memory(gl.int64, [DO_BUFFERS, 1], bar_layout)
     pds_ready = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # both halves stored
     pds_free = gl.allocate_shared_memory(gl.int64, [1], bar_layout)  # both consumers done with them
     mbarrier.init(kv_ready, count=1)
@@ -480,6 +486,7 @@ def bwd_causal_d192v128_bf16_kernel(
     for i in gl.static_range(NUM_BUFFERS):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=NUM_CONSUMERS)
+    for i in gl.static_range(DO_BUFFERS):
         mbarrier.init(do_full.index(i), count=1)
         mbarrier.init(do_empty.index(i), count=NUM_CONSUMERS)
 
@@ -493,16 +500,16 @@ def bwd_causal_d192v128_bf16_kernel(
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, BATCH, 0,
                      0, 2, 0, 1, 0, 1,
-                     BLOCK_M, BLOCK_N, NUM_BUFFERS, DQ_SLOTS)),
+                     BLOCK_M, BLOCK_N, NUM_BUFFERS, DO_BUFFERS, DQ_SLOTS)),
         (_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, pt_smem, ds_smem,
                      dq_smem, desc_dq, DK_DESC, DV_DESC, kv_ready, q_full, q_empty, do_full,
                      do_empty, pds_ready, pds_free, DK, DV, stride_dkb, stride_dkh, stride_dkn,
                      stride_dvb, stride_dvh, stride_dvn, N_Q, N_K, H_KV, KV_GROUP, QK_SCALE_LOG2,
                      SCALE, LO_OFF, HI_OFF, NUM_N, HEAD_GROUP, BATCH, 1,
                      2, 1, 1, 1, 1, 2,
-                     BLOCK_M, BLOCK_N, NUM_BUFFERS, DQ_SLOTS)),
+                     BLOCK_M, BLOCK_N, NUM_BUFFERS, DO_BUFFERS, DQ_SLOTS)),
         (_producer, (desc_q, desc_do, desc_k, desc_v, desc_lse, desc_delta, q_smem, do_smem,
                      k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_full, q_empty, do_full,
                      do_empty, N_Q, N_K, H_KV, KV_GROUP, LO_OFF, HI_OFF, NUM_N, VEC_ROW,
-                     HEAD_GROUP, BATCH, BLOCK_M, BLOCK_N, NUM_BUFFERS)),
+                     HEAD_GROUP, BATCH, BLOCK_M, BLOCK_N, NUM_BUFFERS, DO_BUFFERS)),
     ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
