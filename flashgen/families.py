@@ -352,6 +352,9 @@ LARGE_HEAD_DIM_FWD = {(256, 256): {"block_n": 64, "num_stages": 2},
 #     during the whole step (FlashAttention-3's C++ kernel: Q 2, dO 1): an A/B for the GPU.
 #   192 / 128: 40 KiB + two stages 81 KiB + 16 KiB + 64 KiB = 206,848 bytes; three stages
 #     with one slot a consumer 215,552 (a tuner point), with two 248,320 (over).
+# Compiled for sm_90 (gluon_compile, Triton 3.6.0; tests/test_gluon_bwd.py, slow): no stack
+# frame in any tile above, the consumers' SASS up to R214 (d = 256) and R158 (192 / 128) of
+# the 240, shared memory 214,128 and 206,368 bytes at the defaults.
 # Not the Hopper default until a GPU has run it against float64 and timed it (written and
 # compiled offline, issue 47): FLASHGEN_GLUON_BWD_LARGE=1 when the package is imported makes
 # it the default at these dims; FLASHGEN_FAMILY=gluon and override_config(family="gluon")
