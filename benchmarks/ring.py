@@ -4,7 +4,8 @@ memory, exactness.
     torchrun --nproc_per_node 2 benchmarks/ring.py [--seqlens 32768,131072,262144]
         [--strategies ring,allgather,ring:g1,ulysses,hybrid:u2]
         [--heads 32 --kv-heads 8 --head-dim 128] [--mask causal|none|window:4096]
-        [--docs 64 [--doc-lengths equal|random:SEED] [--layout zigzag|documents|balanced]]
+        [--docs 64 [--doc-lengths equal|random:SEED] [--layout zigzag|documents|balanced]
+         [--fresh-docs]]
         [--reps 5] [--oom-seqlen N] [--out ring.json] [--api flash|sdpa]
 
 --docs D: D documents packed into each sequence, under the document mask (the committed
@@ -12,6 +13,9 @@ generated/mods_attn, whose document variant is causal): equal lengths, or random
 (--doc-lengths random:SEED, multiples of 2 * world); --layout documents shards them with
 document_layout (the zig-zag per document), balanced with document_layout(...,
 balanced=True) (whole documents on ranks), zigzag (default) with the plain zig-zag.
+--fresh-docs: a new document ids tensor every step (a training loop's new batch), so
+neither the one-GPU call nor the context-parallel one reuses the mask's cached block
+lists (and cell table): both pay for making them every step.
 hybrid:uU: strategy="hybrid" over hybrid_groups(U).
 
 For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
@@ -73,6 +77,7 @@ def parse():
     p.add_argument("--docs", type=int, default=0)
     p.add_argument("--doc-lengths", default="equal")
     p.add_argument("--layout", default="zigzag", choices=("zigzag", "documents", "balanced"))
+    p.add_argument("--fresh-docs", action="store_true")
     p.add_argument("--out", default="")
     return p.parse_args()
 
@@ -130,6 +135,8 @@ def attend(q, k, v, args, ring=False, strategy=None, extra=None):
     group / layout and the mods' arguments."""
     kw = mask_args(args.mask)
     kw.update(extra or {})
+    if args.fresh_docs and "doc" in kw:
+        kw["doc"] = kw["doc"].clone()  # (a new tensor: no cached block lists)
     if args.api == "flash":
         if ring:
             return pkg.ring_flash_attn_func(q, k, v, strategy=strategy, **kw)
@@ -277,7 +284,8 @@ def main():
             raise SystemExit(f"N={n} is not a multiple of 2 * world = {2 * world}")
         row = {"seqlen": n, "world": world, "mask": args.mask, "heads": args.heads,
                "kv_heads": args.kv_heads, "head_dim": args.head_dim, "docs": args.docs,
-               "doc_lengths": args.doc_lengths, "layout": args.layout}
+               "doc_lengths": args.doc_lengths, "layout": args.layout,
+               "fresh_docs": args.fresh_docs}
         if rank != 0:
             single = None
         elif n == args.oom_seqlen and args.oom_skip_one_gpu:

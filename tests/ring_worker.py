@@ -374,7 +374,71 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
         out2.backward(mine(do))
         res["repeat_equal"] = bool(torch.equal(out2, out) and all(
             torch.equal(a.grad, b_) for a, b_ in zip((sq2, sk2, sv2), grads)))
+    if case.get("count") and device == "cpu" and not sdpa:
+        # a step's work, as a training loop repeats it (the same tensors, the mask's too):
+        # the single-process call's second step against the context-parallel call's
+        sq2, sk2, sv2 = (t.detach().clone().requires_grad_() for t in (sq, sk, sv))
+        fq, fk, fv = (t.clone().requires_grad_() for t in (q, k, v))
+        res["counts"] = {
+            "single": counted_step(pkg, lambda: pkg.flash_attn_func(
+                fq, fk, fv, causal=causal, window_size=window, **mods), do),
+            "cp": counted_step(pkg, lambda: pkg.ring_flash_attn_func(
+                sq2, sk2, sv2, causal=causal, window_size=window, strategy=strategy,
+                layout=layout, **extra), mine(do))}
     return res
+
+
+def counted_step(pkg, call, do):
+    """What the second of two forward + backward steps of call() does (the first warms
+    the caches): kernel launches by kind, the key blocks the attention kernels visit
+    (their block lists' entries x heads x tile), and the host's reads of tensor values
+    (item, tolist, bool: a sync each on a GPU)."""
+    from triton.runtime import interpreter
+
+    counts = {"launches": {}, "visits": 0, "reads": 0}
+    on = [False]
+    real_run, real_sparse = interpreter.InterpretedFunction.run, pkg._mods.Call.tl_sparse
+    reads = {m: getattr(torch.Tensor, m) for m in ("item", "tolist", "__bool__", "__int__",
+                                                   "__float__")}
+
+    def run(self, *args, grid, warmup, **kw):
+        if on[0]:
+            name = self.fn.__name__
+            kind = next((k for k in ("block_state", "dkdv", "dq_kernel", "preprocess", "merge")
+                         if k in name), "fwd" if name.startswith("fwd") else name)
+            counts["launches"][kind] = counts["launches"].get(kind, 0) + 1
+        return real_run(self, *args, grid=grid, warmup=warmup, **kw)
+
+    def sparse(self, variant, block_m, block_n, transpose, lo, hi):
+        lists = real_sparse(self, variant, block_m, block_n, transpose, lo, hi)
+        if on[0]:
+            on[0] = False  # (not a read of the call's)
+            heads = self.shape[0] * self.shape[1] // lists[0].shape[0]
+            counts["visits"] += int(lists[0].sum() + lists[2].sum()) * heads * block_m * block_n
+            on[0] = True
+        return lists
+
+    def reader(real):
+        def read(self, *a, **kw):
+            if on[0]:
+                counts["reads"] += 1
+            return real(self, *a, **kw)
+        return read
+
+    interpreter.InterpretedFunction.run, pkg._mods.Call.tl_sparse = run, sparse
+    for m, real in reads.items():
+        setattr(torch.Tensor, m, reader(real))
+    try:
+        for step in range(2):
+            on[0] = step == 1
+            out = call()
+            out.backward(do)
+            on[0] = False
+    finally:
+        interpreter.InterpretedFunction.run, pkg._mods.Call.tl_sparse = real_run, real_sparse
+        for m, real in reads.items():
+            setattr(torch.Tensor, m, real)
+    return counts
 
 
 _SINGLE = {}

@@ -225,6 +225,39 @@ def mask(blocks, seed=0, heads=2, as_float=True):
     return {"blocks": list(blocks), "seed": seed, "heads": heads, "float": as_float}
 
 
+def step_cases(world, lengths):
+    """A packed batch of documents under the balanced layout, ring and Ulysses, whose
+    second step is counted (ring_worker.counted_step; assert_step_work)."""
+    cu = [0]
+    for x in lengths:
+        cu.append(cu[-1] + x)
+    kw = dict(causal=True, layout={"documents": cu, "balanced": True}, count=True)
+    return [mcase(cu[-1], ["document"], {"doc": docs(*lengths)}, heads=(2, 1), **kw),
+            mcase(cu[-1], ["document"], {"doc": docs(*lengths)}, heads=(world, 2),
+                  strategy="ulysses", **kw)]
+
+
+def assert_step_work(per_rank, world):
+    """A repeated step with the same document ids: no rank rebuilds the mask's block
+    lists or cell table (no block_state launch, as the single-process call's second step
+    makes none), reads at most one value on the host (the agreement's gather: a sync on a
+    GPU), and visits 1 / world of the single call's key blocks. (Every step used to
+    permute the ids anew, so each rank rebuilt its block lists -- under Ulysses over the
+    whole sequence -- and its cell table, with 2-3 syncs.)"""
+    counted = 0
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            if "counts" not in res:
+                continue
+            counted += 1
+            one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, res["case"])
+            assert one["launches"].get("block_state", 0) == 0, (what, one)
+            assert cp["launches"].get("block_state", 0) == 0, (what, cp)
+            assert cp["reads"] <= 1, (what, cp)
+            assert 0 < cp["visits"] <= 1.05 * one["visits"] / world, (what, cp, one)
+    assert counted == 2 * world, counted
+
+
 # zig-zag over 2 ranks: chunks of 6 tokens, rank 0 holds chunks 0 and 3, rank 1 chunks
 # 1 and 2. Documents of 6, 9, 9: chunk 1 sees nothing of chunk 0, so rank 1 needs nothing
 # of rank 0 (the direct schedule: rank 1 sends, rank 0 sends back dK/dV)
@@ -244,12 +277,14 @@ CASES = {
         mcase(24, ["document"], {"doc": docs(4, 4, 5, 11)}, causal=True, heads=(2, 1),
               layout={"documents": [0, 4, 8, 13, 24], "balanced": True}, repeat=True),
         mcase(24, ["document"], {"doc": docs(4, 4, 5, 11)}, causal=True, heads=(2, 2),
-              strategy="ulysses", layout={"documents": [0, 4, 8, 13, 24], "balanced": True})],
+              strategy="ulysses", layout={"documents": [0, 4, 8, 13, 24], "balanced": True}),
+        *step_cases(2, [32, 16, 48, 32, 64, 16, 32, 16])],
     3: [mcase(36, ["document", "sink_logits"], {"doc": docs(3, 9, 4, 8, 12), **SINKS},
               causal=True, grad_tensors=["sinks"], repeat=True),
         mcase(36, ["document"], {"doc": docs(5, 7, 6, 6, 4, 8)}, causal=True,
               layout={"documents": [0, 5, 12, 18, 24, 28, 36], "balanced": True})],
-    4: [mcase(48, ["document"], {"doc": docs(5, 19, 8, 16)}, causal=True),
+    4: [*step_cases(4, [16] * 8 + [128]),  # the long one zig-zagged: ring steps run
+        mcase(48, ["document"], {"doc": docs(5, 19, 8, 16)}, causal=True),
         mcase(48, ["document"], {"doc": docs(6, 5, 7, 4, 6, 8, 5, 7)}, causal=True,
               layout={"documents": [0, 6, 11, 18, 22, 28, 36, 41, 48], "balanced": True}),
         mcase(48, ["document"], {"doc": docs(7, 11, 30)}, strategy="allgather", heads=(2, 2)),
@@ -301,3 +336,5 @@ def test_masks_match_single_process(built, tmp_path, world):
                                         package=PACKAGE))
     assert_results(results)
     assert_refused(refusals)
+    if world in (2, 4):
+        assert_step_work(results, world)

@@ -35,7 +35,10 @@ Also here: SDPA's attn_mask as the sdpa_mask mod over the whole sequence
 (`sdpa_attn_mask`), document ids from cu_seqlens (`document_ids`), and the mods of a call
 sharded with a `document_layout` (`on_documents`: its tensors permuted like the sequence).
 """
+import collections
+import functools
 import os
+import weakref
 
 import torch
 
@@ -45,9 +48,13 @@ from ._ring import (_all_gather, _dist, _empty_as, _wait, classify, kernel_mask,
 
 # a mod tensor's extents that run along the sequence (docs/MODS.md)
 _SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
-# the cell table's tile: the block_state kernel's, per cell (exact for any tile: a cell
-# is its own launch, so no tile straddles two cells)
+# the cell table's tile: the block_state kernel's, halved until it divides the chunks (no
+# tile straddles two cells: exact); under TABLE_TILE_MIN a launch per cell instead
 TABLE_TILE = {"cuda": 128, "cpu": 16}
+TABLE_TILE_MIN = 16
+# the cell tables made, by the mask's tensors (objects and versions) and the call's shapes
+_TABLES = collections.OrderedDict()
+_MAX_TABLES = 16
 # the integers every rank contributes to `agree` ahead of its table rows
 FACTS = 24
 # FLASHGEN_CP_AGREE=0: the caller vouches that every rank calls alike, and a call that
@@ -172,6 +179,7 @@ def sdpa_attn_mask(query, key, attn_mask, is_causal, world, mods, mod_args):
     return names + ("sdpa_mask",), {**mod_args, "bias": bias}
 
 
+@functools.lru_cache(maxsize=None)
 def _positions_as_indices(source: str) -> bool:
     """Whether a mod's expression reads q_idx and kv_idx only as bare tensor indices
     (doc[b, q_idx], keep[b, kv_idx], bias[b, h, q_idx, kv_idx]): such a mod is the same
@@ -212,6 +220,21 @@ def on_documents(layout, mods, mod_args: dict, n: int, world: int, window, dropo
             raise ValueError(f"mod `{m}` ({MODS[m]['source']}) reads positions other than as "
                              "tensor indices: a document layout runs the call on a permuted "
                              "sequence, where only those mods are exact; use layout='zigzag'")
+    doc_name = MODS[docs[0]]["tensors"][0][0]
+
+    def check_doc(doc):  # (a host sync: once per document ids tensor, to_p_kept)
+        if doc.dim() != 2 or doc.shape[1] < n:
+            return
+        d = doc[:, :n]
+        firsts = d.index_select(1, torch.tensor(layout.starts, device=d.device))
+        same = (d == firsts.repeat_interleave(
+            torch.tensor(layout.lengths, device=d.device), dim=1, output_size=n)).all()
+        distinct = (firsts.sort(1).values.diff(dim=1) != 0).all()
+        if not bool(same & distinct):
+            raise ValueError(f"the document ids do not match {layout!r}: each document needs "
+                             "one id of its own (document_ids(cu_seqlens) with the same "
+                             "cu_seqlens)")
+
     args = dict(mod_args)
     for m in names:
         for t, dims, _ in MODS[m]["tensors"]:
@@ -221,19 +244,9 @@ def on_documents(layout, mods, mod_args: dict, n: int, world: int, window, dropo
             for axis, extent in enumerate(dims):
                 # (a wrong length is left for `prepare` to report)
                 if str(extent) in _SEQUENCE_EXTENTS and x.dim() > axis and x.shape[axis] >= n:
-                    x = layout.to_p(x.narrow(axis, 0, n), axis)
+                    x = layout.to_p_kept(x, axis, check_doc if t == doc_name and
+                                         x is mod_args[t] else None)
             args[t] = x
-    doc = mod_args.get(MODS[docs[0]]["tensors"][0][0])
-    if isinstance(doc, torch.Tensor) and doc.dim() == 2 and doc.shape[1] >= n:
-        d = doc[:, :n]
-        firsts = d.index_select(1, torch.tensor(layout.starts, device=d.device))
-        same = (d == firsts.repeat_interleave(
-            torch.tensor(layout.lengths, device=d.device), dim=1)).all()
-        distinct = (firsts.sort(1).values.diff(dim=1) != 0).all()
-        if not bool(same & distinct):
-            raise ValueError(f"the document ids do not match {layout!r}: each document needs "
-                             "one id of its own (document_ids(cu_seqlens) with the same "
-                             "cu_seqlens)")
     return names, args
 
 
@@ -264,39 +277,111 @@ def chunk_length(n_local: int, layout: str) -> int:
 def table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> list:
     """This rank's rows of the cell table: per segment of its shard (segments order), per
     chunk of the whole sequence (global order, chunk_length tokens each), 1 if some
-    element of the cell is visible under the band and the mods, else 0. One sync."""
-    from . import _mods
+    element of the cell is visible under the band and the mods, else 0. Made once per
+    mask (its tensors' objects and versions, as `_mods` caches block lists; _TABLES),
+    with a sync; a later call with the same mask makes no launch and no sync."""
+    key = refs = None
+    try:
+        bias = tuple(cp.pieces.tensors[t] for t in cp.bias)
+        if cp.pieces.mask_key is not None or not cp.pieces.block_sparse:
+            key = (cp.pieces.names, cp.pieces.mask_key and cp.pieces.mask_key[:2],
+                   tuple((x.data_ptr(), x._version, tuple(x.shape), x.stride()) for x in bias),
+                   tuple(q.shape), v.shape[-1], q.dtype, q.device, n_local, rank, world, layout,
+                   lo_g, hi_g, dropout)
+            refs = tuple(cp.pieces.mask_refs) + tuple(weakref.ref(x) for x in bias)
+    except RuntimeError:  # an inference tensor has no version counter: no keeping
+        key = None
+    hit = _TABLES.get(key) if key is not None else None
+    if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[0], refs)):
+        _TABLES.move_to_end(key)
+        return hit[1]
+    rows = _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout)
+    if key is not None:
+        if len(_TABLES) >= _MAX_TABLES:
+            _TABLES.popitem(last=False)
+        _TABLES[key] = (refs, rows)
+    return rows
 
+
+def _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> list:
+    """table_rows, made: per segment, one block_state launch over the keys its band
+    reaches at a tile that divides the chunks (so no tile straddles two cells: exact),
+    each cell the maximum of its tiles' states; a bias's cells any finite element."""
     c = chunk_length(n_local, layout)
-    count = n_local * world // c
+    n = n_local * world
+    count = n // c
     tile = TABLE_TILE.get(q.device.type, TABLE_TILE["cuda"])
+    while c % tile:
+        tile //= 2
     dtype = _runtime._DTYPE_NAMES[q.dtype]
     cells = []
     for _, qn, qg in segments(n_local, rank, world, layout):
+        # the chunks this segment's band reaches, [j0, j1)
+        j0 = max(0, qg + lo_g) // c
+        j1 = min(count, -(-min(n, qg + qn - 1 + hi_g + 1) // c))
+        if j1 <= j0 or classify(qn, (j1 - j0) * c, qg - j0 * c + lo_g,
+                                qg - j0 * c + hi_g) == "empty":
+            cells += [None] * count
+            continue
+        seen = torch.ones(j1 - j0, dtype=torch.bool, device=q.device)
+        if cp.pieces.block_sparse:
+            seen &= _cells_seen(cp.pieces, q, v, dtype, dropout, qn, qg, j0, j1, c, tile,
+                                lo_g, hi_g)
+        for t in cp.bias:
+            x = cp.pieces.tensors[t]
+            x = x if x.shape[2] == 1 else x.narrow(2, qg, qn)
+            x = torch.isfinite(x).any(dim=(0, 1, 2), keepdim=False)
+            x = x.expand(n) if x.numel() == 1 else x[:n]
+            seen &= x[j0 * c:j1 * c].view(j1 - j0, c).any(1)
         for j in range(count):
             kg = j * c
-            lo, hi = qg - kg + lo_g, qg - kg + hi_g
-            kind = classify(qn, c, lo, hi)
-            if kind == "empty":
+            if j0 <= j < j1 and classify(qn, c, qg - kg + lo_g, qg - kg + hi_g) != "empty":
+                cells.append(seen[j - j0])
+            else:
                 cells.append(None)
-                continue
-            seen = []
-            if cp.pieces.block_sparse:
-                mask = kernel_mask(kind, cp.pieces, dropout)
-                name = _runtime.find_variant("fwd", mask, dropout, q.shape[-1], dtype,
-                                             cp.pieces.names, v.shape[-1])
-                lists = _mods._block_lists(cp.pieces.piece(qn, c, qg, kg), name, tile, tile,
-                                           False, lo, hi)
-                seen.append((lists[0].sum() + lists[2].sum()) > 0)
-            for t in cp.bias:
-                x = cp.pieces.tensors[t]
-                x = x if x.shape[2] == 1 else x.narrow(2, qg, qn)
-                x = x if x.shape[3] == 1 else x.narrow(3, kg, c)
-                seen.append(torch.isfinite(x).any())
-            cells.append(torch.stack(seen).all())
     found = [x for x in cells if x is not None]
     values = iter(torch.stack(found).tolist() if found else ())
     return [0 if x is None else int(next(values)) for x in cells]
+
+
+def _cells_seen(call, q, v, dtype, dropout, qn, qg, j0, j1, c, tile, lo_g, hi_g):
+    """[j1 - j0] bool: whether the mask mods leave anything of (this segment's qn rows
+    from qg) x (chunk j) visible under the band, for the chunks j0 <= j < j1: one
+    block_state launch at `tile` (which divides the chunk length c), without lists."""
+    lo, hi = qg - j0 * c + lo_g, qg - j0 * c + hi_g
+    nk = (j1 - j0) * c
+    if tile < TABLE_TILE_MIN:  # no tile divides the chunks: a launch per cell, its own
+        out = []
+        for j in range(j0, j1):
+            piece_lo, piece_hi = qg - j * c + lo_g, qg - j * c + hi_g
+            if classify(qn, c, piece_lo, piece_hi) == "empty":
+                out.append(torch.zeros((), dtype=torch.bool, device=q.device))
+                continue
+            state = _block_state(call.piece(qn, c, qg, j * c), q, v, dtype, dropout, qn, c,
+                                 piece_lo, piece_hi,
+                                 TABLE_TILE.get(q.device.type, TABLE_TILE["cuda"]))
+            out.append(state.amax() > 0)
+        return torch.stack(out)
+    state = _block_state(call.piece(qn, nk, qg, j0 * c), q, v, dtype, dropout, qn, nk, lo, hi,
+                         tile)
+    return state.amax(dim=(0, 1)).view(j1 - j0, c // tile).amax(1) > 0
+
+
+def _block_state(call, q, v, dtype, dropout, nq, nk, lo, hi, tile):
+    """The mask's block_state (0 empty, 1 partial, 2 full) of an nq x nk piece at a
+    tile x tile grid, [groups, tiles of rows, tiles of keys] int8 (`_mods`' lists' source)."""
+    mask = kernel_mask(classify(nq, nk, lo, hi), call, dropout)
+    name = _runtime.find_variant("fwd", mask, dropout, q.shape[-1], dtype, call.names,
+                                 v.shape[-1])
+    uses = call.info["mask_uses"]
+    h_m = call.shape[1] if "h" in uses else 1
+    groups = (call.shape[0] if "b" in uses else 1) * h_m
+    nqb, nkb = -(-nq // tile), -(-nk // tile)
+    state = torch.empty((groups, nqb, nkb), dtype=torch.int8, device=q.device)
+    _runtime.kernel(name, "block_state")[(groups, nqb, nkb)](
+        state, None, None, 0, 0, nq, nk, lo, hi, h_m, *call.args, BLOCK_M=tile,
+        BLOCK_N=tile, VARLEN=False)
+    return state
 
 
 class Table:

@@ -12,9 +12,14 @@ ring's: each ring rank's two chunks are split among its Ulysses group, member u 
 the u-th U-th of each, so that the all-to-all inside the group gives every member the
 ring rank's whole chunks (of its heads).
 """
+import weakref
+
 import torch
 
 LAYOUTS = ("zigzag", "contiguous")
+# a DocumentLayout keeps the permuted copies of this many tensors (document ids, key
+# padding, ...; up to PERMUTED_MAX elements each) while their sources live (to_p_kept)
+PERMUTED_KEEP, PERMUTED_MAX = 8, 1 << 24
 # a balanced document layout zig-zags the fewest longest documents that bring the busiest
 # rank's causal work within this factor of the mean
 BALANCE_SLACK = 1.05
@@ -244,6 +249,7 @@ class DocumentLayout:
         self.inverse = torch.empty_like(self.perm)
         self.inverse[self.perm] = torch.arange(n)
         self.n = n
+        self._key, self._perms, self._permuted = None, {}, {}
 
     def __repr__(self):
         kind = ", balanced" if self.balanced else ""
@@ -252,12 +258,41 @@ class DocumentLayout:
 
     def key(self) -> str:
         """A string every rank's equal layout shares (`_ring_masks.agree`'s facts)."""
-        kind = "balanced" if self.balanced else "documents"
-        return f"{kind}:{self.world}:{','.join(map(str, self.lengths))}"
+        if self._key is None:
+            kind = "balanced" if self.balanced else "documents"
+            self._key = f"{kind}:{self.world}:{','.join(map(str, self.lengths))}"
+        return self._key
 
     def to_p(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """x (the original order along dim) in P's order."""
-        return x.index_select(dim, self.perm.to(x.device))
+        perm = self._perms.get(x.device)
+        if perm is None:
+            perm = self._perms[x.device] = self.perm.to(x.device)
+        return x.index_select(dim, perm)
+
+    def to_p_kept(self, x: torch.Tensor, dim: int, check=None) -> torch.Tensor:
+        """to_p of x's first n tokens along dim, kept: the same permuted tensor again while
+        x is the same tensor (object and version). A mask's block lists and the ring's
+        cell table are cached by their tensors' identity: a fresh copy on every call
+        rebuilt them on every call (the whole N x N block_state on each Ulysses rank).
+        check(x): run on a copy's first making only (the document ids' check syncs)."""
+        try:
+            key = (dim, x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype, x.device)
+        except RuntimeError:  # an inference tensor has no version counter: no keeping
+            key = None
+        hit = self._permuted.get(key) if key is not None else None
+        if hit is not None and hit[0]() is x:
+            return hit[1]
+        if check is not None:
+            check(x)
+        out = self.to_p(x.narrow(dim, 0, self.n), dim)
+        if key is not None and x.numel() <= PERMUTED_MAX:
+            for k in [k for k, (ref, _) in self._permuted.items() if ref() is None]:
+                del self._permuted[k]  # (their sources are gone)
+            while len(self._permuted) >= PERMUTED_KEEP:
+                del self._permuted[next(iter(self._permuted))]
+            self._permuted[key] = (weakref.ref(x), out)
+        return out
 
     def from_p(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         return x.index_select(dim, self.inverse.to(x.device))
