@@ -16,7 +16,7 @@ balanced=True) (whole documents on ranks), zigzag (default) with the plain zig-z
 --fresh-docs: a new document ids tensor every step (a training loop's new batch), so
 neither the one-GPU call nor the context-parallel one reuses the mask's cached block
 lists (and cell table): both pay for making them every step.
-hybrid:uU: strategy="hybrid" over hybrid_groups(U).
+hybrid:uU: strategy="hybrid" over hybrid_groups(U); ulysses:p: FLASHGEN_CP_PREFETCH=1.
 
 For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
 forward + backward step:
@@ -216,8 +216,12 @@ _HYBRID = {}
 def cp_call(strategy, n, args, device, world):
     """(strategy, the call's extra arguments, the shard() keywords) of a --strategies
     entry: "ring", "allgather", "ulysses", "ring:gN" (the ring's backward in N head
-    groups, FLASHGEN_CP_HEAD_GROUPS=N; plain "ring": auto), "hybrid:uU"."""
-    name, _, groups = strategy.partition(":g")
+    groups, FLASHGEN_CP_HEAD_GROUPS=N; plain "ring": auto), "hybrid:uU"; a trailing ":p"
+    (ulysses:p): the head groups' all-to-alls overlapping the kernels
+    (FLASHGEN_CP_PREFETCH=1)."""
+    prefetch = strategy.endswith(":p")
+    os.environ["FLASHGEN_CP_PREFETCH"] = "1" if prefetch else "0"
+    name, _, groups = strategy.removesuffix(":p").partition(":g")
     os.environ["FLASHGEN_CP_HEAD_GROUPS"] = groups or "auto"
     extra, layout = doc_kw(n, args, world, device)
     shard_kw = dict(layout=layout)

@@ -275,6 +275,10 @@ def run_case(pkg, case, rank, world, attention_ref, visible_mask, device="cpu"):
     os.environ.pop("FLASHGEN_CP_HEAD_GROUPS", None)
     if "head_groups" in case:
         os.environ["FLASHGEN_CP_HEAD_GROUPS"] = str(case["head_groups"])
+    # Ulysses' head groups fetched ahead (FLASHGEN_CP_PREFETCH)
+    os.environ.pop("FLASHGEN_CP_PREFETCH", None)
+    if case.get("prefetch"):
+        os.environ["FLASHGEN_CP_PREFETCH"] = "1"
     g = torch.Generator().manual_seed(case.get("seed", 0))
     q, k, v, do = (torch.randn(b, n, heads, d, generator=g).to(device=device, dtype=dtype)
                    for heads in (h, hk, hk, h))

@@ -36,6 +36,10 @@ CASES = {
         # a rank's query heads in groups (FLASHGEN_CP_HEAD_GROUPS): two groups with a K/V
         # head each, two sharing one (their dK/dV summed in fp32), three over straddled
         uly(24, causal=True, heads=(8, 4), head_groups=2, exact=True),
+        # the groups' all-to-alls overlapping the kernels (FLASHGEN_CP_PREFETCH=1)
+        uly(24, causal=True, heads=(8, 4), head_groups=2, prefetch=True, exact=True),
+        uly(20, heads=(4, 4), head_groups=2, prefetch=True, layout="contiguous", exact=True),
+        uly(24, causal=True, heads=(8, 2), head_groups=4, prefetch=True, dtype="bf16"),
         uly(24, causal=True, heads=(8, 2), head_groups=2, repeat=True),
         uly(24, causal=True, dtype="bf16", heads=(6, 3), head_groups=3, sdpa=True),
         # hybrid, degenerate at world 2: Ulysses over both (one ring rank; the K/V head

@@ -24,6 +24,8 @@ checks first, then one all_gather of every rank's shapes and arguments (a few in
 a rank cannot see another's shapes, and an all-to-all with mismatched sizes hangs (NCCL)
 or fails on some ranks only.
 """
+import os
+
 import torch
 
 from . import _runtime
@@ -32,6 +34,11 @@ from ._ring import _dist, _global_band, _piece_backward, _piece_forward, segment
 
 # a mod tensor's extents that run along the sequence (docs/MODS.md)
 _SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
+# FLASHGEN_CP_PREFETCH=1: the head groups' all-to-alls overlap the attention (group g + 1
+# fetched while group g's kernels run, g's results returned while g + 1's run), for one
+# group's inputs and output more memory a rank (+6 group tensors in the backward); 0
+# (default): each group's all-to-alls before and after its kernels
+PREFETCH_ENV = "FLASHGEN_CP_PREFETCH"
 
 
 class _Plan:
@@ -153,19 +160,49 @@ def _group_send(x: torch.Tensor, world: int, groups: int, g: int) -> torch.Tenso
     return x.unflatten(2, (world, groups, -1)).select(3, g).movedim(2, 0).contiguous()
 
 
-def _group_heads(x, plan, groups, g):
-    """Group g of this rank's query heads over the whole sequence, (B, N, m, d)."""
-    if groups == 1:
-        return _seq_to_heads(x, plan, plan.q_heads)
-    return _to_global(_a2a(_group_send(x, plan.world, groups, g), plan.group), plan, 1)
+def _a2a_start(send: torch.Tensor, group) -> tuple:
+    """_a2a started, not waited for: (recv, send, work); the caller keeps send alive and
+    waits (_landed) before reading recv."""
+    recv = torch.empty_like(send)
+    return recv, send, _dist().all_to_all_single(recv, send, group=group, async_op=True)
 
 
-def _group_back(y, plan, groups, g, dst) -> None:
-    """dst (a (B, N / world, H_q, d) sequence shard) <- at the heads of group g of every
-    rank, their rows of y (this rank's group over the whole sequence; `_group_heads`'s
-    inverse)."""
-    recv = _a2a(_to_shards(y, plan, 1), plan.group)  # [j]: rank j's group g
+def _group_fetch(x, plan, groups, g) -> tuple:
+    """Start bringing group g of this rank's query heads over the whole sequence from
+    the sequence shards x (B, N / world, H_q, d); `_group_landed` finishes it (with
+    PREFETCH_ENV, group g + 1's while group g's kernels run)."""
+    return _a2a_start(_group_send(x, plan.world, groups, g), plan.group)
+
+
+def _group_landed(pending, plan) -> torch.Tensor:
+    """The fetched group over the whole sequence, (B, N, m, d)."""
+    recv, _send, work = pending
+    work.wait()
+    return _to_global(recv, plan, 1)
+
+
+def _group_back(y, plan, groups, g, dst) -> tuple:
+    """Start returning y (group g of this rank's query heads over the whole sequence) to
+    dst (a (B, N / world, H_q, d) sequence shard) at the heads of group g of every rank,
+    their rows (`_group_fetch`'s inverse); `_group_returned` finishes it."""
+    return _a2a_start(_to_shards(y, plan, 1), plan.group), groups, g, dst
+
+
+def _group_returned(pending, plan) -> None:
+    (recv, _send, work), groups, g, dst = pending
+    work.wait()  # recv[j]: rank j's group g
     dst.unflatten(2, (plan.world, groups, -1)).select(3, g).copy_(recv.movedim(0, 2))
+
+
+def _return(earlier, started, ahead: bool, plan):
+    """Finish the earlier group's return (if any) and, unless `ahead`, the one just
+    started too; returns the one left in flight."""
+    if earlier is not None:
+        _group_returned(earlier, plan)
+    if started is not None and not ahead:
+        _group_returned(started, plan)
+        return None
+    return started
 
 
 def _kv_span(plan, rank, groups, g) -> tuple:
@@ -219,21 +256,23 @@ class _Ulysses(torch.autograd.Function):
         lse_h = torch.empty((b, plan.h_q // plan.world, n), dtype=torch.float32,
                             device=q.device)
         size = lse_h.shape[1] // groups
+        ahead = cfg["prefetch"]
+        pending = back = None
         for g in range(groups):
-            qh = _group_heads(q, plan, groups, g)
+            qh = _group_landed(pending or _group_fetch(q, plan, groups, g), plan)
+            pending = None  # (its buffers freed before the next group's are made)
+            if ahead and g + 1 < groups:
+                pending = _group_fetch(q, plan, groups, g + 1)
             first, count = _kv_span(plan, rank, groups, g)
             out_h, lse_g = _piece_forward(qh, kh.narrow(2, first, count),
                                           vh.narrow(2, first, count), cfg["call"],
                                           cfg["scale"], cfg["mods"][g])
             del qh
             lse_h.narrow(1, g * size, size).copy_(lse_g)
-            if groups == 1:
-                out.copy_(_heads_to_seq(out_h, plan, plan.q_heads, plan.h_q, _order(q),
-                                        q.dtype))
-            else:
-                _group_back(out_h, plan, groups, g, out)
+            back = _return(back, _group_back(out_h, plan, groups, g, out), ahead, plan)
             del out_h, lse_g
-        del kh, vh
+        _return(back, None, False, plan)
+        del kh, vh, back
         lse = _lse_to_seq(lse_h, plan) if cfg["return_lse"] else None
         ctx.save_for_backward(q, k, v, out, lse_h)
         ctx.cfg = cfg
@@ -250,8 +289,16 @@ class _Ulysses(torch.autograd.Function):
         dkv = torch.zeros((2,) + tuple(kh.shape), dtype=torch.float32, device=kh.device)
         dq = _empty_in_order(_order(q), tuple(q.shape), q.dtype, q.device)
         size = lse_h.shape[1] // groups
+
+        ahead = cfg["prefetch"]
+        pending = back = None
         for g in range(groups):
-            qh, out_h, do_h = (_group_heads(t, plan, groups, g) for t in (q, out, dout))
+            # (one tensor at a time unless fetched ahead)
+            qh, out_h, do_h = (_group_landed(p, plan) for p in pending or (
+                _group_fetch(t, plan, groups, g) for t in (q, out, dout)))
+            pending = None
+            if ahead and g + 1 < groups:
+                pending = tuple(_group_fetch(t, plan, groups, g + 1) for t in (q, out, dout))
             first, count = _kv_span(plan, rank, groups, g)
             dq_acc = torch.zeros(qh.shape, dtype=torch.float32, device=qh.device)
             dk, dv = _piece_backward(do_h, qh, kh.narrow(2, first, count),
@@ -264,12 +311,10 @@ class _Ulysses(torch.autograd.Function):
             del dk, dv
             dq_g = dq_acc.to(q.dtype)
             del dq_acc
-            if groups == 1:
-                dq.copy_(_heads_to_seq(dq_g, plan, plan.q_heads, plan.h_q, _order(q), q.dtype))
-            else:
-                _group_back(dq_g, plan, groups, g, dq)
+            back = _return(back, _group_back(dq_g, plan, groups, g, dq), ahead, plan)
             del dq_g
-        del kh, vh
+        _return(back, None, False, plan)
+        del kh, vh, back
         if not plan.replicated:  # each K/V head's whole sum is here: round before sending
             dkv = dkv.to(k.dtype)
         dk = _heads_to_seq(dkv[0], plan, plan.kv_heads, plan.h_kv, _order(k), k.dtype)
@@ -395,7 +440,8 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
             mods_g[g] = _mods.prepare(names, _head_mod_args(names, mod_args or {}, heads, h_q),
                                       q.shape[0], size, n, n, q.device)
     cfg = dict(plan=plan, scale=scale, mods=mods_g, return_lse=return_lse, groups=groups,
-               rank=rank, call=(0, n, 0, n, mask, lo, hi, 0, 0))
+               rank=rank, call=(0, n, 0, n, mask, lo, hi, 0, 0),
+               prefetch=os.environ.get(PREFETCH_ENV, "0") == "1")
     return _Ulysses.apply(q, k, v, cfg)
 
 
