@@ -174,10 +174,13 @@ GLUON_DROPOUT_FWD_SMALL_D_MIN_N = 1024
 
 
 def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
-                     n: int | None = None) -> bool:
+                     n: int | None = None, dtype: str = "", fp8_asked: bool = False) -> bool:
     """Whether the Gluon kernel of a variant replaces the `tl` one by default on Hopper, for
     calls of length bucket n (None: the variant as a whole, where a length rule counts as
-    not by default)."""
+    not by default). An fp8 variant's (dtype) only with GLUON_FP8_BY_DEFAULT, or fp8_asked
+    (the runtime's FLASHGEN_FP8_GLUON=1)."""
+    if dtype.startswith("fp8") and not (GLUON_FP8_BY_DEFAULT or fp8_asked):
+        return False
     if dropout and kind == "fwd" and (head_dim not in GLUON_DROPOUT_FWD_DIMS or mod_kinds):
         return False  # (with mods as well: not measured, so `tl`)
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
@@ -465,10 +468,50 @@ def large_bwd_config_reason(config: dict, head_dim: int, v_dim: int | None, dtyp
     return None
 
 
+# ----------------------------------------------------------------------------------------
+# The forward on fp8 inputs (issue 50): e4m3 Q, K, V with descales, bf16 O
+# ----------------------------------------------------------------------------------------
+# FlashAttention-3's recipe in the same kernel (templates/gluon/fwd.py.j2, `fp8`): both
+# products e4m3 wgmmas, P re-quantized to e4m3 in registers (scaled by 2^8), V read from a
+# keys-major copy the runtime makes per call (an 8-bit wgmma's B operand must be K-major).
+# Head dims with that kernel (V's head dim equal; 96 runs the 128 tiles): at 256 the bf16
+# output would not fit in the e4m3 Q slot that O_IN_Q stages it in.
+GLUON_FP8_HEAD_DIMS = (64, 96, 128)
+# Whether it replaces the `tl` fp8 forward by default on Hopper: not until a GPU has run
+# its tests (tests/test_gluon_fp8.py) and timed it; until then FLASHGEN_FP8_GLUON=1 (the
+# runtime), FLASHGEN_FAMILY=gluon or override_config(family="gluon") asks for it.
+GLUON_FP8_BY_DEFAULT = False
+# Registers a forward consumer thread holds besides the accumulators and P
+# (fwd_accumulator_regs): row statistics, the softmax's temporaries, addresses, barrier
+# phases. The fp8 kernels compiled for sm_90 (gluon_compile, P packed four keys a
+# register): 128-key blocks at d = 64 / 128, causal or not, two consumers at 240 or three
+# at 160, no spill; 256-key blocks (224 of 240 registers by the estimate at d = 128) spilled
+# 96 stack bytes, 30 LDL/STL a block and serialised the wgmmas (C7512); at d = 64 (192)
+# none unmasked but 352 bytes / 58 a block causal (the mask's column indices).
+FWD_REG_OVERHEAD = 40
+# The deepest K/V ring fp8_fwd_tile asks for, in keys: an fp8 block's products take half
+# the time of a bf16 one's (twice the tensor-core rate), so twice the bf16 default's keys
+# in flight (2 stages x 128) cover the same load latency. Not measured yet (an A/B of 2 to
+# 4 stages is the GPU's to run).
+FP8_RING_KEYS = 512
+
+
+def fp8_fwd_tile(head_dim: int, consumers: int = CONSUMERS,
+                 sram_bytes: int = GLUON_SHARED_BYTES) -> dict:
+    """The fp8 forward's key block and K/V ring depth: 128-key blocks (FlashAttention-3
+    runs 224 at d = 128; a Gluon tile is a power of two and 256 spills, FWD_REG_OVERHEAD),
+    in the deepest ring of at most FP8_RING_KEYS keys (2 to 4 stages) that fits shared
+    memory (Q and K/V one byte an element, O staged in bf16: 176 KiB at d = 128, 4 stages)."""
+    for stages in range(min(4, FP8_RING_KEYS // 128), 1, -1):
+        if shared_bytes(head_dim, 1, 128, stages, 1, consumers) <= sram_bytes:
+            return {"block_n": 128, "num_stages": stages}
+    return {"block_n": 128, "num_stages": 2}
+
+
 def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
                   mods: tuple = (), key_span: str | None = None,
                   dropout: bool = False, bucket: int | None = None,
-                  v_dim: int | None = None) -> dict:
+                  v_dim: int | None = None, fp8: bool = False) -> dict:
     """The untuned Gluon config of a kernel kind for a head dim (and, for the forward,
     its mask, mods and the mods' key span, KEY_SPAN_FWD_KNOBS, and dropout at d > 64,
     DROPOUT_FWD_KNOBS). At d <= 64 the forward's
@@ -479,7 +522,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     (THREE_CONSUMER_REGS; +3..+11% over two consumers at N = 2k-16k); so does the causal
     one from the length bucket THREE_CONSUMER_DEFAULT_MASKS names (`bucket`: the call's;
     None, no length, keeps two consumers), with its key blocks in order. d = 256 and
-    (qk 192, v: v_dim 128) take LARGE_HEAD_DIM_FWD's tiles."""
+    (qk 192, v: v_dim 128) take LARGE_HEAD_DIM_FWD's tiles; fp8 (e4m3 inputs) the key
+    block and ring depth of fp8_fwd_tile."""
     large = LARGE_HEAD_DIM_FWD.get((head_dim, v_dim or head_dim))
     if kind == "fwd" and large is not None:
         return {**GLUON_DEFAULT, **large}
@@ -508,6 +552,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     cfg.update(KEY_SPAN_FWD_KNOBS.get(key_span, {}))
     if dropout and head_dim > 64:
         cfg.update(DROPOUT_FWD_KNOBS)
+    if fp8:
+        cfg.update(fp8_fwd_tile(head_dim, cfg["block_m"] // QUERY_ROWS_PER_CONSUMER))
     return cfg
 
 
@@ -516,7 +562,8 @@ def variant_gluon_default(facts: dict, bucket: int | None = None) -> dict:
     a call's length bucket (None: no length)."""
     return gluon_default(facts["head_dim"], facts["kind"], facts["mask"],
                          tuple(facts.get("mods", ())), facts.get("key_span"),
-                         bool(facts.get("dropout")), bucket, facts.get("v_head_dim"))
+                         bool(facts.get("dropout")), bucket, facts.get("v_head_dim"),
+                         str(facts.get("dtype", "")).startswith("fp8"))
 
 
 # The persistent forward's last round, dealt by key block when whole tiles would leave
@@ -594,7 +641,16 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str,
     if kind not in ("fwd", "bwd"):
         return f"no Gluon {kind} kernel yet: the `tl` kernel serves it on every GPU"
     if dtype.startswith("fp8"):
-        return f"{dtype}: no Gluon fp8 kernel yet (issue 50); the `tl` kernel runs it"
+        if kind != "fwd":
+            return (f"{dtype}: the fp8 backward upcasts to bf16 in the `tl` kernel (issue 50: "
+                    "no Gluon fp8 backward yet)")
+        if dropout:
+            return f"{dtype} with dropout: the Gluon fp8 forward has none; the `tl` kernel runs it"
+        if (v_dim or head_dim) != head_dim or head_dim not in GLUON_FP8_HEAD_DIMS:
+            return (f"{dtype} at head dim {head_dim}{f'/{v_dim}' if v_dim not in (None, head_dim) else ''}: "
+                    f"the Gluon fp8 forward is built for "
+                    f"{', '.join(map(str, GLUON_FP8_HEAD_DIMS))}; the `tl` kernel runs it")
+        return None
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
     pair = (head_dim, v_dim or head_dim)
@@ -648,11 +704,12 @@ def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int
     """Shared memory of a Gluon forward tile: Q (q_buffers slots) and O staging per
     consumer (none with o_in_q: O is staged in the Q slot), the K/V ring, and the mbarriers
     (a few hundred bytes; 1 KiB is reserved for them). v_dim: V's head dim where it is not
-    Q's."""
+    Q's. dtype_bytes 1 is fp8: Q, K, V in e4m3, O staged in bf16."""
     boxes, width = qk_boxes(head_dim)
     d, dv = boxes * width, head_dim_pad(v_dim or head_dim)
     rows = consumers * QUERY_ROWS_PER_CONSUMER
-    qo = (q_buffers * d + (0 if o_in_q else dv)) * rows * dtype_bytes
+    o_bytes = 2 if dtype_bytes == 1 else dtype_bytes
+    qo = q_buffers * d * rows * dtype_bytes + (0 if o_in_q else dv) * rows * o_bytes
     kv = num_buffers * block_n * (d + dv) * dtype_bytes
     return qo + kv + 1024
 
@@ -670,12 +727,15 @@ def overlap_reason(config: dict, head_dim: int, v_dim: int | None = None,
     return None
 
 
-def fwd_accumulator_regs(block_n: int, v_dim: int) -> int:
+def fwd_accumulator_regs(block_n: int, v_dim: int, fp8: bool = False) -> int:
     """Registers a consumer thread of the Gluon forward holds in its key loop's wgmma
     accumulators and P: O ([64, v_dim] fp32), S and the last block's P carried in fp32
     ([64, block_n] each), n / 2 a thread for a [64, n] fp32 tile over a warpgroup's 128
     threads (LARGE_HEAD_DIM_FWD). The rest of CONSUMER_REGS holds the softmax's row
-    statistics, temporaries and addresses (~30-50 measured)."""
+    statistics, temporaries and addresses (~30-50 measured). fp8 carries P as its e4m3
+    operand (the template's EARLY_P): n / 8 a thread."""
+    if fp8:
+        return (head_dim_pad(v_dim) + block_n) // 2 + block_n // 8
     return (head_dim_pad(v_dim) + 2 * block_n) // 2
 
 
@@ -781,17 +841,20 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
     n_consumers = config["block_m"] // QUERY_ROWS_PER_CONSUMER
     if config.get("num_warps") != 4:
         return "num_warps must be 4 (one warpgroup per partition)"
-    if config.get("block_n") not in (64, 128):
-        return "block_n must be 64 or 128 (S is one wgmma N extent; 256 spills)"
+    fp8 = dtype_bytes == 1  # (e4m3 Q, K, V: O is bf16, P an e4m3 operand)
+    if config.get("block_n") not in ((64, 128, 256) if fp8 else (64, 128)):
+        return ("block_n must be 64 or 128 (S is one wgmma N extent; 256 spills"
+                + (", but for fp8 at d <= 64: FWD_REG_OVERHEAD)" if fp8 else ")"))
     if config.get("num_stages") not in (2, 3, 4):
         return "num_stages (the K/V ring depth) must be 2, 3 or 4"
     q_buffers = config.get("q_buffers", GLUON_DEFAULT["q_buffers"])
     if q_buffers not in (1, 2):
         return "q_buffers (Q slots per consumer) must be 1 or 2"
-    held = fwd_accumulator_regs(config["block_n"], v_dim or head_dim)
-    if held > regs(config)[0]:
+    held = fwd_accumulator_regs(config["block_n"], v_dim or head_dim, fp8)
+    if held + (FWD_REG_OVERHEAD if fp8 else 0) > regs(config)[0]:
         return (f"block_n {config['block_n']} at this head dim: O, S and P alone take {held} "
-                f"registers a consumer thread, the split gives {regs(config)[0]}")
+                f"registers a consumer thread{f' (and ~{FWD_REG_OVERHEAD} the rest)' if fp8 else ''}, "
+                f"the split gives {regs(config)[0]}")
     reason = overlap_reason(config, head_dim, v_dim, dtype_bytes)
     if reason is not None:
         return reason

@@ -43,6 +43,9 @@ class GluonResources:
     # local-memory accesses (spills) in one iteration of the worst key loop (None: the
     # SASS could not be read); the stack frame alone does not say where they are
     loop_spills: int | None = None
+    # the SASS tensor-core forms, e.g. "QGMMA.64x128x32.F32.E4M3.E4M3 RS" (A from registers)
+    # or "... SS" (A from shared memory); () where nvdisasm could not read the cubin
+    gmma_forms: tuple = ()
 
     def row(self) -> str:
         return (f"| {self.variant} | {self.config} | {self.shared} | {self.registers} | "
@@ -69,14 +72,8 @@ def _wgmma_notes(log: str) -> tuple:
                          for m in re.finditer(r"\(C(75\d\d)\)\s*([^\n]*)", log)}))
 
 
-def _key_loop_spills(cubin: bytes, any_wgmma: bool = False) -> int | None:
-    """LDL/STL instructions in one iteration of the kernel's worst key loop, from
-    nvdisasm's listing of the cubin: the innermost loops (a backward branch before the
-    kernel's last EXIT, past which ptxas puts the barrier waits' retry stubs) that hold both
-    a wgmma with its A operand in registers (P V, or the backward's P^T dO) and one reading A
-    from shared memory (S = Q K^T). With any_wgmma, every innermost loop that holds a wgmma
-    (the latent decode's partitions read both operands from shared memory, S = Q K^T in one
-    loop and P V in another). None when nvdisasm is missing or finds no such loop."""
+def _sass(cubin: bytes) -> str | None:
+    """nvdisasm's listing of a cubin (None where nvdisasm is missing or fails)."""
     import subprocess
 
     from triton import knobs
@@ -86,9 +83,30 @@ def _key_loop_spills(cubin: bytes, any_wgmma: bool = False) -> int | None:
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(cubin)
             f.flush()
-            listing = subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
-                                     check=True).stdout
+            return subprocess.run([tool, "-c", f.name], capture_output=True, text=True,
+                                  check=True).stdout
     except (OSError, subprocess.CalledProcessError, AttributeError, RuntimeError):
+        return None
+
+
+def gmma_forms(cubin: bytes) -> tuple:
+    """The distinct tensor-core instructions of a cubin's SASS (HGMMA: 16-bit operands,
+    QGMMA: 8-bit), each with RS (its A operand from registers) or SS (from shared memory)."""
+    listing = _sass(cubin) or ""
+    return tuple(sorted({f"{m.group(1)} {'RS' if m.group(2) == 'R' else 'SS'}"
+                         for m in re.finditer(r"\b([HQ]GMMA\.\S+) R\d+, (R|gdesc)", listing)}))
+
+
+def _key_loop_spills(cubin: bytes, any_wgmma: bool = False) -> int | None:
+    """LDL/STL instructions in one iteration of the kernel's worst key loop, from
+    nvdisasm's listing of the cubin: the innermost loops (a backward branch before the
+    kernel's last EXIT, past which ptxas puts the barrier waits' retry stubs) that hold both
+    a wgmma with its A operand in registers (P V, or the backward's P^T dO) and one reading A
+    from shared memory (S = Q K^T). With any_wgmma, every innermost loop that holds a wgmma
+    (the latent decode's partitions read both operands from shared memory, S = Q K^T in one
+    loop and P V in another). None when nvdisasm is missing or finds no such loop."""
+    listing = _sass(cubin)
+    if listing is None:
         return None
     labels, code = {}, []
     for line in listing.splitlines():
@@ -105,10 +123,11 @@ def _key_loop_spills(cubin: bytes, any_wgmma: bool = False) -> int | None:
         target = re.search(r"BRA\s+`?\(?\.(L_x_\d+)", c)
         if target and labels.get(target.group(1), i + 1) <= i:
             body = code[labels[target.group(1)]:i + 1]
-            products = [b for b in body if b.startswith("HGMMA")]
+            # (QGMMA: the 8-bit form, fp8)
+            products = [b for b in body if b.startswith(("HGMMA", "QGMMA"))]
             if (any_wgmma and products) or (
-                    any(re.match(r"HGMMA\S* R\d+, R\d+,", b) for b in products)
-                    and any(re.match(r"HGMMA\S* R\d+, gdesc", b) for b in products)):
+                    any(re.match(r"[HQ]GMMA\S* R\d+, R\d+,", b) for b in products)
+                    and any(re.match(r"[HQ]GMMA\S* R\d+, gdesc", b) for b in products)):
                 loops.append((labels[target.group(1)], i))
     inner = [(s, e) for s, e in loops
              if not any(s <= s2 and e2 <= e and (s2, e2) != (s, e) for s2, e2 in loops)]
@@ -169,7 +188,8 @@ def _compile_sm90(fn, name: str, tile: str, const: dict, pointers: dict, num_war
         spill_bytes=stack, wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
         setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
         wgmma_notes=_wgmma_notes(buf.getvalue()),
-        loop_spills=_key_loop_spills(compiled.asm["cubin"], any_wgmma=any_wgmma))
+        loop_spills=_key_loop_spills(compiled.asm["cubin"], any_wgmma=any_wgmma),
+        gmma_forms=gmma_forms(compiled.asm["cubin"]))
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
@@ -247,6 +267,17 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                      KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gdtype),
                      VARLEN=varlen, O_IN_Q=families.o_in_q(config, head_dim, v_dim))
         pointers = {"Q": dtype, "K": dtype, "V": dtype, "O": dtype, "LSE": "fp32"}
+        if dtype == "fp8_e4m3":
+            # (as the runtime's launcher: e4m3 Q, K and V's keys-major copy, a bf16 O, each
+            # box its own layout; the descales)
+            f8, v_pad = gl.float8e4nv, families.head_dim_pad(v_dim or head_dim)
+            const.update(QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, f8),
+                         KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, f8),
+                         O_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box[:3] + [v_pad],
+                                                                        gl.bfloat16),
+                         V_LAYOUT=gl.NVMMASharedLayout.get_default_for(
+                             [1, 1, v_pad, config["block_n"]], f8))
+            pointers.update(Q="fp8e4nv", K="fp8e4nv", V="fp8e4nv", O="bf16", DESCALE="fp32")
         descriptors = {}
         # what the runtime launches: a dense band's tiles dealt by the host's table, a
         # block mask's by the table _mods.Call.tile_table makes from it; a packed batch's

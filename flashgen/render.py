@@ -481,6 +481,10 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "gluon_triton": " / ".join(families.GLUON_TRITON),
         "philox_rounds": families.PHILOX_ROUNDS,
         "dtype_bytes": literal(DTYPE_BYTES),  # the runtime's replanning (_plans) on another GPU
+        # fp8 (issue 50): e4m3 wgmmas, K 32 deep, P's register operand 4 keys a register
+        "fp8": variant.dtype in FP8_DTYPES,
+        "wgmma_k": 32 if variant.dtype in FP8_DTYPES else 16,
+        "p_k_width": 4 if variant.dtype in FP8_DTYPES else 2,
         **{k: v for k, v in context.items()
            if k in ("mods", "mod_args", "mod_nospec", "gl_score_mod", "gl_sink", "gl_mask_mod",
                     "gl_score_offset_raw", "gl_score_offset_log2",

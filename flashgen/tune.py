@@ -283,7 +283,8 @@ def _warm_starts(spec, kind: str, space: Space, *, incumbent: Mapping | None = N
     # (a variant with mods whose kinds the caller did not give: as `tl` by default)
     default = ((not v.get("mods") or bool(mod_kinds))
                and families.gluon_by_default(kind, bool(v.get("dropout")),
-                                             space.facts.head_dim, tuple(mod_kinds), bucket))
+                                             space.facts.head_dim, tuple(mod_kinds), bucket,
+                                             str(v.get("dtype", ""))))
     gluon_runs = gluon_cfg is not None and default
     if inherited and incumbent is not None and incumbent.get("family") == "gluon" and not default:
         incumbent = None  # the base variant's Gluon winner does not carry over

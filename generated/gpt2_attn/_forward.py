@@ -45,6 +45,12 @@ def _dropout():
     return _dropout
 
 
+def _fp8():
+    """The fp8 helpers (_fp8 imports this module's gatherer, _runtime: imported on use)."""
+    from . import _fp8
+    return _fp8
+
+
 def _forward_plan(q, k, v, o, bnhd, mask, lo, hi, scale, dropout, mods=None):
     """Everything about a forward launch that depends only on shapes, strides, dtype,
     device and mask: computed once per call signature, then reused. The last field is
@@ -140,9 +146,12 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, e
     launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, programs, varlen=False,
                                      table=table is not None or device_table,
                                      stream_k=sk_start is not None)
+    # (fp8: the kernel reads V's keys-major copy, made per call: _fp8.keys_major_v)
+    v_strides = (_fp8().keys_major_strides(v.shape, bnhd) if q.dtype is _FP8_E4M3
+                 else bhnd(v.stride(), bnhd)[:3])
     args = (None, None,  # CU_Q, CU_K: a dense batch
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
-            *bhnd(v.stride(), bnhd)[:3], *bhnd(o.stride(), bnhd)[:3],
+            *v_strides, *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
             head_group, table,
             # SK_START, SK_WS, SK_FLAGS: the workspace is the calling stream's (_sk_workspace)
@@ -190,13 +199,20 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
     # Q's and K's boxes (192: three of 64 columns, _families.qk_boxes); V's and O's are as
     # wide as their own head dim's tile and take the same shared layouts (asserted)
     d_v = facts.get("v_head_dim") or facts["head_dim"]
-    gl_dtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    gl_dtype = {torch.bfloat16: gl.bfloat16, _FP8_E4M3: gl.float8e4nv}.get(dtype, gl.float16)
     q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, _families.qk_boxes(d)[1]]
     kv_box = [1, 1, cfg["block_n"], _families.qk_boxes(d)[1]]
     layouts = dict(QO_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box, gl_dtype),
                    KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(kv_box, gl_dtype))
-    assert layouts["QO_LAYOUT"] == gl.NVMMASharedLayout.get_default_for(
-        q_box[:3] + [_families.head_dim_pad(d_v)], gl_dtype), "O's box takes Q's layout"
+    if dtype is _FP8_E4M3:  # e4m3 Q, K and V's keys-major copy; O in bf16: layouts of their own
+        d_v_pad = _families.head_dim_pad(d_v)
+        layouts.update(O_LAYOUT=gl.NVMMASharedLayout.get_default_for(q_box[:3] + [d_v_pad],
+                                                                      gl.bfloat16),
+                       V_LAYOUT=gl.NVMMASharedLayout.get_default_for(
+                           [1, 1, d_v_pad, cfg["block_n"]], gl_dtype))
+    else:
+        assert layouts["QO_LAYOUT"] == gl.NVMMASharedLayout.get_default_for(
+            q_box[:3] + [_families.head_dim_pad(d_v)], gl_dtype), "O's box takes Q's layout"
     consumer_regs, producer_regs = _families.regs(cfg)
     meta = dict(BLOCK_M=cfg["block_m"], BLOCK_N=cfg["block_n"], NUM_BUFFERS=cfg["num_stages"],
                 PINGPONG=bool(cfg.get("pingpong", True)),
@@ -301,8 +317,12 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
             args = (*args[:slot], table, *args[slot + 1:])
         if sparse:  # the lists' row width (BM_NKB)
             lists = (*lists, mods.extents(*sparse[1:3])[1])
-        launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
-               *(mods.args if mods is not None else drop_pos), *lists)
+        if descale is not None:  # fp8 (no mods, no dropout): V keys-major, the descales
+            launch(q, k, _fp8().keys_major_v(v, bnhd), o, lse, *args, *_gluon_dropout_args(drop),
+                   descale)
+        else:
+            launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
+                   *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
         launch(q, k, v, o, lse, *args, *drop, *mods.args,
                *(mods.tl_sparse(*sparse, lo, hi) if sparse else ()))

@@ -175,7 +175,8 @@ def launch_config(name: str, device: torch.device, n: int) -> dict:
         # (a Gluon kernel with mods is the default where its mods' kinds are in
         # _families.GLUON_MOD_KINDS_BY_DEFAULT, else opt-in: FLASHGEN_FAMILY=gluon)
         default = _families.gluon_by_default(facts["kind"], facts["dropout"], facts["head_dim"],
-                                              mod_kinds(name), bucket)
+                                              mod_kinds(name), bucket, facts["dtype"],
+                                              FP8_GLUON)
         gluon = (GLUON.get(name, "not a variant") is None and gluon_ready(device) is None
                  and default)
         if tuned and facts.get("mods") and not default and TUNED.get(gpu, {}).get(name) is None:
@@ -219,6 +220,9 @@ def mod_kinds(name: str) -> tuple:
 
 _gluon_ready = {}
 _FORCED_FAMILY = os.environ.get("FLASHGEN_FAMILY", "")
+# FLASHGEN_FP8_GLUON=1: the Gluon fp8 forward where it can serve a call, while it is not
+# the default (_families.GLUON_FP8_BY_DEFAULT: until a GPU has run its tests and timed it)
+FP8_GLUON = os.environ.get("FLASHGEN_FP8_GLUON", "") not in ("", "0")
 
 
 def use_family(family: str) -> None:

@@ -1235,47 +1235,47 @@ TUNED = {'NVIDIA H100 80GB HBM3|sm90|132sm': {'fwd_d64_fp16': {512: {'block_m': 
 GLUON = {'fwd_d64_fp16': None,
  'fwd_d64_bf16': None,
  'fwd_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3',
- 'fwd_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` kernel runs it',
+ 'fwd_d64_fp8_e4m3': None,
  'fwd_dropout_d64_fp16': None,
  'fwd_dropout_d64_bf16': None,
  'fwd_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                          'tf32x3',
- 'fwd_dropout_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` kernel '
-                             'runs it',
+ 'fwd_dropout_d64_fp8_e4m3': 'fp8_e4m3 with dropout: the Gluon fp8 forward has none; the `tl` '
+                             'kernel runs it',
  'fwd_causal_d64_fp16': None,
  'fwd_causal_d64_bf16': None,
  'fwd_causal_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                         'tf32x3',
- 'fwd_causal_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` kernel '
-                            'runs it',
+ 'fwd_causal_d64_fp8_e4m3': None,
  'fwd_causal_dropout_d64_fp16': None,
  'fwd_causal_dropout_d64_bf16': None,
  'fwd_causal_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs '
                                 'fp32 as tf32x3',
- 'fwd_causal_dropout_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` '
-                                    'kernel runs it',
+ 'fwd_causal_dropout_d64_fp8_e4m3': 'fp8_e4m3 with dropout: the Gluon fp8 forward has none; '
+                                    'the `tl` kernel runs it',
  'bwd_d64_fp16': None,
  'bwd_d64_bf16': None,
  'bwd_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3',
- 'bwd_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` kernel runs it',
+ 'bwd_d64_fp8_e4m3': 'fp8_e4m3: the fp8 backward upcasts to bf16 in the `tl` kernel (issue 50: '
+                     'no Gluon fp8 backward yet)',
  'bwd_dropout_d64_fp16': None,
  'bwd_dropout_d64_bf16': None,
  'bwd_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                          'tf32x3',
- 'bwd_dropout_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` kernel '
-                             'runs it',
+ 'bwd_dropout_d64_fp8_e4m3': 'fp8_e4m3: the fp8 backward upcasts to bf16 in the `tl` kernel '
+                             '(issue 50: no Gluon fp8 backward yet)',
  'bwd_causal_d64_fp16': None,
  'bwd_causal_d64_bf16': None,
  'bwd_causal_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as '
                         'tf32x3',
- 'bwd_causal_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` kernel '
-                            'runs it',
+ 'bwd_causal_d64_fp8_e4m3': 'fp8_e4m3: the fp8 backward upcasts to bf16 in the `tl` kernel '
+                            '(issue 50: no Gluon fp8 backward yet)',
  'bwd_causal_dropout_d64_fp16': None,
  'bwd_causal_dropout_d64_bf16': None,
  'bwd_causal_dropout_d64_fp32': 'fp32: wgmma takes fp16/bf16 operands; the `tl` kernel runs '
                                 'fp32 as tf32x3',
- 'bwd_causal_dropout_d64_fp8_e4m3': 'fp8_e4m3: no Gluon fp8 kernel yet (issue 50); the `tl` '
-                                    'kernel runs it',
+ 'bwd_causal_dropout_d64_fp8_e4m3': 'fp8_e4m3: the fp8 backward upcasts to bf16 in the `tl` '
+                                    'kernel (issue 50: no Gluon fp8 backward yet)',
  'fwd_sdpa_mask_d64_fp16': 'a mod reading a [q, kv] tile (a bias) is staged through shared '
                            'memory by the `tl` kernel; the Gluon kernels would gather it in '
                            'registers',
