@@ -82,6 +82,13 @@ def family_summary(spec) -> str:
                 lines.append(f"  the backward at head dims {qk}/{dv}: 64x64 tiles (the consumers "
                              f"split dK, dV, dQ by columns), a {tile['num_stages']}-deep ring; "
                              "opt-in until a GPU has run it (FLASHGEN_GLUON_BWD_LARGE=1)")
+        fp8 = [n for n in gluon if n.endswith("fp8_e4m3")]
+        if fp8:
+            t = families.fp8_fwd_tile(128)
+            lines.append(f"  the fp8 forward: 128x{t['block_n']} tiles, a {t['num_stages']}-deep "
+                         "ring (d <= 64: 192-row tiles as in bf16)"
+                         + ("" if families.GLUON_FP8_BY_DEFAULT else
+                            "; opt-in until verified on a GPU: FLASHGEN_FP8_GLUON=1"))
     if latent:
         lines.append(f"gluon ({len(latent)}): {', '.join(latent)}\n  the latent (MLA) decode "
                      "kernel, DeepSeek's 576/512 cache")
