@@ -38,6 +38,22 @@ def test_fp8_rows_run_only_when_named():
     assert all({"flashgen", "flashgen_fp8", "cudnn_fp8"} <= set(c.providers) for c in named)
 
 
+def test_flashgen_fp8_gluon_row_forces_the_family_and_gives_it_back():
+    """flashgen_fp8_gluon (the Gluon fp8 forward, opt-in: an interleaved A/B against
+    flashgen_fp8) forces the package's family per call; flashgen_fp8 gives it back (in the
+    interpreter both run `tl`)."""
+    named = suites.plan_cases("training", ns=[512], ds=[128], modes=("fwd",),
+                              providers=["flashgen_fp8", "flashgen_fp8_gluon"])
+    assert all({"flashgen_fp8", "flashgen_fp8_gluon"} <= set(c.providers) for c in named)
+    q, k, v = (torch.randn(2, 2, 40, 64).to(torch.bfloat16) for _ in range(3))
+    pkg, _ = providers.load_package(bundled_spec(suites.FP8_SPECS[64]))
+    gluon = providers.Providers().get("flashgen_fp8_gluon", case())
+    assert torch.isfinite(gluon(q, k, v, True, 0.0)).all()
+    assert pkg._runtime._FORCED_FAMILY == "gluon"
+    providers.Providers().get("flashgen_fp8", case())(q, k, v, True, 0.0)
+    assert pkg._runtime._FORCED_FAMILY == ""
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_flashgen_fp8_against_float64_quantizing_once(monkeypatch, causal):
     g = torch.Generator().manual_seed(3)

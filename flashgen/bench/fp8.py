@@ -37,14 +37,18 @@ class _Quantized:
         return self.value
 
 
-def flashgen_fp8(pkg):
+def flashgen_fp8(pkg, family: str = ""):
     """fn(q, k, v, causal, p) on (B, H, N, d) bf16: the package's fp8 kernels on e4m3
-    copies (one descale a tensor), bf16 out; the gradients reach q, k, v straight through."""
+    copies (one descale a tensor), bf16 out; the gradients reach q, k, v straight through.
+    family: "" the package's choice (the `tl` forward until the Gluon fp8 forward is the
+    default, or with FLASHGEN_FP8_GLUON=1 Gluon), "gluon" the Gluon family forced
+    (`flashgen_fp8_gluon`: an interleaved A/B in one run)."""
     quantized = _Quantized(lambda t: pkg.quantize_fp8(t, "tensor"))
 
     def run(q, k, v, causal, p):
         if p:
             raise NotImplementedError("the fp8 rows run without dropout")
+        pkg._runtime.use_family(family)  # a no-op unless another provider changed it
         (q8, qd), (k8, kd), (v8, vd) = quantized(q, k, v)
         return pkg.scaled_dot_product_attention(q8, k8, v8, is_causal=causal, q_descale=qd,
                                                 k_descale=kd, v_descale=vd)

@@ -142,10 +142,10 @@ class Providers:
                     mask = self._masks[key]
                 return compiled(q, k, v, block_mask=mask)
             return run
-        if name in ("flashgen_fp8", "cudnn_fp8"):
+        if name in ("flashgen_fp8", "flashgen_fp8_gluon", "cudnn_fp8"):
             pkg, _ = load_package(bundled_spec(FP8_SPECS[case.d]))
-            if name == "flashgen_fp8":
-                return bench_fp8.flashgen_fp8(pkg)
+            if name.startswith("flashgen_fp8"):
+                return bench_fp8.flashgen_fp8(pkg, "gluon" if name.endswith("gluon") else "")
             if self._cudnn is None:
                 try:
                     self._cudnn = bench_fp8.load_cudnn()

@@ -54,6 +54,8 @@ PROVIDERS = {
                        "and head (kv_cache_dtypes), contiguous and paged",
     "flashgen_fp8": "training: flashgen's fp8 kernels on e4m3 copies of the inputs, one scale a "
                     "tensor, bf16 out (bench/fp8.py; opt in with --providers)",
+    "flashgen_fp8_gluon": "training: flashgen_fp8 with the Gluon family forced (the Gluon fp8 "
+                          "forward on Hopper, opt-in until GPU-verified; opt in with --providers)",
     "cudnn_fp8": "training: cuDNN's fp8 SDPA graphs (nvidia-cudnn-frontend), e4m3 in and out, "
                  "where installed; skipped with the reason otherwise (opt in with --providers)",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
@@ -72,7 +74,7 @@ MODS_PROVIDERS = ("flashgen", "flex")
 TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "fa4", "flex",
                       "naive")
 # training rows that run only when named (--providers flashgen_fp8 cudnn_fp8 flashgen): fp8
-FP8_PROVIDERS = ("flashgen_fp8", "cudnn_fp8")
+FP8_PROVIDERS = ("flashgen_fp8", "flashgen_fp8_gluon", "cudnn_fp8")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
 # decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
