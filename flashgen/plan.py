@@ -7,7 +7,7 @@ to a parsed spec and turns an infeasible explicit tile into a spec error at its 
 """
 from __future__ import annotations
 
-from . import mods, planner_core
+from . import invariant, mods, planner_core
 from .spec import Spec
 from .variants import Variant, variants_for
 
@@ -63,6 +63,7 @@ def plan_variant(spec: Spec, variant: Variant) -> planner_core.Plan:
 
 
 def plan_spec(spec: Spec) -> dict[Variant, planner_core.Plan]:
+    invariant.check(spec)
     return {v: plan_variant(spec, v) for v in variants_for(spec)}
 
 

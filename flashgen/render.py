@@ -62,6 +62,7 @@ PACKAGE_FILES = {
     "_merge.py": "package/merge.py.j2",  # merge_attention_states
     "_fp8.py": "package/fp8.py.j2",  # fp8 inputs with descales, quantize_fp8 (issue 50)
     "_kvquant.py": "package/kvquant.py.j2",  # fp8 / int8 KV caches, quantize_kv_cache
+    "_invariant.py": "package/invariant.py.j2",  # batch_invariant=True (issue 49)
     "_hf.py": "package/hf.py.j2",  # Hugging Face transformers (docs/TRANSFORMERS.md)
 }
 
@@ -613,6 +614,7 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
         # a sliding-window-only package applies the spec's window to calls without one
         "default_window": literal((spec.window.left, spec.window.right)
                                   if spec.masks == ("sliding_window",) else None),
+        "batch_invariant": literal(spec.batch_invariant),  # calls' default (_invariant)
     }
     files = {}
     for rel, template in PACKAGE_FILES.items():

@@ -23,8 +23,8 @@ YAML format
     dropout: true               # optional, default false
     gqa: false                  # optional, default false (allow Hq != Hkv)
     decode: false               # optional, default false (KV-cache decode kernels)
-    kv_cache_dtypes: [bf16, int8]   # optional: KV caches decode / paged prefill read (also
-                                # fp8_e4m3, int8: 1-byte caches with fp32 scales)
+    batch_invariant: false      # optional, default false (the calls' default; needs decode)
+    kv_cache_dtypes: [bf16, int8]   # optional: decode / paged-prefill caches (1-byte: scales)
     window: {left: 256, right: 0}   # required iff sliding_window is in masks
     gpu:                        # required
       name: H100                #   required, a string
@@ -32,9 +32,7 @@ YAML format
       sm_count: 132             #   optional, >= 1
       arch: sm_90               #   optional, sm_XY (compute capability X.Y), from
                                 #   sm_75; default: the H100's register model (sm_90)
-    blocks: auto                # optional, default auto; or a mapping with
-                                # optional keys forward/backward/decode, each
-                                # `auto` or {block_m, block_n, num_warps, num_stages}
+    blocks: auto                # optional; or {forward/backward/decode: auto or a tile}
     seqlen_buckets: [512, 1024, 2048, 4096, 8192, 16384]   # optional
 
 Rules worth knowing:
@@ -45,16 +43,13 @@ Rules worth knowing:
   integer, ``64`` is not a list (write ``[64]``).
 * ``null`` is accepted only where the default is None (``window``,
   ``gpu.sm_count``, ``gpu.arch``) and means "not given".
-* ``gpu.arch`` tells the planner how the GPU's tensor cores take their operands: before
-  Hopper (below sm_90) mma.sync holds them in registers, which leaves fewer registers for
-  the accumulators, so the planner plans smaller, spill-free tiles there
-  (planner_core.max_acc_regs); sm_90 and up, or no arch, is the H100's model.
+* ``gpu.arch``: below sm_90 mma.sync holds operands in registers, so the planner plans
+  smaller, spill-free tiles there (planner_core.max_acc_regs); else the H100's model.
 * Explicit tiles: ``block_m``/``block_n`` powers of two in 16..256,
   ``num_warps`` in {2, 4, 8}, ``num_stages`` in 1..5; all four required.
 * Window extents are ints >= -1 (-1 = unbounded on that side), not both -1.
-* Unknown and duplicate keys are errors at any level (PyYAML would silently
-  keep the last duplicate, so we compose the node tree and build values
-  ourselves).
+* Unknown and duplicate keys are errors at any level (PyYAML would silently keep
+  the last duplicate, so we compose the node tree and build values ourselves).
 * Errors are raised at the first problem in file order; then missing
   required keys; then cross-key checks (window vs. masks).
 """
@@ -191,6 +186,7 @@ class Spec:
     decode_only_pairs: tuple[tuple[int, int], ...] = ()
     # `kv_cache_dtypes` as written (canonical KV_CACHE_DTYPES order; () when not given)
     kv_cache_dtypes: tuple[str, ...] = ()
+    batch_invariant: bool = False    # calls' default batch_invariant (flashgen/invariant.py)
     # Dotted key path -> Loc for every mapping key in the file.  Excluded from
     # ==/hash (it is derived from the same bytes as `sha`, and a mapping proxy
     # is unhashable) so that Spec can be used as a cache key.
@@ -299,6 +295,7 @@ _HELP: dict[str, tuple[str, str]] = {
     "dropout": ("a boolean: true or false", "write dropout: true or dropout: false"),
     "gqa": ("a boolean: true or false", "write gqa: true or gqa: false"),
     "decode": ("a boolean: true or false", "write decode: true or decode: false"),
+    "batch_invariant": ("a boolean: true or false", "write batch_invariant: true or false"),
     "kv_cache_dtypes": (f"distinct KV-cache dtypes from {', '.join(KV_CACHE_DTYPES)}: fp8_e4m3 "
                         "and int8 are 1-byte caches read with fp16/bf16 queries; the others "
                         "the queries' own dtype (one of `dtypes`, always read)",
@@ -442,6 +439,7 @@ class _Parser:
             mod_variants=mod_variants,
             attn_mask=top.get("attn_mask", True),
             kv_cache_dtypes=top.get("kv_cache_dtypes", ()),
+            batch_invariant=top.get("batch_invariant", False),
             locs=MappingProxyType(dict(self.locs)),
         )
 
@@ -973,6 +971,7 @@ _TOP_SCHEMA: dict[str, Callable] = {
     "dropout": _boolean,
     "gqa": _boolean,
     "decode": _boolean,
+    "batch_invariant": _boolean,
     "kv_cache_dtypes": _names(KV_CACHE_DTYPES),
     "gpu": _gpu,
     "blocks": _blocks,

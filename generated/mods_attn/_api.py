@@ -18,7 +18,7 @@ full path; the cache is eager-only).
 """
 import torch
 
-from . import _fp8, _mods, _ops, _runtime
+from . import _fp8, _invariant, _mods, _ops, _runtime
 
 # The window of a call that passes none (`window_size=None`, and every SDPA call): the
 # spec's `window` when the package was built for sliding_window alone (a sliding-window
@@ -158,7 +158,7 @@ def _sdpa_checked(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
                     window_size=None, return_lse=False, *, mods=None, q_descale=None,
-                    k_descale=None, v_descale=None, **mod_args):
+                    k_descale=None, v_descale=None, batch_invariant=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_func on (B, N, H, d) tensors. With return_lse,
     returns (out, lse) where lse is (B, H, N_q) fp32 in natural log (-inf for a row that
     sees no key). window_size=None is DEFAULT_WINDOW: no window, as in flash-attn, except in
@@ -171,7 +171,19 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
 
     fp8 (a package built for fp8_e4m3): q, k, v in torch.float8_e4m3fn with FA3's fp32
     q_descale, k_descale, v_descale, each (1,) or (B, H_kv); the output is bf16, as FA3's.
-    quantize_fp8 makes them from bf16 tensors (_fp8 has the precision of each product)."""
+    quantize_fp8 makes them from bf16 tensors (_fp8 has the precision of each product).
+
+    batch_invariant (None: the package's default, the spec's `batch_invariant`): True runs
+    the batch-invariant kernel (_invariant): each row's bits as prefill and decode of its
+    sequence give them, whatever else is in the batch."""
+    if (batch_invariant is not None or _invariant.DEFAULT) and _invariant.enabled(
+            batch_invariant):
+        if q_descale is not None or k_descale is not None or v_descale is not None \
+                or _fp8.is_fp8(q, k, v):
+            _invariant.refuse("fp8 inputs (the fp8 kernels are the plain forward's)")
+        return _invariant.flash_attn(q, k, v, dropout_p, softmax_scale, causal,
+                                     DEFAULT_WINDOW or _NO_WINDOW if window_size is None
+                                     else window_size, return_lse, mods, mod_args)
     if ((q_descale is not None or k_descale is not None or v_descale is not None
          or getattr(q, "dtype", None) in _fp8.FP8)
             and _fp8_call(q, k, v, q_descale, k_descale, v_descale, mods, mod_args)):
@@ -392,7 +404,8 @@ def dropout_scale(dropout_p):
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            dropout_p=0.0, softmax_scale=None, causal=False, window_size=None,
                            return_lse=False, *, block_table=None, seqused_q=None,
-                           seqused_k=None, k_scale=None, v_scale=None, mods=None, **mod_args):
+                           seqused_k=None, k_scale=None, v_scale=None, mods=None,
+                           batch_invariant=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_varlen_func: sequences packed along one token axis,
     q (total_q, H_q, d), k and v (total_k, H_kv, d); sequence i is rows
     cu_seqlens_q[i]:cu_seqlens_q[i + 1] of q and cu_seqlens_k[i]:cu_seqlens_k[i + 1] of k
@@ -436,7 +449,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     [0, num_blocks), a length into the table's capacity (docs/VARLEN.md). The paged cache
     may be quantized (fp8_e4m3 / int8 in the spec's `kv_cache_dtypes`): k, v in
     torch.float8_e4m3fn or torch.int8 with fp32 k_scale, v_scale, as in
-    flash_attn_with_kvcache (per tensor, per head or per token: _kvquant)."""
+    flash_attn_with_kvcache (per tensor, per head or per token: _kvquant).
+
+    batch_invariant (None: the package default): True runs the batch-invariant kernel
+    (_invariant), packed training forward and chunked prefill alike."""
     if mods is None and mod_args:
         raise TypeError(f"unexpected keyword argument(s) {sorted(mod_args)}: mod arguments "
                         "need mods=(...)")
@@ -460,6 +476,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                                    else window_size)
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
     mask, lo, hi = _runtime.varlen_band(max_seqlen_q, max_seqlen_k, bool(causal), window)
+    if (batch_invariant is not None or _invariant.DEFAULT) and _invariant.enabled(
+            batch_invariant):
+        out, lse = _invariant.flash_attn_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
+            window=window, scale=scale, dropout_p=float(dropout_p),
+            serving=(seqused_q, seqused_k, block_table) if serving else None,
+            kv_scales=kv_scales if serving else None, mods=mods, mod_args=mod_args)
+        return (out, lse) if return_lse else out
     if serving:
         call = None if mods is None else _mods.prepare(
             mods, mod_args, cu_seqlens_q.shape[0] - 1, q.shape[1], max_seqlen_q, max_seqlen_k,
@@ -482,7 +506,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      softmax_scale=None, causal=False, window_size=None,
-                                     return_lse=False, *, mods=None, **mod_args):
+                                     return_lse=False, *, mods=None, batch_invariant=None,
+                                     **mod_args):
     """Drop-in for flash_attn.flash_attn_varlen_qkvpacked_func: qkv (total, 3, H, d), read
     in place through strides, one cu_seqlens / max_seqlen for queries and keys; otherwise
     flash_attn_varlen_func (mods too)."""
@@ -493,4 +518,4 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                   max_seqlen, max_seqlen, dropout_p=dropout_p,
                                   softmax_scale=softmax_scale, causal=causal,
                                   window_size=window_size, return_lse=return_lse, mods=mods,
-                                  **mod_args)
+                                  batch_invariant=batch_invariant, **mod_args)

@@ -52,7 +52,7 @@ import os
 import torch
 
 from . import _decode_extras as _extras
-from . import _families, _kvquant, _planner, _runtime
+from . import _families, _invariant, _kvquant, _planner, _runtime
 from ._registry import BUILT_FOR, GLUON_DECODE, PACKAGE, TARGET_GPU, VARIANTS
 
 # Split-KV heuristic (num_splits=0): as many splits as keep the grid within ONE wave over
@@ -381,7 +381,7 @@ class _Plan:
         "out_shape", "lse_shape", "dtype", "device", "split", "ws_numel",
         "kernel", "kernel_lse", "strides", "tail", "tiles",
         "append", "append_strides", "append_tail",
-        "mla", "mla_reason", "extras", "cache_rows", "kvq", "kvq_plain",
+        "mla", "mla_reason", "extras", "cache_rows", "kvq", "kvq_plain", "invariant",
     )
 
 
@@ -389,7 +389,7 @@ _plans = {}
 
 
 def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-              window_size, num_splits, extra=None, scales=None):
+              window_size, num_splits, extra=None, scales=None, invariant=False):
     """A hashable summary of everything `_make_plan` reads. Raises AttributeError or
     TypeError for arguments it cannot summarise (the caller then checks them in full)."""
     if isinstance(cache_seqlens, torch.Tensor):
@@ -420,11 +420,13 @@ def _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sca
                               if isinstance(t, torch.Tensor))),
         None if extra is None else _extras.key(extra),
         None if scales is None else _kvquant.key(*scales),
+        # batch_invariant=True and its knobs (_invariant)
+        invariant and (_invariant.SPLIT_KEYS, str(_invariant.CONFIG), _invariant.PROGRAMS),
     )
 
 
 def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits, mods=(), extra=None, scales=None):
+               window_size, num_splits, mods=(), extra=None, scales=None, invariant=False):
     """Check everything that needs no device values and derive the launches (`mods`: the
     names of the call's mods, which pick a decode variant with them; `extra`: the
     arguments _decode_extras handles, None when all are left out; `scales`: (k_scale,
@@ -485,6 +487,16 @@ def _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
                  BLOCK_D=_next_pow2(d), BLOCK_DV=_next_pow2(dv), **plan.extras.append_meta,
                  **kvq_meta))
 
+    plan.invariant = invariant
+    if invariant:  # the pinned invariant kernel (_invariant), every call of the variant
+        _invariant.decode_plan(
+            plan, name, q, k_cache, v_cache, block_table, paged, page_size, capacity, num_blocks,
+            per_row, v_is_k, causal, window, scale, num_splits,
+            dict(PAGED=paged and capacity > 0, PER_ROW_LENS=per_row, V_IS_K=v_is_k,
+                 **plan.extras.meta, **kvq_meta))
+        if plan.split:
+            _ticket_counters(q.device, plan.tiles)
+        return plan
     # ---- launch config and the split factor, from the capacity
     group = h_q // h_kv
     rows = group * n_q
@@ -634,7 +646,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
                             window_size=(-1, -1), num_splits=0, return_lse=False, *,
                             rotary_cos=None, rotary_sin=None, rotary_interleaved=True,
                             cache_batch_idx=None, cache_leftpad=None, k_scale=None,
-                            v_scale=None, mods=None, **mod_args):
+                            v_scale=None, mods=None, batch_invariant=None, **mod_args):
     """Drop-in for flash_attn.flash_attn_with_kvcache (decoding with a KV cache).
 
     q (B, N_q, H_q, d); k_cache (B, N_cache, H_kv, d) and v_cache (B, N_cache, H_kv, dv),
@@ -674,7 +686,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     mods: names of the spec's mods (a `variants:` entry with this call's mask), their
     tensors and params as keyword arguments, as in flash_attn_func; here q_idx is a
     query's cache position and kv_idx a key's (tensors indexed by them must cover the
-    cache: Nq / Nk / N >= its capacity). A repeated call finds its plan in two lookups."""
+    cache: Nq / Nk / N >= its capacity). A repeated call finds its plan in two lookups.
+
+    batch_invariant (None: the package default, _invariant.DEFAULT): True runs the pinned
+    batch-invariant kernel (_invariant): a row's bits do not depend on the batch, the
+    split count, the page layout or how its sequence's prompt was chunked."""
     # (v_in_place answers from the head dim first: at d = 64 / 128 / 256 / 512 this is one
     # modulo a call)
     if (isinstance(v_cache, torch.Tensor) and not _runtime.v_in_place(v_cache)
@@ -688,7 +704,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             window_size, num_splits, return_lse, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
             rotary_interleaved=rotary_interleaved, cache_batch_idx=cache_batch_idx,
             cache_leftpad=cache_leftpad, k_scale=k_scale, v_scale=v_scale, mods=mods,
-            **mod_args)
+            batch_invariant=batch_invariant, **mod_args)
         if v is not None:
             v_cache.copy_(staged)
         return result
@@ -697,19 +713,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             or cache_leftpad is not None):
         extra = (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
     scales = None if k_scale is None and v_scale is None else (k_scale, v_scale)
+    invariant = _invariant.DEFAULT if batch_invariant is None else _invariant.enabled(
+        batch_invariant)
     if mods is not None or mod_args:
         return _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                           causal, window_size, num_splits, return_lse, mods, mod_args, extra,
-                          scales)
+                          scales, invariant)
     try:
         key = _plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                        causal, window_size, num_splits, extra, scales)
+                        causal, window_size, num_splits, extra, scales, invariant)
         plan = _plans.get(key)
     except (AttributeError, TypeError):  # not tensors, unhashable: the full checks say what
         key = plan = None
     if plan is None:
         plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
-                          softmax_scale, causal, window_size, num_splits, (), extra, scales)
+                          softmax_scale, causal, window_size, num_splits, (), extra, scales,
+                          invariant)
         if key is not None:
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
@@ -719,7 +738,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
 
 
 def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal,
-               window_size, num_splits, return_lse, mods, mod_args, extra=None, scales=None):
+               window_size, num_splits, return_lse, mods, mod_args, extra=None, scales=None,
+               invariant=False):
     """flash_attn_with_kvcache with mods: the plan (keyed also by the mods and their
     tensors' layouts, which the kernel is compiled for) and the call's mod arguments."""
     from . import _mods
@@ -730,14 +750,14 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
     names = _mods.combo(mods)
     try:
         key = (_plan_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                         causal, window_size, num_splits, extra, scales), names)
+                         causal, window_size, num_splits, extra, scales, invariant), names)
         capacity = _capacities.get(key)
     except (AttributeError, TypeError):  # the full checks in _make_plan say what is wrong
         key = capacity = None
     plan = None
     if capacity is None:  # the mod tensors are checked against the cache's capacity
         plan = _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
-                          causal, window_size, num_splits, names, extra, scales)
+                          causal, window_size, num_splits, names, extra, scales, invariant)
         capacity = plan.capacity
         if key is not None:
             _capacities[key] = capacity
@@ -748,7 +768,7 @@ def _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_sc
         if cached is None:
             cached = plan or _make_plan(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                         softmax_scale, causal, window_size, num_splits, names,
-                                        extra, scales)
+                                        extra, scales, invariant)
             if len(_plans) >= MAX_PLANS:
                 _plans.clear()
                 _capacities.clear()
@@ -803,7 +823,9 @@ def _run(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, return_lse
         counters = _ticket_counters(plan.device, plan.tiles)
     else:
         ws = counters = out
+    # (the invariant kernel's CU_Q, SEQUSED_Q, CU_K: unused here, q stands in)
     (plan.kernel_lse if return_lse else plan.kernel)(
-        q, k_cache, v_cache, out, lse, ws, counters, seqlens, bt, *plan.strides,
+        q, k_cache, v_cache, out, lse, ws, counters, seqlens, bt,
+        *((q, q, q) if plan.invariant else ()), *plan.strides,
         start + plan.n_new, *plan.tail, *more, *kvq, *mod_args)
     return (out, lse) if return_lse else out

@@ -640,6 +640,520 @@ def decode_d128_fp16_kernel(
         tl.store(O + o_rows[:, None] + offs_dv0[None, :], (accv0 * inv_l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
 
 
+# The batch-invariant kernel (batch_invariant=True; _invariant.py serves flash_attn_func,
+# flash_attn_varlen_func and, through _decode, flash_attn_with_kvcache with it). A row's
+# keys are cut at fixed positions: key blocks of BLOCK_N and splits of SPLIT_KEYS keys from
+# key 0 of its sequence, never by the batch; each split's normalised output and LSE are
+# folded in split order by one formula (fold), and every launch runs one pinned tile with
+# fp fusion off (no FMA contraction a compiler could place differently in two binaries),
+# so a row's bits depend only on its own query, keys and values.
+@triton.jit(do_not_specialize=["N_Q", "LEN_ADD", "H_Q", "KV_GROUP", "WIN_LEFT", "WIN_RIGHT",
+                               "CAPACITY", "NUM_BLOCKS", "LP_OFF", "TOTAL_Q", "SPLITS", "RO_OFF",
+                               "SEQLEN_RO", "CACHE_ROWS"])
+def decode_d128_fp16_invariant(
+    Q, K, V, O, LSE, OP, CNT, SEQLENS, BT,  # as in the kernel above (OP: every split's partials)
+    CU_Q,  # (B + 1,) int32 (Q_OFFSETS): element b's queries are rows CU_Q[b] .. CU_Q[b + 1] - 1
+    SEQUSED_Q,  # (B,) int32 (USED_Q): only the first SEQUSED_Q[b] of them are queries
+    CU_K,  # (B + 1,) int32 (K_OFFSETS): its keys start at row CU_K[b] of packed K, V
+    stride_qb, stride_qn, stride_qh,
+    stride_kp, stride_kn, stride_kh,
+    stride_vp, stride_vn, stride_vh,
+    stride_ob, stride_on, stride_oh,
+    stride_lb, stride_lh,  # LSE entry of (b, head, token t): b * stride_lb + head * stride_lh + t
+    stride_bt,
+    N_Q,  # query tokens per element (Q_OFFSETS: at most; the grid's rows)
+    LEN_ADD, H_Q, KV_GROUP, PAGE_SIZE, QK_SCALE_LOG2, WIN_LEFT, WIN_RIGHT,
+    CAPACITY,  # positions per element (K_OFFSETS: rows of K; spans are clamped into it)
+    NUM_BLOCKS, LP_OFF,
+    TOTAL_Q,  # rows of Q (Q_OFFSETS: spans are clamped into it)
+    SPLITS,  # splits of SPLIT_KEYS keys a row may have: a row's partials in OP
+    COS, SIN, CACHE_IDX, LEFTPAD, stride_ro, RO_OFF, RO_Q_STEP, SEQLEN_RO, CACHE_ROWS,
+    KS, VS, stride_sp, stride_sn, stride_sh,
+    PAGED: tl.constexpr,
+    PAGE_BLOCKS: tl.constexpr,
+    PER_ROW_LENS: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    V_IS_K: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    ROTARY_INTERLEAVED: tl.constexpr,
+    BATCH_IDX: tl.constexpr,
+    LEFT_PAD: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_SCALE_TOKEN: tl.constexpr,
+    Q_OFFSETS: tl.constexpr,
+    USED_Q: tl.constexpr,
+    K_OFFSETS: tl.constexpr,
+    FOLD: tl.constexpr,  # one program a tile walks its splits and folds them in registers;
+    #                      else the tile's programs share its splits, the last folds them from OP
+    SPLIT_KEYS: tl.constexpr,  # keys a split (a multiple of BLOCK_N)
+    FOLD_ROWS: tl.constexpr,  # rows the fold from OP takes (every row the tile has)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    h_kv_count = H_Q // KV_GROUP
+    b = tl.program_id(0) // h_kv_count
+    kv_h = tl.program_id(0) % h_kv_count
+    b64 = b.to(tl.int64)
+    n_q = N_Q
+    q_start = 0
+    if Q_OFFSETS:  # a packed batch: the element's span of rows, clamped into Q
+        q_start = tl.minimum(tl.maximum(tl.load(CU_Q + b), 0), TOTAL_Q)
+        n_q = tl.minimum(tl.minimum(tl.maximum(tl.load(CU_Q + b + 1), q_start), TOTAL_Q) - q_start, N_Q)
+        if USED_Q:
+            n_q = tl.minimum(tl.maximum(tl.load(SEQUSED_Q + b), 0), n_q)
+    n_rows = KV_GROUP * n_q
+    q_div = tl.maximum(n_q, 1)
+    row0 = tl.program_id(1) * BLOCK_M
+    offs_r = row0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] stacked rows
+    row_ok = offs_r < n_rows
+    q_tok = offs_r % q_div  # query token of each row
+    q_head = kv_h * KV_GROUP + offs_r // q_div  # its query head
+    t_abs = (q_start + q_tok).to(tl.int64)  # its token's row of Q and O
+    row_id = b64 * stride_lb + q_head.to(tl.int64) * stride_lh + t_abs  # its LSE entry; its partials' row of OP
+    offs_n = tl.arange(0, BLOCK_N)  # [BLOCK_N]
+
+    n_k = LEN_ADD
+    if PER_ROW_LENS:
+        n_k = tl.minimum(tl.maximum(tl.load(SEQLENS + b), 0), CAPACITY) + LEN_ADD
+    n_k = tl.minimum(tl.maximum(n_k, 0), CAPACITY)
+    k_row0 = tl.full([], 0, tl.int64)
+    if K_OFFSETS:  # packed keys: the element's span of rows, clamped into K
+        k_lo = tl.minimum(tl.maximum(tl.load(CU_K + b), 0), CAPACITY)
+        n_k = tl.minimum(n_k, tl.minimum(tl.maximum(tl.load(CU_K + b + 1), k_lo), CAPACITY) - k_lo)
+        k_row0 = k_lo.to(tl.int64)
+    q_pos = n_k - n_q + q_tok  # [BLOCK_M] position of each query among its keys
+    q_rows = b64 * stride_qb + t_abs * stride_qn + q_head.to(tl.int64) * stride_qh  # [BLOCK_M]
+    if PAGED:
+        k_base = K + kv_h.to(tl.int64) * stride_kh
+        v_base = V + kv_h.to(tl.int64) * stride_vh
+        bt_row = BT + b64 * stride_bt
+        s_base = kv_h.to(tl.int64) * stride_sh
+    else:
+        cache_b = b64
+        if BATCH_IDX:  # clamped: a bad index reads another row, never outside the cache
+            cache_b = tl.minimum(tl.maximum(tl.load(CACHE_IDX + b), 0), CACHE_ROWS - 1).to(tl.int64)
+        k_base = K + cache_b * stride_kp + k_row0 * stride_kn + kv_h.to(tl.int64) * stride_kh
+        v_base = V + cache_b * stride_vp + k_row0 * stride_vn + kv_h.to(tl.int64) * stride_vh
+        bt_row = BT
+        s_base = cache_b * stride_sp + kv_h.to(tl.int64) * stride_sh
+    if KV_QUANT:
+        ks_base = KS + s_base  # this KV head's scales (+ s_rows: a token's)
+        vs_base = VS + s_base
+        # the bit-placed key tiles' unit (q_unit's q against dequant_tile's k) joins the
+        # softmax scale, before any scale could make it small
+        QK_SCALE_LOG2 = QK_SCALE_LOG2 * score_unit(Q.dtype.element_ty, KV_QUANT)
+        if KV_SCALE_TOKEN:
+            v_unit = tl.full([], 1.0, tl.float32)  # the accumulators' unit (the key loop's)
+        else:
+            # one scale per KV head (or tensor): K's multiplies every score, so it joins the
+            # softmax scale; V's every output row: the accumulators hold P V_q in its unit
+            QK_SCALE_LOG2 = QK_SCALE_LOG2 * tl.load(ks_base)
+            v_unit = tl.load(vs_base)
+    key_lo = 0
+    if LEFT_PAD:
+        key_lo = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), n_k)
+
+    # the band, and the splits of SPLIT_KEYS keys (from key 0) it meets; this program's share
+    pos_lo = tl.min(tl.where(row_ok, q_pos, n_k), 0)  # earliest query position in the tile
+    pos_hi = tl.max(tl.where(row_ok, q_pos, -1), 0)  # latest
+    lo = key_lo  # first key any row sees
+    hi = n_k  # end of the keys any row sees
+    full_lo = key_lo  # keys from here on are visible to every row on the left edge...
+    full_hi = n_k  # ...and up to here on the right edge
+    if MASK_LEFT:
+        lo = tl.maximum(pos_lo - WIN_LEFT, key_lo)
+        full_lo = tl.maximum(pos_hi - WIN_LEFT, key_lo)
+    if MASK_RIGHT:
+        hi = tl.minimum(tl.maximum(pos_hi + WIN_RIGHT + 1, 0), n_k)
+        full_hi = tl.minimum(tl.maximum(pos_lo + WIN_RIGHT + 1, 0), n_k)
+    lo = (tl.minimum(lo, hi) // BLOCK_N) * BLOCK_N
+    hi = tl.where(row0 < n_rows, hi, lo)  # a tile past the element's rows: no keys
+    s_first = lo // SPLIT_KEYS
+    s_end = tl.minimum(tl.where(hi > lo, tl.cdiv(hi, SPLIT_KEYS), s_first), SPLITS)  # (OP's rows)
+    per_prog = tl.cdiv(s_end - s_first, tl.num_programs(2))
+    my_lo = s_first + tl.program_id(2) * per_prog
+    my_hi = tl.minimum(my_lo + per_prog, s_end)
+    load_q = row_ok & (my_lo < my_hi)
+    last_pos = tl.maximum(n_k - 1, 0)
+
+    if ROTARY_DIM > 0:
+        ro_pos = RO_OFF + q_tok * RO_Q_STEP  # [BLOCK_M]
+        if PER_ROW_LENS:
+            ro_pos += tl.load(SEQLENS + b)
+        ro_pos = tl.minimum(tl.maximum(ro_pos, 0), SEQLEN_RO - 1)  # tables never read past their end
+    offs_d0 = D0_OFFSET + tl.arange(0, D0_SIZE)  # [D0_SIZE]
+    q0 = tl.load(Q + q_rows[:, None] + offs_d0[None, :], mask=load_q[:, None], other=0.0)  # [BLOCK_M, D0_SIZE]
+    if ROTARY_DIM > D0_OFFSET:
+        q0 = _rotate(q0, Q + q_rows[:, None], offs_d0, load_q[:, None], ro_pos[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
+    if KV_QUANT:
+        q0 = q_unit(q0, KV_QUANT)
+    offs_dv0 = DV0_OFFSET + tl.arange(0, DV0_SIZE)  # [DV0_SIZE]
+    if FOLD:
+        f_m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # the fold: running max (log2 units)
+        f_l = tl.zeros([BLOCK_M], dtype=tl.float32)  # its sum of weights
+        f_accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
+    for sp in range(my_lo, my_hi):  # this program's splits, in order
+        start = tl.maximum(sp * SPLIT_KEYS, lo)
+        end = tl.minimum((sp + 1) * SPLIT_KEYS, hi)
+        mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
+        mid_hi = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, end), mid_lo)
+        accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if KV_QUANT:
+            if KV_SCALE_TOKEN:
+                v_unit = tl.full([], 1.0, tl.float32)
+        # the decode kernel's phases: a block every row of the tile sees in full skips the
+        # mask arithmetic, which changes none of a row's values (fp fusion is off)
+        if MASK_LEFT or LEFT_PAD:
+            # the page indices of the loop's first block (each iteration loads the next block's);
+            # positions are clamped to the last key, so the table is never read past its row
+            if PAGED:
+                if PAGE_BLOCKS:
+                    page_next = tl.load(bt_row + tl.minimum(start, last_pos) // PAGE_SIZE)
+                else:
+                    page_next = tl.load(bt_row + tl.minimum(start + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+            else:
+                page_next = 0
+            for n0 in range(start, mid_lo, BLOCK_N):
+                pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
+                key_ok = pos < end  # [BLOCK_N]; end <= L_b
+                if LEFT_PAD:
+                    key_ok = key_ok & (pos >= key_lo)
+                if PAGED:
+                    if PAGE_BLOCKS:
+                        # the block lies inside one page: one scalar page index (loaded by the
+                        # previous iteration, so the K/V loads do not wait on it), a contiguous tile
+                        page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
+                        page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
+                        slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
+                        k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                        v_rows = page * stride_vp + slot * stride_vn
+                        s_rows = page * stride_sp + slot * stride_sn  # [BLOCK_N] per-token scales
+                    else:
+                        # per-row page lookup (a gather): any page size works; the indices were
+                        # loaded by the previous iteration, so the K/V loads do not wait on them
+                        page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
+                        page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
+                        slot = (pos % PAGE_SIZE).to(tl.int64)
+                        k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                        v_rows = page * stride_vp + slot * stride_vn
+                        s_rows = page * stride_sp + slot * stride_sn  # [BLOCK_N] per-token scales
+                else:
+                    k_rows = pos.to(tl.int64) * stride_kn
+                    v_rows = pos.to(tl.int64) * stride_vn
+                    s_rows = pos.to(tl.int64) * stride_sn  # [BLOCK_N] per-token scales
+                k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
+                if KV_QUANT:  # a 1-byte cache, in Q's dtype by bit placement (_kvquant.dequant_tile)
+                    k0 = dequant_tile(k0, Q.dtype.element_ty, KV_QUANT)
+                # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
+                s = tl.dot(q0, tl.trans(k0))
+                if KV_SCALE_TOKEN:  # each key's own scale, on its column of scores
+                    k_scale = tl.load(ks_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
+                    s = s * k_scale[None, :]
+                s = s * QK_SCALE_LOG2
+                # this block straddles an edge of the band or of the split: hide what a row may not see
+                visible = key_ok[None, :]
+                if MASK_RIGHT:
+                    visible = visible & (pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
+                if MASK_LEFT:
+                    visible = visible & (pos[None, :] >= q_pos[:, None] - WIN_LEFT)
+                s = tl.where(visible, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+                # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+                # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
+                p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+                l_i = l_i * alpha + tl.sum(p, 1)
+                if KV_SCALE_TOKEN:
+                    # each value row's scale on its column of P, over the block's largest, which
+                    # becomes acc's unit (alpha rescales what acc holds to it): P's rounding to Q's
+                    # dtype then keeps its range (fp16 would flush p * a small scale)
+                    v_scale = tl.load(vs_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
+                    v_top = tl.max(v_scale, 0)
+                    v_top = tl.where(v_top > 0.0, v_top, v_unit)
+                    p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
+                    alpha = alpha * (v_unit / v_top)
+                    v_unit = v_top
+                elif KV_QUANT == 1:
+                    p = p * p_unit(Q.dtype.element_ty, KV_QUANT)  # (V's tile is 2^-120 v)
+                p = p.to(Q.dtype.element_ty)
+                if V_IS_K:
+                    # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
+                    # key block is the value block, already loaded
+                    vv0 = k0  # [BLOCK_N, DV0_SIZE]
+                else:
+                    vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
+                if KV_QUANT:
+                    vv0 = dequant_tile(vv0, Q.dtype.element_ty, KV_QUANT)
+                accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
+                m_i = m_new
+        # the page indices of the loop's first block (each iteration loads the next block's);
+        # positions are clamped to the last key, so the table is never read past its row
+        if PAGED:
+            if PAGE_BLOCKS:
+                page_next = tl.load(bt_row + tl.minimum(mid_lo, last_pos) // PAGE_SIZE)
+            else:
+                page_next = tl.load(bt_row + tl.minimum(mid_lo + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+        else:
+            page_next = 0
+        for n0 in range(mid_lo, mid_hi, BLOCK_N):
+            pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
+            if PAGED:
+                if PAGE_BLOCKS:
+                    # the block lies inside one page: one scalar page index (loaded by the
+                    # previous iteration, so the K/V loads do not wait on it), a contiguous tile
+                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
+                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
+                    slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
+                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                    v_rows = page * stride_vp + slot * stride_vn
+                    s_rows = page * stride_sp + slot * stride_sn  # [BLOCK_N] per-token scales
+                else:
+                    # per-row page lookup (a gather): any page size works; the indices were
+                    # loaded by the previous iteration, so the K/V loads do not wait on them
+                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
+                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
+                    slot = (pos % PAGE_SIZE).to(tl.int64)
+                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                    v_rows = page * stride_vp + slot * stride_vn
+                    s_rows = page * stride_sp + slot * stride_sn  # [BLOCK_N] per-token scales
+            else:
+                k_rows = pos.to(tl.int64) * stride_kn
+                v_rows = pos.to(tl.int64) * stride_vn
+                s_rows = pos.to(tl.int64) * stride_sn  # [BLOCK_N] per-token scales
+            k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
+            if KV_QUANT:  # a 1-byte cache, in Q's dtype by bit placement (_kvquant.dequant_tile)
+                k0 = dequant_tile(k0, Q.dtype.element_ty, KV_QUANT)
+            # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
+            s = tl.dot(q0, tl.trans(k0))
+            if KV_SCALE_TOKEN:  # each key's own scale, on its column of scores
+                k_scale = tl.load(ks_base + s_rows)  # [BLOCK_N]
+                s = s * k_scale[None, :]
+            s = s * QK_SCALE_LOG2
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+            m_ref = m_new
+            alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
+            p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if KV_SCALE_TOKEN:
+                # each value row's scale on its column of P, over the block's largest, which
+                # becomes acc's unit (alpha rescales what acc holds to it): P's rounding to Q's
+                # dtype then keeps its range (fp16 would flush p * a small scale)
+                v_scale = tl.load(vs_base + s_rows)  # [BLOCK_N]
+                v_top = tl.max(v_scale, 0)
+                v_top = tl.where(v_top > 0.0, v_top, v_unit)
+                p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
+                alpha = alpha * (v_unit / v_top)
+                v_unit = v_top
+            elif KV_QUANT == 1:
+                p = p * p_unit(Q.dtype.element_ty, KV_QUANT)  # (V's tile is 2^-120 v)
+            p = p.to(Q.dtype.element_ty)
+            if V_IS_K:
+                # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
+                # key block is the value block, already loaded
+                vv0 = k0  # [BLOCK_N, DV0_SIZE]
+            else:
+                vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
+            if KV_QUANT:
+                vv0 = dequant_tile(vv0, Q.dtype.element_ty, KV_QUANT)
+            accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
+            m_i = m_new
+        # the page indices of the loop's first block (each iteration loads the next block's);
+        # positions are clamped to the last key, so the table is never read past its row
+        if PAGED:
+            if PAGE_BLOCKS:
+                page_next = tl.load(bt_row + tl.minimum(mid_hi, last_pos) // PAGE_SIZE)
+            else:
+                page_next = tl.load(bt_row + tl.minimum(mid_hi + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+        else:
+            page_next = 0
+        for n0 in range(mid_hi, end, BLOCK_N):
+            pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
+            key_ok = pos < end  # [BLOCK_N]; end <= L_b
+            if LEFT_PAD:
+                key_ok = key_ok & (pos >= key_lo)
+            if PAGED:
+                if PAGE_BLOCKS:
+                    # the block lies inside one page: one scalar page index (loaded by the
+                    # previous iteration, so the K/V loads do not wait on it), a contiguous tile
+                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
+                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
+                    slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
+                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                    v_rows = page * stride_vp + slot * stride_vn
+                    s_rows = page * stride_sp + slot * stride_sn  # [BLOCK_N] per-token scales
+                else:
+                    # per-row page lookup (a gather): any page size works; the indices were
+                    # loaded by the previous iteration, so the K/V loads do not wait on them
+                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
+                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
+                    slot = (pos % PAGE_SIZE).to(tl.int64)
+                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
+                    v_rows = page * stride_vp + slot * stride_vn
+                    s_rows = page * stride_sp + slot * stride_sn  # [BLOCK_N] per-token scales
+            else:
+                k_rows = pos.to(tl.int64) * stride_kn
+                v_rows = pos.to(tl.int64) * stride_vn
+                s_rows = pos.to(tl.int64) * stride_sn  # [BLOCK_N] per-token scales
+            k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
+            if KV_QUANT:  # a 1-byte cache, in Q's dtype by bit placement (_kvquant.dequant_tile)
+                k0 = dequant_tile(k0, Q.dtype.element_ty, KV_QUANT)
+            # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
+            s = tl.dot(q0, tl.trans(k0))
+            if KV_SCALE_TOKEN:  # each key's own scale, on its column of scores
+                k_scale = tl.load(ks_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
+                s = s * k_scale[None, :]
+            s = s * QK_SCALE_LOG2
+            # this block straddles an edge of the band or of the split: hide what a row may not see
+            visible = key_ok[None, :]
+            if MASK_RIGHT:
+                visible = visible & (pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
+            if MASK_LEFT:
+                visible = visible & (pos[None, :] >= q_pos[:, None] - WIN_LEFT)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+            # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+            # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
+            p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if KV_SCALE_TOKEN:
+                # each value row's scale on its column of P, over the block's largest, which
+                # becomes acc's unit (alpha rescales what acc holds to it): P's rounding to Q's
+                # dtype then keeps its range (fp16 would flush p * a small scale)
+                v_scale = tl.load(vs_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
+                v_top = tl.max(v_scale, 0)
+                v_top = tl.where(v_top > 0.0, v_top, v_unit)
+                p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
+                alpha = alpha * (v_unit / v_top)
+                v_unit = v_top
+            elif KV_QUANT == 1:
+                p = p * p_unit(Q.dtype.element_ty, KV_QUANT)  # (V's tile is 2^-120 v)
+            p = p.to(Q.dtype.element_ty)
+            if V_IS_K:
+                # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
+                # key block is the value block, already loaded
+                vv0 = k0  # [BLOCK_N, DV0_SIZE]
+            else:
+                vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
+            if KV_QUANT:
+                vv0 = dequant_tile(vv0, Q.dtype.element_ty, KV_QUANT)
+            accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
+            m_i = m_new
+        # the split's normalised output (0 where the row saw no key) and LSE (-inf there)
+        seen = l_i > 0.0
+        inv_l = tl.where(seen, 1.0 / tl.where(seen, l_i, 1.0), 0.0)
+        if KV_QUANT:
+            inv_l = inv_l * v_unit
+        lse_s = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        o_sv0 = tl.where(seen[:, None], accv0 * inv_l[:, None], 0.0)
+        if FOLD:
+            # one split's (normalised output, LSE) into the running fold: the same operations, in
+            # split order, whether the split is in registers (FOLD) or read back from OP
+            m_new = tl.maximum(f_m, lse_s)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(f_m - m_ref)
+            w = tl.exp2(lse_s - m_ref)
+            f_l = f_l * alpha + w
+            f_accv0 = f_accv0 * alpha[:, None] + o_sv0 * w[:, None]
+            f_m = m_new
+        else:
+            part = row_id * SPLITS + sp
+            tl.store(OP + LP_OFF + part, lse_s, mask=row_ok)
+            tl.store(OP + part[:, None] * V_DIM + offs_dv0[None, :], o_sv0, mask=row_ok[:, None])
+    if FOLD:
+        seen = f_l > 0.0
+        inv_l = tl.where(seen, 1.0 / tl.where(seen, f_l, 1.0), 0.0)
+        if STORE_LSE:
+            m_ref = tl.where(f_m == float("-inf"), 0.0, f_m)
+            lse2 = tl.where(seen, m_ref + tl.log2(tl.where(seen, f_l, 1.0)), float("-inf"))
+            tl.store(LSE + row_id, lse2 * LN2, mask=row_ok)
+        o_rows = b64 * stride_ob + t_abs * stride_on + q_head.to(tl.int64) * stride_oh
+        tl.store(O + o_rows[:, None] + offs_dv0[None, :], (f_accv0 * inv_l[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        # every program takes a ticket after its stores; the last folds the tile's splits,
+        # FOLD_ROWS rows at once (the fold is elementwise: any row tile gives the same bits)
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.debug_barrier()
+        ticket = tl.atomic_add(CNT + tile, 1, sem="acq_rel")
+        final = ticket == tl.num_programs(2) - 1
+        tl.atomic_xchg(CNT + tile, 0, mask=final, sem="relaxed")
+        offs_f = row0 + tl.arange(0, FOLD_ROWS)  # [FOLD_ROWS] stacked rows
+        row_ok = offs_f < n_rows
+        q_tok = offs_f % q_div  # query token of each row
+        q_head = kv_h * KV_GROUP + offs_f // q_div  # its query head
+        t_abs = (q_start + q_tok).to(tl.int64)  # its token's row of Q and O
+        row_id = b64 * stride_lb + q_head.to(tl.int64) * stride_lh + t_abs  # its LSE entry; its partials' row of OP
+        fold_ok = row_ok & final
+        f_m = tl.full([FOLD_ROWS], float("-inf"), dtype=tl.float32)  # the fold: running max (log2 units)
+        f_l = tl.zeros([FOLD_ROWS], dtype=tl.float32)  # its sum of weights
+        f_accv0 = tl.zeros([FOLD_ROWS, DV0_SIZE], dtype=tl.float32)
+        for s0 in range(s_first, tl.where(final, s_end, s_first), 4):
+            part0 = row_id * SPLITS + s0 + 0
+            ok0 = row_ok & (s0 + 0 < s_end)
+            pl0 = tl.load(OP + LP_OFF + part0, mask=ok0, other=float("-inf"), cache_modifier=".cg")
+            po0_v0 = tl.load(OP + part0[:, None] * V_DIM + offs_dv0[None, :], mask=ok0[:, None], other=0.0, cache_modifier=".cg")
+            part1 = row_id * SPLITS + s0 + 1
+            ok1 = row_ok & (s0 + 1 < s_end)
+            pl1 = tl.load(OP + LP_OFF + part1, mask=ok1, other=float("-inf"), cache_modifier=".cg")
+            po1_v0 = tl.load(OP + part1[:, None] * V_DIM + offs_dv0[None, :], mask=ok1[:, None], other=0.0, cache_modifier=".cg")
+            part2 = row_id * SPLITS + s0 + 2
+            ok2 = row_ok & (s0 + 2 < s_end)
+            pl2 = tl.load(OP + LP_OFF + part2, mask=ok2, other=float("-inf"), cache_modifier=".cg")
+            po2_v0 = tl.load(OP + part2[:, None] * V_DIM + offs_dv0[None, :], mask=ok2[:, None], other=0.0, cache_modifier=".cg")
+            part3 = row_id * SPLITS + s0 + 3
+            ok3 = row_ok & (s0 + 3 < s_end)
+            pl3 = tl.load(OP + LP_OFF + part3, mask=ok3, other=float("-inf"), cache_modifier=".cg")
+            po3_v0 = tl.load(OP + part3[:, None] * V_DIM + offs_dv0[None, :], mask=ok3[:, None], other=0.0, cache_modifier=".cg")
+            # one split's (normalised output, LSE) into the running fold: the same operations, in
+            # split order, whether the split is in registers (FOLD) or read back from OP
+            m_new = tl.maximum(f_m, pl0)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(f_m - m_ref)
+            w = tl.exp2(pl0 - m_ref)
+            f_l = f_l * alpha + w
+            f_accv0 = f_accv0 * alpha[:, None] + po0_v0 * w[:, None]
+            f_m = m_new
+            # one split's (normalised output, LSE) into the running fold: the same operations, in
+            # split order, whether the split is in registers (FOLD) or read back from OP
+            m_new = tl.maximum(f_m, pl1)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(f_m - m_ref)
+            w = tl.exp2(pl1 - m_ref)
+            f_l = f_l * alpha + w
+            f_accv0 = f_accv0 * alpha[:, None] + po1_v0 * w[:, None]
+            f_m = m_new
+            # one split's (normalised output, LSE) into the running fold: the same operations, in
+            # split order, whether the split is in registers (FOLD) or read back from OP
+            m_new = tl.maximum(f_m, pl2)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(f_m - m_ref)
+            w = tl.exp2(pl2 - m_ref)
+            f_l = f_l * alpha + w
+            f_accv0 = f_accv0 * alpha[:, None] + po2_v0 * w[:, None]
+            f_m = m_new
+            # one split's (normalised output, LSE) into the running fold: the same operations, in
+            # split order, whether the split is in registers (FOLD) or read back from OP
+            m_new = tl.maximum(f_m, pl3)
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(f_m - m_ref)
+            w = tl.exp2(pl3 - m_ref)
+            f_l = f_l * alpha + w
+            f_accv0 = f_accv0 * alpha[:, None] + po3_v0 * w[:, None]
+            f_m = m_new
+        seen = f_l > 0.0
+        inv_l = tl.where(seen, 1.0 / tl.where(seen, f_l, 1.0), 0.0)
+        if STORE_LSE:
+            m_ref = tl.where(f_m == float("-inf"), 0.0, f_m)
+            lse2 = tl.where(seen, m_ref + tl.log2(tl.where(seen, f_l, 1.0)), float("-inf"))
+            tl.store(LSE + row_id, lse2 * LN2, mask=fold_ok)
+        o_rows = b64 * stride_ob + t_abs * stride_on + q_head.to(tl.int64) * stride_oh
+        tl.store(O + o_rows[:, None] + offs_dv0[None, :], (f_accv0 * inv_l[:, None]).to(O.dtype.element_ty), mask=fold_ok[:, None])
+
+
 @triton.jit(do_not_specialize=["N_NEW", "H_KV", "LEN_ADD", "CAPACITY", "NUM_BLOCKS", "SEQLEN_RO",
                                "CACHE_ROWS"])
 def decode_d128_fp16_append(
