@@ -197,8 +197,13 @@ def flash_attn_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, causal, window, scal
 
 
 def _common_checks(dropout_p):
+    check_dropout(dropout_p)
     _runtime.check_dropout(dropout_p)
-    if dropout_p > 0.0:
+
+
+def check_dropout(dropout_p):
+    """Dropout draws its keep mask per call, not per sequence: refused."""
+    if isinstance(dropout_p, (int, float)) and dropout_p > 0:
         refuse(f"dropout_p={dropout_p} (the keep mask is drawn per call, not per sequence)")
 
 

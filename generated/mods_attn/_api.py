@@ -471,13 +471,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                            max_seqlen_q, max_seqlen_k)
+    invariant = (batch_invariant is not None or _invariant.DEFAULT) and _invariant.enabled(
+        batch_invariant)
+    if invariant:
+        _invariant.check_dropout(dropout_p)
     _runtime.check_dropout(dropout_p)
     window = _runtime.check_window(DEFAULT_WINDOW or _NO_WINDOW if window_size is None
                                    else window_size)
     scale = _runtime.softmax_scale(softmax_scale, q.shape[-1])
     mask, lo, hi = _runtime.varlen_band(max_seqlen_q, max_seqlen_k, bool(causal), window)
-    if (batch_invariant is not None or _invariant.DEFAULT) and _invariant.enabled(
-            batch_invariant):
+    if invariant:
         out, lse = _invariant.flash_attn_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=bool(causal),
             window=window, scale=scale, dropout_p=float(dropout_p),

@@ -749,6 +749,9 @@ def decode_d128_fp16_invariant(
             # softmax scale; V's every output row: the accumulators hold P V_q in its unit
             QK_SCALE_LOG2 = QK_SCALE_LOG2 * tl.load(ks_base)
             v_unit = tl.load(vs_base)
+    if KV_QUANT:
+        if KV_SCALE_TOKEN:
+            v_unit = tl.full([BLOCK_M], 1.0, tl.float32)  # each row's own (reset each split)
     key_lo = 0
     if LEFT_PAD:
         key_lo = tl.minimum(tl.maximum(tl.load(LEFTPAD + b), 0), n_k)
@@ -802,7 +805,7 @@ def decode_d128_fp16_invariant(
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         if KV_QUANT:
             if KV_SCALE_TOKEN:
-                v_unit = tl.full([], 1.0, tl.float32)
+                v_unit = tl.full([BLOCK_M], 1.0, tl.float32)  # each row's accumulator unit
         # the decode kernel's phases: a block every row of the tile sees in full skips the
         # mask arithmetic, which changes none of a row's values (fp fusion is off)
         if MASK_LEFT or LEFT_PAD:
@@ -871,9 +874,10 @@ def decode_d128_fp16_invariant(
                     # becomes acc's unit (alpha rescales what acc holds to it): P's rounding to Q's
                     # dtype then keeps its range (fp16 would flush p * a small scale)
                     v_scale = tl.load(vs_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
-                    v_top = tl.max(v_scale, 0)
+                    # (batch-invariant: over the keys each row sees, so a row's unit is its own)
+                    v_top = tl.max(tl.where(s > float("-inf"), v_scale[None, :], 0.0), 1)  # [BLOCK_M]
                     v_top = tl.where(v_top > 0.0, v_top, v_unit)
-                    p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
+                    p = p * (v_scale[None, :] / v_top[:, None] * p_unit(Q.dtype.element_ty, KV_QUANT))
                     alpha = alpha * (v_unit / v_top)
                     v_unit = v_top
                 elif KV_QUANT == 1:
@@ -942,9 +946,10 @@ def decode_d128_fp16_invariant(
                 # becomes acc's unit (alpha rescales what acc holds to it): P's rounding to Q's
                 # dtype then keeps its range (fp16 would flush p * a small scale)
                 v_scale = tl.load(vs_base + s_rows)  # [BLOCK_N]
-                v_top = tl.max(v_scale, 0)
+                # (batch-invariant: over the keys each row sees, so a row's unit is its own)
+                v_top = tl.max(tl.where(s > float("-inf"), v_scale[None, :], 0.0), 1)  # [BLOCK_M]
                 v_top = tl.where(v_top > 0.0, v_top, v_unit)
-                p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
+                p = p * (v_scale[None, :] / v_top[:, None] * p_unit(Q.dtype.element_ty, KV_QUANT))
                 alpha = alpha * (v_unit / v_top)
                 v_unit = v_top
             elif KV_QUANT == 1:
@@ -1025,9 +1030,10 @@ def decode_d128_fp16_invariant(
                 # becomes acc's unit (alpha rescales what acc holds to it): P's rounding to Q's
                 # dtype then keeps its range (fp16 would flush p * a small scale)
                 v_scale = tl.load(vs_base + s_rows, mask=key_ok, other=0.0)  # [BLOCK_N]
-                v_top = tl.max(v_scale, 0)
+                # (batch-invariant: over the keys each row sees, so a row's unit is its own)
+                v_top = tl.max(tl.where(s > float("-inf"), v_scale[None, :], 0.0), 1)  # [BLOCK_M]
                 v_top = tl.where(v_top > 0.0, v_top, v_unit)
-                p = p * (v_scale / v_top * p_unit(Q.dtype.element_ty, KV_QUANT))[None, :]
+                p = p * (v_scale[None, :] / v_top[:, None] * p_unit(Q.dtype.element_ty, KV_QUANT))
                 alpha = alpha * (v_unit / v_top)
                 v_unit = v_top
             elif KV_QUANT == 1:
