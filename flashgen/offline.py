@@ -245,6 +245,40 @@ def _variant_launches(spec, variant, plan, row64: bool = False):
         appended = any(o[0] == "append" for o in out)
         out += [launch for launch in _launches("decode", cfg, (), row64, dims, kv_quant)
                 if launch[0] != "append" or not appended]
+    return out + invariant_launches(spec, variant, plan, kv_quant)
+
+
+def invariant_launches(spec, variant, plan, kv_quant: bool = False) -> list:
+    """The batch-invariant kernel's forms (templates/decode.py.j2 `_invariant`) at its pinned
+    tile (planner_core.invariant_decode_tile): a decode step (paged, the splits shared by
+    several programs and folded from the workspace) and a packed training forward (one
+    program a tile folding in registers); compiled with fp fusion off, as the package
+    launches it (compile_kernel's options)."""
+    from . import planner_core
+
+    cfg = planner_core.invariant_decode_tile(plan.chosen.as_dict(), variant.head_dim,
+                                             variant.v_dim, variant.dtype_bytes,
+                                             spec.gpu.sram_bytes, spec.gpu.capability,
+                                             plan.score_bytes)
+    bm, bn, w, st = cfg["block_m"], cfg["block_n"], cfg["num_warps"], cfg["num_stages"]
+    common = dict(STORE_LSE=True, V_IS_K=False, ROTARY_DIM=0, ROTARY_INTERLEAVED=False,
+                  BATCH_IDX=False, LEFT_PAD=False, USED_Q=False, SPLIT_KEYS=1024,
+                  BLOCK_M=bm, BLOCK_N=bn, **(_KV_PLAIN if kv_quant else {}))
+    decode = dict(common, PAGED=True, PAGE_BLOCKS=True, PER_ROW_LENS=True, Q_OFFSETS=False,
+                  K_OFFSETS=False, FOLD=False, FOLD_ROWS=min(bm, 16))
+    packed = dict(common, PAGED=False, PAGE_BLOCKS=False, PER_ROW_LENS=False, Q_OFFSETS=True,
+                  K_OFFSETS=True, FOLD=True, FOLD_ROWS=bm)
+    out = [("invariant", decode, w, st, {}),
+           ("invariant", packed, w, st, {"CU_Q": "*i32", "CU_K": "*i32"})]
+    if kv_quant:  # an int8 cache with per-token scales: the quantized tile (_invariant.config)
+        q = planner_core.invariant_decode_tile(
+            plan.chosen.as_dict(), variant.head_dim, variant.v_dim, variant.dtype_bytes,
+            spec.gpu.sram_bytes, spec.gpu.capability, plan.score_bytes,
+            planner_core.KV_QUANT_MAX_STACKED_ROWS, token_scales=True)
+        out.append(("invariant", {**{k: v for k, v in decode.items() if k not in ("KS", "VS")},
+                                  "KV_QUANT": 2, "KV_SCALE_TOKEN": True,
+                                  "BLOCK_M": q["block_m"], "BLOCK_N": q["block_n"]},
+                    q["num_warps"], q["num_stages"], _KV_INT8))
     return out
 
 
@@ -258,9 +292,10 @@ def _ptxas_numbers(log: str) -> tuple[int, int, int]:
 
 def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
                    capability: int, extra: dict | None = None,
-                   decode: bool = False) -> tuple[int, int, int, int]:
+                   decode: bool = False, no_fusion: bool = False) -> tuple[int, int, int, int]:
     """(shared bytes, registers, spill store bytes, spill load bytes) of one @triton.jit
-    function compiled for sm_<capability>."""
+    function compiled for sm_<capability> (no_fusion: fp fusion off, the batch-invariant
+    kernel's option)."""
     import triton
     from triton import knobs
     from triton.backends.compiler import GPUTarget
@@ -273,7 +308,9 @@ def compile_kernel(fn, dtype: str, constexprs: dict, warps: int, stages: int,
     with contextlib.redirect_stdout(buf):
         compiled = triton.compile(ASTSource(fn, sig, constexprs, attrs),
                                   target=GPUTarget("cuda", capability, 32),
-                                  options=dict(num_warps=warps, num_stages=stages))
+                                  options=dict(num_warps=warps, num_stages=stages,
+                                               **({"enable_fp_fusion": False} if no_fusion
+                                                  else {})))
     return (compiled.metadata.shared, *_ptxas_numbers(buf.getvalue()))
 
 
@@ -310,9 +347,12 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
             shared, regs, stores, loads = compile_kernel(fn, variant.dtype, constexprs, warps,
                                                          stages, capability,
                                                          {**types, **(form[0] if form else {})},
-                                                         variant.kind == "decode")
+                                                         variant.kind == "decode",
+                                                         function == "invariant")
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}" + (" V_IS_K" if constexprs.get("V_IS_K") else "")
+            if function == "invariant":
+                cfg += " fold" if constexprs["FOLD"] else " workspace"
             if constexprs.get("KV_QUANT"):  # a quantized cache's form
                 cfg += " " + ("fp8" if constexprs["KV_QUANT"] == 1 else "int8") + " cache"
             warning = ("" if function in ("preprocess", "append")

@@ -107,7 +107,8 @@ def test_mla_latent_decode_fits_sm90_without_spills(tmp_path):
     rows = _decode_offline(tmp_path, "mla.yaml", names)
     forms = {(r["variant"], r["function"], "V_IS_K" in r["config"]) for r in rows}
     assert forms == {(n, f, vk) for n in names
-                     for f, vk in (("kernel", False), ("kernel", True), ("append", False))}
+                     for f, vk in (("kernel", False), ("kernel", True), ("append", False),
+                                   ("invariant", False))}
     assert _kernel_tiles(rows, names[0]) == {"16x32w4s2", "32x32w8s2"}
     assert _kernel_tiles(rows, names[1]) == {"16x128w4s2", "32x128w8s2", "64x128w8s2"}
 
@@ -124,7 +125,13 @@ def test_llama_decode_stacked_tiles_fit_sm90_without_spills(tmp_path):
         # its quantized-cache forms (kv_cache_dtypes; planner_core.kv_quant_tile): at most
         # 32 stacked rows, 8 warps with per-token scales
         assert {r["config"] for r in rows if r["variant"] == name and "cache" in r["config"]
+                and r["function"] != "invariant"
                 } == {"16x128w8s3 fp8 cache", "32x128w8s3 fp8 cache", "w4s3 int8 cache"}
+        # batch_invariant's pinned tiles (planner_core.invariant_decode_tile): its fold's
+        # second accumulator spilled at the default kernel's 64 x 128
+        assert {r["config"] for r in rows if r["variant"] == name
+                and r["function"] == "invariant"} == {
+            "64x64w8s3 workspace", "64x64w8s3 fold", "32x64w8s2 workspace int8 cache"}
 
 
 D512_GPUS = [(90, 232448), (80, 166912), (89, 101376)]

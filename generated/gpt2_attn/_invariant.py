@@ -67,8 +67,8 @@ def _cdiv(a: int, b: int) -> int:
 def config(name: str, device, kvq=_kvquant.NONE) -> dict:
     """The pinned launch config of variant `name`'s batch-invariant kernel on `device`: the
     planner's decode config for the device (never a tuned one) grown to the tallest stacked
-    tile (_planner.stacked_decode_tile at MAX_STACKED_ROWS rows; a quantized cache's own),
-    whatever the call's rows, lengths or batch."""
+    tile whose fold fits its registers (_planner.invariant_decode_tile; a quantized cache's
+    rows), whatever the call's rows, lengths or batch."""
     if _runtime._override or CONFIG:
         cfg = {**PLANNED[name], **(_runtime._override or CONFIG)}
     else:
@@ -89,10 +89,9 @@ def config(name: str, device, kvq=_kvquant.NONE) -> dict:
                 arch = TARGET_GPU.get("arch") or _planner.DEFAULT_ARCH
                 cfg = dict(PLANNED[name])
             rows = _planner.KV_QUANT_MAX_STACKED_ROWS if kvq.code else _planner.MAX_STACKED_ROWS
-            cfg = _planner.stacked_decode_tile(cfg, rows, dim, width, smem, arch, score)
-            if kvq.code:
-                cfg = {**_planner.kv_quant_tile(cfg, "decode", kvq.token),
-                       **_kvquant.tile_override()}
+            cfg = _planner.invariant_decode_tile(cfg, facts["head_dim"],
+                                                 facts.get("v_head_dim") or facts["head_dim"],
+                                                 width, smem, arch, score, rows, kvq.token)
             cfg = _configs[key] = cfg
     if SPLIT_KEYS % cfg["block_n"]:
         raise ValueError(f"SPLIT_KEYS = {SPLIT_KEYS} is no multiple of the pinned block_n "

@@ -282,6 +282,48 @@ def stacked_decode_tile(config: dict, rows: int, head_dim: int, dtype_bytes: int
     return {**config, "block_m": bm, "num_warps": warps, "num_stages": stages}
 
 
+# batch_invariant=True (issue 49) pins one tile a decode variant: its kernel folds each
+# split into a second [block_m, V] fp32 accumulator beside the key loop's. At d 128 (sm_90
+# offline, Triton 3.6, the fold's forms) 64 x 64 at 8 warps ran in 207-211 registers with
+# no spill, where 64 x 128 at 8 warps spilled 44-212 B and 64 x 64 at 4 warps or 128 x 64
+# at 8 warps 8-56 B: this model (both accumulators, the score tile, four row vectors)
+# gave 85 for the first and 101-166 for the others. A quantized cache with per-token scales
+# (32 rows: KV_QUANT_MAX_STACKED_ROWS) spilled 24-56 B at 32 x 128, 8 warps, 3 stages, and
+# with a window 12-20 B at 2 stages; 32 x 64 at 2 stages none.
+INVARIANT_MAX_REGS = 90
+INVARIANT_TOKEN_SCALE_TILE = (64, 2)  # (block_n, num_stages) at most
+
+
+def invariant_decode_tile(config: dict, head_dim: int, v_dim: int, dtype_bytes: int,
+                          sram_bytes: int, arch: int = DEFAULT_ARCH, score_bytes: int = 0,
+                          rows: int = MAX_STACKED_ROWS, token_scales: bool = False) -> dict:
+    """The batch-invariant kernel's launch config: the tallest stacked tile
+    (stacked_decode_tile at ``rows``) at 8 warps, then its key block and then its rows
+    halved (not below 16), until the fold's registers fit INVARIANT_MAX_REGS; with a
+    quantized cache's per-token scales, at most INVARIANT_TOKEN_SCALE_TILE."""
+    cfg = stacked_decode_tile(config, rows, max(head_dim, v_dim), dtype_bytes, sram_bytes,
+                              arch, score_bytes)
+    dv = padded_head_dim(v_dim)
+    while True:
+        bm, bn = cfg["block_m"], cfg["block_n"]
+        elems = 2 * bm * dv + bm * bn + 4 * bm
+        if -(-elems // (32 * cfg["num_warps"])) + REG_OVERHEAD <= INVARIANT_MAX_REGS:
+            break
+        if cfg["num_warps"] < WARP_COUNTS[-1]:
+            cfg = {**cfg, "num_warps": WARP_COUNTS[-1]}
+        elif bn > 16:
+            cfg = {**cfg, "block_n": bn // 2}
+        elif bm > 16:
+            cfg = {**cfg, "block_m": bm // 2}
+        else:
+            break
+    if token_scales:
+        bn, stages = INVARIANT_TOKEN_SCALE_TILE
+        cfg = {**kv_quant_tile(cfg, "decode", True), "block_n": min(cfg["block_n"], bn),
+               "num_stages": min(cfg["num_stages"], stages)}
+    return cfg
+
+
 # A quantized KV cache (fp8 / int8, issue 49) is converted to the queries' dtype in
 # registers, which the plain configs' registers did not leave room for everywhere (sm_90
 # offline, d = 128, Triton 3.6, the forms flashgen/offline.py compiles): decode's 64-row

@@ -669,23 +669,24 @@ def decode_softcap_sdpa_mask_d128_fp16_invariant(
         accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        # the decode kernel's phases: a block every row of the tile sees in full skips the
-        # mask arithmetic, which changes none of a row's values (fp fusion is off)
+        # A block every row of the tile sees in full skips the mask arithmetic, which
+        # changes none of a row's values (fp fusion is off). With a left edge (a window,
+        # left padding) every block is masked: a third loop's registers spilled (sm_90).
         if MASK_LEFT or LEFT_PAD:
+            mid_lo = start
+            mid_hi = start
+        else:
             # the page indices of the loop's first block (each iteration loads the next block's);
             # positions are clamped to the last key, so the table is never read past its row
             if PAGED:
                 if PAGE_BLOCKS:
-                    page_next = tl.load(bt_row + tl.minimum(start, last_pos) // PAGE_SIZE)
+                    page_next = tl.load(bt_row + tl.minimum(mid_lo, last_pos) // PAGE_SIZE)
                 else:
-                    page_next = tl.load(bt_row + tl.minimum(start + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
+                    page_next = tl.load(bt_row + tl.minimum(mid_lo + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
             else:
                 page_next = 0
-            for n0 in range(start, mid_lo, BLOCK_N):
+            for n0 in range(mid_lo, mid_hi, BLOCK_N):
                 pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
-                key_ok = pos < end  # [BLOCK_N]; end <= L_b
-                if LEFT_PAD:
-                    key_ok = key_ok & (pos >= key_lo)
                 if PAGED:
                     if PAGE_BLOCKS:
                         # the block lies inside one page: one scalar page index (loaded by the
@@ -706,19 +707,12 @@ def decode_softcap_sdpa_mask_d128_fp16_invariant(
                 else:
                     k_rows = pos.to(tl.int64) * stride_kn
                     v_rows = pos.to(tl.int64) * stride_vn
-                k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, D0_SIZE]
+                k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
                 # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
                 s = tl.dot(q0, tl.trans(k0))
                 kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
                 score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
                 s = (((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
-                # this block straddles an edge of the band or of the split: hide what a row may not see
-                visible = key_ok[None, :]
-                if MASK_RIGHT:
-                    visible = visible & (pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
-                if MASK_LEFT:
-                    visible = visible & (pos[None, :] >= q_pos[:, None] - WIN_LEFT)
-                s = tl.where(visible, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
                 # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
                 # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
@@ -732,62 +726,9 @@ def decode_softcap_sdpa_mask_d128_fp16_invariant(
                     # key block is the value block, already loaded
                     vv0 = k0  # [BLOCK_N, DV0_SIZE]
                 else:
-                    vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
+                    vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
                 accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
                 m_i = m_new
-        # the page indices of the loop's first block (each iteration loads the next block's);
-        # positions are clamped to the last key, so the table is never read past its row
-        if PAGED:
-            if PAGE_BLOCKS:
-                page_next = tl.load(bt_row + tl.minimum(mid_lo, last_pos) // PAGE_SIZE)
-            else:
-                page_next = tl.load(bt_row + tl.minimum(mid_lo + offs_n, last_pos) // PAGE_SIZE)  # [BLOCK_N]
-        else:
-            page_next = 0
-        for n0 in range(mid_lo, mid_hi, BLOCK_N):
-            pos = n0 + offs_n  # [BLOCK_N] cache positions of this key block
-            if PAGED:
-                if PAGE_BLOCKS:
-                    # the block lies inside one page: one scalar page index (loaded by the
-                    # previous iteration, so the K/V loads do not wait on it), a contiguous tile
-                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # never out of the pool
-                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N, last_pos) // PAGE_SIZE)
-                    slot = ((n0 % PAGE_SIZE) + offs_n).to(tl.int64)  # [BLOCK_N]
-                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
-                    v_rows = page * stride_vp + slot * stride_vn
-                else:
-                    # per-row page lookup (a gather): any page size works; the indices were
-                    # loaded by the previous iteration, so the K/V loads do not wait on them
-                    page = tl.minimum(tl.maximum(page_next, 0), NUM_BLOCKS - 1).to(tl.int64)  # [BLOCK_N], never out of the pool
-                    page_next = tl.load(bt_row + tl.minimum(n0 + BLOCK_N + offs_n, last_pos) // PAGE_SIZE)
-                    slot = (pos % PAGE_SIZE).to(tl.int64)
-                    k_rows = page * stride_kp + slot * stride_kn  # [BLOCK_N]
-                    v_rows = page * stride_vp + slot * stride_vn
-            else:
-                k_rows = pos.to(tl.int64) * stride_kn
-                v_rows = pos.to(tl.int64) * stride_vn
-            k0 = tl.load(k_base + k_rows[:, None] + offs_d0[None, :])  # [BLOCK_N, D0_SIZE]
-            # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
-            s = tl.dot(q0, tl.trans(k0))
-            kv_idx = pos[None, :]  # [1, BLOCK_N] cache positions, for the mods
-            score = s * (QK_SCALE_LOG2 * LN2)  # natural units, what the score mod sees
-            s = (((P_cap * _tanh(((score / P_cap)).to(tl.float32))) + tl.load(T_bias + tl.minimum(tl.maximum(b, 0), T_bias_D0 - 1).to(tl.int64) * T_bias_S0 + tl.minimum(tl.maximum(mod_h, 0), T_bias_D1 - 1).to(tl.int64) * T_bias_S1 + tl.minimum(tl.maximum(q_idx, 0), T_bias_D2 - 1).to(tl.int64) * T_bias_S2 + tl.minimum(tl.maximum(kv_idx, 0), T_bias_D3 - 1).to(tl.int64) * T_bias_S3))) * LOG2E
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
-            # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
-            # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
-            p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            p = p.to(V.dtype.element_ty)
-            if V_IS_K:
-                # V is a view of K's first V_DIM columns (a latent cache): this chunk of the
-                # key block is the value block, already loaded
-                vv0 = k0  # [BLOCK_N, DV0_SIZE]
-            else:
-                vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :])  # [BLOCK_N, DV0_SIZE]
-            accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
-            m_i = m_new
         # the page indices of the loop's first block (each iteration loads the next block's);
         # positions are clamped to the last key, so the table is never read past its row
         if PAGED:
