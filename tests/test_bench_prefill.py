@@ -21,8 +21,9 @@ def test_contexts_spread_evenly_and_flops_count_visible_pairs():
 def test_plan_dry_run_and_refusals():
     cases = prefill.plan()
     assert [c["provider"] for c in cases] == ["flashgen_paged16", "flashgen_paged64",
-                                              "flashgen_varlen", "fa4_paged16", "fa4_paged64",
-                                              "fa4_varlen"]
+                                              "flashgen_varlen", "flashgen_bi_paged16",
+                                              "flashgen_bi_paged64", "flashgen_bi_varlen",
+                                              "fa4_paged16", "fa4_paged64", "fa4_varlen"]
     assert cases[0]["contexts"][0] == 0 and cases[0]["contexts"][-1] == 16384
     text = prefill.dry_run_text(cases)
     assert "32 sequences x 512 new tokens" in text and "H=32/8" in text
@@ -59,3 +60,19 @@ def test_paged_calls_agree_with_the_packed_call_in_the_interpreter():
         assert (calls[f"flashgen_paged{p}"]().float() - ref).abs().max() <= prefill.TOL
     assert all(isinstance(calls[n], Exception) or callable(calls[n])
                for n in ("fa4_varlen", "fa4_paged16"))
+
+
+def test_batch_invariant_cost_rows():
+    """batch_invariant=True's cost (issue 49: <= 15%) is measured here (flashgen_bi_paged<P>,
+    flashgen_bi_varlen), in the decode suite (flashgen_bi_s0, flashgen_bi_paged_s0) and in
+    the varlen bench (flashgen_bi)."""
+    from flashgen.bench import suites, varlen
+
+    assert "flashgen_bi" in suites.DECODE_PROVIDERS and "flashgen_bi" in varlen.PROVIDERS
+    rows = [dict(provider="flashgen_paged16", tflops=300.0),
+            dict(provider="flashgen_bi_paged16", tflops=270.0),
+            dict(provider="flashgen_varlen", tflops=300.0),
+            dict(provider="flashgen_bi_varlen", tflops=200.0)]
+    text = prefill.bar_text(rows, (16,))
+    assert "flashgen_bi_paged16 costs +11.1% against flashgen_paged16 (meets the bar 15%)" in text
+    assert "flashgen_bi_varlen costs +50.0% against flashgen_varlen (MISSES the bar 15%)" in text

@@ -29,6 +29,9 @@ capacity), so host time and GPU time overlap as they would in a serving loop. Ro
                          call never syncs)
   flashgen_paged_s{S}    the same keys in a paged pool (--page, shuffled block table)
   flashgen_paged_graph_s0
+  flashgen_bi_s0, flashgen_bi_paged_s0
+                         batch_invariant=True (its pinned tile, fixed splits, the ordered
+                         fold): its cost against flashgen_s0 / flashgen_paged_s0
   flashgen_fp8kv_s0, flashgen_int8kv_s0, flashgen_paged_fp8kv_s0, flashgen_paged_int8kv_s0
                          the same keys in a quantized cache (spec `kv_cache_dtypes`; skipped
                          with the reason where the package lacks it): fp8 e4m3 with one scale
@@ -233,6 +236,9 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                     q, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True))
                 if graph:
                     run("flashgen_graph_s0", lambda: graph_provider(flashgen))
+                run("flashgen_bi_s0", lambda: lambda: fg.flash_attn_with_kvcache(
+                    q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                    batch_invariant=True))
                 quant = {}  # kv -> (k_q, v_q, k_scale, v_scale, per)
                 for kv, dtype_name, per in QUANT_CACHES:
                     if dtype_name not in fg._registry.BUILT_FOR.get("kv_cache_dtypes", ()):
@@ -276,6 +282,9 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                             q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
                             causal=True, num_splits=s))
                     row["paged_host_us"] = host_us(paged)
+                    run("flashgen_bi_paged_s0", lambda: lambda: fg.flash_attn_with_kvcache(
+                        q, k_pool, v_pool, cache_seqlens=seqlens, block_table=table,
+                        causal=True, batch_invariant=True))
                     if graph:
                         run("flashgen_paged_graph_s0", lambda: graph_provider(paged))
                     if isinstance(fa4, Exception):

@@ -17,6 +17,8 @@ page size P, its pages shuffled across the pool. Providers, all on the same toke
 * `flashgen_varlen`: the same call on the keys packed contiguously (cu_seqlens_k, no
   table): the dense varlen kernel the paged one is held to (the page table costs nothing:
   >= 1.0x);
+* `flashgen_bi_paged<P>`, `flashgen_bi_varlen`: those two with batch_invariant=True (issue
+  49's cost bar: <= 15% against the default);
 * `fa4_paged<P>`: FlashAttention-4's flash_attn_varlen_func with page_table and seqused_k
   on the same pool, where installed (skipped with the reason otherwise; an error in its
   cell if it refuses the page size);
@@ -42,6 +44,7 @@ TOL = 3e-2
 
 def providers_for(pages) -> tuple:
     return (tuple(f"flashgen_paged{p}" for p in pages) + ("flashgen_varlen",)
+            + tuple(f"flashgen_bi_paged{p}" for p in pages) + ("flashgen_bi_varlen",)
             + tuple(f"fa4_paged{p}" for p in pages) + ("fa4_varlen",))
 
 
@@ -132,14 +135,16 @@ def _callables(case, data, pages):
     q, k, v, cu_q, cu_k, max_k, paged = data
     chunk = case["chunk"]
     pkg = _package(case["d"])
-    out = {"flashgen_varlen": lambda: pkg.flash_attn_varlen_func(
-        q, k, v, cu_q, cu_k, chunk, max_k, causal=True)}
-    for p in pages:
-        pk, pv, table, used = paged[p]
-        out[f"flashgen_paged{p}"] = (lambda pk=pk, pv=pv, table=table, used=used:
-                                     pkg.flash_attn_varlen_func(
-                                         q, pk, pv, cu_q, None, chunk, max_k, causal=True,
-                                         block_table=table, seqused_k=used))
+    out = {}
+    for bi, tag in ((False, ""), (True, "bi_")):
+        out[f"flashgen_{tag}varlen"] = lambda bi=bi: pkg.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, chunk, max_k, causal=True, batch_invariant=bi)
+        for p in pages:
+            pk, pv, table, used = paged[p]
+            out[f"flashgen_{tag}paged{p}"] = (
+                lambda pk=pk, pv=pv, table=table, used=used, bi=bi: pkg.flash_attn_varlen_func(
+                    q, pk, pv, cu_q, None, chunk, max_k, causal=True, block_table=table,
+                    seqused_k=used, batch_invariant=bi))
     try:
         fa4 = bench_fa4.load()
     except bench_fa4.Unavailable as e:
@@ -207,6 +212,11 @@ def bar_text(rows, pages=PAGES) -> str:
                 ratio = mine / got[peer]
                 lines.append(f"page {p}: flashgen_paged{p} / {peer} = {ratio:.3f} "
                              f"({'meets' if ratio >= 1.0 else 'MISSES'} the bar 1.0)")
+    for base in [f"paged{p}" for p in pages] + ["varlen"]:  # batch_invariant's cost: <= 15%
+        if got.get(f"flashgen_{base}") and got.get(f"flashgen_bi_{base}"):
+            cost = got[f"flashgen_{base}"] / got[f"flashgen_bi_{base}"] - 1
+            lines.append(f"flashgen_bi_{base} costs {cost:+.1%} against flashgen_{base} "
+                         f"({'meets' if cost <= 0.15 else 'MISSES'} the bar 15%)")
     return "\n".join(lines) + ("\n" if lines else "")
 
 

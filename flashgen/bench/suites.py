@@ -58,6 +58,8 @@ PROVIDERS = {
                           "forward on Hopper, opt-in until GPU-verified; opt in with --providers)",
     "cudnn_fp8": "training: cuDNN's fp8 SDPA graphs (nvidia-cudnn-frontend), e4m3 in and out, "
                  "where installed; skipped with the reason otherwise (opt in with --providers)",
+    "flashgen_bi": "decode: the same package with batch_invariant=True (its pinned tile and "
+                   "fixed splits), contiguous and paged",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
     "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
@@ -78,10 +80,10 @@ FP8_PROVIDERS = ("flashgen_fp8", "flashgen_fp8_gluon", "cudnn_fp8")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
 # decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
-# flashgen_fp8kv_s0, flashgen_int8kv_s0 (and paged), sdpa_flash, sdpa_cudnn, fa4, fa4_paged,
-# flex; --providers filters them by prefix
-DECODE_PROVIDERS = ("flashgen", "flashgen_fp8kv", "flashgen_int8kv", "sdpa_flash", "sdpa_cudnn",
-                    "fa4", "flex")
+# flashgen_fp8kv_s0, flashgen_int8kv_s0 (and paged), flashgen_bi_s0 (and paged), sdpa_flash,
+# sdpa_cudnn, fa4, fa4_paged, flex; --providers filters them by prefix
+DECODE_PROVIDERS = ("flashgen", "flashgen_fp8kv", "flashgen_int8kv", "flashgen_bi", "sdpa_flash",
+                    "sdpa_cudnn", "fa4", "flex")
 
 
 @dataclass(frozen=True)
