@@ -484,3 +484,19 @@ def test_fp8_dtype(tmp_path):
     assert not any(n.endswith("fp8_e4m3") and "sdpa_mask" in n for n in names)
     err = fails(tmp_path, BASE.replace("[fp16]", "[fp8_e4m3]") + "decode: true\n")
     check(err, 3, "dtypes", "fp8_e4m3 is asked for beside decode", "drop decode")
+
+
+def test_batch_invariant_key(tmp_path):
+    """`batch_invariant` (issue 49): a boolean, default false, the calls' default; true
+    needs decode: true, reported by the plan stage at its line (flashgen/invariant.py)."""
+    from flashgen.plan import plan_spec
+
+    assert load_spec(write(tmp_path, BASE)).batch_invariant is False
+    spec = load_spec(write(tmp_path, BASE + "decode: true\nbatch_invariant: true\n"))
+    assert spec.batch_invariant is True
+    check(fails(tmp_path, BASE + "batch_invariant: 1\n"), 8, "batch_invariant",
+          "1 is not a boolean", "write batch_invariant: true or false")
+    spec = load_spec(write(tmp_path, BASE + "decode: false\nbatch_invariant: true\n"))
+    with pytest.raises(SpecError) as info:
+        plan_spec(spec)
+    check(info.value, 9, "batch_invariant", "builds no decode kernels", "add decode: true")

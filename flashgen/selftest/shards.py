@@ -70,10 +70,11 @@ SHARDS: tuple[Shard, ...] = (
           ("tests/test_gluon_varlen.py",), est_s=400),
     Shard("mods", "score, mask and sink mods, dense and varlen",
           ("tests/test_mods.py", "tests/test_varlen_mods.py"), est_s=215),
+    # (test_batch_invariant.py's 40 s on top of the measured 135 is an estimate)
     Shard("decode", "flash_attn_with_kvcache: split-KV, paged caches, appends, rotary, "
-          "quantized (fp8 / int8) caches; chunked prefill over pages", ("tests/test_decode.py", "tests/test_decode_rotary.py",
-                                              "tests/test_kv_quant.py",
-                                              "tests/test_paged_prefill.py"), est_s=135),
+          "quantized (fp8 / int8) caches; chunked prefill over pages; batch_invariant",
+          ("tests/test_decode.py", "tests/test_decode_rotary.py", "tests/test_kv_quant.py",
+           "tests/test_paged_prefill.py", "tests/test_batch_invariant.py"), est_s=175),
     Shard("mla", "MLA head dims: training, the latent decode (Gluon 576/512)",
           ("tests/test_mla.py",), est_s=90),
     Shard("ring", "context parallelism: the pieces and merge_attention_states on one GPU, the "
