@@ -220,6 +220,26 @@ def test_chunked_prefill_over_pages_then_decode(small, device, page_size):
                  f"decode of sequence {i} at {pos[i]}")
 
 
+def test_seqused_q_leaves_the_rest_zero(small, device):
+    """seqused_q: the used rows are the training rows' bits, the rest 0 with LSE -inf."""
+    lengths = [40, 30]
+    q, k, v = tokens(lengths, device, seed=12)
+    out, lse = train(small, q, k, v, lengths)
+    k_cache, v_cache, table = paged(k, v, lengths, 16)
+    # sequence 1's span holds 20 rows, its first 15 the queries at positions 15..29
+    qs = torch.cat([q[rows(lengths, 0)][20:30], q[rows(lengths, 1)][15:30],
+                    q[rows(lengths, 1)][:5]])
+    o, l = small.flash_attn_varlen_func(
+        qs, k_cache, v_cache, cu([10, 20], device), None, 20, 30, block_table=table,
+        seqused_k=torch.tensor([30, 30], dtype=torch.int32, device=device),
+        seqused_q=torch.tensor([10, 15], dtype=torch.int32, device=device), causal=True,
+        return_lse=True, batch_invariant=True)
+    r0, r1 = rows(lengths, 0), rows(lengths, 1)
+    same((o[:10], l[:, :10]), (out[r0][20:30], lse[:, r0][:, 20:30]), "sequence 0")
+    same((o[10:25], l[:, 10:25]), (out[r1][15:30], lse[:, r1][:, 15:30]), "sequence 1")
+    assert not o[25:].any() and torch.isinf(l[:, 25:]).all()
+
+
 def test_decode_with_appends_into_a_contiguous_cache(small, device):
     """Prefill chunks and single tokens through flash_attn_with_kvcache's append (k=, v=)
     into a contiguous cache (rows chosen by cache_batch_idx), the batch and the split
