@@ -292,14 +292,14 @@ def _forward(spec, q, k, v, cu_q, cu_k):
             _plans.clear()
         plan = _plans[key] = (_dense_plan if spec.kind == "dense" else _varlen_plan)(
             spec, q, k, v)
-    kernel, kernel_lse, args, out_shape, lse_shape, ws_numel, tiles = plan
+    kernel, args, out_shape, lse_shape, ws_numel, tiles, plain = plan
     if seqused_q is not None:  # rows past seqused_q: 0 and LSE -inf, not written
         out = q.new_zeros(out_shape)
         lse = torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=q.device)
     else:
         out = q.new_empty(out_shape)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    if kernel is None:
+    if kernel is None:  # (the kernels store the LSE always: training needs it)
         return out.zero_(), lse.fill_(float("-inf"))
     ws, counters = workspace(q.device, ws_numel, tiles, out)
     if spec.kind == "dense":
@@ -310,9 +310,9 @@ def _forward(spec, q, k, v, cu_q, cu_k):
         ptrs = (lens, q if bt is None else bt, cu_q,
                 q if seqused_q is None else seqused_q, q if cu_k is None else cu_k)
     kvq = ((*scales[1:], *scales[0].strides) if scales is not None and scales[0].code
-           else _kvquant.plain_args(kernel.fn.__name__[:-len("_invariant")]))
-    kernel_lse(q, k, v, out, lse, ws, counters, *ptrs[:5], *args, *kvq,
-               *(spec.call.mod_args if spec.call else ()))
+           else plain)
+    kernel(q, k, v, out, lse, ws, counters, *ptrs[:5], *args, *kvq,
+           *(spec.call.mod_args if spec.call else ()))
     return out, lse
 
 
@@ -322,9 +322,9 @@ def _dense_plan(spec, q, k, v):
     out_shape, lse_shape = (batch, n_q, h_q, dv), (batch, h_q, n_q)
     name = _variant(q, dv, spec.causal, spec.window, spec.names)
     if batch * n_q * h_q == 0:
-        return None, None, (), out_shape, lse_shape, 0, 0
+        return None, (), out_shape, lse_shape, 0, 0, ()
     rows = batch * h_q * n_q
-    kernel, kernel_lse, splits, lp_off, ws_numel, tiles = launch(
+    _, kernel, splits, lp_off, ws_numel, tiles = launch(
         name, q.device, batch=batch, h_kv=h_kv, group=h_q // h_kv, n_q=n_q,
         capacity=n_k, rows=rows, dv=dv,
         meta=dict(PAGED=False, PAGE_BLOCKS=False, PER_ROW_LENS=False, V_IS_K=False,
@@ -336,7 +336,7 @@ def _dense_plan(spec, q, k, v):
             n_q, n_k, h_q, h_q // h_kv, 1, spec.scale * _runtime.LOG2E,
             *_extents(spec.causal, spec.window, n_k, n_q), n_k, 1, lp_off, n_q, splits,
             q, q, q, q, 0, 0, 0, 1, 1)
-    return kernel, kernel_lse, args, out_shape, lse_shape, ws_numel, tiles
+    return kernel, args, out_shape, lse_shape, ws_numel, tiles, _kvquant.plain_args(name)
 
 
 def _varlen_plan(spec, q, k, v):
@@ -356,11 +356,11 @@ def _varlen_plan(spec, q, k, v):
         capacity = k.shape[0]
         kv_strides = (0, k.stride(0), k.stride(1), 0, v.stride(0), v.stride(1))
     if batch * total_q * h_q * max_q == 0:
-        return None, None, (), out_shape, lse_shape, 0, 0
+        return None, (), out_shape, lse_shape, 0, 0, ()
     scales = spec.kv_scales[0] if spec.kv_scales is not None else _kvquant.NONE
     kvq_meta = scales.meta if _kvquant.takes_scales(name) else {}
     per_row = paged or seqused_k is not None
-    kernel, kernel_lse, splits, lp_off, ws_numel, tiles = launch(
+    _, kernel, splits, lp_off, ws_numel, tiles = launch(
         name, q.device, batch=batch, h_kv=h_kv, group=h_q // h_kv, n_q=max_q,
         capacity=max(min(capacity, max_k) if not paged else capacity, 1), rows=h_q * total_q,
         dv=dv, kvq=scales,
@@ -374,7 +374,7 @@ def _varlen_plan(spec, q, k, v):
             spec.scale * _runtime.LOG2E, *_extents(spec.causal, spec.window, capacity, max_q),
             capacity, k.shape[0] if paged else 1, lp_off, total_q, splits,
             q, q, q, q, 0, 0, 0, 1, 1)
-    return kernel, kernel_lse, args, out_shape, lse_shape, ws_numel, tiles
+    return kernel, args, out_shape, lse_shape, ws_numel, tiles, _kvquant.plain_args(name)
 
 
 # ----------------------------------------------------------------------------------------
