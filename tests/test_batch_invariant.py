@@ -354,6 +354,9 @@ def test_refusals(pkg):
                                    mods=("softcap",), batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant must be True, False or None"):
         pkg.flash_attn_func(q[None], k[None], v[None], batch_invariant="yes")
+    with pkg._runtime.override_config(family="gluon"), pytest.raises(
+            ValueError, match=r"cannot honour override_config\(family='gluon'\)"):
+        pkg.flash_attn_varlen_func(q, k, v, c, c, 8, 8, causal=True, batch_invariant=True)
 
 
 def test_spec_default_and_its_errors(tmp_path):

@@ -68,7 +68,12 @@ def config(name: str, device, kvq=_kvquant.NONE) -> dict:
     """The pinned launch config of variant `name`'s batch-invariant kernel on `device`: the
     planner's decode config for the device (never a tuned one) grown to the tallest stacked
     tile whose fold fits its registers (_planner.invariant_decode_tile; a quantized cache's
-    rows), whatever the call's rows, lengths or batch."""
+    rows), whatever the call's rows, lengths or batch. A forced Gluon family is refused
+    (ValueError): its persistent and split schedules deal work by the batch; FLASHGEN_FAMILY,
+    a process's preference where Gluon can serve, leaves these calls on this `tl` kernel."""
+    if _runtime._override.get("family") == "gluon":
+        refuse("override_config(family='gluon'): the Gluon kernels deal their work (persistent "
+               "walks, stream-K) by the batch; the invariant kernel is `tl`")
     if _runtime._override or CONFIG:
         cfg = {**PLANNED[name], **(_runtime._override or CONFIG)}
     else:
