@@ -64,13 +64,12 @@ def _check_training(pkg, spec, variant, label, b, n_q, n_k, h_q, h_kv, device, d
     causal = variant.mask == "causal"
     window = _window(spec, variant)
     p = _DROPOUT_P if variant.dropout else 0.0
-    fp8 = dtype is None  # (fp8_e4m3: bf16 inputs quantized, one scale a tensor)
-    src = torch.bfloat16 if fp8 else dtype
-    q = torch.randn(b, n_q, h_q, variant.head_dim, dtype=src, device=device, requires_grad=True)
-    k = torch.randn(b, n_k, h_kv, variant.head_dim, dtype=src, device=device, requires_grad=True)
+    fp8 = variant.dtype == "fp8_e4m3"  # bf16 inputs quantized, one scale a tensor
+    q = torch.randn(b, n_q, h_q, variant.head_dim, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, n_k, h_kv, variant.head_dim, dtype=dtype, device=device, requires_grad=True)
     # (V and the output have V's head dim: an MLA pair's own)
-    v = torch.randn(b, n_k, h_kv, variant.v_dim, dtype=src, device=device, requires_grad=True)
-    do = torch.randn(b, n_q, h_q, variant.v_dim, dtype=src, device=device)
+    v = torch.randn(b, n_k, h_kv, variant.v_dim, dtype=dtype, device=device, requires_grad=True)
+    do = torch.randn(b, n_q, h_q, variant.v_dim, dtype=dtype, device=device)
     mod_kw, score_mod, mod_mask, sink = _mod_inputs(spec, variant, b, n_q, n_k, h_q, device)
     args, deq = (q, k, v), (q, k, v)
     if fp8:  # the gradients reach q, k, v straight through (quantize_fp8)
@@ -206,8 +205,9 @@ def check(spec_path, quick: bool = False, out=sys.stdout, planned: bool = False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     spec = load_spec(spec_path)
+    # (fp8: bf16 inputs that _check_training quantizes)
     dtypes = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32,
-              "fp8_e4m3": None}  # (_check_training quantizes bf16 inputs)
+              "fp8_e4m3": torch.bfloat16}
     where = "GPU " + torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter)"
     print(f"checking {spec.package} from {spec_path} on {where}", file=out)
     ok_all = True

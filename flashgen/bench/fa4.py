@@ -98,14 +98,17 @@ def attention(fa4, q, k, v, causal=False, scale=None, window=None):
 
 
 def varlen_attention(fa4, q, k, v, cu_q, cu_k, max_q, max_k, causal=False, scale=None,
-                     window=None):
+                     window=None, page_table=None, seqused_k=None):
     """Packed attention of q (total_q, H, d), k/v (total_k, H_kv, d) with int32 cu_seqlens
-    through fa4.flash_attn_varlen_func; the output (total_q, H, d_v)."""
-    _check_heads(q.shape[1], k.shape[1])
+    through fa4.flash_attn_varlen_func; the output (total_q, H, d_v). With page_table
+    (B, pages) int32 and seqused_k (B,), k/v are a page pool (pages, page, H_kv, d) and
+    cu_k is None (chunked prefill)."""
+    _check_heads(q.shape[1], k.shape[-2])
+    paged = {} if page_table is None else dict(page_table=page_table, seqused_k=seqused_k)
     out = fa4.flash_attn_varlen_func(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
         softmax_scale=q.shape[-1] ** -0.5 if scale is None else scale, causal=causal,
-        window_size=_window(window))
+        window_size=_window(window), **paged)
     return _out(out)
 
 

@@ -114,6 +114,8 @@ class CudnnFp8:
         self.workspace = torch.empty(self.fwd_graph.get_workspace_size(), dtype=torch.uint8,
                                      device="cuda")
         self.bwd_graph = None
+        self.loaded = None  # the quantized inputs the buffers hold (load)
+        self.do_key = None  # the dO tensor do8 was quantized from (backward)
 
     def _build(self, g):
         heur = self.cudnn.heur_mode
@@ -156,11 +158,11 @@ class CudnnFp8:
         builds the graph and calibrates the gradients' scales from their amax."""
         import torch
         key = (do.data_ptr(), tuple(do.shape))
-        if getattr(self, "_do_key", None) != key:
+        if self.do_key != key:
             amax = do.detach().abs().amax().float().clamp(min=1e-12)
             self.do8 = (do.float() * (E4M3_MAX / amax)).to(torch.float8_e4m3fn).view(torch.uint8)
             self.descale_do = (amax / E4M3_MAX).reshape(1, 1, 1, 1)
-            self._do_key = key
+            self.do_key = key
         if self.bwd_graph is None:
             self._build_backward()
             self._run(self.bwd_graph, self.bwd_pack)  # calibration: amax -> scales
@@ -232,9 +234,9 @@ def cudnn_fp8(cudnn, quantize):
             graphs[key] = CudnnFp8(cudnn, q, k, v, causal, training=q.requires_grad)
         g = graphs[key]
         (q8, qd), (k8, kd), (v8, vd) = quantized(q, k, v)
-        if getattr(g, "_loaded", None) is not quantized.value:
+        if g.loaded is not quantized.value:
             g.load(q8, qd, k8, kd, v8, vd)
-            g._loaded = quantized.value
+            g.loaded = quantized.value
         return g
 
     class _Attention(torch.autograd.Function):

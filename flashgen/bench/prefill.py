@@ -149,17 +149,14 @@ def _callables(case, data, pages):
         fa4 = bench_fa4.load()
     except bench_fa4.Unavailable as e:
         return {**out, "fa4_varlen": e, **{f"fa4_paged{p}": e for p in pages}}
-    scale = case["d"] ** -0.5
-    out["fa4_varlen"] = lambda: bench_fa4._out(fa4.flash_attn_varlen_func(
-        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=chunk, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=True))
+    out["fa4_varlen"] = lambda: bench_fa4.varlen_attention(fa4, q, k, v, cu_q, cu_k, chunk,
+                                                           max_k, causal=True)
     for p in pages:
         pk, pv, table, used = paged[p]
         out[f"fa4_paged{p}"] = (lambda pk=pk, pv=pv, table=table, used=used:
-                                bench_fa4._out(fa4.flash_attn_varlen_func(
-                                    q, pk, pv, cu_seqlens_q=cu_q, seqused_k=used,
-                                    page_table=table, max_seqlen_q=chunk, softmax_scale=scale,
-                                    causal=True)))
+                                bench_fa4.varlen_attention(fa4, q, pk, pv, cu_q, None, chunk,
+                                                           max_k, causal=True, page_table=table,
+                                                           seqused_k=used))
     return out
 
 

@@ -176,8 +176,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     batch_invariant (None: the package's default, the spec's `batch_invariant`): True runs
     the batch-invariant kernel (_invariant): each row's bits as prefill and decode of its
     sequence give them, whatever else is in the batch."""
-    if (batch_invariant is not None or _invariant.DEFAULT) and _invariant.enabled(
-            batch_invariant):
+    if _invariant.enabled(batch_invariant):
         if q_descale is not None or k_descale is not None or v_descale is not None \
                 or _fp8.is_fp8(q, k, v):
             _invariant.refuse("fp8 inputs (the fp8 kernels are the plain forward's)")
@@ -471,8 +470,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     else:
         max_seqlen_q, max_seqlen_k = _runtime.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                            max_seqlen_q, max_seqlen_k)
-    invariant = (batch_invariant is not None or _invariant.DEFAULT) and _invariant.enabled(
-        batch_invariant)
+    invariant = _invariant.enabled(batch_invariant)
     if invariant:
         _invariant.check_dropout(dropout_p)
     _runtime.check_dropout(dropout_p)

@@ -713,8 +713,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             or cache_leftpad is not None):
         extra = (rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx, cache_leftpad)
     scales = None if k_scale is None and v_scale is None else (k_scale, v_scale)
-    invariant = _invariant.DEFAULT if batch_invariant is None else _invariant.enabled(
-        batch_invariant)
+    invariant = _invariant.enabled(batch_invariant)
     if mods is not None or mod_args:
         return _with_mods(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale,
                           causal, window_size, num_splits, return_lse, mods, mod_args, extra,
