@@ -99,3 +99,24 @@ def test_the_timed_forward_is_the_providers_timed_form():
     call, grads = timing.timed_call(fn, None, None, None, case())
     call()
     assert calls == ["timed"] and grads is None
+
+
+def test_runner_checks_fp8_rows_on_their_dequantized_inputs():
+    """A causal row's first output is V's first row: e4m3's rounding of V alone (2^-4) is
+    far past the bf16 rows' 3e-2 against the bf16 inputs, so fp8 rows are checked on the
+    inputs they saw (their e4m3 copies dequantized) at FP8_TOL; a wrong output still fails."""
+    c = case(causal=True)
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(3))
+    v = v * 4
+    fn = providers.Providers().get("flashgen_fp8", c)
+    out = fn(q, k, v, True, 0.0)
+    bf16_ref = runner._reference(q, k, v, True)
+    assert (out[:1, :2].float() - bf16_ref).abs().max().item() > runner.TOL  # the old check
+    assert runner._check(fn, q, k, v, c, bf16_ref) is None
+
+    def shifted(*a):
+        return fn(*a) + 0.5
+    shifted.dequantized, shifted.tol = fn.dequantized, fn.tol
+    wrong = runner._check(shifted, q, k, v, c, bf16_ref)
+    assert wrong is not None and wrong.startswith("WRONG (max err"), wrong

@@ -8,7 +8,7 @@ interpreter runs it). Slow: the kernels compile for sm_90 into the design (QGMMA
 both forms, no spill). On the GPU (-m gpu, Hopper): against float64 on the dequantized
 inputs, with tests/test_fp8.py's tolerance -- the output's RMSE at most FWD_FACTOR (16) x
 the bf16 kernel's on the same inputs (e4m3 keeps 2^-4 of P where bf16 keeps 2^-8), the LSE
-within 1e-4 (P's rounding never reaches it) -- at odd shapes, GQA, causal, every knob; the
+within the e4m3 wgmma's summing error (_lse_bound) -- at odd shapes, GQA, causal, every knob; the
 backward on its LSE; CUDA graphs.
 """
 import json
@@ -247,10 +247,32 @@ def _fp8_inputs(pkg, src, per, hkv):
     return (q8, k8, v8), dict(q_descale=qd, k_descale=kd, v_descale=vd)
 
 
+def _lse_bound(q, k, v, causal):
+    """How far the fp8 kernel's LSE may be from float64's, per row. Hopper's e4m3 wgmma
+    does not keep fp32 sums: each 32-wide step aligns its products to the largest one's
+    exponent and keeps about 13 bits (DeepSeek-V3's report, 3.3.2, measured ~14), so S_j
+    is off by a few 2^-13 of A_j = scale * sum_i |q_i k_ji|, and coherently so when the
+    products share a sign (test_gluon_fp8_keeps_small_probabilities: 2^-10.6 of it, on
+    the GPU). The LSE moves by the softmax average of those errors: 2^-9 sum_j p_j A_j,
+    plus 1e-4 for the rest of the kernel (the `tl` fp8 kernel, which widens to bf16 and
+    sums in fp32, is held to 1e-4 alone in tests/test_fp8.py)."""
+    g = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(g, 2)
+    scale = q.shape[-1] ** -0.5
+    s = torch.einsum("bnhd,bmhd->bhnm", q, k) * scale
+    a = torch.einsum("bnhd,bmhd->bhnm", q.abs(), k.abs()) * scale
+    if causal:
+        n_q, n_k = q.shape[1], k.shape[1]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=q.device).tril(n_k - n_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1))  # (rows that see no key: no bound needed)
+    return 1e-4 + 2.0 ** -9 * (p * a).sum(-1)
+
+
 def _check_fp8(pkg, src, per, causal):
     """The fp8 call on quantize_fp8's copies of the bf16-free `src` (q, k, v), in whatever
     family the caller forces, against float64 on the dequantized inputs: no NaN, the LSE
-    within 1e-4 (-inf exactly where a row sees no key, whose output is 0). Returns (out,
+    within _lse_bound (-inf exactly where a row sees no key, whose output is 0). Returns (out,
     the reference, the dequantized inputs, their bf16 copies: the yardstick's inputs)."""
     hkv = src[1].shape[2]
     (q8, k8, v8), ds = _fp8_inputs(pkg, src, per, hkv)
@@ -258,10 +280,12 @@ def _check_fp8(pkg, src, per, causal):
     assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
     deq = [_dequantized(x, ds[f"{n}_descale"]) for x, n in zip((q8, k8, v8), "qkv")]
     ref, ref_lse = _reference(*deq, causal)
+    ref = torch.nan_to_num(ref)  # (a row that sees no key: softmax's 0/0; its output is 0)
     seen = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), seen)
     if seen.any():
-        assert (lse.double() - ref_lse)[seen].abs().max().item() < 1e-4
+        err = (lse.double() - ref_lse).abs()
+        assert (err <= _lse_bound(*deq, causal))[seen].all(), err[seen].max().item()
     assert (out.transpose(1, 2)[~seen] == 0).all()
     return out, ref, deq, [x.to(torch.bfloat16) for x in deq]
 
