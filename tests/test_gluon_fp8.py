@@ -99,7 +99,8 @@ def test_fp8_tiles_and_shared_memory():
     # the variant's own default, as the runtime and gluon_compile read it
     assert families.variant_gluon_default(
         {"kind": "fwd", "mask": "causal", "dropout": False, "head_dim": 128,
-         "dtype": FP8}) == {**families.gluon_default(128, "fwd", "causal"), "num_stages": 4}
+         "dtype": FP8}) == {**families.gluon_default(128, "fwd", "causal"), "num_stages": 4,
+                            "diag_first": True}  # (in key order the causal loop spills)
 
 
 def test_gluon_fp8_is_opt_in(pkg, monkeypatch):
@@ -219,7 +220,9 @@ def test_gluon_fp8_forward_compiles_to_the_design(pkg):
         assert f"QGMMA.64x{d}x32.F32.E4M3.E4M3 RS" in r["gmma_forms"], r
         assert not any(f.startswith("HGMMA") for f in r["gmma_forms"]), r
         assert r["loop_spills"] == 0 and not r["wgmma_notes"], r
-        assert r["spill_bytes"] <= 16, r
+        # (a few bytes outside the key loop: causal d = 128 with overlap spills 24, its
+        # last tile's output carried across the tile boundary beside P V's own accumulator)
+        assert r["spill_bytes"] <= 32, r
         three = r["config"].startswith("192")
         assert (160 if three else 240) in r["setmaxnreg"] and 24 in r["setmaxnreg"], r
         stages = int(r["config"].split(" s")[1].split()[0])

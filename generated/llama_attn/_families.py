@@ -488,8 +488,11 @@ GLUON_FP8_BY_DEFAULT = False
 # register): 128-key blocks at d = 64 / 128, causal or not, two consumers at 240 or three
 # at 160, no spill; 256-key blocks (224 of 240 registers by the estimate at d = 128) spilled
 # 96 stack bytes, 30 LDL/STL a block and serialised the wgmmas (C7512); at d = 64 (192)
-# none unmasked but 352 bytes / 58 a block causal (the mask's column indices).
-FWD_REG_OVERHEAD = 40
+# none unmasked but 352 bytes / 58 a block causal (the mask's column indices). With a
+# fresh P V accumulator a block (fwd_accumulator_regs) d = 128's 208 held and d = 64's 144
+# at 160 compiled without a spill in the key loop (causal d = 128 with diag_first only:
+# in key order 10 spills a block, the mask's indices again).
+FWD_REG_OVERHEAD = 16
 # The deepest K/V ring fp8_fwd_tile asks for, in keys: an fp8 block's products take half
 # the time of a bf16 one's (twice the tensor-core rate), so twice the bf16 default's keys
 # in flight (2 stages x 128) cover the same load latency. Not measured yet (an A/B of 2 to
@@ -555,6 +558,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         cfg.update(DROPOUT_FWD_KNOBS)
     if fp8:
         cfg.update(fp8_fwd_tile(head_dim, cfg["block_m"] // QUERY_ROWS_PER_CONSUMER))
+        if mask == "causal" and head_dim > 64:
+            cfg["diag_first"] = True  # (in key order the loop spills: FWD_REG_OVERHEAD)
     return cfg
 
 
@@ -734,9 +739,10 @@ def fwd_accumulator_regs(block_n: int, v_dim: int, fp8: bool = False) -> int:
     ([64, block_n] each), n / 2 a thread for a [64, n] fp32 tile over a warpgroup's 128
     threads (LARGE_HEAD_DIM_FWD). The rest of CONSUMER_REGS holds the softmax's row
     statistics, temporaries and addresses (~30-50 measured). fp8 carries P as its e4m3
-    operand (the template's EARLY_P): n / 8 a thread."""
+    operand (the template's EARLY_P): n / 8 a thread; and the last block's P V in a fresh
+    accumulator of O's size (the e4m3 wgmma's short sums, templates/gluon/fwd.py.j2)."""
     if fp8:
-        return (head_dim_pad(v_dim) + block_n) // 2 + block_n // 8
+        return head_dim_pad(v_dim) + block_n // 2 + block_n // 8
     return (head_dim_pad(v_dim) + 2 * block_n) // 2
 
 

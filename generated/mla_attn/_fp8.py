@@ -7,12 +7,14 @@ uses its K/V head's). The kernels see x = x_fp8 * descale; the output is bf16, a
 fp8 forward writes it.
 
 Precision, product by product:
-  forward   S = Q K^T on the fp8 values (fp32 accumulation), the descales folded into the
-            softmax scale; P rounded to e4m3 (it lies in [0, 1]) for P V, V's descale
-            folded into the final 1 / l -- FA3's recipe. The Gluon forward (Hopper; opt-in
-            until a GPU has run it: _families.GLUON_FP8_BY_DEFAULT, FLASHGEN_FP8_GLUON=1)
-            rounds 2^8 P instead, undone by l, and reads V from a keys-major copy made
-            per call (keys_major_v)
+  forward   S = Q K^T on the fp8 values, the descales folded into the softmax scale; P
+            rounded to e4m3 (it lies in [0, 1]) for P V, V's descale folded into the final
+            1 / l -- FA3's recipe. The `tl` kernel widens to bf16 (exact products, fp32
+            sums). The Gluon forward (Hopper; opt-in: _families.GLUON_FP8_BY_DEFAULT,
+            FLASHGEN_FP8_GLUON=1) runs e4m3 wgmmas, whose sums keep ~13 bits (S errs by
+            up to ~2^-11 of sum_i |q_i k_i|, as cuBLAS's fp8 GEMM does; each block's P V
+            is summed alone and added to O in fp32), rounds 2^8 P, undone by l, and reads
+            V from a keys-major copy made per call (keys_major_v)
   backward  q, k, v upcast to bf16 in the kernels (exact), every product in bf16 with fp32
             accumulation (S, dP = dO V^T, dV = P^T dO, dK = dS^T Q, dQ = dS K; P and dS
             rounded to bf16, as in the bf16 kernels), the descales applied to the fp32

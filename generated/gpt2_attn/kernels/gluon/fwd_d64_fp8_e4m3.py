@@ -970,6 +970,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
         l_i = gl.full([SPLIT_M], 0.0, gl.float32, layout=row_s)  # running sum
         acc = gl.zeros([SPLIT_M, HEAD_DIM_V_PAD], gl.float32, layout=o_layout)
         zero_s = gl.zeros([SPLIT_M, BLOCK_N], gl.float32, layout=s_layout)
+        zero_o = gl.zeros([SPLIT_M, HEAD_DIM_V_PAD], gl.float32, layout=o_layout)
         mbarrier.wait(q_ready.index(qb), qph)
 
         if DIAG_FIRST:
@@ -1038,7 +1039,11 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 # HEAD_DIM_V_PAD] B operand; P packed since the last block, EARLY_P)
                 v_buf = v_smem.index(v_s).reshape([HEAD_DIM_V_PAD, BLOCK_N]).permute((1, 0))
                 p_op = _p_operand_fp8(p, p_layout)
-                acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+                # (fp8: into a fresh accumulator, added to O in fp32 below. The e4m3 wgmma
+                # keeps ~13 bits of the sum it adds its products to (DeepSeek-V3, 3.3.2):
+                # summed onto O, a long row's later blocks -- probabilities 2^-11 of its
+                # first -- lost a sixth of their mass on the H200)
+                pv = warpgroup_mma(p_op, v_buf, zero_o, use_acc=False, is_async=True)
                 if PINGPONG:
                     mbarrier.arrive(turn.index(nxt), count=1)
                     turn_phase ^= 1
@@ -1053,12 +1058,12 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                                                     n0 + KV_POS, SPLIT_M, BLOCK_N)
                     p = gl.convert_layout(
                         _dropped_p(p, w0, w1, w2, w3, DROP_THRESHOLD, s_layout, dtype), p_layout)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                pv = warpgroup_mma_wait(0, deps=(pv, ))
                 mbarrier.arrive(v_empty.index(v_s), count=1)
                 if not DROPOUT:
                     if EARLY_P:  # after the wait: the last block's P, that product's operand, is dead
                         p = _p_pack_fp8(p)
-                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                acc = (acc + pv) * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 v_s = s
                 v_ph = ph
                 cnt += 1
@@ -1070,8 +1075,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             mbarrier.wait(v_full.index(v_s), v_ph)
             v_buf = v_smem.index(v_s).reshape([HEAD_DIM_V_PAD, BLOCK_N]).permute((1, 0))
             p_op = _p_operand_fp8(p, p_layout)
-            acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            pv = warpgroup_mma(p_op, v_buf, zero_o, use_acc=False, is_async=True)
+            acc = acc + warpgroup_mma_wait(0, deps=(pv, ))
             mbarrier.arrive(v_empty.index(v_s), count=1)
         else:
             # no visible key: the other consumers skip this tile too; keep the turns in step
