@@ -81,7 +81,7 @@ def family_summary(spec) -> str:
                    if gluon_reason(v, spec) is None):
                 lines.append(f"  the backward at head dims {qk}/{dv}: 64x64 tiles (the consumers "
                              f"split dK, dV, dQ by columns), a {tile['num_stages']}-deep ring; "
-                             "opt-in until a GPU has run it (FLASHGEN_GLUON_BWD_LARGE=1)")
+                             "FLASHGEN_GLUON_BWD_LARGE=0 turns it off")
         fp8 = [n for n in gluon if n.endswith("fp8_e4m3")]
         if fp8:
             t = families.fp8_fwd_tile(128)

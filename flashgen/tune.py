@@ -199,10 +199,9 @@ def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
                                    facts["dtype"], facts.get("v_head_dim"))
     if (reason is None and kind == "bwd" and not families.GLUON_BWD_LARGE_DEFAULT
             and families.large_bwd(facts["head_dim"], facts.get("v_head_dim"))):
-        # (the space's Gluon backward tiles are the d <= 128 kernel's; this one has not run
-        # on a GPU yet: families.LARGE_HEAD_DIM_BWD)
-        reason = ("the large head dims' Gluon backward is opt-in until a GPU has run it "
-                  "(FLASHGEN_GLUON_BWD_LARGE=1)")
+        # (switched off where the package is used: families.LARGE_HEAD_DIM_BWD)
+        reason = ("the large head dims' Gluon backward is switched off "
+                  "(FLASHGEN_GLUON_BWD_LARGE=0)")
     if reason is None and kind == "bwd" and torch.are_deterministic_algorithms_enabled():
         # the package sends such a call to `tl` (runtime.gluon_backward_reason): a Gluon
         # point would time the planner's `tl` kernels under the Gluon family's name

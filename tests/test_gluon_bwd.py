@@ -244,8 +244,8 @@ def test_causal_backward_head_groups(pkg):
 
 # ---------------------------------------------------------------------------------------
 # The large head dims: d = 256 and (qk 192, v 128) (templates/gluon/bwd_large.py.j2, issue
-# 47). Opt-in until a GPU has run it: the GPU tests below ask for it (override_config), and
-# FLASHGEN_GLUON_BWD_LARGE=1 makes it the default (families.GLUON_BWD_LARGE_DEFAULT).
+# 47). The default on Hopper; FLASHGEN_GLUON_BWD_LARGE=0 switches it off
+# (families.GLUON_BWD_LARGE_DEFAULT); the GPU tests below ask for it (override_config).
 # ---------------------------------------------------------------------------------------
 LARGE = [(256, 256), (192, 128)]
 H100 = 232448
@@ -287,7 +287,7 @@ def test_large_head_dim_backwards_get_their_own_gluon_kernel(large_pkg):
     # each consumer's (first, count) of dK boxes, dV boxes, dQ units, rendered into its call
     assert "0, 2, 0, 1, 0, 1," in mla and "2, 1, 1, 1, 1, 2," in mla
     line = next(ln for ln in large_pkg.describe().splitlines() if " bwd_causal_d256_bf16 " in ln)
-    assert "gluon 64x64, 1-deep ring; opt-in until a GPU has run it: FLASHGEN_GLUON_BWD_LARGE=1" in line
+    assert "gluon 64x64, 1-deep ring" in line and "FLASHGEN_GLUON_BWD_LARGE" not in line
 
 
 @pytest.mark.parametrize("d,dv", LARGE, ids=["d256", "mla"])
@@ -327,23 +327,29 @@ def test_large_head_dim_backward_tiles_fit(d, dv):
                                                                H100, dv)
 
 
-def test_large_head_dim_backward_is_opt_in(large_pkg, monkeypatch):
+def test_large_head_dim_backward_is_the_default_with_a_switch(large_pkg, monkeypatch):
+    import os
     import subprocess
     import sys
 
     from flashgen import families
 
-    for d in (256, 192):
-        assert not families.gluon_by_default("bwd", False, d)
-        assert families.gluon_by_default("fwd", False, d)  # (the forward is the default)
-    monkeypatch.setattr(families, "GLUON_BWD_LARGE_DEFAULT", True)
-    assert families.gluon_by_default("bwd", False, 256)
-    assert families.gluon_by_default("bwd", False, 128)  # (the d <= 128 kernel: unchanged)
-    # FLASHGEN_GLUON_BWD_LARGE=1 when the package (or flashgen) is imported turns it on
     code = "from flashgen import families; print(families.gluon_by_default('bwd', False, 256))"
-    env = dict(__import__("os").environ, FLASHGEN_GLUON_BWD_LARGE="1")
+    env = {k: v for k, v in os.environ.items() if k != "FLASHGEN_GLUON_BWD_LARGE"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert out.stdout.strip() == "True", out.stderr[-2000:]
+    monkeypatch.setattr(families, "GLUON_BWD_LARGE_DEFAULT", False)
+    for d in (256, 192):
+        assert not families.gluon_by_default("bwd", False, d)
+        assert families.gluon_by_default("fwd", False, d)  # (the forward: unchanged)
+    assert families.gluon_by_default("bwd", False, 128)  # (the d <= 128 kernel: unchanged)
+    monkeypatch.setattr(large_pkg._runtime._families, "GLUON_BWD_LARGE_DEFAULT", False)
+    line = next(ln for ln in large_pkg.describe().splitlines() if " bwd_causal_d256_bf16 " in ln)
+    assert "off (FLASHGEN_GLUON_BWD_LARGE=0)" in line
+    # FLASHGEN_GLUON_BWD_LARGE=0 when the package (or flashgen) is imported turns it off
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**env, "FLASHGEN_GLUON_BWD_LARGE": "0"})
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
 
 
 def test_large_head_dim_backward_launcher(large_pkg):
@@ -376,16 +382,17 @@ def test_large_head_dim_backward_launcher(large_pkg):
 
 
 def test_large_head_dim_backward_stays_out_of_the_tuner(monkeypatch):
-    """Until switched on, the tuner measures `tl` alone at these dims; switched on, its
+    """Switched off, the tuner measures `tl` alone at these dims; on (the default), its
     space holds the kernel's 64 x 64 tiles that fit (d = 256: a one-deep ring)."""
     from flashgen import families, tune
     from flashgen.space import space_for
 
     gpu = tune.GpuInfo(key="H100|sm90|132sm", name="H100", capability=(9, 0), sm_count=132,
                        sram_bytes=H100)
+    monkeypatch.setattr(families, "GLUON_BWD_LARGE_DEFAULT", False)
     for facts in ({"head_dim": 256, "dtype": "bf16"},
                   {"head_dim": 192, "v_head_dim": 128, "dtype": "fp16"}):
-        assert "FLASHGEN_GLUON_BWD_LARGE=1" in tune.gluon_here("bwd", facts, gpu)
+        assert "FLASHGEN_GLUON_BWD_LARGE=0" in tune.gluon_here("bwd", facts, gpu)
     assert "FLASHGEN_GLUON_BWD_LARGE" not in (tune.gluon_here("bwd", {"head_dim": 128,
                                                                       "dtype": "bf16"}, gpu) or "")
     monkeypatch.setattr(families, "GLUON_BWD_LARGE_DEFAULT", True)
@@ -568,8 +575,8 @@ def test_gluon_large_head_dim_backward_piece_sums_into_fp32(large_pkg, d, dv):
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", [False, True], ids=["default-tl", "switched-on"])
 def test_large_head_dim_backward_default_follows_the_switch(large_pkg, monkeypatch, switch):
-    """Untuned, a large call's backward runs `tl` unless families.GLUON_BWD_LARGE_DEFAULT
-    (FLASHGEN_GLUON_BWD_LARGE=1) says otherwise; with it, the Gluon kernel, right."""
+    """Untuned, a large call's backward runs the Gluon kernel, right, unless
+    families.GLUON_BWD_LARGE_DEFAULT is off (FLASHGEN_GLUON_BWD_LARGE=0): then `tl`."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
     rt = large_pkg._runtime

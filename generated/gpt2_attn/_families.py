@@ -186,7 +186,7 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
         return False  # (with mods as well: not measured, so `tl`)
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
-    if kind == "bwd" and head_dim in LARGE_BWD_QK_DIMS:  # (LARGE_HEAD_DIM_BWD: not run yet)
+    if kind == "bwd" and head_dim in LARGE_BWD_QK_DIMS:  # (LARGE_HEAD_DIM_BWD: the switch)
         return GLUON_BWD_LARGE_DEFAULT
     min_n = gluon_min_n(kind, dropout, head_dim)
     if min_n is not None:
@@ -359,16 +359,16 @@ LARGE_HEAD_DIM_FWD = {(256, 256): {"block_n": 64, "num_stages": 2},
 # Compiled for sm_90 (gluon_compile, Triton 3.6.0; tests/test_gluon_bwd.py, slow): no stack
 # frame in any tile above, the consumers' SASS up to R214 (d = 256) and R158 (192 / 128) of
 # the 240, shared memory 214,128 and 206,368 bytes at the defaults.
-# Not the Hopper default until a GPU has run it against float64 and timed it (written and
-# compiled offline, issue 47): FLASHGEN_GLUON_BWD_LARGE=1 when the package is imported makes
-# it the default at these dims; FLASHGEN_FAMILY=gluon and override_config(family="gluon")
-# run it too (the GPU tests: tests/test_gluon_bwd.py). Varlen, dropout and mods keep `tl`.
+# The Hopper default at these dims since its GPU tests passed (88 against float64 on an
+# H200) and it timed 2.05-2.59x the `tl` kernel, 0.79-1.22x cuDNN (192 causal the low end;
+# benchmarks/results/nvidia-h200-x4/bench_training_large_dims.md). FLASHGEN_GLUON_BWD_LARGE=0
+# when the package is imported sends it back to `tl`. Varlen, dropout and mods keep `tl`.
 LARGE_HEAD_DIM_BWD = {(256, 256): {"num_stages": 1, "dq_slots": 2},
                       (192, 128): {"num_stages": 2, "dq_slots": 2}}
 LARGE_BWD_ROWS = 64  # BLOCK_M = BLOCK_N: one wgmma M extent; half the rows a consumer's S^T
 LARGE_BWD_STAGES = (1, 2, 3)  # Q/dO ring depths (shared memory decides: d = 256 takes 1)
 DQ_UNIT = 64  # columns of a dQ reduce-add
-GLUON_BWD_LARGE_DEFAULT = os.environ.get("FLASHGEN_GLUON_BWD_LARGE", "") == "1"
+GLUON_BWD_LARGE_DEFAULT = os.environ.get("FLASHGEN_GLUON_BWD_LARGE", "1") != "0"
 LARGE_BWD_QK_DIMS = frozenset(qk for qk, _ in LARGE_HEAD_DIM_BWD)
 
 

@@ -50,8 +50,8 @@ def describe() -> str:
             min_n = gluon_min_n(v["kind"], v["dropout"], v["head_dim"])
             opt_in = f"; from N >= {min_n} (tl below, unless tuned)"
         elif v["kind"] == "bwd" and large_bwd(v["head_dim"], v.get("v_head_dim")):
-            opt_in = ("; opt-in until a GPU has run it: FLASHGEN_GLUON_BWD_LARGE=1, "
-                      "FLASHGEN_FAMILY=gluon or a tuned entry")
+            opt_in = ("; off (FLASHGEN_GLUON_BWD_LARGE=0): tl unless FLASHGEN_FAMILY=gluon "
+                      "or a tuned entry")
         else:
             opt_in = "; opt-in: tl unless tuned to it or FLASHGEN_FAMILY=gluon"
         # a block mask's backward at this config runs persistent or not as the runtime decides
