@@ -389,13 +389,16 @@ def test_unchecked_bad_values_are_clamped(pkg, monkeypatch, poison):
     assert (lse[1] == float("-inf")).all() and (out[1] == 0).all()
 
 
-def test_hot_path_reads_no_device_values(pkg, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "append_kernel"])
+def test_hot_path_reads_no_device_values(pkg, monkeypatch, fused):
     """A server's call with rotary, cache_batch_idx and cache_leftpad and the value checks
     off: no device value read on the host, a repeated call allocates out and the LSE and
-    launches the append and the attention kernel, nothing else."""
+    launches the attention kernel, which appends (FUSED_APPEND), or the append and then
+    the attention kernel (FLASHGEN_FUSED_APPEND=0), nothing else."""
     from test_decode import SYNCS, _CountOps, _no_sync, _RecordLaunches
 
     monkeypatch.setattr(pkg._decode, "CHECK_VALUES", False)
+    monkeypatch.setattr(pkg._decode, "FUSED_APPEND", fused)
     lens = [10, 20]
     q, k, v, k_cache, v_cache, _ = inputs(lens, 1, 1, 32, torch.float16, cache_rows=3)
     cos, sin = tables(32, 32, torch.float16)
@@ -420,4 +423,4 @@ def test_hot_path_reads_no_device_values(pkg, monkeypatch):
             with _CountOps() as counted:
                 call()
     assert counted.ops == ["empty"] * 2, counted.ops
-    assert [f for f, _ in launches.launches] == ["append", "kernel"]
+    assert [f for f, _ in launches.launches] == ["kernel"] if fused else ["append", "kernel"]
