@@ -178,7 +178,8 @@ def tables(seqlen_ro, rotary_dim, dtype, seed=5):
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def inputs(lens, n_q, n_new, capacity, dtype, *, page_size=None, cache_rows=None, seed=0):
+def inputs(lens, n_q, n_new, capacity, dtype, *, page_size=None, cache_rows=None, seed=0,
+           group=GROUP):
     """q, k, v and a cache whose unused positions (past each length, unused pages and
     cache rows) are NaN. Paged: the pool's pages shuffled, three spare ones. Returns
     (q, k, v, k_cache, v_cache, table)."""
@@ -188,7 +189,7 @@ def inputs(lens, n_q, n_new, capacity, dtype, *, page_size=None, cache_rows=None
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(dtype)
 
-    q = rnd(batch, n_q, H_KV * GROUP, D)
+    q = rnd(batch, n_q, H_KV * group, D)
     k, v = rnd(batch, n_new, H_KV, D), rnd(batch, n_new, H_KV, D)
     if page_size is None:
         rows = cache_rows or batch
@@ -294,6 +295,141 @@ def test_rotary_int_lens_and_no_rotary_kernels_unchanged(pkg, device, poison, mo
     assert sorted(p.kernel.meta["ROTARY_DIM"] for p in plans) == [0, 64]
     assert sorted(p.append.meta["ROTARY_DIM"] for p in plans) == [0, 64]
     assert plain.shape == (2, 1, H_KV * GROUP, D)
+
+
+# ---------------------------------------------------------------------------------------
+# the append in the attention launch (FUSED_APPEND): every program that covers new keys
+# takes them from k, v; one program a KV head writes them
+# ---------------------------------------------------------------------------------------
+FUSED = [
+    # interleaved, rotary_dim, n_q (= n_new), lens, page_size, group, num_splits, extra
+    (True, 64, 1, [0, 17, 36], None, 4, 3, None),
+    (False, 32, 3, [5, 0, 29], 16, 8, 1, None),  # rotary_dim < d, GQA 8:1
+    (True, 48, 7, [30, 9, 0], None, 4, 3, None),  # 30..36 straddle the splits [16, 32), [32, 37)
+    (False, 64, 7, [40, 1, 13], 64, 8, 2, None),  # 56 stacked rows: 4 row blocks need the keys
+    (True, 16, 3, [11, 33, 2], 256, 4, 4, None),
+    (False, 32, 3, [9, 30, 20], None, 4, 2, "batch_idx+leftpad"),
+    (True, 32, 1, [12, 24, 3], 16, 8, 3, "leftpad"),
+]
+
+
+@pytest.mark.parametrize("interleaved,rotary_dim,n,lens,page_size,group,splits,extra", FUSED,
+                         ids=[f"{'gptj' if c[0] else 'neox'}-r{c[1]}-n{c[2]}"
+                              f"{f'-paged{c[4]}' if c[4] else ''}-gqa{c[5]}-s{c[6]}"
+                              f"{f'-{c[7]}' if c[7] else ''}" for c in FUSED])
+def test_fused_rotary_append(pkg, device, poison, interleaved, rotary_dim, n, lens, page_size,
+                             group, splits, extra):
+    """The fused path against float64 (check_call: the caches bit for bit, the poisoned
+    rows untouched, no NaN): ragged lengths with 0, splits the new keys straddle, several
+    row blocks, pages of 16 / 64 / 256 shuffled, cache_batch_idx, cache_leftpad."""
+    assert pkg._decode.FUSED_APPEND, "FLASHGEN_FUSED_APPEND=0 in the environment"
+    kw = dict(cache_rows=5, seed=11) if extra and "batch_idx" in extra else dict(seed=11)
+    q, k, v, k_cache, v_cache, table = inputs(lens, n, n, 48, torch.float16,
+                                              page_size=page_size, group=group, **kw)
+    batch_idx = (torch.tensor([4, 0, 2], dtype=torch.int32)
+                 if extra and "batch_idx" in extra else None)
+    leftpad = (torch.tensor([min(3, s) for s in lens], dtype=torch.int32)
+               if extra and "leftpad" in extra else None)
+    poison_unused(k_cache, v_cache, lens, n, table=table, batch_idx=batch_idx, leftpad=leftpad)
+    cos, sin = tables(48, rotary_dim, torch.float16, seed=n)
+    kw = dict(causal=True, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved,
+              num_splits=splits)
+    for name, t in (("table", table), ("batch_idx", batch_idx), ("leftpad", leftpad)):
+        if t is not None:
+            kw[name] = t
+    check_call(pkg, device, q, k_cache, v_cache, k, v, lens, **kw)
+
+
+AB = [  # rotary, page_size, n_q, n_new, num_splits, causal
+    (True, None, 1, 1, 3, True),
+    (True, 16, 3, 3, 2, True),
+    (False, 5, 2, 2, 3, True),  # no rotary, a page index per key
+    (True, None, 1, 3, 1, False),  # every query at cache_seqlens
+]
+
+
+@pytest.mark.parametrize("rotary,page_size,n_q,n_new,splits,causal", AB,
+                         ids=[f"{'rotary' if c[0] else 'plain'}{f'-paged{c[1]}' if c[1] else ''}"
+                              f"-q{c[2]}n{c[3]}-s{c[4]}{'-causal' if c[5] else ''}" for c in AB])
+def test_fused_append_matches_the_append_kernel(pkg, device, poison, monkeypatch, rotary,
+                                                page_size, n_q, n_new, splits, causal):
+    """FLASHGEN_FUSED_APPEND=0 (the append kernel, then attention) and the fused launch
+    write the same cache bits: the same operations on the same values (in the interpreter
+    bit for bit; a GPU compiles the two rotations apart, so an FMA may round a key one ulp
+    the other way there). The outputs agree to the rounding of P: the fused launch takes
+    the new keys as a block of their own, so the online softmax's running maximum, which
+    P is scaled by before its rounding to bf16, steps differently."""
+    lens = [0, 21, 40 - n_new]
+    q, k, v, k_cache, v_cache, table = inputs(lens, n_q, n_new, 40, torch.bfloat16,
+                                              page_size=page_size, seed=13)
+    poison_unused(k_cache, v_cache, lens, n_new, table=table)
+    kw = dict(causal=causal, num_splits=splits, return_lse=True,
+              cache_seqlens=torch.tensor(lens, dtype=torch.int32, device=device))
+    if rotary:
+        cos, sin = tables(48, 48, torch.float32)
+        kw.update(rotary_cos=cos.to(device), rotary_sin=sin.to(device))
+    if table is not None:
+        kw["block_table"] = table.to(device)
+    got = {}
+    for fused in (False, True):
+        monkeypatch.setattr(pkg._decode, "FUSED_APPEND", fused)
+        caches = k_cache.to(device), v_cache.to(device)
+        with pkg._runtime.override_config(**SMALL_TILES), torch.no_grad():
+            out, lse = pkg.flash_attn_with_kvcache(q.to(device), *caches, k.to(device),
+                                                   v.to(device), **kw)
+        got[fused] = [t.cpu() for t in (*caches, out, lse)]
+    (k0, v0, out0, lse0), (k1, v1, out1, lse1) = got[False], got[True]
+    assert torch.equal(_bits(v0), _bits(v1))
+    assert not torch.isnan(out1).any()
+    if device == "cpu":
+        assert torch.equal(_bits(k0), _bits(k1))
+    else:
+        torch.testing.assert_close(k1, k0, atol=0, rtol=2 ** -7, equal_nan=True)
+    # (measured in the interpreter: at most one bf16 ulp of the output, 2e-3; LSE 5e-7)
+    torch.testing.assert_close(out1, out0, atol=2 ** -7, rtol=2 ** -7)
+    torch.testing.assert_close(lse1, lse0, atol=1e-4, rtol=1e-5)
+
+
+class _CountLaunches:
+    """Stands in for _runtime.kernel: records each launch's function and runs it (the
+    interpreter takes Triton's own `fn[grid](...)` path, the one the handle wraps)."""
+
+    def __init__(self, real):
+        self.real, self.launches = real, []
+
+    def __call__(self, name, function="kernel", family="tl"):
+        fn, launches = self.real(name, function, family), self.launches
+
+        class Handle:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launches.append(function)
+                    return fn[grid](*args, **kwargs)
+                return launch
+        return Handle()
+
+
+@pytest.mark.parametrize("page_size", [None, 16], ids=["contiguous", "paged16"])
+def test_one_launch_rotates_appends_and_attends(pkg, poison, monkeypatch, page_size):
+    """The launches a rotary append makes, counted as they run: one, the attention kernel
+    (split in 3, its splits merged in the same launch), and the answer is right; with
+    FLASHGEN_FUSED_APPEND=0 the append kernel runs first."""
+    monkeypatch.setattr(pkg._decode, "_plans", {})
+    lens, n = [7, 30, 18], 3
+    q, k, v, k_cache, v_cache, table = inputs(lens, n, n, 40, torch.float16,
+                                              page_size=page_size, seed=17)
+    poison_unused(k_cache, v_cache, lens, n, table=table)
+    cos, sin = tables(40, 32, torch.float16)
+    kw = dict(causal=True, rotary_cos=cos, rotary_sin=sin, num_splits=3)
+    if table is not None:
+        kw["table"] = table
+    for fused, want in ((True, ["kernel"]), (False, ["append", "kernel"])):
+        monkeypatch.setattr(pkg._decode, "FUSED_APPEND", fused)
+        counter = _CountLaunches(pkg._runtime.kernel)
+        with monkeypatch.context() as m:
+            m.setattr(pkg._runtime, "kernel", counter)
+            check_call(pkg, "cpu", q, k_cache.clone(), v_cache.clone(), k, v, lens, **kw)
+        assert counter.launches == want
 
 
 # ---------------------------------------------------------------------------------------
