@@ -376,6 +376,56 @@ def test_rotary_append_into_int8_cache(pkg, poison, page, interleaved):
     torch.testing.assert_close(lse.double(), ref_lse, atol=ROT_LSE_ATOL, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype, per, page", [(FP8, "head", None), (INT8, "token", 16),
+                                             (FP8, "token", 24), (INT8, "tensor", None)],
+                         ids=["fp8_head", "int8_token_paged16", "fp8_token_paged24",
+                              "int8_tensor"])
+def test_fused_rotary_append_matches_the_append_kernel(pkg, device, poison, monkeypatch, dtype,
+                                                       per, page):
+    """The append in the attention launch (FUSED_APPEND) quantizes the rotated keys and the
+    values as the append kernel does (FLASHGEN_FUSED_APPEND=0): the same cache bytes and
+    per-token scales (in the interpreter bit for bit), and the output it attends over the
+    new rows in registers agrees (to the rounding of P: they are a block of their own)."""
+    gen = torch.Generator().manual_seed(21)
+    before, n_new, group, h_kv, d, rot = [0, 13, 37], 3, 4, 2, 32, 16
+    batch, capacity = 3, 40
+    table = None
+    shape = (batch, capacity, h_kv, d)
+    if page is not None:
+        table, num_blocks = paged(batch, capacity, page, gen)
+        shape = (num_blocks, page, h_kv, d)
+    kq, ks = pkg.quantize_kv_cache(raw(shape, gen), dtype, per)
+    vq, vs = pkg.quantize_kv_cache(raw(shape, gen), dtype, per)
+    k_new, v_new = (raw((batch, n_new, h_kv, d), gen).to(torch.bfloat16) * 3 for _ in range(2))
+    q = torch.randn(batch, n_new, h_kv * group, d, generator=gen).to(torch.bfloat16)
+    angles = torch.rand(64, rot // 2, generator=gen, dtype=torch.float64) * 6.3
+    kw = dict(rotary_cos=angles.cos().float().to(device), rotary_sin=angles.sin().float().to(device),
+              rotary_interleaved=page is None, causal=True, num_splits=3, return_lse=True,
+              cache_seqlens=torch.tensor(before, dtype=torch.int32, device=device),
+              block_table=None if table is None else table.to(device))
+    got = {}
+    for fused in (False, True):
+        monkeypatch.setattr(pkg._decode, "FUSED_APPEND", fused)
+        cache = [t.to(device) for t in (kq, vq, ks, vs)]
+        with pkg._runtime.override_config(**TILES), torch.no_grad():
+            out, lse = pkg.flash_attn_with_kvcache(q.to(device), cache[0], cache[1],
+                                                   k_new.to(device), v_new.to(device),
+                                                   k_scale=cache[2], v_scale=cache[3], **kw)
+        got[fused] = [t.cpu() for t in (*cache, out, lse)]
+    for i, name in enumerate(("k_cache", "v_cache", "k_scale", "v_scale")):
+        a, b = got[False][i], got[True][i]
+        if device == "cpu" or name.startswith("v"):
+            assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
+                               b.view(torch.uint8) if b.element_size() == 1 else b), name
+        elif a.element_size() == 1:  # a rotated key one bf16 ulp apart: one code at most
+            assert (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs().max() <= 1, name
+        else:
+            torch.testing.assert_close(b, a, rtol=2 ** -7, atol=0)
+    assert not torch.isnan(got[True][4]).any()
+    torch.testing.assert_close(got[True][4], got[False][4], atol=2 ** -7, rtol=2 ** -7)
+    torch.testing.assert_close(got[True][5], got[False][5], atol=1e-4, rtol=1e-5)
+
+
 def test_append_into_fp8_cache_uses_the_head_scales_and_saturates(pkg, device, poison):
     gen = torch.Generator().manual_seed(12)
     batch, capacity, h_kv, group, d = 3, 24, 2, 4, 32
