@@ -200,10 +200,16 @@ def _plain_launches(kind: str, config: dict, row64: bool = False, dims=None):
         # (without rotary, cache_batch_idx and cache_leftpad: their code is compiled out)
         plain = dict(ROTARY_DIM=0, ROTARY_INTERLEAVED=False, BATCH_IDX=False)
         form = dict(PAGED=True, PAGE_BLOCKS=True, PER_ROW_LENS=True, SPLIT=True,
-                    STORE_LSE=True, V_IS_K=False, LEFT_PAD=False, BLOCK_M=bm, BLOCK_N=bn, **plain)
+                    STORE_LSE=True, V_IS_K=False, LEFT_PAD=False, FUSED_APPEND=False,
+                    BLOCK_M=bm, BLOCK_N=bn, **plain)
         out = [("kernel", form, w, s)]
         if dv <= d:
             out.append(("kernel", dict(form, V_IS_K=True), w, s))
+        # a decode step that appends its token in the same launch, rotated (GPT-NeoX over all
+        # of d, Llama's): the new keys' tile and the write come on top of the key loop's
+        # (not a latent cache's: rotary is refused there, and its V_IS_K keeps the append kernel)
+        if dv == d:
+            out.append(("kernel", dict(form, FUSED_APPEND=True, ROTARY_DIM=d - d % 2), w, s))
         next_pow2 = lambda n: 1 << max(n - 1, 0).bit_length()  # noqa: E731
         out.append(("append", dict(PAGED=True, PER_ROW_LENS=True, BLOCK_H=8,
                                    BLOCK_D=next_pow2(d), BLOCK_DV=next_pow2(dv), **plain), 4, 3))
@@ -351,6 +357,8 @@ def compile_spec(spec_path, capability: int | None = None, variants=None, log=No
                                                          function == "invariant")
             tile = "x".join(str(constexprs[k]) for k in ("BLOCK_M", "BLOCK_N") if k in constexprs)
             cfg = f"{tile}w{warps}s{stages}" + (" V_IS_K" if constexprs.get("V_IS_K") else "")
+            if constexprs.get("FUSED_APPEND"):
+                cfg += " rotary append"
             if function == "invariant":
                 cfg += " fold" if constexprs["FOLD"] else " workspace"
             if constexprs.get("KV_QUANT"):  # a quantized cache's form

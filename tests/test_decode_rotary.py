@@ -390,6 +390,30 @@ def test_fused_append_matches_the_append_kernel(pkg, device, poison, monkeypatch
     torch.testing.assert_close(lse1, lse0, atol=1e-4, rtol=1e-5)
 
 
+GPU_FUSED = [  # interleaved, rotary_dim, n, page_size, group
+    (False, 64, 1, None, 4), (True, 32, 3, 16, 8), (False, 48, 7, 64, 4), (True, 64, 1, 256, 8),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved,rotary_dim,n,page_size,group", GPU_FUSED,
+                         ids=[f"{'gptj' if c[0] else 'neox'}-r{c[1]}-n{c[2]}"
+                              f"{f'-paged{c[3]}' if c[3] else ''}-gqa{c[4]}" for c in GPU_FUSED])
+def test_gpu_fused_rotary_append_planned_tiles(pkg, poison, interleaved, rotary_dim, n,
+                                               page_size, group):
+    """The fused path at the planner's tiles and split count over caches of thousands of
+    keys (a page per key block, or per key), ragged, one empty."""
+    lens = [4100, 0, 2999, 1]
+    q, k, v, k_cache, v_cache, table = inputs(lens, n, n, 4112, torch.bfloat16,
+                                              page_size=page_size, group=group, seed=19)
+    poison_unused(k_cache, v_cache, lens, n, table=table)
+    cos, sin = tables(4112, rotary_dim, torch.bfloat16, seed=n)
+    kw = dict(causal=True, rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    if table is not None:
+        kw["table"] = table
+    check_call(pkg, "cuda", q, k_cache, v_cache, k, v, lens, tiles={}, **kw)
+
+
 class _CountLaunches:
     """Stands in for _runtime.kernel: records each launch's function and runs it (the
     interpreter takes Triton's own `fn[grid](...)` path, the one the handle wraps)."""

@@ -22,8 +22,13 @@ flashgen is called as a server would call it: cache_seqlens is an int32 tensor o
 and the call reads no device value on the host (no sync; the grid comes from the cache
 capacity), so host time and GPU time overlap as they would in a serving loop. Rows:
   flashgen_s{S}          contiguous cache, num_splits S (0 = the heuristic)
-  flashgen_append_s0     the same plus one new k/v token appended in place (the append
-                         kernel + attention over L keys, the last of them the new one)
+  flashgen_append_s0     the same plus one new k/v token appended in place (attention over
+                         L keys, the last of them the new one, appended by the same launch)
+  flashgen_rotary_append_s0, flashgen_rotary_append_unfused_s0 (and flashgen_paged_...)
+                         the same step with rotary (GPT-NeoX halves over all of d): q and the
+                         new key rotated at position L - 1 and the key written rotated -- one
+                         launch, against flashgen_s0 (paged_s0) for issue 49's <= 1.1x bar;
+                         _unfused: FUSED_APPEND off, the append kernel launched first
   flashgen_graph_s0      the flashgen_s0 call captured in a CUDA graph and replayed: the GPU
                          time alone, without Python/launch overhead (possible now that the
                          call never syncs)
@@ -69,6 +74,37 @@ fg = None  # the generated package under test (llama_attn's kind: d=128, GQA, de
 
 H_Q, H_KV, D = 32, 8, 128
 TOL = 2e-2  # bf16 output against the float32 reference
+
+
+def rotate_neox(x, cos, sin, pos):
+    """x (..., d) rotated at the tables' row pos, GPT-NeoX halves over all of d: in float32,
+    rounded to x's dtype (as the kernels round the rotated q and k)."""
+    c, s = cos[pos].float(), sin[pos].float()
+    x1, x2 = x[..., :D // 2].float(), x[..., D // 2:].float()
+    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], -1).to(x.dtype)
+
+
+def rotary_reference(q, k_cache, v_cache, k_new, n, cos, sin):
+    """The rotary append's reference (rotary_rows): its new key lands rotated on the last
+    cached key, so it is element 0's keys with that one rotated, and q rotated at n - 1."""
+    k_ref = k_cache[0:1, :n].clone()
+    k_ref[0, n - 1] = rotate_neox(k_new[0, 0], cos, sin, n - 1)
+    return reference_b0(rotate_neox(q[0:1], cos, sin, n - 1), k_ref, v_cache[0:1], n)
+
+
+def rotary_rows(run, fg, q, caches, k_new, v_new, before, cos, sin, ref, paged="", **kw):
+    """Time the rotary append (rows flashgen_{paged}rotary_append[_unfused]_s0), fused and
+    with the append kernel first (FUSED_APPEND off)."""
+    for suffix, fused in (("", True), ("_unfused", False)):
+        saved = fg._decode.FUSED_APPEND
+        fg._decode.FUSED_APPEND = fused  # (part of the plan key: read per call)
+        try:
+            run(f"flashgen_{paged}rotary_append{suffix}_s0",
+                lambda: lambda: fg.flash_attn_with_kvcache(
+                    q, caches[0], caches[1], k_new, v_new, cache_seqlens=before, causal=True,
+                    rotary_cos=cos, rotary_sin=sin, rotary_interleaved=False, **kw), ref)
+        finally:
+            fg._decode.FUSED_APPEND = saved
 
 
 def reference_b0(q, k_cache, v_cache, n):
@@ -234,6 +270,13 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                 before = seqlens - 1
                 run("flashgen_append_s0", lambda: lambda: fg.flash_attn_with_kvcache(
                     q, k_cache, v_cache, k_new, v_new, cache_seqlens=before, causal=True))
+                angles = torch.rand(n, D // 2, device=dev, dtype=torch.float64) * 6.283
+                cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+                last = k_cache[:, n - 1].clone()
+                rot_ref = rotary_reference(q, k_cache, v_cache, k_new, n, cos, sin)
+                rotary_rows(run, fg, q, (k_cache, v_cache), k_new, v_new, before, cos, sin,
+                            rot_ref)
+                k_cache[:, n - 1] = last  # (the rows below read the keys as they were)
                 if graph:
                     run("flashgen_graph_s0", lambda: graph_provider(flashgen))
                 run("flashgen_bi_s0", lambda: lambda: fg.flash_attn_with_kvcache(
@@ -292,6 +335,9 @@ def bench(bs=(8, 1), ns=(4096, 16384, 65536), splits=(0,), page=256, graph=True,
                     else:
                         run("fa4_paged", lambda: lambda: bench_fa4.decode(
                             fa4, q, k_pool, v_pool, seqlens, table))
+                    # (last: it rewrites the last key, rotated)
+                    rotary_rows(run, fg, q, (k_pool, v_pool), k_new, v_new, before, cos, sin,
+                                rot_ref, "paged_", block_table=table)
                     del k_pool, v_pool
                     for kv, (kq, vq, ks, vs, per) in quant.items():
                         pool = [to_pages(t, table, page) for t in (kq, vq)]

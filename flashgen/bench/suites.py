@@ -79,8 +79,8 @@ TRAINING_PROVIDERS = ("flashgen", "flashgen_tl", "sdpa_flash", "sdpa_cudnn", "fa
 FP8_PROVIDERS = ("flashgen_fp8", "flashgen_fp8_gluon", "cudnn_fp8")
 DROPOUT_PROVIDERS = ("flashgen_p0", "flashgen", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient",
                      "naive")
-# decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_graph_s0, flashgen_paged_*,
-# flashgen_fp8kv_s0, flashgen_int8kv_s0 (and paged), flashgen_bi_s0 (and paged), sdpa_flash,
+# decode.py's own rows: flashgen_s0, flashgen_append_s0, flashgen_rotary_append[_unfused]_s0,
+# flashgen_graph_s0, flashgen_paged_*, flashgen_fp8kv_s0, flashgen_int8kv_s0 (and paged), flashgen_bi_s0 (and paged), sdpa_flash,
 # sdpa_cudnn, fa4, fa4_paged, flex; --providers filters them by prefix
 DECODE_PROVIDERS = ("flashgen", "flashgen_fp8kv", "flashgen_int8kv", "flashgen_bi", "sdpa_flash",
                     "sdpa_cudnn", "fa4", "flex")

@@ -102,6 +102,10 @@ LN2 = tl.constexpr(0.6931471805599453)
 # 8 splits of a 32-row tile at V_DIM 128 spilled 600 B a thread at 4 warps (sm_90 offline;
 # planner_core.decode_split_chunk)
 SPLIT_PAIRS = tl.constexpr(16)
+# FUSED_APPEND: the new keys' tile, in rows: a decode step appends one to a few tokens, and
+# 16 is the smallest tile tl.dot takes (a [BLOCK_N, d] tile rotated in fp32 would hold
+# four of them in registers: 256 a thread at BLOCK_N 64, d 128, 4 warps)
+NEW_N = tl.constexpr(16)
 
 
 @triton.jit
@@ -135,7 +139,7 @@ def _rotate(x, rows, offs_d, row_ok, pos, COS, SIN, stride_ro, ROTARY_DIM: tl.co
 # keep Triton from specialising on their values so a new length reuses the binary.
 @triton.jit(do_not_specialize=["N_Q", "LEN_ADD", "H_Q", "KV_GROUP", "WIN_LEFT", "WIN_RIGHT",
                                "CAPACITY", "NUM_BLOCKS", "LP_OFF", "RO_OFF", "SEQLEN_RO",
-                               "CACHE_ROWS"])
+                               "CACHE_ROWS", "N_NEW"])
 def decode_causal_d576v512_bf16_kernel(
     Q, K, V,  # Q: (B, N_Q, H_Q, d); K, V: cache (B, N_cache, H_kv, d / dv) or pages (P, PAGE_SIZE, H_kv, d / dv)
     O, LSE,  # one split: O (B, N_Q, H_Q, dv) (written), LSE (B, H_Q, N_Q) fp32 contiguous (if STORE_LSE)
@@ -168,6 +172,10 @@ def decode_causal_d576v512_bf16_kernel(
     RO_Q_STEP,  # 1 with causal or a window, else 0 (flash-attn: every query at cache_seqlens)
     SEQLEN_RO,  # rows of the tables: rotary positions are clamped below it
     CACHE_ROWS,  # k_cache.shape[0]: CACHE_IDX values are clamped below it
+    KN, VN,  # FUSED_APPEND: the new keys (B, N_NEW, H_kv, d) and values (B, N_NEW, H_kv, dv)
+    stride_knb, stride_knn, stride_knh,
+    stride_vnb, stride_vnn, stride_vnh,
+    N_NEW,  # FUSED_APPEND: new tokens, the last N_NEW of the L_b keys (else 0)
     PAGED: tl.constexpr,
     PAGE_BLOCKS: tl.constexpr,  # PAGED and PAGE_SIZE % BLOCK_N == 0: one page load per key block
     PER_ROW_LENS: tl.constexpr,  # SEQLENS holds one length per batch element
@@ -178,6 +186,7 @@ def decode_causal_d576v512_bf16_kernel(
     ROTARY_INTERLEAVED: tl.constexpr,
     BATCH_IDX: tl.constexpr,
     LEFT_PAD: tl.constexpr,
+    FUSED_APPEND: tl.constexpr,  # append KN, VN here (write_new) instead of the append kernel
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -242,12 +251,23 @@ def decode_causal_d576v512_bf16_kernel(
     blocks_per_split = tl.cdiv(tl.cdiv(hi - lo, BLOCK_N), num_splits)
     start = lo + split * blocks_per_split * BLOCK_N
     end = tl.minimum(start + blocks_per_split * BLOCK_N, hi)  # start >= end: an empty split
-    # [start, mid_lo) and [mid_hi, end) straddle an edge; [mid_lo, mid_hi) is seen in full
-    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
-    mid_hi = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, end), mid_lo)
     # an empty split (past the end of a short element) loads nothing: its query loads are
     # masked off, its loops run zero times, it stores only lse = -inf
     load_q = offs_r < tl.where(start < end, n_rows, 0)  # [BLOCK_M]: row_ok, or none
+    if FUSED_APPEND:
+        # keys [new_lo, L_b) are this call's: phases 1-3 read the cache below new_lo, phase
+        # 4 takes [new_start, new_end) of this split from KN / VN
+        new_lo = tl.maximum(n_k - N_NEW, 0)
+        new_start = tl.maximum(start, new_lo)
+        new_end = end
+        end = tl.minimum(end, new_lo)
+        full_hi = tl.minimum(full_hi, new_lo)  # (so mid_hi stays a block edge)
+        kn_base = KN + b64 * stride_knb + kv_h.to(tl.int64) * stride_knh
+        vn_base = VN + b64 * stride_vnb + kv_h.to(tl.int64) * stride_vnh
+        offs_t = tl.arange(0, NEW_N)  # [NEW_N]
+    # [start, mid_lo) and [mid_hi, end) straddle an edge; [mid_lo, mid_hi) is seen in full
+    mid_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, start), end)
+    mid_hi = tl.maximum(tl.minimum((full_hi // BLOCK_N) * BLOCK_N, end), mid_lo)
     last_pos = tl.maximum(n_k - 1, 0)  # page-index loads never pass the last key's page
 
     # ------------------------------------------------------------------------------------
@@ -270,6 +290,54 @@ def decode_causal_d576v512_bf16_kernel(
     accv0 = tl.zeros([BLOCK_M, DV0_SIZE], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
+    if FUSED_APPEND:
+        # FUSED_APPEND: the new keys and values go into the cache here, in the attention launch.
+        # One program per (batch element, KV head) -- its first row block's last split --
+        # writes that head's rows, whatever its own share of the keys; no program of the launch
+        # reads a cache row at or past new_lo (the new keys come from KN / VN: phase 4), so no
+        # program reads what another writes. Positions, pages and cache rows as the append
+        # kernel takes them: a token outside [0, CAPACITY), on a page outside the pool or for a
+        # cache row outside [0, CACHE_ROWS) is not written.
+        if (tl.program_id(1) == 0) & (split == num_splits - 1):
+            for t0 in range(0, N_NEW, NEW_N):
+                t_w = t0 + offs_t  # [NEW_N] new tokens
+                pos_w = LEN_ADD - N_NEW + t_w  # their cache positions (LEN_ADD counts them)
+                if PER_ROW_LENS:
+                    pos_w += tl.load(SEQLENS + b)
+                ok_w = (t_w < N_NEW) & (pos_w >= 0) & (pos_w < CAPACITY)
+                ro_w = tl.minimum(tl.maximum(pos_w, 0), SEQLEN_RO - 1)
+                pos_w = tl.minimum(tl.maximum(pos_w, 0), CAPACITY - 1)  # addresses stay in range
+                if PAGED:
+                    page_w = tl.load(bt_row + pos_w // PAGE_SIZE)
+                    ok_w = ok_w & (page_w >= 0) & (page_w < NUM_BLOCKS)
+                    page_w = tl.minimum(tl.maximum(page_w, 0), NUM_BLOCKS - 1).to(tl.int64)
+                    slot_w = (pos_w % PAGE_SIZE).to(tl.int64)
+                    k_dst = k_base + page_w * stride_kp + slot_w * stride_kn  # [NEW_N]
+                    v_dst = v_base + page_w * stride_vp + slot_w * stride_vn
+                else:
+                    if BATCH_IDX:  # (kv_bases clamped the row; a bad one is not written)
+                        idx_w = tl.load(CACHE_IDX + b)
+                        ok_w = ok_w & (idx_w >= 0) & (idx_w < CACHE_ROWS)
+                    k_dst = k_base + pos_w.to(tl.int64) * stride_kn
+                    v_dst = v_base + pos_w.to(tl.int64) * stride_vn
+                # FUSED_APPEND: this KV head's new keys and values at rows t = t_w [NEW_N] of KN /
+                # VN (ok_w: which exist), as the append kernel makes them -- keys rotated at the
+                # tables' rows ro_w, both quantized for a 1-byte cache (its per-token scales in
+                # nk_scale, nv_scale) -- in the cache's dtype: the same operations, so the same bits
+                kn_rows = kn_base + (t_w).to(tl.int64)[:, None] * stride_knn  # [NEW_N, 1]
+                vn_rows = vn_base + (t_w).to(tl.int64)[:, None] * stride_vnn
+                wk0 = tl.load(kn_rows + offs_d0[None, :], mask=ok_w[:, None], other=0.0)  # [NEW_N, D0_SIZE]
+                if ROTARY_DIM > D0_OFFSET:
+                    wk0 = _rotate(wk0, kn_rows, offs_d0, ok_w[:, None], ro_w[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
+                wk1 = tl.load(kn_rows + offs_d1[None, :], mask=ok_w[:, None], other=0.0)  # [NEW_N, D1_SIZE]
+                if ROTARY_DIM > D1_OFFSET:
+                    wk1 = _rotate(wk1, kn_rows, offs_d1, ok_w[:, None], ro_w[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
+                wvv0 = tl.load(vn_rows + offs_dv0[None, :], mask=ok_w[:, None], other=0.0)  # [NEW_N, DV0_SIZE]
+
+                tl.store(k_dst[:, None] + offs_d0[None, :], wk0, mask=ok_w[:, None])
+                tl.store(k_dst[:, None] + offs_d1[None, :], wk1, mask=ok_w[:, None])
+                tl.store(v_dst[:, None] + offs_dv0[None, :], wvv0, mask=ok_w[:, None])
+
 
     # Phase 1: blocks on the lower (left) edge of a sliding window or the left padding, masked
     if MASK_LEFT or LEFT_PAD:
@@ -451,6 +519,51 @@ def decode_causal_d576v512_bf16_kernel(
             vv0 = tl.load(v_base + v_rows[:, None] + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [BLOCK_N, DV0_SIZE]
         accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
         m_i = m_new
+
+    # Phase 4 (FUSED_APPEND): this split's share of the new keys, from registers, masked
+    if FUSED_APPEND:
+        end = new_end
+        for n0 in range(new_start, new_end, NEW_N):
+            pos = n0 + offs_t  # [NEW_N] cache positions of these new keys
+            key_ok = pos < end  # [BLOCK_N]; end <= L_b
+            if LEFT_PAD:
+                key_ok = key_ok & (pos >= key_lo)
+            # this call's new keys (FUSED_APPEND), from KN / VN as the cache receives them
+            ro_new = tl.minimum(tl.maximum(pos, 0), SEQLEN_RO - 1)  # (rotary: the tables' rows)
+            # FUSED_APPEND: this KV head's new keys and values at rows t = pos - new_lo [NEW_N] of KN /
+            # VN (key_ok: which exist), as the append kernel makes them -- keys rotated at the
+            # tables' rows ro_new, both quantized for a 1-byte cache (its per-token scales in
+            # nk_scale, nv_scale) -- in the cache's dtype: the same operations, so the same bits
+            kn_rows = kn_base + (pos - new_lo).to(tl.int64)[:, None] * stride_knn  # [NEW_N, 1]
+            vn_rows = vn_base + (pos - new_lo).to(tl.int64)[:, None] * stride_vnn
+            k0 = tl.load(kn_rows + offs_d0[None, :], mask=key_ok[:, None], other=0.0)  # [NEW_N, D0_SIZE]
+            if ROTARY_DIM > D0_OFFSET:
+                k0 = _rotate(k0, kn_rows, offs_d0, key_ok[:, None], ro_new[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
+            k1 = tl.load(kn_rows + offs_d1[None, :], mask=key_ok[:, None], other=0.0)  # [NEW_N, D1_SIZE]
+            if ROTARY_DIM > D1_OFFSET:
+                k1 = _rotate(k1, kn_rows, offs_d1, key_ok[:, None], ro_new[:, None], COS, SIN, stride_ro, ROTARY_DIM, ROTARY_INTERLEAVED)
+            vv0 = tl.load(vn_rows + offs_dv0[None, :], mask=key_ok[:, None], other=0.0)  # [NEW_N, DV0_SIZE]
+
+            # scores of this block, in log2 units: [BLOCK_M, BLOCK_N]
+            s = tl.dot(q0, tl.trans(k0)) + tl.dot(q1, tl.trans(k1))
+            s = s * QK_SCALE_LOG2
+            # this block straddles an edge of the band or of the split: hide what a row may not see
+            visible = key_ok[None, :]
+            if MASK_RIGHT:
+                visible = visible & (pos[None, :] <= q_pos[:, None] + WIN_RIGHT)
+            if MASK_LEFT:
+                visible = visible & (pos[None, :] >= q_pos[:, None] - WIN_LEFT)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [BLOCK_M]
+            # a row that has seen no visible key yet keeps m = -inf; subtract 0 instead so
+            # exp2 gives 0 rather than exp2(-inf - -inf) = NaN
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)  # [BLOCK_M] rescales what was accumulated so far
+            p = tl.exp2(s - m_ref[:, None])  # [BLOCK_M, BLOCK_N]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p = p.to(V.dtype.element_ty)
+            accv0 = accv0 * alpha[:, None] + tl.dot(p, vv0)  # [BLOCK_M, DV0_SIZE]
+            m_i = m_new
 
     # ------------------------------------------------------------------------------------
     # Epilogue: normalise by this split's row sum; a row that saw no key gives 0 and -inf
