@@ -7,8 +7,9 @@ and `cache_leftpad`, with flash-attn 2's semantics:
     key t of element b at position cache_seqlens[b] + t (the cache index it is written
     to; cache_leftpad does not shift it), query i at cache_seqlens[b] + i with causal or a
     window, else every query at cache_seqlens[b]. The cache receives the rotated keys; v
-    is written as it is. The append kernel rotates the keys, the attention kernel the
-    queries as it loads them: the same two launches as a plain append.
+    is written as it is. The attention kernel rotates the queries as it loads them, and
+    the keys as it appends them (_decode.FUSED_APPEND; else the append kernel, launched
+    first, rotates them): one launch, as a plain append.
   * cache_batch_idx[b]: the row of a contiguous cache (B_cache, N_cache, H_kv, d) that
     batch element b reads and appends to (a paged cache has its block table instead).
   * cache_leftpad[b]: element b's keys start at cache position cache_leftpad[b]; the

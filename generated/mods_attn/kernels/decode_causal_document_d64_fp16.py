@@ -20,14 +20,21 @@ Head dim 64 for Q and K, 64 for V and the output, fp16 inputs, mask `causal`. Tw
   computed against the largest lse_s, so it cannot overflow; a split that saw no key has
   lse_s = -inf and weight 0, and a row no split saw gets out = 0, lse = -inf. Doing it
   here saves the second ("combine") launch that splitting used to cost.
+  With FUSED_APPEND it also appends this call's N_NEW new keys and values (KN, VN), the
+  last N_NEW of the L_b keys: its phase 4 attends them from KN / VN (rotated and quantized
+  in registers, as the append kernel would write them) and phases 1-3 read the cache only
+  below them; one program per (batch element, KV head) writes them (write_new). So no
+  program reads a cache row any program of the launch writes, and rotate + append +
+  attention (+ the split reduction) is one launch.
 
 `decode_causal_document_d64_fp16_append` -- one program per (batch element, new token): copies the new keys and
   values of all KV heads into the cache in place (through the block table when paged),
-  before the attention kernel runs on the same stream.
+  before the attention kernel runs on the same stream (FUSED_APPEND off, the
+  batch-invariant kernel, a latent cache: V_IS_K).
 
 flash-attn's extras, each a constexpr switch (off: the kernels are the plain ones):
-ROTARY_DIM > 0 rotates the first ROTARY_DIM dims of the new keys in the append (the cache
-receives them rotated) and of the queries as the attention kernel loads them (_rotate:
+ROTARY_DIM > 0 rotates the first ROTARY_DIM dims of the new keys where they are appended
+(the cache receives them rotated) and of the queries as the attention kernel loads them (_rotate:
 pairs (2i, 2i+1) with ROTARY_INTERLEAVED, else (i, i + ROTARY_DIM / 2); fp32 arithmetic,
 rounded to the input dtype). BATCH_IDX reads cache row CACHE_IDX[b] for batch element b
 (contiguous caches); LEFT_PAD hides the keys before LEFTPAD[b].
@@ -44,7 +51,8 @@ workspace is torch.empty, not zeroed).
 
 Key lengths are ragged: batch element b attends to its first L_b = SEQLENS[b] + LEN_ADD
 cache positions (LEN_ADD = N_new; with one length for the whole batch there is no SEQLENS
-tensor and LEN_ADD carries it). The new keys were appended in place before the launch.
+tensor and LEN_ADD carries it). The new keys were appended in place before the launch, or
+are appended by it (FUSED_APPEND).
 Query token i sits at cache position L_b - N_Q + i, and key j is visible to it when
     j < L_b,  j <= pos + WIN_RIGHT (MASK_RIGHT),  j >= pos - WIN_LEFT (MASK_LEFT).
 The splits partition the key blocks the program's rows can see at all (the band), so a
