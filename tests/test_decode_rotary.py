@@ -310,6 +310,7 @@ FUSED = [
     (True, 16, 3, [11, 33, 2], 256, 4, 4, None),
     (False, 32, 3, [9, 30, 20], None, 4, 2, "batch_idx+leftpad"),
     (True, 32, 1, [12, 24, 3], 16, 8, 3, "leftpad"),
+    (False, 64, 20, [0, 9, 28], 16, 4, 3, None),  # more new keys than a tile of NEW_N = 16
 ]
 
 
