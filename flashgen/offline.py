@@ -256,8 +256,8 @@ def _variant_launches(spec, variant, plan, row64: bool = False):
 
 def invariant_launches(spec, variant, plan, kv_quant: bool = False) -> list:
     """The batch-invariant kernel's forms (templates/decode_invariant.py.j2, which
-    decode.py.j2 includes) at its pinned tile (planner_core.invariant_decode_tile): a decode step (paged, the splits shared by
-    several programs and folded from the workspace) and a packed training forward (one
+    decode.py.j2 includes) at its pinned tile (planner_core.invariant_decode_tile): a
+    decode step (paged, the splits shared by several programs and folded from the workspace) and a packed training forward (one
     program a tile folding in registers); compiled with fp fusion off, as the package
     launches it (compile_kernel's options)."""
     from . import planner_core

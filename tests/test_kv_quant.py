@@ -399,8 +399,8 @@ def test_fused_rotary_append_matches_the_append_kernel(pkg, device, poison, monk
     k_new, v_new = (raw((batch, n_new, h_kv, d), gen).to(torch.bfloat16) * 3 for _ in range(2))
     q = torch.randn(batch, n_new, h_kv * group, d, generator=gen).to(torch.bfloat16)
     angles = torch.rand(64, rot // 2, generator=gen, dtype=torch.float64) * 6.3
-    kw = dict(rotary_cos=angles.cos().float().to(device), rotary_sin=angles.sin().float().to(device),
-              rotary_interleaved=page is None, causal=True, num_splits=3, return_lse=True,
+    kw = dict(rotary_cos=angles.cos().float().to(device),
+              rotary_sin=angles.sin().float().to(device), rotary_interleaved=page is None, causal=True, num_splits=3, return_lse=True,
               cache_seqlens=torch.tensor(before, dtype=torch.int32, device=device),
               block_table=None if table is None else table.to(device))
     got = {}
