@@ -46,6 +46,10 @@ class GluonResources:
     # the SASS tensor-core forms, e.g. "QGMMA.64x128x32.F32.E4M3.E4M3 RS" (A from registers)
     # or "... SS" (A from shared memory); () where nvdisasm could not read the cubin
     gmma_forms: tuple = ()
+    # TMA loads (cp.async.bulk.tensor, global to shared) in the PTX: a paged forward's
+    # producer issues a box a page (and Triton splits a box wider than the swizzle's 128
+    # bytes into one message per 64 columns)
+    tma_loads: int = 0
 
     def row(self) -> str:
         return (f"| {self.variant} | {self.config} | {self.shared} | {self.registers} | "
@@ -189,18 +193,23 @@ def _compile_sm90(fn, name: str, tile: str, const: dict, pointers: dict, num_war
         setmaxnreg=tuple(sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)})),
         wgmma_notes=_wgmma_notes(buf.getvalue()),
         loop_spills=_key_loop_spills(compiled.asm["cubin"], any_wgmma=any_wgmma),
-        gmma_forms=gmma_forms(compiled.asm["cubin"]))
+        gmma_forms=gmma_forms(compiled.asm["cubin"]),
+        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\d+d\.shared::cluster\.global", ptx)))
 
 
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                     mod_types: dict | None = None, varlen: bool = False,
-                    persistent: bool = False, v_dim: int | None = None) -> GluonResources:
+                    persistent: bool = False, v_dim: int | None = None,
+                    page_size: int = 0) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
     the signature types of the variant's mod arguments, see mod_arg_types; varlen: the
     packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one; persistent:
     a block-mask backward's PERSISTENT form, its WORK counter an int32 pointer -- the
     runtime's GLUON_BWD_PERSISTENT_MASKS -- else WORK is None, as the runtime passes it;
-    v_dim: V's head dim where it is not Q's)."""
+    v_dim: V's head dim where it is not Q's; page_size: the forward's paged form, VARLEN
+    over a paged KV cache read through an int32 block table, as the runtime launches it for
+    chunked prefill -- implies varlen)."""
+    varlen = varlen or page_size > 0
     from triton.experimental.gluon import language as gl
 
     fn = getattr(module, f"{name}_kernel")
@@ -279,6 +288,13 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                              [1, 1, v_pad, config["block_n"]], f8))
             pointers.update(Q="fp8e4nv", K="fp8e4nv", V="fp8e4nv", O="bf16", DESCALE="fp32")
         descriptors = {}
+        # PAGED: the block table (its used lengths from cu_seqlens_k, as the prefill bench's
+        # calls give them); a dense or packed launch passes None and 0
+        const.update(PAGE_SIZE=page_size, SEQUSED=False, SEQUSED_K=None)
+        if page_size:
+            pointers["BT"] = "i32"
+        else:
+            const["BT"] = None
         # what the runtime launches: a dense band's tiles dealt by the host's table, a
         # block mask's by the table _mods.Call.tile_table makes from it; a packed batch's
         # walk by its own table (the runtime's _varlen_tile_table)
@@ -303,7 +319,7 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         pointers.update(CU_Q="i32", CU_K="i32")
     else:
         const.update(CU_Q=None, CU_K=None)  # a dense launch passes None
-    tile = ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
+    tile = (f"paged{page_size} " if page_size else "") + ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
         "" if config.get("pingpong", True) else " no-pingpong") + (
         f" q{config['q_buffers']}" if config.get("q_buffers", 1) != 1 else "") + (
         " overlap" if config.get("overlap", families.GLUON_DEFAULT["overlap"]) else "") + (
