@@ -15,10 +15,21 @@ Tolerances (conftest): fp32 2e-5, bf16 1.6e-2 on the output against float64; the
 (fp32 scores whatever the input). Against the dense varlen call on the gathered keys the
 paged call must agree bit for bit at one tile: the same kernel, with the rows found
 through the table.
+
+The Gluon paged forward (Hopper; d 64 / 128, a package of its own, `gpkg`): on the CPU the
+runtime's reasons and plan (device checks patched) and, -m slow, its sm_90 compile (pages 16
+and 64, causal and not, d 64 / 128: no key-loop spills, the dense design, a TMA box a page);
+on the GPU (-m gpu) against float64 on the same hostile caches at 1, 59, 127 and 257 new
+tokens over contexts up to ~3000 keys, pages 16 / 64 / 256, GQA 4:1 and 8:1, seqused_k,
+windows, against the `tl` kernel (FLASHGEN_PAGED_GLUON's switch), and bad page indices.
 """
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +38,7 @@ import torch
 from conftest import LSE_TOL, OUT_TOL
 from flashgen.reference import attention_ref, visible_mask
 from packages import build_and_import
+from test_gluon import needs_gluon_triton
 
 ROOT = Path(__file__).resolve().parent.parent
 TILES = dict(block_m=16, block_n=16, num_warps=4, num_stages=2)
@@ -53,16 +65,16 @@ def cu(lengths):
     return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
 
 
-def paged_cache(lk, page_size, h_kv, dtype, spare=3, gen=None):
+def paged_cache(lk, page_size, h_kv, dtype, spare=3, gen=None, d=D):
     """(k_cache, v_cache, block_table, k, v): the packed keys / values of every sequence and
     the same rows scattered over shuffled pages of a NaN-filled pool; the table's unused
     entries point past the pool."""
     pages = [-(-n // page_size) for n in lk]
     max_pages = max(pages) + 1
     num_blocks = sum(pages) + spare
-    k = torch.randn(sum(lk), h_kv, D, generator=gen).to(dtype)
-    v = torch.randn(sum(lk), h_kv, D, generator=gen).to(dtype)
-    k_cache = torch.full((num_blocks, page_size, h_kv, D), float("nan"), dtype=dtype)
+    k = torch.randn(sum(lk), h_kv, d, generator=gen).to(dtype)
+    v = torch.randn(sum(lk), h_kv, d, generator=gen).to(dtype)
+    k_cache = torch.full((num_blocks, page_size, h_kv, d), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
     order = torch.randperm(num_blocks, generator=gen)
     table = torch.full((len(lk), max_pages), num_blocks + 7, dtype=torch.int32)
@@ -278,12 +290,175 @@ def test_forward_only_and_argument_errors(pkg):
         call(pkg, q, k_cache, v_cache, LQ, LK, bt, causal=True, dropout_p=0.1)
 
 
-def test_paged_calls_never_take_gluon(pkg):
-    """The Gluon varlen forward has no page table: the reason is recorded first."""
+def test_paged_calls_at_d32_stay_tl(pkg):
+    """d = 32 has no Gluon kernel: a paged call's reason is the variant's."""
     q = torch.randn(8, 2, D, dtype=torch.bfloat16)
-    why = pkg._runtime.gluon_varlen_reason("fwd_causal_d32_bf16", {"family": "gluon"}, q, q,
-                                           q, q, 8, "causal", serving=True)
-    assert why == pkg._runtime.SERVING_GLUON_REASON and "block_table" in why
+    bt = torch.zeros(1, 2, dtype=torch.int32)
+    cache = torch.zeros(4, 16, 2, D, dtype=torch.bfloat16)
+    why = pkg._runtime.gluon_varlen_reason("fwd_causal_d32_bf16", {"family": "gluon"}, q, cache,
+                                           cache, q, 8, "causal", serving=(None, None, bt))
+    assert "head dim 32" in why
+
+
+# ---------------------------------------------------------------------------------------
+# The Gluon paged forward (Hopper): reasons, plan and offline compile on the CPU
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpkg(tmp_path_factory):
+    return build_and_import(tmp_path_factory.mktemp("gpaged"), "fg_test_gluon_paged", """
+        head_dims: [64, 128]
+        dtypes: [fp16, bf16]
+        masks: [none, causal, sliding_window]
+        window: {left: 100, right: 0}
+        gqa: true
+        """)
+
+
+def _serving(bt=None, used_k=None, used_q=None):
+    return (used_q, used_k, bt)
+
+
+def test_gluon_paged_reasons(gpkg, monkeypatch):
+    """Which serving calls the Gluon forward takes (device checks patched to an H100's):
+    pages of 8+ keys dividing its 128-key block and multiples of it, seqused_k alone; not
+    seqused_q, pages of 4 or 24, a quantized cache, a cache TMA cannot read; all of them
+    `tl` with PAGED_GLUON off (FLASHGEN_PAGED_GLUON=0) unless the family is asked for."""
+    rt = gpkg._runtime
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
+    name = "fwd_causal_d128_bf16"
+    cfg = rt._gluon_default(name, 4096)
+    assert cfg["block_n"] == 128
+    q = torch.randn(4096, 8, 128, dtype=torch.bfloat16)
+    bt = torch.zeros(4, 64, dtype=torch.int32)
+    used = torch.full((4,), 100, dtype=torch.int32)
+
+    def why(page, serving=None, cache=None, **kw):
+        c = cache if cache is not None else torch.zeros(8, page, 2, 128, dtype=torch.bfloat16)
+        return rt.gluon_varlen_reason(name, cfg, q, c, c, q, 4096, "causal", None,
+                                      serving or _serving(bt), **kw)
+
+    for page in (8, 16, 32, 64, 128, 256, 512):
+        assert why(page) is None, page
+    for page in (4, 24, 48, 1):
+        assert "page size" in why(page), page
+    assert why(16, _serving(bt, used)) is None
+    packed = torch.zeros(4096, 2, 128, dtype=torch.bfloat16)
+    assert rt.gluon_varlen_reason(name, cfg, q, packed, packed, q, 4096, "causal", None,
+                                  _serving(None, used)) is None
+    assert "seqused_q" in why(16, _serving(bt, used, used))
+    assert "quantized" in why(16, quantized=True)
+    odd = torch.zeros(8 * 16 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 2, 128)
+    assert "TMA" in why(16, cache=odd)
+    heads = torch.zeros(8, 16, 3, 136, dtype=torch.bfloat16)[:, :, :2, :128]  # 272-byte rows
+    assert why(16, cache=heads) is None
+    monkeypatch.setattr(rt, "PAGED_GLUON", False)
+    assert why(16) == rt.SERVING_GLUON_REASON
+    with rt.override_config(family="gluon"):
+        assert why(16) is None
+    # the families' rule, and the variant facts describe() prints
+    assert rt._families.paged_gluon_reason("bf16", False, 16, 128) is None
+    assert "fp8" in rt._families.paged_gluon_reason("fp8_e4m3", False, 16, 128)
+    assert "dropout" in rt._families.paged_gluon_reason("bf16", True, 0, 128)
+    assert "paged prefill tl (FLASHGEN_PAGED_GLUON=0)" in gpkg.describe()
+    monkeypatch.setattr(rt, "PAGED_GLUON", True)
+    assert "paged prefill gluon (pages of 8-128" in gpkg.describe()
+
+
+def _paged_plan(rt, lq, lk, page, h_q, h_kv, d, causal, used=False):
+    k_cache, v_cache, bt, _, _ = paged_cache(lk, page, h_kv, torch.bfloat16, d=d,
+                                             gen=torch.Generator().manual_seed(1))
+    q = torch.randn(sum(lq), h_q, d, dtype=torch.bfloat16)
+    mask, lo, hi = rt.varlen_band(max(lq), max(lk), causal, (-1, -1))
+    serving = (None, torch.tensor(lk, dtype=torch.int32) if used else None, bt)
+    plan = rt._varlen_forward_plan(q, k_cache, v_cache, q, cu(lq), max(lq), max(lk), mask, lo,
+                                   hi, d ** -0.5, False, None, serving)
+    return plan, k_cache, bt
+
+
+def test_gluon_paged_plan(gpkg, monkeypatch):
+    """With the device patched to an H100's, a paged call plans the Gluon varlen forward
+    with PAGE_SIZE (and SEQUSED for seqused_k): the table's row stride and the pool's pages,
+    the caches' (page, head, row) strides, N_K the table's capacity; unpatched, `tl`."""
+    rt = gpkg._runtime
+    lq, lk = [1, 59, 127, 257] * 8, [1000, 59, 3000, 777] * 8
+    plan, _, _ = _paged_plan(rt, lq, lk, 16, 32, 8, 128, True)
+    assert type(plan[0].fn).__name__ != "GluonJITFunction"
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
+    monkeypatch.setattr(rt, "gpu_key", lambda device: ("NVIDIA H100|sm90|132sm", 232448, 132))
+    monkeypatch.setattr(rt, "_gluon_kv_heads", lambda cfg, q, n_k, d, at_least: at_least)
+    for page, used in ((16, False), (64, True), (256, False)):
+        # (a CPU tensor's launch_config is the planner's: ask for the family, as a CUDA
+        # tensor on Hopper gets it by default)
+        with rt.override_config(family="gluon"):
+            (launch, args, tma, sparse), k_cache, bt = _paged_plan(rt, lq, lk, page, 32, 8,
+                                                                   128, True, used)
+        assert tma == rt._GLUON and type(launch.fn).__name__ == "GluonJITFunction"
+        assert launch.meta["PAGE_SIZE"] == page and launch.meta["SEQUSED"] is used
+        assert launch.meta["VARLEN"] is True and launch.meta["BLOCK_N"] == 128
+        names = list(launch.fn.arg_names)
+        got = dict(zip(names[names.index("stride_btb"):], args))
+        assert got["stride_btb"] == bt.stride(0) and got["NUM_PAGES"] == k_cache.shape[0]
+        assert (got["stride_kb"], got["stride_kh"], got["stride_kn"]) == (
+            k_cache.stride(0), k_cache.stride(2), k_cache.stride(1))
+        assert got["N_K"] == bt.shape[1] * page and got["N_Q"] == sum(lq)
+        assert got["KV_GROUP"] == 4
+    # d = 64 at pages of 4: `tl`
+    with rt.override_config(family="gluon"):
+        plan, _, _ = _paged_plan(rt, lq[:4], lk[:4], 4, 8, 2, 64, False)
+    assert type(plan[0].fn).__name__ != "GluonJITFunction"
+
+
+_COMPILE = r"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, str(Path(sys.argv[1]).parent))
+import importlib
+from flashgen import gluon_compile, families
+pkg = Path(sys.argv[1]).name
+registry = importlib.import_module(pkg + "._registry")
+rows = []
+for spec in sys.argv[2].split(","):
+    name, page = spec.split(":")
+    facts = registry.VARIANTS[name]
+    module = importlib.import_module(f"{pkg}.kernels.gluon.{name}")
+    cfg = families.variant_gluon_default(facts)
+    for p in (0, int(page)):
+        rows.append(gluon_compile.compile_variant(module, name, facts["head_dim"], facts["dtype"],
+                                                  cfg, varlen=True, page_size=p).__dict__)
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
+@needs_gluon_triton
+def test_gluon_paged_forward_compiles_for_sm90(gpkg):
+    """The paged form beside the packed one, sm_90 offline: the same wgmma products, register
+    split and shared memory (+16 bytes: two more descriptors' worth of barriers and
+    scratch at most), no spills in the key loops, and a TMA box a page: at page 16 and
+    128-key blocks 8 boxes for K and 8 for V a block (each two 64-column messages at d =
+    128). Measured when written (stack bytes, packed / paged): causal d128 104 / 40 (p16),
+    32 (p64)."""
+    specs = ["fwd_causal_d128_bf16:16", "fwd_d128_bf16:64", "fwd_causal_d64_fp16:64",
+             "fwd_d64_bf16:16"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(gpkg.__file__).parent),
+                          ",".join(specs)], capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(specs)
+    for spec, packed, paged in zip(specs, rows[::2], rows[1::2]):
+        page = int(spec.split(":")[1])
+        assert paged["config"] == f"paged{page} " + packed["config"], paged
+        assert paged["wgmma"] == packed["wgmma"] > 0, paged
+        assert paged["setmaxnreg"] == packed["setmaxnreg"], paged
+        assert paged["gmma_forms"] == packed["gmma_forms"], paged
+        assert paged["shared"] <= packed["shared"] + 64 and paged["shared"] <= 232448, paged
+        assert paged["spill_bytes"] <= max(packed["spill_bytes"], 64), paged
+        assert paged["loop_spills"] == 0, paged
+        # a box a page below the 128-key block: K and V each 128 / page boxes, a box of
+        # d = 128 two messages (128-byte swizzle rows)
+        boxes = (128 // min(page, 128)) * (spec.split("_d")[1][:3] == "128" and 2 or 1)
+        assert paged["tma_loads"] >= packed["tma_loads"] - 2 + 2 * boxes, (paged, packed)
 
 
 @pytest.mark.gpu
