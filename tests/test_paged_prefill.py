@@ -435,9 +435,9 @@ def test_gluon_paged_forward_compiles_for_sm90(gpkg):
     """The paged form beside the packed one, sm_90 offline: the same wgmma products, register
     split and shared memory (+16 bytes: two more descriptors' worth of barriers and
     scratch at most), no spills in the key loops, and a TMA box a page: at page 16 and
-    128-key blocks 8 boxes for K and 8 for V a block (each two 64-column messages at d =
-    128). Measured when written (stack bytes, packed / paged): causal d128 104 / 40 (p16),
-    32 (p64)."""
+    128-key blocks 8 boxes for K and 8 for V a block (each two 64-column TMA instructions
+    at d = 128). Measured when written (stack bytes, packed / paged): causal d128 104 / 40
+    (p16), 32 (p64)."""
     specs = ["fwd_causal_d128_bf16:16", "fwd_d128_bf16:64", "fwd_causal_d64_fp16:64",
              "fwd_d64_bf16:16"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -455,10 +455,11 @@ def test_gluon_paged_forward_compiles_for_sm90(gpkg):
         assert paged["shared"] <= packed["shared"] + 64 and paged["shared"] <= 232448, paged
         assert paged["spill_bytes"] <= max(packed["spill_bytes"], 64), paged
         assert paged["loop_spills"] == 0, paged
-        # a box a page below the 128-key block: K and V each 128 / page boxes, a box of
-        # d = 128 two messages (128-byte swizzle rows)
-        boxes = (128 // min(page, 128)) * (spec.split("_d")[1][:3] == "128" and 2 or 1)
-        assert paged["tma_loads"] >= packed["tma_loads"] - 2 + 2 * boxes, (paged, packed)
+        # a box a page below the 128-key block: K and V each 128 / page boxes where the
+        # packed form loads one, a box of d = 128 two TMA instructions (128-byte rows)
+        pages, per_box = 128 // min(page, 128), 2 if "_d128_" in spec else 1
+        assert paged["tma_loads"] == packed["tma_loads"] + 2 * (pages - 1) * per_box, (
+            paged, packed)
 
 
 @pytest.mark.gpu
@@ -480,3 +481,115 @@ def test_on_cuda(pkg, page_size, tiles):
                                                causal=True, return_lse=True)
             assert torch.equal(out, dense[0]) and torch.equal(lse, dense[1])
     check((out.cpu(), lse.cpu()), reference(q, k, v, LQ, LK, causal=True), torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the Gluon paged forward against float64
+# ---------------------------------------------------------------------------------------
+# new tokens and cached contexts (neither a multiple of any page size here, 0 included)
+GLQ = [1, 59, 127, 257]
+GCTX = [0, 1000, 2987, 333]
+
+
+def _gluon_paged_ran(rt, page) -> bool:
+    """Whether a varlen plan with the Gluon kernel at PAGE_SIZE = page was made (and so ran)."""
+    return any(key[0] == "varlen" and plan[0] is not None
+               and type(plan[0].fn).__name__ == "GluonJITFunction"
+               and plan[0].meta["PAGE_SIZE"] == page for key, plan in rt._forward_plans.items())
+
+
+def _gluon_paged_call(pkg, q, k_cache, v_cache, lq, lk, bt, *, used=False, **kw):
+    """The call on the GPU: cu_seqlens_k, or seqused_k alone (used); (out, lse) on the CPU."""
+    cuda = lambda t: t.cuda()  # noqa: E731
+    out, lse = pkg.flash_attn_varlen_func(
+        cuda(q), cuda(k_cache), cuda(v_cache), cuda(cu(lq)), None if used else cuda(cu(lk)),
+        max(lq), max(lk), block_table=cuda(bt),
+        seqused_k=cuda(torch.tensor(lk, dtype=torch.int32)) if used else None,
+        return_lse=True, **kw)
+    return out.cpu(), lse.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64, 256])
+@pytest.mark.parametrize("h_q,h_kv,d,dtype,causal,window,used", [
+    (8, 2, 128, torch.bfloat16, True, (-1, -1), False),
+    (16, 2, 128, torch.bfloat16, False, (-1, -1), True),
+    (8, 1, 64, torch.float16, True, (-1, -1), True),
+    (8, 2, 64, torch.bfloat16, False, (100, 0), False),
+], ids=["gqa4_d128_causal", "gqa8_d128_full_seqused", "gqa8_d64_fp16_causal_seqused",
+        "gqa4_d64_window"])
+def test_gluon_paged_against_float64(gpkg, poison, page, h_q, h_kv, d, dtype, causal, window,
+                                     used):
+    """The Gluon paged forward on a shuffled, NaN-filled pool (unused table entries past
+    it) against float64, and the `tl` kernel on the same call (FLASHGEN_PAGED_GLUON=0's
+    path) within the same tolerance."""
+    rt = gpkg._runtime
+    gen = torch.Generator().manual_seed(page * 100 + h_q + d)
+    lk = [c + n for c, n in zip(GCTX, GLQ)]
+    k_cache, v_cache, bt, k, v = paged_cache(lk, page, h_kv, dtype, gen=gen, d=d)
+    q = torch.randn(sum(GLQ), h_q, d, generator=gen).to(dtype)
+    rt._forward_plans.clear()
+    with rt.override_config(family="gluon"):  # (a call this small is `tl` by default)
+        got = _gluon_paged_call(gpkg, q, k_cache, v_cache, GLQ, lk, bt, used=used,
+                                causal=causal, window_size=window)
+    assert _gluon_paged_ran(rt, page)
+    ref = reference(q, k, v, GLQ, lk, causal=causal, window=window)
+    check(got, ref, dtype)
+    rt._forward_plans.clear()
+    try:
+        rt.PAGED_GLUON = False
+        tl = _gluon_paged_call(gpkg, q, k_cache, v_cache, GLQ, lk, bt, used=used,
+                               causal=causal, window_size=window)
+    finally:
+        rt.PAGED_GLUON = True
+    assert not _gluon_paged_ran(rt, page)
+    check(tl, ref, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_gluon_paged_by_default_at_the_bench_shape(gpkg, poison, page):
+    """No family asked for: a prefill-sized call (8 sequences of 512 new tokens over
+    contexts up to ~4k, GQA 4:1, d = 128, causal) takes the Gluon paged forward on Hopper,
+    and agrees with the dense Gluon varlen call on the gathered keys to fp32 rounding of
+    the same products (the same tiles, walk and key order)."""
+    rt = gpkg._runtime
+    gen = torch.Generator().manual_seed(page)
+    lq = [512] * 8
+    lk = [512 + c for c in (0, 517, 1023, 1999, 2500, 3001, 3333, 4093)]
+    k_cache, v_cache, bt, k, v = paged_cache(lk, page, 8, torch.bfloat16, gen=gen, d=128)
+    q = torch.randn(sum(lq), 32, 128, generator=gen).to(torch.bfloat16)
+    rt._forward_plans.clear()
+    got = _gluon_paged_call(gpkg, q, k_cache, v_cache, lq, lk, bt, causal=True)
+    assert _gluon_paged_ran(rt, page)
+    dense = gpkg.flash_attn_varlen_func(q.cuda(), k.cuda(), v.cuda(), cu(lq).cuda(),
+                                        cu(lk).cuda(), max(lq), max(lk), causal=True,
+                                        return_lse=True)
+    assert not torch.isnan(got[0]).any()
+    torch.testing.assert_close(got[0], dense[0].cpu(), atol=2e-3, rtol=0)
+    torch.testing.assert_close(got[1], dense[1].cpu(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gluon_paged_bad_page_indices_stay_in_the_pool(gpkg, monkeypatch):
+    """Unchecked (FLASHGEN_CHECK_VALUES off), page indices past the pool, negative or huge,
+    and lengths past the table's capacity are clamped in the Gluon kernel: a finite answer,
+    no illegal access (the next call on the device still runs)."""
+    rt = gpkg._runtime
+    gen = torch.Generator().manual_seed(11)
+    lk = [c + n for c, n in zip(GCTX, GLQ)]
+    k_cache, v_cache, bt, k, v = paged_cache(lk, 16, 2, torch.bfloat16, gen=gen, d=128)
+    k_cache, v_cache = k_cache.nan_to_num(), v_cache.nan_to_num()
+    q = torch.randn(sum(GLQ), 8, 128, generator=gen).to(torch.bfloat16)
+    monkeypatch.setattr(gpkg._decode, "CHECK_VALUES", False)
+    bt[1, 3], bt[2, 0], bt[0, 0] = -3, 2 ** 31 - 1, k_cache.shape[0]
+    rt._forward_plans.clear()
+    with rt.override_config(family="gluon"):
+        out, lse = _gluon_paged_call(gpkg, q, k_cache, v_cache, GLQ, lk, bt, causal=True)
+        assert _gluon_paged_ran(rt, 16)
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+        huge = [10 ** 6, -5] + lk[2:]
+        out, lse = _gluon_paged_call(gpkg, q, k_cache, v_cache, GLQ, huge, bt, used=True,
+                                     causal=True)
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    torch.cuda.synchronize()

@@ -150,6 +150,7 @@ def _gluon_forward_plan(name, cfg, q, k, v, o, bnhd, lo, hi, scale, band=None, e
     v_strides = (_fp8().keys_major_strides(v.shape, bnhd) if q.dtype is _FP8_E4M3
                  else bhnd(v.stride(), bnhd)[:3])
     args = (None, None,  # CU_Q, CU_K: a dense batch
+            None, None, 0, 0,  # SEQUSED_K, BT, stride_btb, NUM_PAGES: no pages
             *bhnd(q.stride(), bnhd)[:3], *bhnd(k.stride(), bnhd)[:3],
             *v_strides, *bhnd(o.stride(), bnhd)[:3],
             batch, n_q, n_k, h_q, h_q // h_kv, scale * LOG2E, lo, hi, num_m, batch * h_q, tiles,
@@ -184,10 +185,11 @@ def _gluon_kv_heads(cfg, q, n_k, d, at_least) -> int:
 
 
 def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table: bool = False,
-                            stream_k: bool = False):
+                            stream_k: bool = False, page_size: int = 0, seqused: bool = False):
     """The Launcher of a Gluon forward (dense or VARLEN) at config `cfg` over `tiles` query
     tiles: its compile-time meta and its grid (table: the tiles are dealt by a TILE_ORDER
-    table, _band_tile_table; stream_k: the last rounds by key block, STREAM_K)."""
+    table, _band_tile_table; stream_k: the last rounds by key block, STREAM_K; page_size:
+    VARLEN over a paged cache, PAGE_SIZE; seqused: the keys' lengths from seqused_k)."""
     from triton.experimental.gluon import language as gl
 
     facts = VARIANTS[name]
@@ -224,7 +226,8 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
                 CONSUMER_REGS=consumer_regs, PRODUCER_REGS=producer_regs, **layouts,
                 VARLEN=varlen, TILE_TABLE=table, STREAM_K=stream_k,
                 # the large head dims stage O in the Q slots (_families.o_in_q)
-                O_IN_Q=_families.o_in_q(cfg, d, d_v), num_warps=4)
+                O_IN_Q=_families.o_in_q(cfg, d, d_v), PAGE_SIZE=page_size, SEQUSED=seqused,
+                num_warps=4)
     # persistent: one program per SM walks its share of the tiles; else one per tile
     grid = (min(tiles, sms),) if cfg.get("persistent", True) else (tiles,)
     return Launcher(kernel(name, family="gluon"), grid, meta)

@@ -482,6 +482,30 @@ GLUON_FP8_HEAD_DIMS = (64, 96, 128)
 # its tests (tests/test_gluon_fp8.py) and timed it; until then FLASHGEN_FP8_GLUON=1 (the
 # runtime), FLASHGEN_FAMILY=gluon or override_config(family="gluon") asks for it.
 GLUON_FP8_BY_DEFAULT = False
+# Chunked prefill over a paged KV cache (issue 49) on the Gluon varlen forward: its
+# producer reads K/V through the block table (templates/gluon/fwd.py.j2, PAGE_SIZE). The
+# runtime's default on Hopper (FLASHGEN_PAGED_GLUON=0 runs `tl` instead, the A/B switch);
+# compiled offline only so far (tests/test_paged_prefill.py has the GPU tests).
+GLUON_PAGED_BY_DEFAULT = True
+PAGED_MIN_BOX_ROWS = 8  # a page box starts on a 128-byte swizzle atom: 8 rows of 128 bytes
+
+
+def paged_gluon_reason(dtype: str, dropout: bool, page_size: int, block_n: int) -> str | None:
+    """Why the Gluon forward does not read a paged cache of page_size keys (0: seqused_k
+    over packed K/V) at key blocks of block_n (None when it does): a block is whole pages
+    of 8+ rows (several TMA boxes on one barrier), or a page whole blocks (one box at an
+    offset); fp8 and dropout are not served there (forward-only calls, no fp8 pages)."""
+    if dtype.startswith("fp8"):
+        return f"{dtype}: the Gluon fp8 forward reads a keys-major V copy, not pages"
+    if dropout:
+        return "dropout: a paged call is forward-only inference (no dropout)"
+    if page_size and not (page_size % block_n == 0 or (
+            block_n % page_size == 0 and page_size >= PAGED_MIN_BOX_ROWS)):
+        return (f"page size {page_size} at {block_n}-key blocks: the Gluon forward takes pages "
+                f"of {PAGED_MIN_BOX_ROWS}+ keys dividing the block, or multiples of it")
+    return None
+
+
 # Registers a forward consumer thread holds besides the accumulators and P
 # (fwd_accumulator_regs): row statistics, the softmax's temporaries, addresses, barrier
 # phases. The fp8 kernels compiled for sm_90 (gluon_compile, P packed four keys a

@@ -3,6 +3,7 @@
 varlen kernels, the band relative to each sequence's diagonal, and the forward
 (forward_varlen), with its plans and the Gluon walk's tile table."""
 import math
+import os
 
 import torch
 
@@ -54,12 +55,17 @@ VARLEN_GLUON_MODS = True
 VARLEN_GLUON_MASK_MODS = True
 VARLEN_MODS_REASON = ("VARLEN_GLUON_MASK_MODS = False: a packed batch with a mask mod runs "
                       "the `tl` varlen kernels unless the Gluon family is asked for")
-# A call with serving arguments (block_table, seqused_q / seqused_k: _paged) always runs the
-# `tl` varlen kernel, which reads pages through the block table (PAGE_SIZE); the Gluon
-# varlen forward loads K/V as TMA boxes of one packed tensor and knows no used lengths.
-SERVING_GLUON_REASON = ("a paged KV cache (block_table) or seqused_q / seqused_k: the Gluon "
-                        "varlen forward reads packed K/V by TMA and no used lengths; the `tl` "
-                        "kernel serves it")
+# A call with serving arguments (block_table, seqused_k: _paged) takes the Gluon varlen
+# forward with PAGE_SIZE / SEQUSED (its producer reads K/V through the block table) where
+# the packed call of its variant would, at the page sizes _families.paged_gluon_reason
+# takes, unless PAGED_GLUON is off (FLASHGEN_PAGED_GLUON=0, the A/B switch; default
+# _families.GLUON_PAGED_BY_DEFAULT): then, and for what serving_gluon_reason names
+# (seqused_q, a quantized cache, fp8, page sizes, strides TMA cannot take), the `tl`
+# varlen kernel runs it (PAGE_SIZE, SEQUSED pointers), unless the family is asked for.
+PAGED_GLUON = os.environ.get("FLASHGEN_PAGED_GLUON",
+                             "1" if _families.GLUON_PAGED_BY_DEFAULT else "0") not in ("", "0")
+SERVING_GLUON_REASON = ("FLASHGEN_PAGED_GLUON=0: a paged KV cache (block_table) or seqused_k "
+                        "runs the `tl` varlen kernel unless the Gluon family is asked for")
 
 # Head groups of the varlen Gluon walk: at least this many rounds of the persistent grid per
 # group (the walk restarts from the longest tiles in each group; a model of the 16-document
@@ -156,14 +162,15 @@ def forward_varlen(q, k, v, o, cu_q, cu_k, max_q: int, max_k: int, *, mask: str,
     if tma == _GLUON:
         # the walk's table (TILE_ORDER), from this call's cu_seqlens
         table = _varlen_tile_table(cu_q, q.shape[0],
-                                   args[_arg_slot(launch, "NUM_M", "stride_qb")],
+                                   args[_arg_slot(launch, "NUM_M", "stride_btb")],
                                    launch.meta["BLOCK_M"])
-        slot = _arg_slot(launch, "TILE_ORDER", "stride_qb")
+        slot = _arg_slot(launch, "TILE_ORDER", "stride_btb")
         args = (*args[:slot], table, *args[slot + 1:])
         lists = ()
         if sparse:  # the merged lists per sequence and their row width (BM_NKB)
             lists = (*mods.sparse(*sparse, lo, hi, merged=True), mods.extents(*sparse[1:3])[1])
-        launch(q, k, v, o, lse, cu_q, cu_k, *args, *_gluon_dropout_args(drop),
+        # (SEQUSED_K and BT: the call's, or None)
+        launch(q, k, v, o, lse, cu_q, cu_k, *serving[1:], *args, *_gluon_dropout_args(drop),
                *(mods.args if mods is not None else drop_pos), *lists)
     elif mods is not None:
         launch(q, k, v, o, lse, cu_q, cu_k, *serving, *args, *drop, *mods.args,
@@ -216,15 +223,41 @@ def _varlen_mods_reason(mods) -> "str | None":
     return None
 
 
-def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
-                        serving=False) -> "str | None":
-    """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
-    (None when it does): serving arguments (SERVING_GLUON_REASON), the dense rules (a
-    Gluon config, the variant, the device, not too small), the switches for mods
-    (_varlen_mods_reason) and dropout (VARLEN_GLUON_DROPOUT), TMA-readable packed tensors,
-    some keys, and VARLEN_GLUON_FORWARD."""
-    if serving:
+def serving_gluon_reason(name, cfg, k, v, serving, quantized=False) -> "str | None":
+    """Why a call with serving arguments (seqused_q, seqused_k, block_table: _NO_SERVING
+    when none) does not take the Gluon varlen forward at config `cfg` (None when nothing
+    here stops it; gluon_varlen_reason adds the packed call's rules): PAGED_GLUON, the
+    variant (_families.paged_gluon_reason: fp8, dropout, page size and key block),
+    seqused_q, a quantized cache, and a cache TMA can read as (pages, H_KV, page, d)."""
+    seqused_q, seqused_k, bt = serving
+    if bt is None and seqused_k is None:
+        return None
+    if not PAGED_GLUON and not _gluon_asked():
         return SERVING_GLUON_REASON
+    if seqused_q is not None:
+        return ("seqused_q: the Gluon varlen forward computes every row of a sequence's "
+                "cu_seqlens_q span; the `tl` kernel serves it")
+    if quantized:
+        return "a quantized KV cache: the `tl` kernel dequantizes its tiles"
+    facts = VARIANTS[name]
+    reason = _families.paged_gluon_reason(facts["dtype"], facts["dropout"],
+                                          k.shape[1] if bt is not None else 0,
+                                          cfg.get("block_n", 0))
+    if reason is not None:
+        return reason
+    if bt is not None and not _descriptor_ready(
+            *((t, (t.stride(0), t.stride(2), t.stride(1))) for t in (k, v))):
+        return "TMA needs a 16-byte aligned cache with 16-byte page, row and head strides"
+    return None
+
+
+def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
+                        serving=_NO_SERVING, quantized=False) -> "str | None":
+    """Why a varlen forward of `name` at config `cfg` does not take the Gluon forward
+    (None when it does): the dense rules (a Gluon config, the variant, the device, not too
+    small), serving arguments (serving_gluon_reason), the switches for mods
+    (_varlen_mods_reason) and dropout (VARLEN_GLUON_DROPOUT), TMA-readable packed tensors,
+    some keys, and VARLEN_GLUON_FORWARD. `serving`: (seqused_q, seqused_k, block_table)."""
     if cfg.get("family") != "gluon":
         return "the dense call of this variant takes `tl` here"
     reason = _varlen_mods_reason(mods)
@@ -236,13 +269,18 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
     reason = GLUON.get(name, "not a variant") or gluon_ready(q.device)
     if reason is not None:
         return reason
+    reason = serving_gluon_reason(name, cfg, k, v, serving, quantized)
+    if reason is not None:
+        return reason
     if VARIANTS[name]["dropout"] and not VARLEN_GLUON_DROPOUT and not asked:
         return VARLEN_GLUON_REASON
     total_q, h_q, d = q.shape
     if k.shape[0] == 0 or max_k == 0:
         return "no keys: every row is 0 (the `tl` kernel writes it)"
-    # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped
-    if not _descriptor_ready(*((t, (t.stride(0), t.stride(1), t.stride(0))) for t in (q, k, v, o))):
+    # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped (a
+    # paged cache: serving_gluon_reason checked its own view)
+    packed = (q, o) if serving[2] is not None else (q, k, v, o)
+    if not _descriptor_ready(*((t, (t.stride(0), t.stride(1), t.stride(0))) for t in packed)):
         return "TMA needs 16-byte aligned tensors and strides"
     if row_span_past_int32(0, _families.QUERY_ROWS_PER_CONSUMER, o):
         # (the stores of a slab that runs past its sequence's end offset rows in 32 bits)
@@ -268,10 +306,11 @@ def _varlen_forward_plan(q, k, v, o, cu_q, max_q, max_k, mask, lo, hi, scale, dr
     names = mods.names if mods is not None else ()
     name = find_variant("fwd", mask, dropout, d, _DTYPE_NAMES[q.dtype], names, v.shape[-1])
     cfg = launch_config(name, q.device, max(max_q, max_k))
-    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods,
-                           any(t is not None for t in serving)) is None:
+    if gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods, serving,
+                           bool(scales.code)) is None:
         # a mask mod's block lists at the Gluon tile, one per sequence (Call.packed)
-        return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale),
+        return (*_gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale,
+                                            serving, max_k),
                 _mask_tile(mods, name, cfg["block_m"], cfg["block_n"], False))
     cfg = _varlen_config(name, q.device, max_q, max_k)
     if scales.code:  # (the converted tiles' registers)
@@ -353,27 +392,48 @@ def _version(t):
         return None
 
 
-def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale):
-    """(Launcher, run-time arguments, _GLUON) of the Gluon forward with VARLEN=True: the
-    dense kernel's descriptors over a (1, H, total, d) view of each packed tensor, the
-    sequences' spans read from cu_seqlens on the device; the tiles (at most
+def _gluon_varlen_forward_plan(name, cfg, q, k, v, o, batch, max_q, lo, hi, scale,
+                               serving=_NO_SERVING, max_k=0):
+    """(Launcher, run-time arguments from stride_btb on, _GLUON) of the Gluon forward with
+    VARLEN=True: the dense kernel's descriptors over a (1, H, total, d) view of each packed
+    tensor, the sequences' spans read from cu_seqlens on the device; the tiles (at most
     cdiv(max_seqlen_q, BLOCK_M) per sequence and head) are counted on the device too, so
-    the grid is sized from an upper bound."""
+    the grid is sized from an upper bound. With a block table (serving: seqused_q,
+    seqused_k, block_table) K and V are the paged caches (PAGE_SIZE) and N_K the table's
+    capacity in keys; with seqused_k the kernel reads the keys' lengths from it (SEQUSED)."""
     total_q, h_q, d = q.shape
-    total_k, h_kv, _ = k.shape
+    h_kv = k.shape[-2]
+    bt = serving[2]
+    if bt is not None:
+        page_size = k.shape[1]
+        total_k = bt.shape[1] * page_size  # (the keys' bound: the table's capacity)
+        # (page, head, row-in-page) strides; the table's row stride and the pool's pages
+        k_strides = (k.stride(0), k.stride(2), k.stride(1))
+        v_strides = (v.stride(0), v.stride(2), v.stride(1))
+        pages = (bt.stride(0), k.shape[0])
+        # L2 groups from the keys the batch may hold (the packed call's total_k): a serving
+        # pool is often far larger than the pages in use
+        l2_keys = min(batch * max_k, k.shape[0] * page_size)
+    else:
+        page_size, total_k = 0, k.shape[0]
+        k_strides = (k.stride(0), k.stride(1), k.stride(0))
+        v_strides = (v.stride(0), v.stride(1), v.stride(0))
+        pages = (0, 0)
+        l2_keys = total_k
     _, _, sms = gpu_key(q.device)
     num_m = triton_cdiv(max_q, cfg["block_m"])
     # query tiles of one head: sum of cdiv(n_i, BLOCK_M) <= total_q / BLOCK_M + batch
     per_head = min(batch * num_m, triton_cdiv(total_q, cfg["block_m"]) + batch)
     group = h_q // h_kv
-    kv_heads = _gluon_kv_heads(cfg, q, total_k, d,
+    kv_heads = _gluon_kv_heads(cfg, q, l2_keys, d,
                                triton_cdiv(_varlen_rounds(max_q) * sms, per_head * group))
     head_group = min(kv_heads, h_kv) * group
     tiles = h_q * per_head  # an upper bound: the kernel counts the real ones
-    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=True)
+    launch = _gluon_forward_launcher(name, cfg, q.dtype, d, tiles, sms, varlen=True,
+                                     page_size=page_size, seqused=serving[1] is not None)
     # batch strides: the token stride (one batch; never stepped, only a valid descriptor)
-    args = (q.stride(0), q.stride(1), q.stride(0), k.stride(0), k.stride(1), k.stride(0),
-            v.stride(0), v.stride(1), v.stride(0), o.stride(0), o.stride(1), o.stride(0),
+    args = (*pages, q.stride(0), q.stride(1), q.stride(0), *k_strides, *v_strides,
+            o.stride(0), o.stride(1), o.stride(0),
             batch, total_q, total_k, h_q, group, scale * LOG2E, lo, hi, num_m, batch * h_q,
             0, head_group, None,  # TILE_ORDER: the walk's table, made per call
             0, None, None)  # SK_START, SK_WS, SK_FLAGS: no stream-K for a packed batch

@@ -88,6 +88,15 @@ from a table made on the device, see _varlen_tile), keys past the sequence's end
 slab that crosses the end is stored from registers, row by row, instead of by TMA (whose
 box would write the next sequence's rows).
 
+A paged KV cache (PAGE_SIZE > 0: chunked prefill, _paged; VARLEN only) is read through the
+block table: K and V descriptors over the cache (pages, H_KV, PAGE_SIZE, head dim), and
+the producer loads a key block as one box at its offset inside a page (PAGE_SIZE a
+multiple of BLOCK_N) or as BLOCK_N / PAGE_SIZE page boxes stacked into the block's slot
+(BLOCK_N a multiple of PAGE_SIZE, at least 8 rows: one 128-byte swizzle atom), all on the
+block's one barrier. Page indices are clamped into the pool, lengths into the table's
+capacity (N_K). With pages or seqused_k (SEQUSED) a block's rows past the sequence's keys
+may hold anything, so the consumers zero V's there before P V (_clear_v_tail).
+
 Verified with Triton 3.6 (Gluon's API moves between versions).
 """
 import triton.language as tl
@@ -339,13 +348,27 @@ def _varlen_tile(k, TABLE, per_head, H_Q, HEAD_GROUP, NUM_M, BATCH):
 
 
 @gluon.jit
-def _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN: gl.constexpr):
+def _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN: gl.constexpr, SEQUSED_K=None,
+               PAGE_SIZE: gl.constexpr = 0, SEQUSED: gl.constexpr = False):
     """(first query row, first key row, query rows, key rows, LO_OFF, HI_OFF) of batch b:
     the whole of N_Q / N_K for a dense batch; with VARLEN sequence b's span of the packed
-    rows (N_Q, N_K are the totals) and its band, aligned bottom-right per sequence."""
+    rows (N_Q, N_K are the totals) and its band, aligned bottom-right per sequence. PAGED
+    (PAGE_SIZE > 0): the keys are in-sequence positions 0 .. n_k - 1 of its pages, n_k
+    clamped into the table's capacity (N_K); SEQUSED: n_k is seqused_k[b] (clamped into
+    the span, or the capacity), as the `tl` kernel's serving path reads it."""
     if VARLEN:
         q0, n_q = _seq_span(CU_Q, b, N_Q)
-        k0, n_k = _seq_span(CU_K, b, N_K)
+        if PAGE_SIZE > 0:
+            k0 = b * 0  # (a page's rows are found through the block table)
+            if SEQUSED:
+                n_k = gl.load(SEQUSED_K + b)
+            else:
+                n_k = gl.load(CU_K + b + 1) - gl.load(CU_K + b)
+            n_k = gl.minimum(gl.maximum(n_k, 0), N_K)
+        else:
+            k0, n_k = _seq_span(CU_K, b, N_K)
+            if SEQUSED:
+                n_k = gl.minimum(gl.maximum(gl.load(SEQUSED_K + b), 0), n_k)
         return q0, k0, n_q, n_k, LO_OFF + (n_k - n_q), HI_OFF + (n_k - n_q)
     else:
         return 0, 0, N_Q, N_K, LO_OFF, HI_OFF
@@ -356,6 +379,79 @@ def _varlen_start(CU_Q, BATCH, TOTAL_Q, H_Q, NUM_M, BLOCK_M: gl.constexpr, layou
     """(tiles, tiles per head) of a packed batch."""
     per_head = _varlen_tiles_per_head(CU_Q, BATCH, TOTAL_Q, NUM_M, BLOCK_M, layout)
     return H_Q * per_head, per_head
+
+
+# ----------------------------------------------------------------------------------------
+# PAGED: a key block's K and V through the block table (chunked prefill, VARLEN only)
+# ----------------------------------------------------------------------------------------
+@gluon.jit
+def _page(bt_row, j, MAX_PAGES, NUM_PAGES):
+    """Pool index of the sequence's j-th page: the table entry (j clamped into the row: the
+    last block of a sequence at full capacity may reach past it) clamped into [0,
+    NUM_PAGES), so a bad table gives a wrong answer, never an access outside the cache."""
+    e = gl.load(bt_row + gl.minimum(j, MAX_PAGES - 1))
+    return gl.minimum(gl.maximum(e, 0), NUM_PAGES - 1)
+
+
+@gluon.jit
+def _load_pages(kp_desc, vp_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s, ph,
+                bt_row, n0, kv_h, MAX_PAGES, NUM_PAGES, BLOCK_N: gl.constexpr,
+                PAGE_SIZE: gl.constexpr):
+    """Key block n0's K and V into ring slot s. Pages of at least BLOCK_N keys: one box at
+    the block's offset inside its page (PAGE_SIZE % BLOCK_N == 0: a block never straddles
+    two). Smaller pages: a box a page, stacked row-wise into the slot (a page of 8 or more
+    rows starts on a 128-byte swizzle atom, so its rows land where one box of the whole
+    block would put them), every box on the block's one barrier, which expects the whole
+    block's bytes. V's page indices are read again after the wait for its slot (an L1 hit)
+    rather than held across it in the producer's 24 registers."""
+    if PAGE_SIZE >= BLOCK_N:
+        page = _page(bt_row, n0 // PAGE_SIZE, MAX_PAGES, NUM_PAGES)
+        row = n0 % PAGE_SIZE
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_full.index(s), QK_BOXES * kp_desc.block_type.nbytes)
+        for i in gl.static_range(QK_BOXES):
+            tma.async_copy_global_to_shared(kp_desc, [page, kv_h, row, i * QK_BOX], k_full.index(s),
+                                            k_smem.index(s * QK_BOXES + i))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_full.index(s), vp_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(vp_desc, [page, kv_h, row, 0], v_full.index(s), v_smem.index(s))
+    else:
+        PAGES: gl.constexpr = BLOCK_N // PAGE_SIZE
+        first = n0 // PAGE_SIZE
+        mbarrier.wait(k_empty.index(s), ph ^ 1)
+        mbarrier.expect(k_full.index(s), PAGES * QK_BOXES * kp_desc.block_type.nbytes)
+        for p in gl.static_range(PAGES):
+            page = _page(bt_row, first + p, MAX_PAGES, NUM_PAGES)
+            for i in gl.static_range(QK_BOXES):
+                tma.async_copy_global_to_shared(kp_desc, [page, kv_h, 0, i * QK_BOX], k_full.index(s),
+                                                k_smem.index(s * QK_BOXES + i).slice(p * PAGE_SIZE, PAGE_SIZE, dim=2))
+        mbarrier.wait(v_empty.index(s), ph ^ 1)
+        mbarrier.expect(v_full.index(s), PAGES * vp_desc.block_type.nbytes)
+        for p in gl.static_range(PAGES):
+            page = _page(bt_row, first + p, MAX_PAGES, NUM_PAGES)
+            tma.async_copy_global_to_shared(vp_desc, [page, kv_h, 0, 0], v_full.index(s),
+                                            v_smem.index(s).slice(p * PAGE_SIZE, PAGE_SIZE, dim=2))
+
+
+@gluon.jit
+def _clear_v_tail(v_buf, n_valid, BLOCK_N: gl.constexpr):
+    """V's rows n_valid .. BLOCK_N - 1 of a key block set to 0 before P V reads them (with
+    pages or seqused_k: a page's unused tail, rows past seqused_k, pages past the
+    sequence's last, a cache never written may hold NaN, and P's 0 x NaN is NaN; the
+    masked scores already hide K's). Only the block that holds the sequence's end does
+    any work, 16 rows at a time; both consumers clear the same slot and write the same
+    values, and the producer refills it only after both have released it."""
+    if n_valid < BLOCK_N:
+        buf = v_buf.reshape([BLOCK_N, HEAD_DIM_V_PAD])
+        cols_t: gl.constexpr = HEAD_DIM_V_PAD // 8
+        layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // cols_t, cols_t], [4, 1], [1, 0])
+        r = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+        for r0 in gl.static_range(0, BLOCK_N, 16):
+            if r0 + 16 > n_valid:
+                part = buf.slice(r0, 16).load(layout)
+                part = gl.where(gl.expand_dims(r0 + r < n_valid, 1), part, gl.zeros_like(part))
+                buf.slice(r0, 16).store(part)
+        fence_async_shared()  # (generic-proxy writes, then the wgmma's async-proxy reads)
 
 
 @gluon.jit
@@ -525,7 +621,9 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
               TILE_ORDER, SK_START,
               CU_Q, CU_K, BATCH, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, DIAG_FIRST: gl.constexpr,
-              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr):
+              VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr,
+              kp_desc, vp_desc, SEQUSED_K, BT, stride_btb, NUM_PAGES, PAGE_SIZE: gl.constexpr,
+              SEQUSED: gl.constexpr):
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
     cnt = 0  # K/V blocks loaded so far: slot cnt % NUM_BUFFERS, phase (cnt // NUM_BUFFERS) & 1
     tphase = 0
@@ -548,8 +646,11 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
         else:
             b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE)
             db = b
-        q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
+        q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN,
+                                                      SEQUSED_K, PAGE_SIZE, SEQUSED)
         kv_h = h // KV_GROUP  # GQA / MQA by index: K and V are never repeated
+        if PAGE_SIZE > 0:
+            bt_row = BT + b.to(gl.int64) * stride_btb
         m_start = m_blk * BLOCK_M
         lo, full_lo, full_hi, hi = _key_range(m_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N)
         if STREAM_K:  # this item's share of the tile's key blocks
@@ -579,15 +680,19 @@ def _producer(desc_q, desc_k, desc_v, q_smem, k_smem, v_smem,
                 n0 = mirror - n_up
             s = cnt % NUM_BUFFERS
             ph = (cnt // NUM_BUFFERS) & 1
-            # K and V have barriers of their own, so S = Q K^T can start before V lands
-            mbarrier.wait(k_empty.index(s), ph ^ 1)
-            mbarrier.expect(k_full.index(s), QK_BOXES * desc_k.block_type.nbytes)
-            for i in gl.static_range(QK_BOXES):
-                tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n0, i * QK_BOX], k_full.index(s),
-                                                k_smem.index(s * QK_BOXES + i))
-            mbarrier.wait(v_empty.index(s), ph ^ 1)
-            mbarrier.expect(v_full.index(s), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n0, 0], v_full.index(s), v_smem.index(s))
+            if PAGE_SIZE > 0:  # through the block table (N_K: its capacity in keys)
+                _load_pages(kp_desc, vp_desc, k_smem, v_smem, k_full, k_empty, v_full, v_empty, s, ph,
+                            bt_row, n0, kv_h, N_K // PAGE_SIZE, NUM_PAGES, BLOCK_N, PAGE_SIZE)
+            else:
+                # K and V have barriers of their own, so S = Q K^T can start before V lands
+                mbarrier.wait(k_empty.index(s), ph ^ 1)
+                mbarrier.expect(k_full.index(s), QK_BOXES * desc_k.block_type.nbytes)
+                for i in gl.static_range(QK_BOXES):
+                    tma.async_copy_global_to_shared(desc_k, [db, kv_h, k0 + n0, i * QK_BOX], k_full.index(s),
+                                                    k_smem.index(s * QK_BOXES + i))
+                mbarrier.wait(v_empty.index(s), ph ^ 1)
+                mbarrier.expect(v_full.index(s), desc_v.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_v, [db, kv_h, k0 + n0, 0], v_full.index(s), v_smem.index(s))
             cnt += 1
         tphase ^= 1
 
@@ -791,7 +896,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
               NUM_BUFFERS: gl.constexpr, Q_BUFFERS: gl.constexpr, PINGPONG: gl.constexpr,
               OVERLAP: gl.constexpr, DIAG_FIRST: gl.constexpr, POLY_EXP2: gl.constexpr,
               VARLEN: gl.constexpr, TILE_TABLE: gl.constexpr, STREAM_K: gl.constexpr,
-              O_IN_Q: gl.constexpr):
+              O_IN_Q: gl.constexpr, SEQUSED_K, PAGE_SIZE: gl.constexpr, SEQUSED: gl.constexpr):
     # wgmma accumulators of one warpgroup: S is [SPLIT_M, BLOCK_N], O is [SPLIT_M, HEAD_DIM_V_PAD]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -814,6 +919,9 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
     # spilled 1-8 LDL/STL a block in the key loop without them, 0 with them
     EARLY_P: gl.constexpr = (NUM_CONSUMERS > 2) or (QK_BOXES > 1)
     ROW_BOUND: gl.constexpr = (NUM_CONSUMERS > 2) or (QK_BOXES > 1)
+    # a block's rows past the sequence's keys may hold anything (pages, seqused_k): V's are
+    # zeroed before P V (_clear_v_tail)
+    KV_TAIL: gl.constexpr = (PAGE_SIZE > 0) or SEQUSED
     nxt: gl.constexpr = (CID + 1) % NUM_CONSUMERS
     if not O_IN_Q:
         o_buf = o_smem.index(CID)
@@ -852,7 +960,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
             b, h, m_blk = _tile_coords(k, NUM_M, BH, H_Q, HEAD_GROUP, TILE_ORDER, TILE_TABLE)
             db = b
         # in-sequence lengths and band (VARLEN; else N_Q, N_K, LO_OFF, HI_OFF and 0 offsets)
-        q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN)
+        q0, k0, n_q, n_k, lo_off, hi_off = _tile_span(b, CU_Q, CU_K, N_Q, N_K, LO_OFF, HI_OFF, VARLEN,
+                                                      SEQUSED_K, PAGE_SIZE, SEQUSED)
         m_start = m_blk * BLOCK_M
         lo, full_lo, full_hi, hi = _key_range(m_start, n_q, n_k, lo_off, hi_off, BLOCK_M, BLOCK_N)
         if STREAM_K:  # this item's share of the tile's key blocks
@@ -926,6 +1035,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 p = gl.convert_layout(p.to(dtype), p_layout)
             v_s = s
             v_ph = ph
+            v_n0 = n_first  # (KV_TAIL: the keys of the block in V's slot)
             cnt += 1
             for n_up in range(lo + BLOCK_N, hi, BLOCK_N):
                 n0 = n_up
@@ -945,6 +1055,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                                        qk, is_async=True)
                 # ... and the previous block's O += P V behind it
                 mbarrier.wait(v_full.index(v_s), v_ph)
+                if KV_TAIL:
+                    _clear_v_tail(v_smem.index(v_s), n_k - v_n0, BLOCK_N)
                 v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_V_PAD])
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
                 acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
@@ -970,6 +1082,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
                 v_s = s
                 v_ph = ph
+                v_n0 = n0
                 cnt += 1
             # every S = Q K^T of this tile is done: the producer may load the next tile's Q
             # (O_IN_Q: once the output has left the slot too, at the end of the tile)
@@ -977,6 +1090,8 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
                 mbarrier.arrive(q_empty.index(qb), count=1)
             # the last block's O += P V
             mbarrier.wait(v_full.index(v_s), v_ph)
+            if KV_TAIL:
+                _clear_v_tail(v_smem.index(v_s), n_k - v_n0, BLOCK_N)
             v_buf = v_smem.index(v_s).reshape([BLOCK_N, HEAD_DIM_V_PAD])
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
@@ -1059,7 +1174,7 @@ def _consumer(desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, 
 # The kernel: shared memory, barriers, and the partitions
 # ----------------------------------------------------------------------------------------
 @gluon.jit(do_not_specialize=["BATCH", "N_Q", "N_K", "H_Q", "KV_GROUP", "LO_OFF", "HI_OFF",
-                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SK_START", "SEED_LO", "SEED_HI",
+                              "NUM_M", "BH", "NUM_TILES", "HEAD_GROUP", "SK_START", "stride_btb", "NUM_PAGES", "SEED_LO", "SEED_HI",
                               "RNG_OFFSET", "DROP_THRESHOLD"])
 def fwd_causal_d64_bf16_kernel(
     Q, K, V, O,  # (B, H, N, HEAD_DIM) through the strides below; head dim unit-stride
@@ -1069,6 +1184,12 @@ def fwd_causal_d64_bf16_kernel(
     # totals, LO_OFF / HI_OFF are relative to each sequence's diagonal, NUM_M is
     # cdiv(max_seqlen_q, BLOCK_M) and NUM_TILES is counted on the device
     CU_Q, CU_K,
+    # PAGED (PAGE_SIZE > 0; VARLEN): K and V are the caches (NUM_PAGES, PAGE_SIZE, H_KV,
+    # HEAD_DIM) with stride_kb / stride_vb their page strides and stride_kn / stride_vn
+    # their row strides; BT the int32 block table (rows stride_btb apart, N_K // PAGE_SIZE
+    # entries: N_K is the table's capacity in keys). SEQUSED: SEQUSED_K the int32 used
+    # lengths of the sequences' keys (FA3's seqused_k). Else None / 0
+    SEQUSED_K, BT, stride_btb, NUM_PAGES,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -1119,6 +1240,8 @@ def fwd_causal_d64_bf16_kernel(
     # stage each consumer's output in its Q slot, not in a buffer of its own (families.o_in_q:
     # the large head dims, where both do not fit beside a 2-deep K/V ring)
     O_IN_Q: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,  # PAGED: keys a page of the caches (0: K and V packed or dense)
+    SEQUSED: gl.constexpr,  # SEQUSED_K gives the keys' lengths (VARLEN)
 ):
     # TMA descriptors over (B, H, N, HEAD_DIM), made on the device (once per program of the
     # persistent grid) rather than encoded by the host on every call, which cost ~30 us of
@@ -1140,6 +1263,22 @@ def fwd_causal_d64_bf16_kernel(
     desc_v = tma.make_tensor_descriptor(V, [desc_b, H_Q // KV_GROUP, N_K, HEAD_DIM_V],
                                         [stride_vb, stride_vh, stride_vn, 1],
                                         [1, 1, BLOCK_N, HEAD_DIM_V_PAD], KV_LAYOUT)
+    if PAGE_SIZE > 0:
+        # PAGED: the caches as (pages, H_KV, PAGE_SIZE, head dim), a box a page or a key
+        # block, whichever is smaller (_load_pages); a box never crosses a page. (desc_k and
+        # desc_v above then only shape the ring's slots.)
+        gl.static_assert(VARLEN and (PAGE_SIZE % BLOCK_N == 0 or (BLOCK_N % PAGE_SIZE == 0 and PAGE_SIZE >= 8)),
+                         "pages of whole key blocks, or key blocks of whole pages of 8+ rows")
+        PAGE_BOX: gl.constexpr = BLOCK_N if PAGE_SIZE >= BLOCK_N else PAGE_SIZE
+        kp_desc = tma.make_tensor_descriptor(K, [NUM_PAGES, H_Q // KV_GROUP, PAGE_SIZE, HEAD_DIM],
+                                             [stride_kb, stride_kh, stride_kn, 1],
+                                             [1, 1, PAGE_BOX, QK_BOX], KV_LAYOUT)
+        vp_desc = tma.make_tensor_descriptor(V, [NUM_PAGES, H_Q // KV_GROUP, PAGE_SIZE, HEAD_DIM_V],
+                                             [stride_vb, stride_vh, stride_vn, 1],
+                                             [1, 1, PAGE_BOX, HEAD_DIM_V_PAD], KV_LAYOUT)
+    else:
+        kp_desc = desc_k
+        vp_desc = desc_v
     dtype: gl.constexpr = desc_q.dtype
     NUM_CONSUMERS: gl.constexpr = BLOCK_M // SPLIT_M
     gl.static_assert(not (O_IN_Q and OVERLAP), "OVERLAP stores a tile's output during the next tile, "
@@ -1185,25 +1324,29 @@ def fwd_causal_d64_bf16_kernel(
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q,
+                         SEQUSED_K, PAGE_SIZE, SEQUSED)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q,
+                         SEQUSED_K, PAGE_SIZE, SEQUSED)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 2, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q,
+                         SEQUSED_K, PAGE_SIZE, SEQUSED)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                          k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                          NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
-                         NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
+                         NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K,
+                         kp_desc, vp_desc, SEQUSED_K, BT, stride_btb, NUM_PAGES, PAGE_SIZE, SEQUSED)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     elif NUM_CONSUMERS == 2:
         gl.warp_specialize([
@@ -1213,18 +1356,21 @@ def fwd_causal_d64_bf16_kernel(
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 0, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q,
+                         SEQUSED_K, PAGE_SIZE, SEQUSED)),
             (_consumer, (desc_o, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_full, k_empty,
                          v_full, v_empty, turn, LSE, N_Q, N_K, H_Q, LO_OFF, HI_OFF, qk_scale, NUM_M,
                          BH, NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, SK_WS, SK_FLAGS, SEED_LO,
                          SEED_HI, RNG_OFFSET, DROP_THRESHOLD,
                          DROP_SCALE, CU_Q, CU_K, BATCH, O,
                          stride_oh, stride_om, 1, BLOCK_M, BLOCK_N, NUM_BUFFERS, Q_BUFFERS, PINGPONG,
-                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q)),
+                         OVERLAP, DIAG_FIRST, POLY_EXP2, VARLEN, TILE_TABLE, STREAM_K, O_IN_Q,
+                         SEQUSED_K, PAGE_SIZE, SEQUSED)),
             (_producer, (desc_q, desc_k, desc_v, q_smem, k_smem, v_smem, q_ready, q_empty, k_full,
                          k_empty, v_full, v_empty, N_Q, N_K, H_Q, KV_GROUP, LO_OFF, HI_OFF, NUM_M, BH,
                          NUM_TILES, HEAD_GROUP, TILE_ORDER, SK_START, CU_Q, CU_K, BATCH, BLOCK_M, BLOCK_N,
-                         NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K)),
+                         NUM_BUFFERS, Q_BUFFERS, DIAG_FIRST, VARLEN, TILE_TABLE, STREAM_K,
+                         kp_desc, vp_desc, SEQUSED_K, BT, stride_btb, NUM_PAGES, PAGE_SIZE, SEQUSED)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.static_assert(False, "BLOCK_M must be 192 or 128 (64 query rows a consumer warpgroup)")
