@@ -200,7 +200,7 @@ def _compile_sm90(fn, name: str, tile: str, const: dict, pointers: dict, num_war
 def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
                     mod_types: dict | None = None, varlen: bool = False,
                     persistent: bool = False, v_dim: int | None = None,
-                    page_size: int = 0) -> GluonResources:
+                    page_size: int = 0, seqused: bool = False) -> GluonResources:
     """Compile `<name>_kernel` of an imported Gluon kernel module for sm_90 (mod_types:
     the signature types of the variant's mod arguments, see mod_arg_types; varlen: the
     packed-batch form, VARLEN=True with int32 cu_seqlens, else the dense one; persistent:
@@ -208,7 +208,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
     runtime's GLUON_BWD_PERSISTENT_MASKS -- else WORK is None, as the runtime passes it;
     v_dim: V's head dim where it is not Q's; page_size: the forward's paged form, VARLEN
     over a paged KV cache read through an int32 block table, as the runtime launches it for
-    chunked prefill -- implies varlen)."""
+    chunked prefill -- implies varlen; seqused: the keys' lengths from an int32 seqused_k
+    with cu_seqlens_k None, as the prefill bench calls it)."""
     varlen = varlen or page_size > 0
     from triton.experimental.gluon import language as gl
 
@@ -290,7 +291,11 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         descriptors = {}
         # PAGED: the block table (its used lengths from cu_seqlens_k, as the prefill bench's
         # calls give them); a dense or packed launch passes None and 0
-        const.update(PAGE_SIZE=page_size, SEQUSED=False, SEQUSED_K=None)
+        const.update(PAGE_SIZE=page_size, SEQUSED=seqused)
+        if seqused:
+            pointers["SEQUSED_K"] = "i32"
+        else:
+            const["SEQUSED_K"] = None
         if page_size:
             pointers["BT"] = "i32"
         else:
@@ -315,11 +320,14 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
             pointers.update(SK_WS="fp32", SK_FLAGS="i32")
         else:
             const.update(STREAM_K=False, SK_WS=None, SK_FLAGS=None)
-    if varlen:
+    if varlen and seqused and page_size:
+        pointers["CU_Q"] = "i32"
+        const["CU_K"] = None  # (the keys' lengths are seqused_k's)
+    elif varlen:
         pointers.update(CU_Q="i32", CU_K="i32")
     else:
         const.update(CU_Q=None, CU_K=None)  # a dense launch passes None
-    tile = (f"paged{page_size} " if page_size else "") + ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
+    tile = (f"paged{page_size} " if page_size else "") + ("seqused " if seqused else "") + ("varlen " if varlen else "") + f"{config['block_m']}x{config['block_n']} s{config['num_stages']}" + (
         "" if config.get("pingpong", True) else " no-pingpong") + (
         f" q{config['q_buffers']}" if config.get("q_buffers", 1) != 1 else "") + (
         " overlap" if config.get("overlap", families.GLUON_DEFAULT["overlap"]) else "") + (

@@ -418,13 +418,14 @@ pkg = Path(sys.argv[1]).name
 registry = importlib.import_module(pkg + "._registry")
 rows = []
 for spec in sys.argv[2].split(","):
-    name, page = spec.split(":")
+    name, page, *used = spec.split(":")
     facts = registry.VARIANTS[name]
     module = importlib.import_module(f"{pkg}.kernels.gluon.{name}")
     cfg = families.variant_gluon_default(facts)
     for p in (0, int(page)):
         rows.append(gluon_compile.compile_variant(module, name, facts["head_dim"], facts["dtype"],
-                                                  cfg, varlen=True, page_size=p).__dict__)
+                                                  cfg, varlen=True, page_size=p,
+                                                  seqused=bool(p and used)).__dict__)
 print(json.dumps(rows))
 """
 
@@ -438,8 +439,9 @@ def test_gluon_paged_forward_compiles_for_sm90(gpkg):
     128-key blocks 8 boxes for K and 8 for V a block (each two 64-column TMA instructions
     at d = 128). Measured when written (stack bytes, packed / paged): causal d128 104 / 40
     (p16), 32 (p64)."""
+    # (":seqused": the lengths from seqused_k, cu_seqlens_k None: the prefill bench's call)
     specs = ["fwd_causal_d128_bf16:16", "fwd_d128_bf16:64", "fwd_causal_d64_fp16:64",
-             "fwd_d64_bf16:16"]
+             "fwd_d64_bf16:16", "fwd_causal_d128_bf16:64:seqused"]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(gpkg.__file__).parent),
                           ",".join(specs)], capture_output=True, text=True, env=env, cwd=str(ROOT))
@@ -448,7 +450,8 @@ def test_gluon_paged_forward_compiles_for_sm90(gpkg):
     assert len(rows) == 2 * len(specs)
     for spec, packed, paged in zip(specs, rows[::2], rows[1::2]):
         page = int(spec.split(":")[1])
-        assert paged["config"] == f"paged{page} " + packed["config"], paged
+        used = "seqused " if spec.endswith("seqused") else ""
+        assert paged["config"] == f"paged{page} {used}" + packed["config"], paged
         assert paged["wgmma"] == packed["wgmma"] > 0, paged
         assert paged["setmaxnreg"] == packed["setmaxnreg"], paged
         assert paged["gmma_forms"] == packed["gmma_forms"], paged
@@ -593,3 +596,29 @@ def test_gluon_paged_bad_page_indices_stay_in_the_pool(gpkg, monkeypatch):
                                      causal=True)
         assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+def test_gluon_seqused_k_on_packed_keys(gpkg, poison):
+    """seqused_k without a block table on the Gluon forward (SEQUSED): sequence i's first
+    seqused_k[i] rows of its cu_seqlens_k span, the rest NaN and never seen."""
+    rt = gpkg._runtime
+    gen = torch.Generator().manual_seed(12)
+    lk = [c + n for c, n in zip(GCTX, GLQ)]
+    span = [n + 37 for n in lk]
+    k = torch.randn(sum(span), 2, 128, generator=gen).to(torch.bfloat16)
+    v = torch.randn(sum(span), 2, 128, generator=gen).to(torch.bfloat16)
+    q = torch.randn(sum(GLQ), 8, 128, generator=gen).to(torch.bfloat16)
+    keep = torch.cat([torch.arange(s, s + n) for s, n in zip(cu(span)[:-1].tolist(), lk)])
+    gone = ~torch.isin(torch.arange(sum(span)), keep)
+    k[gone], v[gone] = float("nan"), float("nan")
+    rt._forward_plans.clear()
+    with rt.override_config(family="gluon"):
+        out, lse = gpkg.flash_attn_varlen_func(
+            q.cuda(), k.cuda(), v.cuda(), cu(GLQ).cuda(), cu(span).cuda(), max(GLQ), max(span),
+            causal=True, seqused_k=torch.tensor(lk, dtype=torch.int32).cuda(), return_lse=True)
+    assert any(key[0] == "varlen" and plan[0].meta.get("SEQUSED") is True
+               and type(plan[0].fn).__name__ == "GluonJITFunction"
+               for key, plan in rt._forward_plans.items())
+    check((out.cpu(), lse.cpu()), reference(q, k[keep], v[keep], GLQ, lk, causal=True),
+          torch.bfloat16)
