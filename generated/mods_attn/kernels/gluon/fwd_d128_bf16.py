@@ -402,8 +402,10 @@ def _load_pages(kp_desc, vp_desc, k_smem, v_smem, k_full, k_empty, v_full, v_emp
     two). Smaller pages: a box a page, stacked row-wise into the slot (a page of 8 or more
     rows starts on a 128-byte swizzle atom, so its rows land where one box of the whole
     block would put them), every box on the block's one barrier, which expects the whole
-    block's bytes. V's page indices are read again after the wait for its slot (an L1 hit)
-    rather than held across it in the producer's 24 registers."""
+    block's bytes. The block's table entries are one load, a lane each, before the waits
+    (read one by one, ptxas issued them two at a time between the boxes: four L2 round
+    trips a block at page 16 in the producer's 24 registers); each box takes its lane's
+    entry by a warp reduction, and V's boxes reuse them."""
     if PAGE_SIZE >= BLOCK_N:
         page = _page(bt_row, n0 // PAGE_SIZE, MAX_PAGES, NUM_PAGES)
         row = n0 % PAGE_SIZE
@@ -417,18 +419,23 @@ def _load_pages(kp_desc, vp_desc, k_smem, v_smem, k_full, k_empty, v_full, v_emp
         tma.async_copy_global_to_shared(vp_desc, [page, kv_h, row, 0], v_full.index(s), v_smem.index(s))
     else:
         PAGES: gl.constexpr = BLOCK_N // PAGE_SIZE
+        gl.static_assert(PAGES <= 32, "a lane a page of the block")
+        lanes: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        p_idx = gl.arange(0, 32, layout=lanes)
         first = n0 // PAGE_SIZE
+        pages = gl.load(bt_row + gl.minimum(first + p_idx, MAX_PAGES - 1), mask=p_idx < PAGES, other=0)
+        pages = gl.minimum(gl.maximum(pages, 0), NUM_PAGES - 1)
         mbarrier.wait(k_empty.index(s), ph ^ 1)
         mbarrier.expect(k_full.index(s), PAGES * QK_BOXES * kp_desc.block_type.nbytes)
         for p in gl.static_range(PAGES):
-            page = _page(bt_row, first + p, MAX_PAGES, NUM_PAGES)
+            page = gl.sum(gl.where(p_idx == p, pages, 0), axis=0)
             for i in gl.static_range(QK_BOXES):
                 tma.async_copy_global_to_shared(kp_desc, [page, kv_h, 0, i * QK_BOX], k_full.index(s),
                                                 k_smem.index(s * QK_BOXES + i).slice(p * PAGE_SIZE, PAGE_SIZE, dim=2))
         mbarrier.wait(v_empty.index(s), ph ^ 1)
         mbarrier.expect(v_full.index(s), PAGES * vp_desc.block_type.nbytes)
         for p in gl.static_range(PAGES):
-            page = _page(bt_row, first + p, MAX_PAGES, NUM_PAGES)
+            page = gl.sum(gl.where(p_idx == p, pages, 0), axis=0)
             tma.async_copy_global_to_shared(vp_desc, [page, kv_h, 0, 0], v_full.index(s),
                                             v_smem.index(s).slice(p * PAGE_SIZE, PAGE_SIZE, dim=2))
 
