@@ -414,6 +414,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(sys.argv[1]).parent))
 import importlib
 from flashgen import gluon_compile, families
+from flashgen.offline import mod_arg_types
 pkg = Path(sys.argv[1]).name
 registry = importlib.import_module(pkg + "._registry")
 rows = []
@@ -424,10 +425,44 @@ for spec in sys.argv[2].split(","):
     cfg = families.variant_gluon_default(facts)
     for p in (0, int(page)):
         rows.append(gluon_compile.compile_variant(module, name, facts["head_dim"], facts["dtype"],
-                                                  cfg, varlen=True, page_size=p,
+                                                  cfg, mod_arg_types(registry, name)[0],
+                                                  varlen=True, page_size=p,
                                                   seqused=bool(p and used)).__dict__)
 print(json.dumps(rows))
 """
+
+
+@pytest.fixture(scope="module")
+def gmods(tmp_path_factory):
+    """The mods spec (d 64 / 128) without its decode kernels: score and sink mods on the
+    Gluon paged forward."""
+    text = (ROOT / "specs" / "mods.yaml").read_text()
+    body = text.split("package: mods_attn", 1)[1].split("\ngpu:", 1)[0]
+    return build_and_import(tmp_path_factory.mktemp("gpagedmods"), "fg_test_gluon_paged_mods",
+                            body.replace("decode: true", "decode: false"))
+
+
+def _compile_rows(pkg, specs):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
+                          ",".join(specs)], capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * len(specs)
+    return rows
+
+
+@pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
+@needs_gluon_triton
+def test_gluon_paged_mods_compile_for_sm90(gmods):
+    """A score mod (softcap) and a sink on the paged form: no key-loop spills, the packed
+    form's products and register split."""
+    specs = ["fwd_causal_softcap_d128_bf16:16", "fwd_causal_sink_logits_d64_fp16:64"]
+    rows = _compile_rows(gmods, specs)
+    for packed, paged in zip(rows[::2], rows[1::2]):
+        assert paged["wgmma"] == packed["wgmma"] > 0, paged
+        assert paged["setmaxnreg"] == packed["setmaxnreg"], paged
+        assert paged["loop_spills"] == 0, paged
 
 
 @pytest.mark.slow  # a long offline compile (the CPU group stays under 10 minutes)
@@ -442,12 +477,7 @@ def test_gluon_paged_forward_compiles_for_sm90(gpkg):
     # (":seqused": the lengths from seqused_k, cu_seqlens_k None: the prefill bench's call)
     specs = ["fwd_causal_d128_bf16:16", "fwd_d128_bf16:64", "fwd_causal_d64_fp16:64",
              "fwd_d64_bf16:16", "fwd_causal_d128_bf16:64:seqused"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(gpkg.__file__).parent),
-                          ",".join(specs)], capture_output=True, text=True, env=env, cwd=str(ROOT))
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == 2 * len(specs)
+    rows = _compile_rows(gpkg, specs)
     for spec, packed, paged in zip(specs, rows[::2], rows[1::2]):
         page = int(spec.split(":")[1])
         used = "seqused " if spec.endswith("seqused") else ""
@@ -622,3 +652,29 @@ def test_gluon_seqused_k_on_packed_keys(gpkg, poison):
                for key, plan in rt._forward_plans.items())
     check((out.cpu(), lse.cpu()), reference(q, k[keep], v[keep], GLQ, lk, causal=True),
           torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_gluon_paged_score_and_sink_mods(gmods, poison, page):
+    """softcap and a sink on the Gluon paged forward against float64 (the mods see the
+    sequence as b and in-sequence positions, as in a packed call)."""
+    rt = gmods._runtime
+    gen = torch.Generator().manual_seed(13 + page)
+    lk = [c + n for c, n in zip(GCTX, GLQ)]
+    k_cache, v_cache, bt, k, v = paged_cache(lk, page, 2, torch.bfloat16, gen=gen, d=128)
+    q = (torch.randn(sum(GLQ), 8, 128, generator=gen) * 3).to(torch.bfloat16)
+    sinks = torch.randn(8, generator=gen)
+    rt._forward_plans.clear()
+    with rt.override_config(family="gluon"):
+        got = _gluon_paged_call(gmods, q, k_cache, v_cache, GLQ, lk, bt, causal=True,
+                                mods=("softcap",), cap=5.0)
+        assert _gluon_paged_ran(rt, page)
+        check(got, reference(q, k, v, GLQ, lk, causal=True,
+                             score_mod=lambda s: 5.0 * torch.tanh(s / 5.0)), torch.bfloat16)
+        rt._forward_plans.clear()
+        got = _gluon_paged_call(gmods, q, k_cache, v_cache, GLQ, lk, bt, causal=True,
+                                mods=("sink_logits",), sinks=sinks.cuda())
+        assert _gluon_paged_ran(rt, page)
+        check(got, reference(q, k, v, GLQ, lk, causal=True, sink=sinks.double()),
+              torch.bfloat16)
