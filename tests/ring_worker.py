@@ -74,6 +74,7 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
             os.environ.pop("FLASHGEN_CP_AGREE", None)
             if case.get("agree") is False:
                 os.environ["FLASHGEN_CP_AGREE"] = "0"
+            os.environ.update(case.get("env", {}))  # (a case's own switches, e.g. A/B)
             gathers, real = [0], pkg._ring_masks._all_gather
 
             def counted(*args, **kw):
@@ -88,6 +89,8 @@ def main(rank, world, store_file, package_dir, package, cases_json, out_json):
             finally:
                 pkg._ring_masks._all_gather = real
                 os.environ.pop("FLASHGEN_CP_AGREE", None)
+                for name in case.get("env", {}):
+                    os.environ.pop(name, None)
             results[-1]["agree_gathers"] = gathers[0]
             # progress in the log run_world shows when a world fails or runs out of time
             print(f"rank {rank}: case {i + 1}/{len(cases)} in "
@@ -396,10 +399,25 @@ def counted_step(pkg, call, do):
     """What the second of two forward + backward steps of call() does (the first warms
     the caches): kernel launches by kind, the key blocks the attention kernels visit
     (their block lists' entries x heads x tile), and the host's reads of tensor values
-    (item, tolist, bool: a sync each on a GPU)."""
+    (item, tolist, bool: a sync each on a GPU), and the collectives by name (a batch of
+    P2P operations counts once, its sends and receives as "isend" / "irecv")."""
     from triton.runtime import interpreter
 
-    counts = {"launches": {}, "visits": 0, "reads": 0}
+    counts = {"launches": {}, "visits": 0, "reads": 0, "collectives": {}}
+    names = ("all_gather_into_tensor", "all_gather_single", "all_gather", "all_to_all_single",
+             "all_reduce", "reduce_scatter_tensor", "broadcast", "batch_isend_irecv")
+    real_colls = {m: getattr(dist, m) for m in names if hasattr(dist, m)}
+
+    def collective(name, real):
+        def call(*a, **kw):
+            if on[0]:
+                counts["collectives"][name] = counts["collectives"].get(name, 0) + 1
+                if name == "batch_isend_irecv":
+                    for op in a[0]:
+                        kind = "isend" if op.op is dist.isend else "irecv"
+                        counts["collectives"][kind] = counts["collectives"].get(kind, 0) + 1
+            return real(*a, **kw)
+        return call
     on = [False]
     real_run, real_sparse = interpreter.InterpretedFunction.run, pkg._mods.Call.tl_sparse
     reads = {m: getattr(torch.Tensor, m) for m in ("item", "tolist", "__bool__", "__int__",
@@ -432,6 +450,8 @@ def counted_step(pkg, call, do):
     interpreter.InterpretedFunction.run, pkg._mods.Call.tl_sparse = run, sparse
     for m, real in reads.items():
         setattr(torch.Tensor, m, reader(real))
+    for m, real in real_colls.items():
+        setattr(dist, m, collective(m, real))
     try:
         for step in range(2):
             on[0] = step == 1
@@ -442,6 +462,8 @@ def counted_step(pkg, call, do):
         interpreter.InterpretedFunction.run, pkg._mods.Call.tl_sparse = real_run, real_sparse
         for m, real in reads.items():
             setattr(torch.Tensor, m, real)
+        for m, real in real_colls.items():
+            setattr(dist, m, real)
     return counts
 
 

@@ -408,7 +408,7 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
     """(out, lse) of this rank's rows as ring_flash_attn_func returns them; q, k, v are
     (B, N / world, H, d) shards (possibly transposed views), checked by the caller; facts:
     the call's, for `_ring_masks.agree` (every rank joins it, also one whose own checks
-    failed, before the all-to-alls)."""
+    failed, before the all-to-alls), or None where the caller's agreement ran already."""
     from . import _ring_masks
     from ._api import flash_attn_func
 
@@ -422,7 +422,10 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
         error = None
     except (ValueError, TypeError, NotImplementedError) as e:
         error = e
-    _ring_masks.agree(group, world, facts, [], error)
+    if facts is not None:
+        _ring_masks.agree(group, world, facts, [], error)
+    elif error is not None:  # (agreed already: the caller's checks were these)
+        raise error
     kw = dict(causal=causal, softmax_scale=scale, window_size=window, return_lse=True)
     if world == 1:
         out, lse = flash_attn_func(q, k, v, **kw, **({"mods": names} if names else {}),
