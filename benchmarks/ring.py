@@ -16,7 +16,8 @@ balanced=True) (whole documents on ranks), zigzag (default) with the plain zig-z
 --fresh-docs: a new document ids tensor every step (a training loop's new batch), so
 neither the one-GPU call nor the context-parallel one reuses the mask's cached block
 lists (and cell table): both pay for making them every step.
-hybrid:uU: strategy="hybrid" over hybrid_groups(U); ulysses:p: FLASHGEN_CP_PREFETCH=1.
+hybrid:uU: strategy="hybrid" over hybrid_groups(U); ulysses:p: FLASHGEN_CP_PREFETCH=1;
+ring:l0: FLASHGEN_CP_LOCAL=0 (cp_call has the flags).
 
 For each sequence length N (B=1, bf16, the committed generated/llama_attn), times a
 forward + backward step:
@@ -215,18 +216,20 @@ _HYBRID = {}
 
 def cp_call(strategy, n, args, device, world):
     """(strategy, the call's extra arguments, the shard() keywords) of a --strategies
-    entry: "ring", "allgather", "ulysses", "ring:gN" (the ring's backward in N head
-    groups, FLASHGEN_CP_HEAD_GROUPS=N; plain "ring": auto), "hybrid:uU"; a trailing ":p"
-    (ulysses:p): the head groups' all-to-alls overlapping the kernels
-    (FLASHGEN_CP_PREFETCH=1)."""
-    prefetch = strategy.endswith(":p")
-    os.environ["FLASHGEN_CP_PREFETCH"] = "1" if prefetch else "0"
-    name, _, groups = strategy.removesuffix(":p").partition(":g")
-    os.environ["FLASHGEN_CP_HEAD_GROUPS"] = groups or "auto"
+    entry: a name ("ring", "allgather", "ulysses", "hybrid") and ":"-separated flags: gN
+    (the head groups, FLASHGEN_CP_HEAD_GROUPS=N; none: auto), uU (hybrid's Ulysses group
+    size, default 2), p (Ulysses' head groups' all-to-alls overlapping the kernels,
+    FLASHGEN_CP_PREFETCH=1), l0 / l1 (FLASHGEN_CP_LOCAL=0 / 1: never / always the local
+    call of documents, _ring_masks._Local; none: auto). E.g. ring:g1:l0, hybrid:u2."""
+    name, *flags = strategy.split(":")
+    value = {f[0]: f[1:] for f in flags}
+    os.environ["FLASHGEN_CP_PREFETCH"] = "1" if "p" in value else "0"
+    os.environ["FLASHGEN_CP_HEAD_GROUPS"] = value.get("g") or "auto"
+    os.environ["FLASHGEN_CP_LOCAL"] = value.get("l") or "auto"
     extra, layout = doc_kw(n, args, world, device)
     shard_kw = dict(layout=layout)
-    if name.startswith("hybrid"):
-        size = int(name.partition(":u")[2] or 2)
+    if name == "hybrid":
+        size = int(value.get("u") or 2)
         if size not in _HYBRID:  # (new_group: a collective, once per size)
             _HYBRID[size] = pkg.hybrid_groups(size)
         name, extra["group"], shard_kw["ulysses"] = "hybrid", _HYBRID[size], size

@@ -57,6 +57,7 @@ PACKAGE_FILES = {
     "_ring.py": "package/ring.py.j2",  # context parallelism (docs/RING.md)
     "_ring_masks.py": "package/ring_masks.py.j2",  # its data-dependent masks, sinks, mod grads
     "_ring_shard.py": "package/ring_shard.py.j2",  # its sharding (layouts, hybrid groups)
+    "_ring_local.py": "package/ring_local.py.j2",  # packed documents, one call a rank
     "_ulysses.py": "package/ulysses.py.j2",  # all-to-all context parallelism (docs/RING.md)
     "_ring_merge.py": "package/ring_merge.py.j2",  # the LSE merge kernels (ring, _merge)
     "_merge.py": "package/merge.py.j2",  # merge_attention_states

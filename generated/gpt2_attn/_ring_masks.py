@@ -34,6 +34,7 @@ call's.
 Also here: SDPA's attn_mask as the sdpa_mask mod over the whole sequence
 (`sdpa_attn_mask`), document ids from cu_seqlens (`document_ids`), and the mods of a call
 sharded with a `document_layout` (`on_documents`: its tensors permuted like the sequence).
+Packed documents that see little of other ranks run as one call a rank: `_ring_local`.
 """
 import collections
 import functools
@@ -63,11 +64,6 @@ FACTS = 24
 # in the call's first collective. A data-dependent mask's cell table is gathered anyway.
 AGREE_ENV = "FLASHGEN_CP_AGREE"
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-# FLASHGEN_CP_LOCAL: "auto" (default), "0" or "1": when a call runs as each rank's own
-# shard plus the few cells it sees of others (`_Local`, `local_choice`)
-LOCAL_ENV = "FLASHGEN_CP_LOCAL"
-# the rank-local copies of mod tensors kept while their sources live (`_local_tensor`)
-LOCAL_KEEP = 8
 
 
 class CallMods:
@@ -285,14 +281,21 @@ def table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> l
     element of the cell is visible under the band and the mods, else 0. Made once per
     mask (its tensors' objects and versions, as `_mods` caches block lists; _TABLES),
     with a sync; a later call with the same mask makes no launch and no sync."""
+    return _kept(cp, q, v, ("rows", n_local, rank, world, layout, lo_g, hi_g, dropout),
+                 lambda: _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g,
+                                     dropout))
+
+
+def _kept(cp, q, v, what: tuple, make):
+    """make(), kept in _TABLES by the mask (its tensors' objects and versions), the call's
+    shapes and `what`: a later call with the same mask makes no launch and no sync."""
     key = refs = None
     try:
         bias = tuple(cp.pieces.tensors[t] for t in cp.bias)
         if cp.pieces.mask_key is not None or not cp.pieces.block_sparse:
             key = (cp.pieces.names, cp.pieces.mask_key and cp.pieces.mask_key[:2],
                    tuple((x.data_ptr(), x._version, tuple(x.shape), x.stride()) for x in bias),
-                   tuple(q.shape), v.shape[-1], q.dtype, q.device, n_local, rank, world, layout,
-                   lo_g, hi_g, dropout)
+                   tuple(q.shape), v.shape[-1], q.dtype, q.device, what)
             refs = tuple(cp.pieces.mask_refs) + tuple(weakref.ref(x) for x in bias)
     except RuntimeError:  # an inference tensor has no version counter: no keeping
         key = None
@@ -300,12 +303,12 @@ def table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> l
     if hit is not None and all(a() is not None and a() is b() for a, b in zip(hit[0], refs)):
         _TABLES.move_to_end(key)
         return hit[1]
-    rows = _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout)
+    value = make()
     if key is not None:
         if len(_TABLES) >= _MAX_TABLES:
             _TABLES.popitem(last=False)
-        _TABLES[key] = (refs, rows)
-    return rows
+        _TABLES[key] = (refs, value)
+    return value
 
 
 def _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> list:
@@ -372,6 +375,42 @@ def _cells_seen(call, q, v, dtype, dropout, qn, qg, j0, j1, c, tile, lo_g, hi_g)
     return state.amax(dim=(0, 1)).view(j1 - j0, c // tile).amax(1) > 0
 
 
+def cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g) -> list:
+    """Per cross cell (`Table.cross`), the rows and keys of its chunks that see anything,
+    (r0, r1, c0, c1) from the chunks' starts, to the mask's tiles: every rank makes them
+    alike from the whole mask (the receiver's rows, the owner's keys to send), one
+    block_state launch a cell and one host read, kept like the table. A bias, or chunks no
+    tile divides: the whole cell."""
+    return _kept(cp, q, v, ("boxes", tuple(cells), n_local, world, layout, lo_g, hi_g),
+                 lambda: _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g))
+
+
+def _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g) -> list:
+    c = chunk_length(n_local, layout)
+    tile = TABLE_TILE.get(q.device.type, TABLE_TILE["cuda"])
+    while c % tile:
+        tile //= 2
+    if cp.bias or not cp.pieces.block_sparse or tile < TABLE_TILE_MIN or not cells:
+        return [(0, c, 0, c)] * len(cells)
+    dtype = _runtime._DTYPE_NAMES[q.dtype]
+    found = []
+    for r, qi, s, kj in cells:
+        qg, kg = segments(n_local, r, world, layout)[qi][2], segments(n_local, s, world,
+                                                                       layout)[kj][2]
+        state = _block_state(cp.pieces.piece(c, c, qg, kg), q, v, dtype, False, c, c,
+                             qg - kg + lo_g, qg - kg + hi_g, tile) > 0
+        for seen in (state.any(2).any(0), state.any(1).any(0)):  # rows, keys
+            idx = torch.arange(seen.numel(), device=seen.device)
+            found += [torch.where(seen, idx, seen.numel()).min(),
+                      torch.where(seen, idx + 1, 0).max()]
+    got = torch.stack(found).tolist()
+    boxes = []
+    for i in range(len(cells)):
+        r0, r1, c0, c1 = (min(c, x * tile) for x in got[4 * i:4 * i + 4])
+        boxes.append((r0, r1, c0, c1) if r1 > r0 and c1 > c0 else (0, 0, 0, 0))
+    return boxes
+
+
 def _block_state(call, q, v, dtype, dropout, nq, nk, lo, hi, tile):
     """The mask's block_state (0 empty, 1 partial, 2 full) of an nq x nk piece at a
     tile x tile grid, [groups, tiles of rows, tiles of keys] int8 (`_mods`' lists' source)."""
@@ -436,237 +475,6 @@ class Table:
         if not seen:
             return 0, 0
         return max(k0, seen[0] * self.c), min(k1, (seen[-1] + 1) * self.c)
-
-
-# ----------------------------------------------------------------------------------------
-# The local call: each rank's own shard as one single-process call, plus the few cells
-# where its queries see another rank's keys
-# ----------------------------------------------------------------------------------------
-def local_choice(cp, table, window, dropout_p, world) -> "list | None":
-    """The cross cells (`Table.cross`) when the call runs as `_Local`, else None: a cell
-    table, `can_be_local`, FLASHGEN_CP_LOCAL not 0, and ("auto", the default) at most
-    `world` cross cells -- documents on whole ranks, a few cut across two (64 random
-    documents in 256k over 4 ranks, balanced: 2). Many cross cells (documents zig-zagged
-    over every rank) leave it to the strategy, whose ring overlaps them; "1" takes it
-    whenever it can (an A/B switch)."""
-    choice = os.environ.get(LOCAL_ENV, "") or "auto"
-    if world < 2 or table is None or choice == "0" or not can_be_local(cp, window, dropout_p):
-        return None
-    cells = table.cross()
-    return cells if choice == "1" or len(cells) <= world else None
-
-
-def can_be_local(cp, window, dropout_p) -> bool:
-    """Whether a rank's own cells are the single-process call on its shard: a shard's
-    segments are in global order, so a causal (or no) band over its rows is the global
-    band restricted to them, and mods that read positions only as tensor indices read the
-    same elements from the rank's rows of their tensors. Not so with a window or dropout
-    (distances and keep masks are positions); a mod tensor's gradient (a sum over the
-    ranks) is left to the strategies."""
-    if cp is None or not cp.table or cp.grads or dropout_p > 0.0 or tuple(window) != (-1, -1):
-        return False
-    return all(_positions_as_indices(MODS[m]["source"]) for m in cp.whole.names)
-
-
-_LOCAL = {}
-
-
-def _local_tensor(x, axes, index, key):
-    """x with `index` taken along each of `axes`, kept (the same object again while x is
-    the same tensor, object and version): the mask's block lists are cached by their
-    tensors' identity, so a fresh copy every step would rebuild them every step."""
-    try:
-        full = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype, x.device,
-                tuple(axes), key)
-    except RuntimeError:  # an inference tensor has no version counter: no keeping
-        full = None
-    hit = _LOCAL.get(full) if full is not None else None
-    if hit is not None and hit[0]() is x:
-        return hit[1]
-    out = x
-    with torch.no_grad():
-        for axis in axes:
-            out = out.index_select(axis, index.to(x.device))
-    if full is not None:
-        for k in [k for k, (ref, _) in _LOCAL.items() if ref() is None]:
-            del _LOCAL[k]
-        while len(_LOCAL) >= LOCAL_KEEP:
-            del _LOCAL[next(iter(_LOCAL))]
-        _LOCAL[full] = (weakref.ref(x), out)
-    return out
-
-
-@functools.lru_cache(maxsize=16)
-def _local_index(n_local, rank, world, layout) -> torch.Tensor:
-    """The global positions of a rank's rows, in local order (CPU)."""
-    return torch.cat([torch.arange(g, g + m) for _, m, g in
-                      segments(n_local, rank, world, layout)])
-
-
-def local_call(cp, mod_args, b, h, n_local, rank, world, layout, device):
-    """The `_mods.Call` of the rank's own shard as a sequence of its own: every mod tensor
-    cut along the sequence to the shard's global positions (kept across calls)."""
-    from . import _mods
-
-    n, key = n_local * world, (n_local, rank, world, layout)
-    args = dict(mod_args)
-    for m in cp.whole.names:
-        for t, dims, _ in MODS[m]["tensors"]:
-            x = args.get(t)
-            if not isinstance(x, torch.Tensor):
-                continue
-            axes = [a for a, extent in enumerate(dims)
-                    if str(extent) in _SEQUENCE_EXTENTS and x.dim() > a and x.shape[a] >= n]
-            if axes:
-                args[t] = _local_tensor(x, axes, _local_index(*key), key)
-    return _mods.prepare(cp.whole.names, args, b, h, n_local, n_local, device)
-
-
-def _exchange(ring, send: list, recv: list, like: dict):
-    """One batch of P2P operations: send [(peer, tensors)], receive [(peer, key)] into new
-    tensors shaped like like[key]; returns ({key: received tensors}, works). Both sides
-    list a pair's transfers in the same (sorted) order, so they match."""
-    from ._ring import _in_memory_order
-
-    dist = _dist()
-    g = ring.group if ring.group is not None else dist.group.WORLD
-    ops, got = [], {}
-    for peer, tensors in send:
-        ops += [dist.P2POp(dist.isend, _in_memory_order(t), dist.get_global_rank(g, peer),
-                           ring.group) for t in tensors]
-    for peer, key in recv:
-        got[key] = tuple(torch.empty_like(t) for t in like[key])
-        ops += [dist.P2POp(dist.irecv, _in_memory_order(t), dist.get_global_rank(g, peer),
-                           ring.group) for t in got[key]]
-    return got, (dist.batch_isend_irecv(ops) if ops else ())
-
-
-class _Local(torch.autograd.Function):
-    """(out, lse) of this rank's rows as ring_flash_attn_func returns them (lse not
-    differentiable), run as one GPU runs the call: its own cells as the single-process
-    forward and backward on its shard (`local_call`: the same launches, 1 / world of the
-    work, no fp32 sums), and each cross cell (`Table.cross`) as one more piece on the key
-    chunk it sees, which its owner sends (the chunk alone, not the shard); the piece is
-    merged into the rows in place (a row it does not reach keeps its bits). The backward
-    runs the cross pieces first, so that their dK/dV (fp32) travel back to the chunks'
-    owners while the local backward runs, against the merged out and LSE; each sum is
-    added to the rows it belongs to, rounded once there."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cfg):
-        out, lse, chunks = _local_forward(q, k, v, cfg)
-        ctx.save_for_backward(q, k, v, out, lse, *[t for kv in chunks.values() for t in kv])
-        ctx.cfg, ctx.keys = cfg, list(chunks)
-        ctx.mark_non_differentiable(lse)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, lse, *flat = ctx.saved_tensors
-        chunks = {key: tuple(flat[2 * i:2 * i + 2]) for i, key in enumerate(ctx.keys)}
-        return (*_local_backward(dout, q, k, v, out, lse, chunks, ctx.cfg), None)
-
-
-def _mine(cfg):
-    """(my cells [(q segment, owner, k segment)], the chunks I send [(peer, k segment)],
-    the chunks I receive [(owner, k segment)]), each sorted."""
-    rank = cfg["ring"].rank
-    cells = [(qi, s, kj) for r, qi, s, kj in cfg["cells"] if r == rank]
-    send = sorted({(r, kj) for r, qi, s, kj in cfg["cells"] if s == rank})
-    recv = sorted({(s, kj) for _, s, kj in cells})
-    return cells, send, recv
-
-
-def _cross_calls(cfg, qi, s, kj):
-    """The planned calls of rank's query segment qi on rank s's key segment kj, with the
-    query segment's rows counted from 0 and the chunk's keys from 0."""
-    from ._ring import plan_pair
-
-    n_local, world, layout = cfg["n_local"], cfg["ring"].world, cfg["layout"]
-    _, qn, qg = segments(n_local, cfg["ring"].rank, world, layout)[qi]
-    _, kn, kg = segments(n_local, s, world, layout)[kj]
-    return plan_pair(((0, qn, qg),), ((0, kn, kg),), cfg["lo_g"], cfg["hi_g"],
-                     cfg["cp"].pieces, False)
-
-
-def _local_forward(q, k, v, cfg):
-    from . import _ring_merge as rm
-    from ._ring import _empty_as, _piece_forward
-
-    ring, n_local, world = cfg["ring"], cfg["n_local"], cfg["ring"].world
-    cells, send, recv = _mine(cfg)
-    segs = segments(n_local, ring.rank, world, cfg["layout"])
-    # the chunks in flight while the local forward runs
-    chunk = {kj: (k.narrow(1, segs[kj][0], segs[kj][1]).contiguous(),
-                  v.narrow(1, segs[kj][0], segs[kj][1]).contiguous()) for _, kj in send}
-    like = {(s, kj): chunk.get(kj) or (k.narrow(1, segs[kj][0], segs[kj][1]),
-                                       v.narrow(1, segs[kj][0], segs[kj][1]))
-            for s, kj in recv}
-    got, works = _exchange(ring, [(r, chunk[kj]) for r, kj in send],
-                           [(s, (s, kj)) for s, kj in recv], like)
-    mask, lo, hi = _runtime.band(n_local, n_local, cfg["causal"], (-1, -1), True)
-    out = _empty_as(q, q.shape)
-    lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=cfg["scale"],
-                           bnhd=True, mods=cfg["call"])
-    _wait(works)
-    del chunk
-    for qi, s, kj in cells:
-        qs, qn, _ = segs[qi]
-        rows, rows_lse = out.narrow(1, qs, qn), lse.narrow(2, qs, qn)
-        kc, vc = got[s, kj]
-        for call in _cross_calls(cfg, qi, s, kj):
-            o, l = _piece_forward(q.narrow(1, qs, qn), kc, vc, call, cfg["scale"],
-                                  cfg["cp"].pieces)
-            rows_o, rows_l = rows.narrow(1, call[0], call[1]), rows_lse.narrow(2, call[0],
-                                                                                call[1])
-            rm.merge(rows_o, rows_l, rows_o, rows_l, o, l)  # in place, bf16 rows
-    return out, lse, got
-
-
-def _local_backward(dout, q, k, v, out, lse, chunks, cfg):
-    from . import _mods
-    from ._ring import _add_piece, _empty_as, _piece_backward
-
-    ring, n_local, world = cfg["ring"], cfg["n_local"], cfg["ring"].world
-    cells, send, recv = _mine(cfg)
-    segs = segments(n_local, ring.rank, world, cfg["layout"])
-    if dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    # the cross pieces first: their dK/dV go back while the local backward runs
-    dq_x, dkv_x = {}, {}
-    for qi, s, kj in cells:
-        qs, qn, _ = segs[qi]
-        kc, vc = chunks[s, kj]
-        if qi not in dq_x:
-            dq_x[qi] = _empty_as(q, (q.shape[0], qn) + tuple(q.shape[2:]),
-                                 torch.float32).zero_()
-        if (s, kj) not in dkv_x:
-            dkv_x[s, kj] = _empty_as(kc, kc.shape, torch.float32, lead=(2,)).zero_()
-        for call in _cross_calls(cfg, qi, s, kj):
-            dk, dv = _piece_backward(dout.narrow(1, qs, qn), q.narrow(1, qs, qn), kc, vc,
-                                     out.narrow(1, qs, qn), lse.narrow(2, qs, qn), call,
-                                     cfg["scale"], dq_x[qi], cfg["cp"].pieces)
-            _add_piece(dkv_x[s, kj], call, dk, dv)
-            del dk, dv
-    like = {(r, kj): (torch.empty((2,) + tuple(k.shape[:1]) + (segs[kj][1],) +
-                                  tuple(k.shape[2:]), dtype=torch.float32, device=k.device),)
-            for r, kj in send}
-    got, works = _exchange(ring, [(s, (dkv_x[s, kj],)) for s, kj in recv],
-                           [(r, (r, kj)) for r, kj in send], like)
-    mask, lo, hi = _runtime.band(n_local, n_local, cfg["causal"], (-1, -1), True)
-    call = cfg["call"]
-    dq, dk, dv, _ = _mods._backward(call, list(call.tensors.values()),
-                                    [False] * len(call.tensors), dout, q, k, v, out, lse,
-                                    None, (True, mask, lo, hi, cfg["scale"], 0.0))
-    for qi, acc in dq_x.items():
-        dq.narrow(1, segs[qi][0], segs[qi][1]).add_(acc)  # (fp32 sum, rounded once)
-    _wait(works)
-    del dkv_x
-    for (r, kj), (back,) in sorted(got.items()):  # (in a fixed order: deterministic)
-        ks, kn, _ = segs[kj]
-        dk.narrow(1, ks, kn).add_(back[0])
-        dv.narrow(1, ks, kn).add_(back[1])
-    return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------------------

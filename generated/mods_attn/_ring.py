@@ -775,7 +775,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         grads=sum(isinstance(t, torch.Tensor) and t.requires_grad for t in mod_args.values()))
     cp, rows = None, []
     # strategy="ulysses" over a document layout makes the ring's cell table too: when its
-    # ranks see little of each other the call runs as `_ring_masks._Local` (no all-to-all)
+    # ranks see little of each other the call runs as `_ring_local._Local` (no all-to-all)
     ulysses_local = False
     if error is None:
         try:
@@ -825,17 +825,21 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
     rows = _ring_masks.agree(group, world, facts, rows, error)
     table = (_ring_masks.Table(rows, n_local, world, layout)
              if cp is not None and cp.table else None)
-    cells = _ring_masks.local_choice(cp, table, window, dropout_p, world)
+    from . import _ring_local
+
+    cells = _ring_local.local_choice(cp, table, window, dropout_p, world)
     if cells is not None:  # each rank's own shard as one call, plus the cells it sees of others
         lo_g, hi_g = _global_band(n_local * world, bool(causal), window)[1:]
-        cfg = dict(ring=_Ring(group, rank, world), cells=cells, cp=cp, n_local=n_local,
-                   layout=layout, causal=bool(causal), scale=scale, lo_g=lo_g, hi_g=hi_g,
-                   call=_ring_masks.local_call(cp, mod_args, q.shape[0], q.shape[2], n_local,
+        boxes = _ring_masks.cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g)
+        cfg = dict(ring=_Ring(group, rank, world), cells=cells, boxes=boxes, cp=cp,
+                   n_local=n_local, layout=layout, causal=bool(causal), scale=scale,
+                   lo_g=lo_g, hi_g=hi_g,
+                   call=_ring_local.local_call(cp, mod_args, q.shape[0], q.shape[2], n_local,
                                                rank, world, layout, q.device))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            out, lse = _ring_masks._Local.apply(q, k, v, cfg)
+            out, lse = _ring_local._Local.apply(q, k, v, cfg)
         else:
-            out, lse = _ring_masks._local_forward(q, k, v, cfg)[:2]
+            out, lse = _ring_local._local_forward(q, k, v, cfg)[:2]
         return (out, lse) if return_lse else out
     if ulysses_local:  # too many cells to take locally: Ulysses after all, already agreed
         from . import _ulysses
@@ -864,13 +868,13 @@ def _ulysses_table(q, v, mods, mod_args, n_local, rank, world, layout, causal, w
     """(CallMods, this rank's cell table rows) of a Ulysses call for the rank-local
     choice, or (None, []) where the ring's pieces cannot run its mods (then Ulysses runs
     as asked: its own agreement, no table)."""
-    from . import _ring_masks
+    from . import _ring_local, _ring_masks
 
     try:
         _, lo_g, hi_g = _global_band(n_local * world, causal, window)
         cp = _ring_masks.prepare(mods, mod_args, q.shape[0], q.shape[2], n_local * world,
                                  q.device)
-        if os.environ.get(_ring_masks.LOCAL_ENV) == "0" or not _ring_masks.can_be_local(
+        if os.environ.get(_ring_local.LOCAL_ENV) == "0" or not _ring_local.can_be_local(
                 cp, window, dropout_p):
             return None, []
         return cp, _ring_masks.table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g,
