@@ -296,7 +296,8 @@ def test_world_size_one_matches_flash_attn_func(pkg, strategy):
 
 def test_head_groups_choice(pkg, monkeypatch):
     """auto: the most groups (a divisor of H_kv, at most HEAD_GROUPS_MAX) that leave each
-    group's K/V shard at least HEAD_GROUP_MIN_BYTES; a forced count must divide H_kv."""
+    group's K/V shard at least HEAD_GROUP_MIN_BYTES, one where no K/V moves; a forced
+    count must divide H_kv."""
     r = pkg._ring
     monkeypatch.setattr(r, "HEAD_GROUP_MIN_BYTES", 2 * 64 * 16 * 4)  # 2 heads' K+V, fp32
     k = torch.empty(1, 64, 12, 16)  # 12 K/V heads: 6 groups of 2 (8 and 12 do not fit)
@@ -304,6 +305,8 @@ def test_head_groups_choice(pkg, monkeypatch):
     assert r._head_groups(torch.empty(1, 64, 1, 16), "auto") == 1
     assert r._head_groups(torch.empty(1, 64, 32, 16), "auto") == r.HEAD_GROUPS_MAX
     assert r._head_groups(k, "3") == 3
+    # no K/V moves (documents within ranks): nothing to overlap, one group unless forced
+    assert r._head_groups(k, "auto", still=True) == 1 and r._head_groups(k, "3", still=True) == 3
     for bad in ("5", "0", "x"):
         with pytest.raises(ValueError, match="FLASHGEN_CP_HEAD_GROUPS"):
             r._head_groups(k, bad)

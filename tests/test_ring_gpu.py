@@ -213,5 +213,29 @@ def test_four_gpus_hybrid_and_masks(tmp_path):
         c["shape"][2:4] = [4, 1]
         c["shape"][-1] = 128
         c["dtype"] = "bf16"
+    cases += local_document_cases()
     assert_results(run_world(4, ROOT / "generated", tmp_path, cases, package="mods_attn",
                              backend="nccl", timeout=600))
+
+
+def local_document_cases():
+    """Packed documents on whole ranks (the balanced layout), run as one call a rank plus
+    the cells that cross (_ring_local): 16 random documents in 8k over 4 ranks cut four
+    cells (rank 0 reads two owners' keys), ring and Ulysses alike, and the ring's own
+    pieces (FLASHGEN_CP_LOCAL=0) for comparison."""
+    from test_ring_masks import docs, random_lengths
+
+    lengths = random_lengths(8192, 16, 4, 5)
+    cu = [0]
+    for x in lengths:
+        cu.append(cu[-1] + x)
+    kw = dict(causal=True, layout={"documents": cu, "balanced": True})
+    out = [mcase(8192, ["document"], {"doc": docs(*lengths)}, repeat=True, **kw),
+           mcase(8192, ["document"], {"doc": docs(*lengths)}, strategy="ulysses", **kw),
+           mcase(8192, ["document"], {"doc": docs(*lengths)}, env={"FLASHGEN_CP_LOCAL": "0"},
+                 **kw)]
+    for c in out:
+        c["shape"][2:4] = [4, 2]
+        c["shape"][-1] = 128
+        c["dtype"] = "bf16"
+    return out

@@ -406,7 +406,7 @@ def _finish(acc, lse, q, cfg):
     return acc.to(q.dtype), lse
 
 
-def _head_groups(k, choice=None) -> int:
+def _head_groups(k, choice=None, still=False) -> int:
     """How many groups of K/V heads the ring backward runs one after another. Every buffer
     a ring holds (the fp32 dQ sum, the K/V shard in flight, the dK/dV sum in hand and the
     one arriving: 8 shard-sized tensors, X = one (B, N / world, H, d) tensor) then exists
@@ -414,10 +414,11 @@ def _head_groups(k, choice=None) -> int:
     8 X + 13 X / groups against one GPU's 20 X -- 'about half the memory' needs several
     groups. "auto" (default): the most groups (a divisor of H_kv, at most HEAD_GROUPS_MAX)
     that leave every group's K/V shard at least HEAD_GROUP_MIN_BYTES; short sequences
-    keep one group. An int forces that many (it must divide H_kv)."""
+    keep one group, and so does a ring where no K/V moves (`still`). An int forces that
+    many (it must divide H_kv)."""
     h_kv, kv_bytes = k.shape[2], 2 * k.numel() * k.element_size()
     return group_count(choice, h_kv, lambda g: h_kv % g == 0,
-                       lambda g: kv_bytes // g >= HEAD_GROUP_MIN_BYTES,
+                       lambda g: not still and kv_bytes // g >= HEAD_GROUP_MIN_BYTES,
                        f"a divisor of the {h_kv} K/V heads")
 
 
@@ -450,12 +451,12 @@ def _ring_backward(do, q, k, v, out, lse, cfg):
     # gradients (their sums are the whole call's)
     one = cfg["drop"] is not None or (cfg["mods"] is not None and not all(
         MODS[m]["heads_by_index"] for m in cfg["mods"].names)) or cfg.get("grads") is not None
-    # and one group when no K/V moves (the cell table's direct schedule with no step): the
-    # groups overlap transfers and shrink the buffers in flight, and there are none --
-    # 4 x H200, 64 documents in 256k, balanced: 4 groups 31.5 ms, 1 group 28.2
+    # "auto" keeps one group when no K/V moves (the cell table's direct schedule with no
+    # step): the groups overlap transfers and shrink the buffers in flight, and there are
+    # none -- 4 x H200, 64 documents in 256k, balanced: 4 groups 31.5 ms, 1 group 28.2
     table = cfg["table"]
-    one = one or (table is not None and table.sparse and not table.steps(cfg["ring"].world))
-    groups = 1 if one else _head_groups(k)
+    still = table is not None and table.sparse and not table.steps(cfg["ring"].world)
+    groups = 1 if one else _head_groups(k, still=still)
     if groups == 1:
         return _ring_backward_heads(do, q, k, v, out, lse, cfg)
     from ._ring_masks import group_mods
