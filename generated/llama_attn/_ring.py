@@ -773,6 +773,7 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         q, k, v, causal=bool(causal), window=str(window_size), dropout=str(dropout_p),
         layout=layout_key, strategy=str(strategy or os.environ.get(STRATEGY_ENV, "")),
         mods=str(mods), grad_sum=str(grad_sum_dtype), wanted=wanted,
+        local=os.environ.get("FLASHGEN_CP_LOCAL", ""),  # (`_ring_local`: alike on every rank)
         grads=sum(isinstance(t, torch.Tensor) and t.requires_grad for t in mod_args.values()))
     cp, rows = None, []
     # strategy="ulysses" over a document layout makes the ring's cell table too: when its
