@@ -325,6 +325,7 @@ def test_gluon_paged_reasons(gpkg, monkeypatch):
     `tl` with PAGED_GLUON off (FLASHGEN_PAGED_GLUON=0) unless the family is asked for."""
     rt = gpkg._runtime
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
+    monkeypatch.setattr(rt, "PAGED_GLUON", True)  # (opt-in: FLASHGEN_PAGED_GLUON=1)
     name = "fwd_causal_d128_bf16"
     cfg = rt._gluon_default(name, 4096)
     assert cfg["block_n"] == 128
@@ -359,7 +360,7 @@ def test_gluon_paged_reasons(gpkg, monkeypatch):
     assert rt._families.paged_gluon_reason("bf16", False, 16, 128) is None
     assert "fp8" in rt._families.paged_gluon_reason("fp8_e4m3", False, 16, 128)
     assert "dropout" in rt._families.paged_gluon_reason("bf16", True, 0, 128)
-    assert "paged prefill tl (FLASHGEN_PAGED_GLUON=0)" in gpkg.describe()
+    assert "paged prefill tl (opt-in: FLASHGEN_PAGED_GLUON=1)" in gpkg.describe()
     monkeypatch.setattr(rt, "PAGED_GLUON", True)
     assert "paged prefill gluon (pages of 8-128" in gpkg.describe()
 
@@ -569,24 +570,26 @@ def test_gluon_paged_against_float64(gpkg, poison, page, h_q, h_kv, d, dtype, ca
     ref = reference(q, k, v, GLQ, lk, causal=causal, window=window)
     check(got, ref, dtype)
     rt._forward_plans.clear()
+    saved = rt.PAGED_GLUON
     try:
         rt.PAGED_GLUON = False
         tl = _gluon_paged_call(gpkg, q, k_cache, v_cache, GLQ, lk, bt, used=used,
                                causal=causal, window_size=window)
     finally:
-        rt.PAGED_GLUON = True
+        rt.PAGED_GLUON = saved
     assert not _gluon_paged_ran(rt, page)
     check(tl, ref, dtype)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
-def test_gluon_paged_by_default_at_the_bench_shape(gpkg, poison, page):
-    """No family asked for: a prefill-sized call (8 sequences of 512 new tokens over
+def test_gluon_paged_by_default_at_the_bench_shape(gpkg, poison, page, monkeypatch):
+    """Switched on (FLASHGEN_PAGED_GLUON=1), no family asked for: a prefill-sized call (8 sequences of 512 new tokens over
     contexts up to ~4k, GQA 4:1, d = 128, causal) takes the Gluon paged forward on Hopper,
     and agrees with the dense Gluon varlen call on the gathered keys to fp32 rounding of
     the same products (the same tiles, walk and key order)."""
     rt = gpkg._runtime
+    monkeypatch.setattr(rt, "PAGED_GLUON", True)
     gen = torch.Generator().manual_seed(page)
     lq = [512] * 8
     lk = [512 + c for c in (0, 517, 1023, 1999, 2500, 3001, 3333, 4093)]
