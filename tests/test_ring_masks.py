@@ -237,6 +237,14 @@ def step_cases(world, lengths):
                   strategy="ulysses", **kw)]
 
 
+def _counted_results(per_rank):
+    """(rank, result) of every counted step (ring_worker.counted_step) the ranks returned."""
+    for rank, results in enumerate(per_rank):
+        for res in results:
+            if "counts" in res:
+                yield rank, res
+
+
 def assert_step_work(per_rank, world):
     """A repeated step with the same document ids: no rank rebuilds the mask's block
     lists or cell table (no block_state launch, as the single-process call's second step
@@ -244,18 +252,14 @@ def assert_step_work(per_rank, world):
     GPU), and visits 1 / world of the single call's key blocks. (Every step used to
     permute the ids anew, so each rank rebuilt its block lists -- under Ulysses over the
     whole sequence -- and its cell table, with 2-3 syncs.)"""
-    counted = 0
-    for rank, results in enumerate(per_rank):
-        for res in results:
-            if "counts" not in res:
-                continue
-            counted += 1
-            one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, res["case"])
-            assert one["launches"].get("block_state", 0) == 0, (what, one)
-            assert cp["launches"].get("block_state", 0) == 0, (what, cp)
-            assert cp["reads"] <= 1, (what, cp)
-            assert 0 < cp["visits"] <= 1.05 * one["visits"] / world, (what, cp, one)
-    assert counted == 2 * world, counted
+    counted = list(_counted_results(per_rank))
+    for rank, res in counted:
+        one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, res["case"])
+        assert one["launches"].get("block_state", 0) == 0, (what, one)
+        assert cp["launches"].get("block_state", 0) == 0, (what, cp)
+        assert cp["reads"] <= 1, (what, cp)
+        assert 0 < cp["visits"] <= 1.05 * one["visits"] / world, (what, cp, one)
+    assert len(counted) == 2 * world, len(counted)
 
 
 # zig-zag over 2 ranks: chunks of 6 tokens, rank 0 holds chunks 0 and 3, rank 1 chunks
@@ -406,33 +410,29 @@ def assert_runs_as_one_gpu(pkg, per_rank, world):
     host read, and a batch of P2P operations in each direction only where a document is
     cut across ranks. (Before: three pieces a rank, each with its merge and preprocess, and
     Ulysses' all-to-alls; 4 x H200 at 256k: 0.32-0.49 of one GPU's time against ~0.25.)"""
-    counted = 0
-    for rank, results in enumerate(per_rank):
-        for res in results:
-            if "counts" not in res:
-                continue
-            counted += 1
-            c = res["case"]
-            cells, owner = cross_cells(pkg, c["lengths"], world)
-            mine = len(cells[rank])
-            involved = mine or any(owner[j] == rank for r in cells for _, j in cells[r])
-            one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, c)
-            launches = dict(cp["launches"])
-            extra = {"fwd": mine, "merge": mine}
-            for kind, count in one["launches"].items():
-                if kind not in ("fwd", "merge", "block_state"):
-                    extra[kind] = mine  # one more backward per cross cell
-            for kind in set(launches) | set(one["launches"]):
-                want = one["launches"].get(kind, 0) + extra.get(kind, 0)
-                assert launches.get(kind, 0) == want, (what, kind, cp, one)
-            coll = cp["collectives"]
-            assert set(coll) <= {"all_gather_into_tensor", "all_gather_single",
-                                 "batch_isend_irecv", "isend", "irecv"}, (what, coll)
-            assert sum(coll.get(g, 0) for g in ("all_gather_into_tensor",
-                                                 "all_gather_single")) == 1, (what, coll)
-            assert coll.get("batch_isend_irecv", 0) == (2 if involved else 0), (what, coll)
-            assert cp["reads"] <= 1, (what, cp)
-    assert counted == 2 * world * len(LOCAL_DOCS[world]), counted
+    counted = list(_counted_results(per_rank))
+    for rank, res in counted:
+        c = res["case"]
+        cells, owner = cross_cells(pkg, c["lengths"], world)
+        mine = len(cells[rank])
+        involved = mine or any(owner[j] == rank for r in cells for _, j in cells[r])
+        one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, c)
+        launches = dict(cp["launches"])
+        extra = {"fwd": mine, "merge": mine}
+        for kind, count in one["launches"].items():
+            if kind not in ("fwd", "merge", "block_state"):
+                extra[kind] = mine  # one more backward per cross cell
+        for kind in set(launches) | set(one["launches"]):
+            want = one["launches"].get(kind, 0) + extra.get(kind, 0)
+            assert launches.get(kind, 0) == want, (what, kind, cp, one)
+        coll = cp["collectives"]
+        assert set(coll) <= {"all_gather_into_tensor", "all_gather_single",
+                             "batch_isend_irecv", "isend", "irecv"}, (what, coll)
+        assert sum(coll.get(g, 0) for g in ("all_gather_into_tensor",
+                                             "all_gather_single")) == 1, (what, coll)
+        assert coll.get("batch_isend_irecv", 0) == (2 if involved else 0), (what, coll)
+        assert cp["reads"] <= 1, (what, cp)
+    assert len(counted) == 2 * world * len(LOCAL_DOCS[world]), len(counted)
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
