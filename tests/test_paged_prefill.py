@@ -360,7 +360,7 @@ def test_gluon_paged_reasons(gpkg, monkeypatch):
     assert rt._families.paged_gluon_reason("bf16", False, 16, 128) is None
     assert "fp8" in rt._families.paged_gluon_reason("fp8_e4m3", False, 16, 128)
     assert "dropout" in rt._families.paged_gluon_reason("bf16", True, 0, 128)
-    assert "paged prefill tl (opt-in: FLASHGEN_PAGED_GLUON=1)" in gpkg.describe()
+    assert "paged prefill tl (off; FLASHGEN_PAGED_GLUON=1 turns it on)" in gpkg.describe()
     monkeypatch.setattr(rt, "PAGED_GLUON", True)
     assert "paged prefill gluon (pages of 8-128" in gpkg.describe()
 
