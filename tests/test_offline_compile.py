@@ -79,11 +79,13 @@ def _decode_offline(tmp_path, spec: str, names):
     assert all(r["registers"] > 0 for r in rows), "ptxas reported no register count"
     # a quantized cache's form ("... cache") may spill what L1 holds, 16 B a thread: the
     # sliding window's 32 x 128 at 8 warps spilled 12 B with per-token scales (the plain
-    # forms none; planner_core.kv_quant_tile holds back the configs that spilled more)
+    # forms none; planner_core.kv_quant_tile holds back the configs that spilled more); so
+    # may the fused rotary append's ("... rotary append"): 16 x 128 at 4 warps spills 8 B,
+    # and on an H200 the fused step took 1.01-1.04x attention alone at B = 8
     problems = [f"{r['variant']}.{r['function']} {r['config']}: {r['shared']} B, "
                 f"{r['spill_stores']} / {r['spill_loads']} B spilled" for r in rows
                 if r["shared"] > r["budget"] or max(r["spill_stores"], r["spill_loads"]) > (
-                    16 if r["config"].endswith(" cache") else 0)]
+                    16 if r["config"].endswith((" cache", " rotary append")) else 0)]
     assert not problems, "; ".join(problems)
     return rows
 
