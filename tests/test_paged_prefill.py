@@ -325,7 +325,7 @@ def test_gluon_paged_reasons(gpkg, monkeypatch):
     `tl` with PAGED_GLUON off (FLASHGEN_PAGED_GLUON=0) unless the family is asked for."""
     rt = gpkg._runtime
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
-    monkeypatch.setattr(rt, "PAGED_GLUON", True)  # (opt-in: FLASHGEN_PAGED_GLUON=1)
+    monkeypatch.setattr(rt, "PAGED_GLUON", True)  # (the default; FLASHGEN_PAGED_GLUON=0 off)
     name = "fwd_causal_d128_bf16"
     cfg = rt._gluon_default(name, 4096)
     assert cfg["block_n"] == 128
@@ -360,7 +360,7 @@ def test_gluon_paged_reasons(gpkg, monkeypatch):
     assert rt._families.paged_gluon_reason("bf16", False, 16, 128) is None
     assert "fp8" in rt._families.paged_gluon_reason("fp8_e4m3", False, 16, 128)
     assert "dropout" in rt._families.paged_gluon_reason("bf16", True, 0, 128)
-    assert "paged prefill tl (off; FLASHGEN_PAGED_GLUON=1 turns it on)" in gpkg.describe()
+    assert "paged prefill tl (off: FLASHGEN_PAGED_GLUON=0)" in gpkg.describe()
     monkeypatch.setattr(rt, "PAGED_GLUON", True)
     assert "paged prefill gluon (pages of 8-128" in gpkg.describe()
 
@@ -566,7 +566,7 @@ def test_gluon_paged_against_float64(gpkg, poison, page, h_q, h_kv, d, dtype, ca
     with rt.override_config(family="gluon"):  # (a call this small is `tl` by default)
         got = _gluon_paged_call(gpkg, q, k_cache, v_cache, GLQ, lk, bt, used=used,
                                 causal=causal, window_size=window)
-    assert _gluon_paged_ran(rt, page)
+        assert _gluon_paged_ran(rt, page)  # (inside: leaving override_config clears plans)
     ref = reference(q, k, v, GLQ, lk, causal=causal, window=window)
     check(got, ref, dtype)
     rt._forward_plans.clear()
@@ -584,7 +584,7 @@ def test_gluon_paged_against_float64(gpkg, poison, page, h_q, h_kv, d, dtype, ca
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 def test_gluon_paged_by_default_at_the_bench_shape(gpkg, poison, page, monkeypatch):
-    """Switched on (FLASHGEN_PAGED_GLUON=1), no family asked for: a prefill-sized call (8 sequences of 512 new tokens over
+    """By default (PAGED_GLUON on), no family asked for: a prefill-sized call (8 sequences of 512 new tokens over
     contexts up to ~4k, GQA 4:1, d = 128, causal) takes the Gluon paged forward on Hopper,
     and agrees with the dense Gluon varlen call on the gathered keys to fp32 rounding of
     the same products (the same tiles, walk and key order)."""
@@ -650,9 +650,9 @@ def test_gluon_seqused_k_on_packed_keys(gpkg, poison):
         out, lse = gpkg.flash_attn_varlen_func(
             q.cuda(), k.cuda(), v.cuda(), cu(GLQ).cuda(), cu(span).cuda(), max(GLQ), max(span),
             causal=True, seqused_k=torch.tensor(lk, dtype=torch.int32).cuda(), return_lse=True)
-    assert any(key[0] == "varlen" and plan[0].meta.get("SEQUSED") is True
-               and type(plan[0].fn).__name__ == "GluonJITFunction"
-               for key, plan in rt._forward_plans.items())
+        assert any(key[0] == "varlen" and plan[0].meta.get("SEQUSED") is True
+                   and type(plan[0].fn).__name__ == "GluonJITFunction"
+                   for key, plan in rt._forward_plans.items())
     check((out.cpu(), lse.cpu()), reference(q, k[keep], v[keep], GLQ, lk, causal=True),
           torch.bfloat16)
 

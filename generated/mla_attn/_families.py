@@ -484,11 +484,11 @@ GLUON_FP8_HEAD_DIMS = (64, 96, 128)
 GLUON_FP8_BY_DEFAULT = False
 # Chunked prefill over a paged KV cache (issue 49) on the Gluon varlen forward: its
 # producer reads K/V through the block table (templates/gluon/fwd.py.j2, PAGE_SIZE). The
-# Opt-in (FLASHGEN_PAGED_GLUON=1): on an H200 it timed 0.89x (page 16) and 1.02x (page 64)
-# the dense varlen forward (tl: 0.56 / 0.58), but 13 of the first 33 GPU tests of
-# tests/test_paged_prefill.py + the Gluon varlen / forward subsets failed (names not
-# recorded: the run hit its time limit), so `tl` stays the default until they pass.
-GLUON_PAGED_BY_DEFAULT = False
+# The default on Hopper (FLASHGEN_PAGED_GLUON=0 turns it off): on an H200 it timed 0.89x
+# (page 16) and 1.02x (page 64) the dense varlen forward, where the `tl` paged kernel
+# timed 0.56 / 0.58; its GPU tests (tests/test_paged_prefill.py, test_gluon_varlen.py,
+# test_batch_invariant.py, test_kv_quant.py: 121) passed with it on.
+GLUON_PAGED_BY_DEFAULT = True
 PAGED_MIN_BOX_ROWS = 8  # a page box starts on a 128-byte swizzle atom: 8 rows of 128 bytes
 
 

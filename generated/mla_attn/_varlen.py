@@ -58,13 +58,13 @@ VARLEN_MODS_REASON = ("VARLEN_GLUON_MASK_MODS = False: a packed batch with a mas
 # A call with serving arguments (block_table, seqused_k: _paged) takes the Gluon varlen
 # forward with PAGE_SIZE / SEQUSED (its producer reads K/V through the block table) where
 # the packed call of its variant would, at the page sizes _families.paged_gluon_reason
-# takes, when PAGED_GLUON is on (FLASHGEN_PAGED_GLUON=1; the default is
-# _families.GLUON_PAGED_BY_DEFAULT, off): else, and for what serving_gluon_reason names
+# takes, when PAGED_GLUON is on (the default, _families.GLUON_PAGED_BY_DEFAULT;
+# FLASHGEN_PAGED_GLUON=0 turns it off): else, and for what serving_gluon_reason names
 # (seqused_q, a quantized cache, fp8, page sizes, strides TMA cannot take), the `tl`
 # varlen kernel runs it (PAGE_SIZE, SEQUSED pointers), unless the family is asked for.
 PAGED_GLUON = os.environ.get("FLASHGEN_PAGED_GLUON",
                              "1" if _families.GLUON_PAGED_BY_DEFAULT else "0") not in ("", "0")
-SERVING_GLUON_REASON = ("PAGED_GLUON off (FLASHGEN_PAGED_GLUON=1 turns it on): a paged KV cache "
+SERVING_GLUON_REASON = ("PAGED_GLUON off (FLASHGEN_PAGED_GLUON=0): a paged KV cache "
                         "(block_table) or seqused_k runs the `tl` varlen kernel unless the Gluon "
                         "family is asked for")
 

@@ -443,8 +443,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     are used. seqused_q[i]: the queries are the first seqused_q[i] rows of sequence i's
     span, the later ones written 0 with LSE -inf. The queries are the sequence's last
     tokens (causal and windows bottom-right on the used lengths). On Hopper the Gluon varlen
-    forward reads the pages by TMA where runtime.serving_gluon_reason allows (opt-in:
-    FLASHGEN_PAGED_GLUON=1; pages of 8+ keys dividing its key block, or multiples of it;
+    forward reads the pages by TMA where runtime.serving_gluon_reason allows (off with
+    FLASHGEN_PAGED_GLUON=0; pages of 8+ keys dividing its key block, or multiples of it;
     no seqused_q), else the `tl` kernel; score and sink mods work, mask mods do not
     (ValueError). Values are checked or clamped as cu_seqlens are: a page index into
     [0, num_blocks), a length into the table's capacity (docs/VARLEN.md). The paged cache

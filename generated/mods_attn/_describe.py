@@ -67,7 +67,7 @@ def describe() -> str:
         if v["kind"] == "fwd" and why is None:  # chunked prefill over a paged cache
             paged = paged_gluon_reason(v["dtype"], v["dropout"], 0, g["block_n"])
             if paged is None and not _runtime.PAGED_GLUON:
-                paged = "off; FLASHGEN_PAGED_GLUON=1 turns it on"
+                paged = "off: FLASHGEN_PAGED_GLUON=0"
             family += (f"; paged prefill gluon (pages of {PAGED_MIN_BOX_ROWS}-{g['block_n']} keys "
                        f"dividing {g['block_n']}, or its multiples)" if paged is None
                        else f"; paged prefill tl ({paged})")
