@@ -88,7 +88,7 @@ def family_summary(spec) -> str:
             lines.append(f"  the fp8 forward: 128x{t['block_n']} tiles, a {t['num_stages']}-deep "
                          "ring (d <= 64: 192-row tiles as in bf16)"
                          + ("" if families.GLUON_FP8_BY_DEFAULT else
-                            "; opt-in until verified on a GPU: FLASHGEN_FP8_GLUON=1"))
+                            "; off by default: FLASHGEN_FP8_GLUON=1 turns it on"))
     if latent:
         lines.append(f"gluon ({len(latent)}): {', '.join(latent)}\n  the latent (MLA) decode "
                      "kernel, DeepSeek's 576/512 cache")

@@ -103,30 +103,30 @@ def test_fp8_tiles_and_shared_memory():
                             "diag_first": True}  # (in key order the causal loop spills)
 
 
-def test_gluon_fp8_is_opt_in(pkg, monkeypatch):
-    """Not the default until a GPU has run it: FLASHGEN_FP8_GLUON=1 (the runtime's
-    FP8_GLUON), FLASHGEN_FAMILY=gluon or override_config(family="gluon") asks for it; the
-    bf16 forward's choice is unchanged."""
+def test_gluon_fp8_is_the_default(pkg, monkeypatch):
+    """The Gluon fp8 forward serves an untuned fp8 call on Hopper by default; FP8_GLUON off
+    (FLASHGEN_FP8_GLUON=0) sends it to `tl` unless the family is asked for; the backward and
+    dropout stay `tl`; the bf16 forward's choice is unchanged."""
     plans = pkg._runtime
     monkeypatch.setattr(plans, "gpu_key", lambda device: ("NVIDIA H100|sm90|132sm", 232448, 132))
     monkeypatch.setattr(plans, "gluon_ready", lambda device: None)
     monkeypatch.setattr(plans, "_configs", {})
     cuda = torch.device("cuda", 0)
-    assert not families.GLUON_FP8_BY_DEFAULT
-    assert plans.launch_config(f"fwd_d128_{FP8}", cuda, 4096).get("family", "tl") == "tl"
-    assert plans.launch_config("fwd_d128_bf16", cuda, 4096)["family"] == "gluon"
-    monkeypatch.setattr(plans, "FP8_GLUON", True)
-    monkeypatch.setattr(plans, "_configs", {})
+    assert families.GLUON_FP8_BY_DEFAULT and plans.FP8_GLUON
     cfg = plans.launch_config(f"fwd_d128_{FP8}", cuda, 4096)
     assert cfg["family"] == "gluon" and (cfg["block_n"], cfg["num_stages"]) == (128, 4)
+    assert plans.launch_config("fwd_d128_bf16", cuda, 4096)["family"] == "gluon"
     assert plans.launch_config(f"bwd_d128_{FP8}", cuda, 4096).get("family", "tl") == "tl"
     assert plans.launch_config(f"fwd_dropout_d128_{FP8}", cuda, 4096).get("family", "tl") == "tl"
+    line = next(ln for ln in pkg.describe().splitlines() if ln.split()[:1] == [f"fwd_d128_{FP8}"])
+    assert "gluon 128x128, 4-deep ring" in line and "FP8_GLUON" not in line
     monkeypatch.setattr(plans, "FP8_GLUON", False)
+    monkeypatch.setattr(plans, "_configs", {})
+    assert plans.launch_config(f"fwd_d128_{FP8}", cuda, 4096).get("family", "tl") == "tl"
     with plans.override_config(family="gluon"):
         assert plans.launch_config(f"fwd_causal_d64_{FP8}", cuda, 4096)["num_stages"] == 4
-    text = pkg.describe()
-    line = next(ln for ln in text.splitlines() if ln.split()[:1] == [f"fwd_d128_{FP8}"])
-    assert "gluon 128x128, 4-deep ring" in line and "FLASHGEN_FP8_GLUON=1" in line
+    line = next(ln for ln in pkg.describe().splitlines() if ln.split()[:1] == [f"fwd_d128_{FP8}"])
+    assert "gluon 128x128, 4-deep ring" in line and "FLASHGEN_FP8_GLUON=0" in line
 
 
 # ---------------------------------------------------------------------------------------
@@ -411,8 +411,8 @@ def test_backward_on_the_gluon_fp8_forward(pkg, causal):
 
 
 @pytest.mark.gpu
-def test_gluon_fp8_opt_in_at_a_training_shape_and_in_a_cuda_graph(pkg, monkeypatch):
-    """FP8_GLUON (FLASHGEN_FP8_GLUON=1) sends an untuned training-shape call to the Gluon
+def test_gluon_fp8_at_a_training_shape_and_in_a_cuda_graph(pkg, monkeypatch):
+    """FP8_GLUON (on by default) sends an untuned training-shape call to the Gluon
     kernel; a captured call (the keys-major copy made inside the graph) replays on fresh
     inputs as eager calls compute them."""
     if not _hopper():

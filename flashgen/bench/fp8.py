@@ -53,8 +53,8 @@ def _checked_on_fp8(run, quantized):
 def flashgen_fp8(pkg, family: str = ""):
     """fn(q, k, v, causal, p) on (B, H, N, d) bf16: the package's fp8 kernels on e4m3
     copies (one descale a tensor), bf16 out; the gradients reach q, k, v straight through.
-    family: "" the package's choice (the `tl` forward until the Gluon fp8 forward is the
-    default, or with FLASHGEN_FP8_GLUON=1 Gluon), "gluon" the Gluon family forced
+    family: "" the package's choice (on Hopper the Gluon fp8 forward; `tl` with
+    FLASHGEN_FP8_GLUON=0), "gluon" the Gluon family forced
     (`flashgen_fp8_gluon`: an interleaved A/B in one run)."""
     quantized = _Quantized(lambda t: pkg.quantize_fp8(t, "tensor"))
 

@@ -54,8 +54,8 @@ PROVIDERS = {
                        "and head (kv_cache_dtypes), contiguous and paged",
     "flashgen_fp8": "training: flashgen's fp8 kernels on e4m3 copies of the inputs, one scale a "
                     "tensor, bf16 out (bench/fp8.py; opt in with --providers)",
-    "flashgen_fp8_gluon": "training: flashgen_fp8 with the Gluon family forced (the Gluon fp8 "
-                          "forward on Hopper, opt-in until GPU-verified; opt in with --providers)",
+    "flashgen_fp8_gluon": "training: flashgen_fp8 with the Gluon family forced (every fp8 "
+                          "call on Gluon, tiny ones included; opt in with --providers)",
     "cudnn_fp8": "training: cuDNN's fp8 SDPA graphs (nvidia-cudnn-frontend), e4m3 in and out, "
                  "where installed; skipped with the reason otherwise (opt in with --providers)",
     "flashgen_bi": "decode: the same package with batch_invariant=True (its pinned tile and "

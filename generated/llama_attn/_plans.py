@@ -220,9 +220,10 @@ def mod_kinds(name: str) -> tuple:
 
 _gluon_ready = {}
 _FORCED_FAMILY = os.environ.get("FLASHGEN_FAMILY", "")
-# FLASHGEN_FP8_GLUON=1: the Gluon fp8 forward where it can serve a call, while it is not
-# the default (_families.GLUON_FP8_BY_DEFAULT: until a GPU has run its tests and timed it)
-FP8_GLUON = os.environ.get("FLASHGEN_FP8_GLUON", "") not in ("", "0")
+# The Gluon fp8 forward where it can serve a call: on unless FLASHGEN_FP8_GLUON=0 (the
+# default: _families.GLUON_FP8_BY_DEFAULT)
+FP8_GLUON = os.environ.get("FLASHGEN_FP8_GLUON",
+                           "1" if _families.GLUON_FP8_BY_DEFAULT else "0") not in ("", "0")
 
 
 def use_family(family: str) -> None:

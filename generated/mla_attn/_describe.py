@@ -41,7 +41,7 @@ def describe() -> str:
                             _runtime.FP8_GLUON):
             opt_in = ""
         elif v["dtype"].startswith("fp8"):
-            opt_in = "; opt-in until verified on a GPU: FLASHGEN_FP8_GLUON=1"
+            opt_in = "; off: FLASHGEN_FP8_GLUON=0"
         elif gluon_by_default(v["kind"], v["dropout"], v["head_dim"], kinds, 1 << 30):
             min_n = gluon_min_n(v["kind"], v["dropout"], v["head_dim"])
             opt_in = f"; from N >= {min_n} (tl below, unless tuned)"

@@ -10,8 +10,8 @@ Precision, product by product:
   forward   S = Q K^T on the fp8 values, the descales folded into the softmax scale; P
             rounded to e4m3 (it lies in [0, 1]) for P V, V's descale folded into the final
             1 / l -- FA3's recipe. The `tl` kernel widens to bf16 (exact products, fp32
-            sums). The Gluon forward (Hopper; opt-in: _families.GLUON_FP8_BY_DEFAULT,
-            FLASHGEN_FP8_GLUON=1) runs e4m3 wgmmas, whose sums keep ~13 bits (S errs by
+            sums). The Gluon forward (Hopper, the default; FLASHGEN_FP8_GLUON=0
+            turns it off) runs e4m3 wgmmas, whose sums keep ~13 bits (S errs by
             up to ~2^-11 of sum_i |q_i k_i|, as cuBLAS's fp8 GEMM does; each block's P V
             is summed alone and added to O in fp32), rounds 2^8 P, undone by l, and reads
             V from a keys-major copy made per call (keys_major_v)
