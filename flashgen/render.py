@@ -11,7 +11,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import families, mods, planner_core
+from . import families, families_large, mods, planner_core
 from .resources import templates_dir
 from .plan import variant_score_bytes
 from .spec import FP8_DTYPES, Spec
@@ -21,6 +21,7 @@ from .variants import DTYPE_BYTES, Variant, reads_quantized_kv
 TEMPLATES_DIR = templates_dir()  # the checkout's templates/, or the wheel's copy
 PLANNER_SOURCE = Path(planner_core.__file__)
 FAMILIES_SOURCE = Path(families.__file__)
+FAMILIES_LARGE_SOURCE = Path(families_large.__file__)  # (imported by families)
 GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2", "bwd": "gluon/bwd.py.j2"}
 # the backward at head dims 256 and (192, 128): the consumers split the columns, not the keys
 # (families.LARGE_HEAD_DIM_BWD)
@@ -382,6 +383,9 @@ def gluon_reason(variant: Variant, spec: Spec | None = None) -> str | None:
                                                                     variant.v_dim):
         return (f"mods at head dims {variant.head_dim}/{variant.v_dim}: the large head dims' "
                 "Gluon backward takes none yet; the `tl` backward runs this one")
+    if variant.mods and variant.head_dim == families.D512:
+        return ("mods at Q/K 512: the Q/K 512 Gluon forward is compiled and verified without "
+                "mods; the `tl` kernel runs them")
     if variant.mods and variant_score_bytes(spec, variant):
         # measured offline: the gather of an fp32 bias tile in the consumers' registers
         # took a 184-312 B stack frame; the `tl` pipeline stages it through shared memory
@@ -456,8 +460,9 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "qk_boxes": families.qk_boxes(variant.head_dim)[0],
         "qk_box": families.qk_boxes(variant.head_dim)[1],
         "qk_cols": families.qk_boxes(variant.head_dim)[0] * families.qk_boxes(variant.head_dim)[1],
-        "v_dim": variant.v_dim,
-        "v_dim_pad": families.head_dim_pad(variant.v_dim),
+        # (d = 512: the kernel computes one 256-column half of V and O a launch)
+        "v_dim": families.gluon_v_dim(variant.head_dim, variant.v_dim),
+        "v_dim_pad": families.head_dim_pad(families.gluon_v_dim(variant.head_dim, variant.v_dim)),
         "dtype": variant.dtype,
         "mask": variant.mask,
         "dropout": variant.dropout,
@@ -625,6 +630,8 @@ def render_package(spec: Spec, plans: dict, tuned: dict | None = None,
                             + PLANNER_SOURCE.read_text())
     files["_families.py"] = (header("flashgen/families.py", spec) + "\n"
                              + FAMILIES_SOURCE.read_text())
+    files["_families_large.py"] = (header("flashgen/families_large.py", spec) + "\n"
+                                   + FAMILIES_LARGE_SOURCE.read_text())
     files["kernels/__init__.py"] = (header("flashgen/render.py", spec) + "\n"
                                     '"""One module per kernel variant, named canonically."""\n')
     gluon = [v for v in plans if gluon_reason(v, spec) is None]

@@ -328,7 +328,10 @@ class Space:
 # rows, 4 warps a partition, 64- or 128-key blocks, a 2- to 4-deep K/V ring (config_reason
 # drops what the variant's kernel or shared memory cannot take)
 GLUON_TILES = tuple(TileConfig(c * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
-                    for c in (families.CONSUMERS, 3) for n in (128, 64) for s in (2, 3, 4))
+                    for c in (families.CONSUMERS, 3) for n in (128, 64) for s in (2, 3, 4)) + tuple(
+    # (Q/K 512's tile: families_large.D512_FWD_TILES; config_reason drops it elsewhere)
+    TileConfig(families.CONSUMERS * families.QUERY_ROWS_PER_CONSUMER, n, 4, s)
+    for n, s in families.D512_FWD_TILES)
 # the tiles a Gluon backward may take: 2 consumer warpgroups x 64 keys, 4 warps a partition,
 # 64 or 128 query rows a step, a 2- to 4-deep Q/dO ring (bwd_config_reason drops what does
 # not fit: at d=128 block_m 128 and a 4-deep ring, at d=64 block_m 128 past a 2-deep ring)

@@ -62,7 +62,7 @@ PROVIDERS = {
                    "fixed splits), contiguous and paged",
     "sdpa_flash": "SDPA, FLASH_ATTENTION backend (FlashAttention-2)",
     "sdpa_cudnn": "SDPA, CUDNN_ATTENTION backend",
-    "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite)",
+    "sdpa_efficient": "SDPA, EFFICIENT_ATTENTION backend (dropout suite; training when named)",
     "fa4": "FlashAttention-4 (flash-attn-4, flash_attn.cute: CuTe-DSL kernels, sm90/sm100), where "
            "installed; skipped with the reason otherwise (decode: its split-KV forward on the "
            "contiguous cache and, fa4_paged, on the page pool)",
@@ -140,6 +140,9 @@ def plan_cases(suite="training", ns=None, ds=None, modes=("fwd", "bwd"), provide
                             names = [x for x in TRAINING_PROVIDERS
                                      if x != "naive" or n <= NAIVE_MAX_N]
                             names += [x for x in FP8_PROVIDERS if x in (providers or ())]
+                            # (SDPA's efficient kernel: the one PyTorch runs past d = 256,
+                            # flash and cuDNN refusing it; a row only when named)
+                            names += [x for x in ("sdpa_efficient",) if x in (providers or ())]
                             cases.append(Case(s, mode, d, causal, max(TOKENS // n, 1), h, n,
                                               providers=keep(names, providers),
                                               dv=(dvs or {}).get(d, 0)))

@@ -58,7 +58,8 @@ SHARDS: tuple[Shard, ...] = (
     # forward cases, until a run measures it)
     Shard("gluon-fwd", "the Gluon forward (Hopper): tiles, knobs, stream-K, scratch, graphs, "
           "the large head dims (256, qk 192 / v 128), fp8 inputs",
-          ("tests/test_gluon.py", "tests/test_gluon_large_dims.py", "tests/test_gluon_fp8.py"),
+          ("tests/test_gluon.py", "tests/test_gluon_large_dims.py", "tests/test_gluon_fp8.py",
+           "tests/test_gluon_d512.py"),
           est_s=300),
     Shard("gluon-bwd", "the Gluon backward, dense and with mods (persistent block lists), "
           "the large head dims' (256, qk 192 / v 128)",

@@ -200,7 +200,8 @@ def _gluon_forward_launcher(name, cfg, dtype, d, tiles, sms, varlen: bool, table
         raise ValueError(f"{PACKAGE}: launch config {dict(cfg)} of `{name}`: {why}")
     # Q's and K's boxes (192: three of 64 columns, _families.qk_boxes); V's and O's are as
     # wide as their own head dim's tile and take the same shared layouts (asserted)
-    d_v = facts.get("v_head_dim") or facts["head_dim"]
+    # (d = 512: the kernel's V and O are one 256-column half, a launch each: forward())
+    d_v = _families.gluon_v_dim(facts["head_dim"], facts.get("v_head_dim") or facts["head_dim"])
     gl_dtype = {torch.bfloat16: gl.bfloat16, _FP8_E4M3: gl.float8e4nv}.get(dtype, gl.float16)
     q_box = [1, 1, _families.QUERY_ROWS_PER_CONSUMER, _families.qk_boxes(d)[1]]
     kv_box = [1, 1, cfg["block_n"], _families.qk_boxes(d)[1]]
@@ -323,6 +324,16 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         if descale is not None:  # fp8 (no mods, no dropout): V keys-major, the descales
             launch(q, k, _fp8().keys_major_v(v, bnhd), o, lse, *args, *_gluon_dropout_args(drop),
                    descale)
+        elif v.shape[-1] > _families.D512_V and q.shape[-1] == _families.D512:
+            # d = 512: the (512, 256) kernel over V's and O's column halves (their views keep
+            # the strides the plan's arguments hold). Both launches compute the same S,
+            # softmax and LSE (the same products in the same order), so the second one's
+            # LSE overwrites the first's with equal values (families_large: why two)
+            half = _families.D512_V
+            for c in range(0, v.shape[-1], half):
+                launch(q, k, v[..., c:c + half], o[..., c:c + half], lse, *args,
+                       *_gluon_dropout_args(drop), *(mods.args if mods is not None else drop_pos),
+                       *lists)
         else:
             launch(q, k, v, o, lse, *args, *_gluon_dropout_args(drop),
                    *(mods.args if mods is not None else drop_pos), *lists)

@@ -276,6 +276,12 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
     if VARIANTS[name]["dropout"] and not VARLEN_GLUON_DROPOUT and not asked:
         return VARLEN_GLUON_REASON
     total_q, h_q, d = q.shape
+    if _families.v_launches(d, v.shape[-1]) > 1:
+        # (the dense forward runs d = 512 as two launches over V's halves; the packed
+        # launch has no such loop yet)
+        return "d = 512: the Gluon varlen forward serves Q/K 512 with V 256 only"
+    if d == _families.D512 and any(x is not None for x in serving):
+        return "Q/K 512 over a paged cache or seqused_k: not compiled or verified in Gluon"
     if k.shape[0] == 0 or max_k == 0:
         return "no keys: every row is 0 (the `tl` kernel writes it)"
     # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped (a

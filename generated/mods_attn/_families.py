@@ -18,6 +18,13 @@ from __future__ import annotations
 
 import os
 
+try:  # Q/K 512 (issue 47); a generated package holds the module as `_families_large`
+    from .families_large import (D512, D512_FWD, D512_FWD_TILES, D512_POLY_EXP2, D512_V,
+                                 d512_reason, gluon_v_dim, is_d512, v_launches)
+except ImportError:
+    from ._families_large import (D512, D512_FWD, D512_FWD_TILES, D512_POLY_EXP2,  # noqa: F401
+                                  D512_V, d512_reason, gluon_v_dim, is_d512, v_launches)
+
 # Triton versions the Gluon templates were compiled and run on. Gluon's API changes between
 # releases (warp_specialize's signature did in 3.5 -> 3.6), so any other version takes the
 # `tl` kernels rather than risk a compile error at the first call.
@@ -555,6 +562,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
     (qk 192, v: v_dim 128) take LARGE_HEAD_DIM_FWD's tiles; fp8 (e4m3 inputs) the key
     block and ring depth of fp8_fwd_tile."""
     large = LARGE_HEAD_DIM_FWD.get((head_dim, v_dim or head_dim))
+    if kind == "fwd" and is_d512(head_dim, v_dim):
+        large = D512_FWD  # (families_large: its shared-memory and register arithmetic)
     if kind == "fwd" and large is not None:
         return {**GLUON_DEFAULT, **large}
     if kind == "bwd" and large_bwd(head_dim, v_dim):
@@ -659,8 +668,11 @@ def qk_boxes(head_dim: int) -> tuple[int, int]:
     tensors are powers of two wide, so 192 is three 64-column boxes, S = Q K^T one wgmma a
     box into the same accumulator (padded to one 256-column box it would be a third more
     work and, at 128-key blocks, 64 KiB more shared memory than fits); any other head dim
-    is one box of head_dim_pad columns (96: 128, zero-filled)."""
+    is one box of head_dim_pad columns (96: 128, zero-filled), but past 256, TMA's largest
+    box side: 512 is two boxes of 256."""
     pad = head_dim_pad(head_dim)
+    if pad > 256:
+        return pad // 256, 256
     if pad != head_dim and head_dim % 64 == 0:
         return head_dim // 64, 64
     return 1, pad
@@ -686,6 +698,8 @@ def gluon_reason(kind: str, dropout: bool, head_dim: int, dtype: str,
     if dtype not in ("fp16", "bf16"):
         return f"{dtype}: wgmma takes fp16/bf16 operands; the `tl` kernel runs fp32 as tf32x3"
     pair = (head_dim, v_dim or head_dim)
+    if head_dim == D512:
+        return d512_reason(kind, dropout, *pair, dtype)
     if pair[0] == pair[1] and head_dim not in GLUON_HEAD_DIMS:
         return (f"head dim {head_dim}: the Gluon tiles are built and verified for "
                 f"{', '.join(map(str, GLUON_HEAD_DIMS))} and (q/k, v) "
@@ -738,7 +752,7 @@ def shared_bytes(head_dim: int, dtype_bytes: int, block_n: int, num_buffers: int
     (a few hundred bytes; 1 KiB is reserved for them). v_dim: V's head dim where it is not
     Q's. dtype_bytes 1 is fp8: Q, K, V in e4m3, O staged in bf16."""
     boxes, width = qk_boxes(head_dim)
-    d, dv = boxes * width, head_dim_pad(v_dim or head_dim)
+    d, dv = boxes * width, head_dim_pad(gluon_v_dim(head_dim, v_dim) or head_dim)
     rows = consumers * QUERY_ROWS_PER_CONSUMER
     o_bytes = 2 if dtype_bytes == 1 else dtype_bytes
     qo = q_buffers * d * rows * dtype_bytes + (0 if o_in_q else dv) * rows * o_bytes
@@ -778,7 +792,7 @@ def o_in_q(config: dict, head_dim: int, v_dim: int | None = None, dtype_bytes: i
     buffer of its own does not fit in sm_90's shared memory beside the config's Q slots and
     K/V ring. (At d <= 128 the measured kernels keep their own buffer: with one the next
     tile's Q loads while this tile's output is still being stored.)"""
-    v_dim = v_dim or head_dim
+    v_dim = gluon_v_dim(head_dim, v_dim) or head_dim  # (d = 512: the kernel's V half)
     boxes, width = qk_boxes(head_dim)
     if max(head_dim, v_dim) <= 128 or head_dim_pad(v_dim) > boxes * width:
         return False  # (an output wider than the Q slot could not be staged there)
@@ -875,10 +889,16 @@ def config_reason(config: dict, head_dim: int, dtype_bytes: int, sram_bytes: int
     if config.get("num_warps") != 4:
         return "num_warps must be 4 (one warpgroup per partition)"
     fp8 = dtype_bytes == 1  # (e4m3 Q, K, V: O is bf16, P an e4m3 operand)
-    if config.get("block_n") not in ((64, 128, 256) if fp8 else (64, 128)):
+    v_dim = gluon_v_dim(head_dim, v_dim)  # (d = 512: the kernel's V half)
+    if is_d512(head_dim, v_dim):
+        if ((config.get("block_n"), config.get("num_stages")) not in D512_FWD_TILES
+                or config.get("poly_exp2", 0) not in D512_POLY_EXP2):
+            return (f"at Q/K 512 (block_n, num_stages) must be one of {D512_FWD_TILES} and "
+                    f"poly_exp2 one of {D512_POLY_EXP2} (families_large)")
+    elif config.get("block_n") not in ((64, 128, 256) if fp8 else (64, 128)):
         return ("block_n must be 64 or 128 (S is one wgmma N extent; 256 spills"
                 + (", but for fp8 at d <= 64: FWD_REG_OVERHEAD)" if fp8 else ")"))
-    if config.get("num_stages") not in (2, 3, 4):
+    elif config.get("num_stages") not in (2, 3, 4):
         return "num_stages (the K/V ring depth) must be 2, 3 or 4"
     q_buffers = config.get("q_buffers", GLUON_DEFAULT["q_buffers"])
     if q_buffers not in (1, 2):
