@@ -250,10 +250,14 @@ def run_error_case(pkg, case, rank, world, device="cpu"):
     q, k, v = (torch.randn(b, n_local, heads, d, generator=g).to(device)
                for heads in (h, hk, hk))
     group = hybrid_groups(pkg, case["ulysses"]) if case["strategy"] == "hybrid" else None
+    layout = case["layout"]
+    if isinstance(layout, dict):  # {"documents": cu_seqlens[, "balanced": True]}
+        layout = pkg.document_layout(torch.tensor(layout["documents"]), world,
+                                     balanced=layout.get("balanced", False))
     try:
         pkg.ring_flash_attn_func(q, k, v, group=group, causal=case["causal"],
                                  window_size=tuple(case["window"]), strategy=case["strategy"],
-                                 layout=case["layout"], dropout_p=case.get("dropout_p", 0.0),
+                                 layout=layout, dropout_p=case.get("dropout_p", 0.0),
                                  **case_mods(dict(case, mod_kw={
                                      **case.get("mod_kw", {}),
                                      **case.get("rank_mod_kw", {}).get(str(rank), {})}),

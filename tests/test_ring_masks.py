@@ -214,6 +214,39 @@ def test_sharded_mask_tensor_refused(pkg):
                                               attn_mask=torch.ones(4, 4, dtype=torch.bool))
 
 
+def test_only_the_pieces_refusals_fall_back_from_the_local_choice(pkg, monkeypatch):
+    """strategy="ulysses" over a document layout makes the ring's cell table for the local
+    choice (`_ring._ulysses_table`); a ValueError there (the ring's pieces cannot run the
+    mods) leaves the call to Ulysses, but a TypeError (a bug) reaches the caller instead of
+    taking the slower path. (One rank: the table is made, the choice falls to Ulysses.)"""
+    cu = torch.tensor([0, 6, 16])
+    layout = pkg.document_layout(cu, 1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 16, 2, 16, generator=g) for _ in range(3))
+    doc = pkg.document_ids(cu)
+    want = pkg.shard(pkg.flash_attn_func(q, k, v, causal=True, mods=("document",), doc=doc),
+                     0, 1, layout=layout)
+    mine = [pkg.shard(t, 0, 1, layout=layout) for t in (q, k, v)]
+
+    def call():
+        return pkg.ring_flash_attn_func(*mine, causal=True, strategy="ulysses", layout=layout,
+                                        mods=("document",), doc=doc)
+
+    got = call()  # (the permuted sequence: its key blocks summed in another order)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+    def fails(error):
+        def table_rows(*args, **kw):
+            raise error
+        return table_rows
+
+    monkeypatch.setattr(pkg._ring_masks, "table_rows", fails(ValueError("pieces")))
+    assert torch.equal(call(), got)
+    monkeypatch.setattr(pkg._ring_masks, "table_rows", fails(TypeError("a bug")))
+    with pytest.raises(TypeError, match="a bug"):
+        call()
+
+
 # ----------------------------------------------------------------------------------------
 # Across processes
 # ----------------------------------------------------------------------------------------
@@ -357,15 +390,21 @@ def random_lengths(n, d, world, seed):
     return [int(u) * unit for u in units]
 
 
-def cross_cells(pkg, lengths, world):
+def cross_cells(pkg, lengths, world, ulysses=1):
     """Brute force: {rank: cells where its queries see another rank's keys} under the
-    balanced layout (chunks sharing a document, the later one seeing the earlier)."""
+    balanced layout (chunks sharing a document, the later one seeing the earlier). A
+    hybrid's (ulysses = U > 1) ranks in sequence order: chunk k < world on rank k, chunk
+    k >= world on ring rank 2 * world / U - 1 - k // U's member k % U."""
     cu = torch.tensor([0] + lengths).cumsum(0)
     layout = pkg.document_layout(cu, world, balanced=True)
     c = layout.n // (2 * world)
     ids = pkg.document_ids(cu)[0][layout.perm]
     chunk = [set(ids[i * c:(i + 1) * c].tolist()) for i in range(2 * world)]
-    owner = [i if i < world else 2 * world - 1 - i for i in range(2 * world)]
+    rings = 2 * world // ulysses
+    owner = [i if i < world else
+             (2 * world - 1 - i if ulysses == 1 else
+              (rings - 1 - i // ulysses) * ulysses + i % ulysses)
+             for i in range(2 * world)]
     cells = {r: [] for r in range(world)}
     for i in range(2 * world):
         for j in range(i):
@@ -412,27 +451,37 @@ def assert_runs_as_one_gpu(pkg, per_rank, world):
     Ulysses' all-to-alls; 4 x H200 at 256k: 0.32-0.49 of one GPU's time against ~0.25.)"""
     counted = list(_counted_results(per_rank))
     for rank, res in counted:
-        c = res["case"]
-        cells, owner = cross_cells(pkg, c["lengths"], world)
-        mine = len(cells[rank])
-        involved = mine or any(owner[j] == rank for r in cells for _, j in cells[r])
-        one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, c)
-        launches = dict(cp["launches"])
-        extra = {"fwd": mine, "merge": mine}
-        for kind, count in one["launches"].items():
-            if kind not in ("fwd", "merge", "block_state"):
-                extra[kind] = mine  # one more backward per cross cell
-        for kind in set(launches) | set(one["launches"]):
-            want = one["launches"].get(kind, 0) + extra.get(kind, 0)
-            assert launches.get(kind, 0) == want, (what, kind, cp, one)
-        coll = cp["collectives"]
-        assert set(coll) <= {"all_gather_into_tensor", "all_gather_single",
-                             "batch_isend_irecv", "isend", "irecv"}, (what, coll)
-        assert sum(coll.get(g, 0) for g in ("all_gather_into_tensor",
-                                             "all_gather_single")) == 1, (what, coll)
-        assert coll.get("batch_isend_irecv", 0) == (2 if involved else 0), (what, coll)
-        assert cp["reads"] <= 1, (what, cp)
+        assert_step_as_one_gpu(pkg, rank, res, world)
     assert len(counted) == 2 * world * len(LOCAL_DOCS[world]), len(counted)
+
+
+def gathers(coll):
+    return sum(coll.get(g, 0) for g in ("all_gather_into_tensor", "all_gather_single"))
+
+
+def assert_step_as_one_gpu(pkg, rank, res, world, ulysses=1):
+    """assert_runs_as_one_gpu for one rank's counted step; a hybrid's agreement is two
+    all_gathers (its Ulysses group's, then its ring group's), each read on the host."""
+    c = res["case"]
+    cells, owner = cross_cells(pkg, c["lengths"], world, ulysses)
+    mine = len(cells[rank])
+    involved = mine or any(owner[j] == rank for r in cells for _, j in cells[r])
+    one, cp, what = res["counts"]["single"], res["counts"]["cp"], (rank, c)
+    launches = dict(cp["launches"])
+    extra = {"fwd": mine, "merge": mine}
+    for kind, count in one["launches"].items():
+        if kind not in ("fwd", "merge", "block_state"):
+            extra[kind] = mine  # one more backward per cross cell
+    for kind in set(launches) | set(one["launches"]):
+        want = one["launches"].get(kind, 0) + extra.get(kind, 0)
+        assert launches.get(kind, 0) == want, (what, kind, cp, one)
+    coll = cp["collectives"]
+    assert set(coll) <= {"all_gather_into_tensor", "all_gather_single",
+                         "batch_isend_irecv", "isend", "irecv"}, (what, coll)
+    agreement = 1 if ulysses == 1 else 2
+    assert gathers(coll) == agreement, (what, coll)
+    assert coll.get("batch_isend_irecv", 0) == (2 if involved else 0), (what, coll)
+    assert cp["reads"] <= agreement, (what, cp)
 
 
 # (slow at both worlds: ~2 min of interpreted ranks at world 2 would put the CPU suite past
@@ -444,3 +493,61 @@ def test_documents_run_as_one_gpu_runs(built, tmp_path, world):
     results = run_world(world, pkg_dir, tmp_path, local_cases(world), package=PACKAGE)
     assert_results(results)
     assert_runs_as_one_gpu(pkg, results, world)
+
+
+# Hybrid at world 4, U = 2 (sequence rank 2 * ring rank + Ulysses rank): the balanced
+# layout's streams are the plain zig-zag's, so a hybrid rank's second chunk is its Ulysses
+# partner's stream, and documents there cross between the two
+HYBRID_DOCS = {
+    # 4 cross cells (<= world: the local call), one from rank 1 to rank 2, which share
+    # neither a Ulysses nor a ring group (P2P over the default group)
+    "few": [8, 7, 8, 7, 3, 8, 1, 7, 9, 6],
+    # 24 cross cells between every pair: the hybrid itself, after the local call's
+    # agreement its own; FLASHGEN_CP_LOCAL=1 takes them locally
+    "many": [16, 8, 8, 32]}
+
+
+def hybrid_cases():
+    out = []
+    for name, env in (("few", {}), ("many", {}), ("many", {"FLASHGEN_CP_LOCAL": "1"})):
+        lengths = HYBRID_DOCS[name]
+        cu = [0]
+        for x in lengths:
+            cu.append(cu[-1] + x)
+        out.append(mcase(64, ["document"], {"doc": docs(*lengths)}, heads=(2, 1), causal=True,
+                         strategy="hybrid", ulysses=2, lengths=lengths, count=True, env=env,
+                         layout={"documents": cu, "balanced": True}, repeat=name == "few"))
+    # a shard of another length on rank 1 alone: it fails its own checks (the layout does
+    # not fit), the others have table rows, and the gathers of every rank still match
+    out.append(dict(case(64, causal=True, strategy="hybrid", ulysses=2, heads=(2, 1),
+                         mods=["document"], mod_kw={"doc": docs(*HYBRID_DOCS["few"])},
+                         layout=out[0]["layout"], rank_n={"1": 10}),
+                    error=r"does not fit|refused on rank"))
+    # FLASHGEN_CP_AGREE=0 and no cell table: the pair's agreement makes no gather
+    out.append(case(64, causal=True, strategy="hybrid", ulysses=2, heads=(2, 1), agree=False))
+    return out
+
+
+# (slow: four interpreted ranks, 30-65 s on two shared cores)
+@pytest.mark.slow
+def test_hybrid_documents_run_as_one_gpu_runs(built, tmp_path):
+    """strategy="hybrid" over a document layout takes the local call as the other
+    strategies do: exact against the single-process call, and a counted step makes its
+    launches plus a piece per cross cell, with no all-to-all; with too many cross cells
+    the hybrid itself runs (its all-to-alls, and a second agreement of its own)."""
+    pkg, pkg_dir = built
+    results, refusals = split(run_world(4, pkg_dir, tmp_path, hybrid_cases(),
+                                        package=PACKAGE))
+    assert_results(results)
+    assert_refused(refusals)
+    opted_out = [res for rank in results for res in rank if res["case"].get("agree") is False]
+    assert len(opted_out) == 4 and all(res["agree_gathers"] == 0 for res in opted_out)
+    counted = list(_counted_results(results))
+    assert len(counted) == 3 * 4, len(counted)
+    for rank, res in counted:
+        if res["case"]["env"] or res["case"]["lengths"] == HYBRID_DOCS["few"]:
+            assert_step_as_one_gpu(pkg, rank, res, 4, ulysses=2)
+        else:
+            coll = res["counts"]["cp"]["collectives"]
+            assert coll.get("all_to_all_single", 0) > 0, (rank, coll)
+            assert gathers(coll) == 4, (rank, coll)

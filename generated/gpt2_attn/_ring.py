@@ -78,9 +78,9 @@ import torch
 from . import _runtime
 from ._registry import BUILT_FOR, MODS, PACKAGE, VARIANTS
 from ._ring_shard import (LAYOUTS, DocumentLayout, _all_gather, _check_divisible,  # noqa: F401
-                          _check_layout, _group_facts, _reduce_scatter, document_layout,
-                          hybrid_groups, segments, shard, shard_sequence, unshard,
-                          unshard_sequence)
+                          _check_layout, _group_facts, _reduce_scatter, _ulysses_size,
+                          document_layout, hybrid_groups, segments, shard, shard_sequence,
+                          unshard, unshard_sequence)
 
 STRATEGIES = ("ring", "allgather", "ulysses", "hybrid")
 STRATEGY_ENV = "FLASHGEN_CP_STRATEGY"
@@ -775,10 +775,13 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         mods=str(mods), grad_sum=str(grad_sum_dtype), wanted=wanted,
         local=os.environ.get("FLASHGEN_CP_LOCAL", ""),  # (`_ring_local`: alike on every rank)
         grads=sum(isinstance(t, torch.Tensor) and t.requires_grad for t in mod_args.values()))
-    cp, rows = None, []
-    # strategy="ulysses" over a document layout makes the ring's cell table too: when its
-    # ranks see little of each other the call runs as `_ring_local._Local` (no all-to-all)
+    cp, rows, peers = None, [], None
+    # strategy="ulysses" or "hybrid" over a document layout makes the ring's cell table too
+    # (over the whole world's shards): when its ranks see little of each other the call
+    # runs as `_ring_local._Local` (no all-to-all)
     ulysses_local = False
+    # a hybrid rank's shard (`segments`): the u-th U-th of its ring rank's chunks
+    ulysses = _ulysses_size(group)
     if error is None:
         try:
             strategy, grad_sum, window = _check_call(q, k, v, group, world, causal, dropout_p,
@@ -801,17 +804,18 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
                 if cp is not None and cp.table:
                     rows = _ring_masks.table_rows(cp, q, v, n_local, rank, world, layout, lo_g,
                                                   hi_g, dropout_p > 0.0)
-            elif strategy == "ulysses" and documents is not None:
+            elif strategy in ("ulysses", "hybrid") and documents is not None:
                 from . import _ulysses
 
-                # (Ulysses' own refusals first: the rank-local call must not accept what
-                # the strategy asked for refuses)
-                _ulysses._check_call(q, k, world, dropout_p, mods, mod_args, bool(causal),
-                                     window)
+                # (the strategy's own refusals first: the rank-local call must not accept
+                # what the strategy asked for refuses; its all-to-all spans U ranks)
+                _ulysses._check_call(q, k, world if strategy == "ulysses" else ulysses,
+                                     dropout_p, mods, mod_args, bool(causal), window,
+                                     n=n_local * world, strategy=strategy)
                 cp, rows = _ulysses_table(q, v, mods, mod_args, n_local, rank, world, layout,
-                                          bool(causal), window, dropout_p)
+                                          bool(causal), window, dropout_p, ulysses)
                 ulysses_local = bool(rows)
-        except (ValueError, TypeError, NotImplementedError) as e:
+        except _ring_masks.INPUT_ERRORS as e:
             error = e
     if error is None and strategy in ("ulysses", "hybrid") and not ulysses_local:
         from . import _ulysses
@@ -824,32 +828,46 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
         else:
             out, lse = _ulysses.attention(q, k, v, rank=rank, world=world, **kw)
         return (out, lse) if return_lse else out
-    rows = _ring_masks.agree(group, world, facts, rows, error)
-    table = (_ring_masks.Table(rows, n_local, world, layout)
+    if isinstance(group, tuple):  # (a hybrid pair: the same gathers as `_ulysses.hybrid`)
+        rows, peers = _ring_masks.agree_pair(group, facts, rows, error)
+    else:
+        rows = _ring_masks.agree(group, world, facts, rows, error)
+    table = (_ring_masks.Table(rows, n_local, world, layout, ulysses)
              if cp is not None and cp.table else None)
     from . import _ring_local
 
     cells = _ring_local.local_choice(cp, table, window, dropout_p, world)
     if cells is not None:  # each rank's own shard as one call, plus the cells it sees of others
         lo_g, hi_g = _global_band(n_local * world, bool(causal), window)[1:]
-        boxes = _ring_masks.cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g)
-        cfg = dict(ring=_Ring(group, rank, world), cells=cells, boxes=boxes, cp=cp,
-                   n_local=n_local, layout=layout, causal=bool(causal), scale=scale,
-                   lo_g=lo_g, hi_g=hi_g,
+        boxes = _ring_masks.cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g,
+                                       ulysses)
+        if peers is not None:  # a hybrid's peers need not share a group: the default one's
+            p2p = None
+        else:
+            dist = _dist()
+            p2p = group
+            peers = [dist.get_global_rank(group if group is not None else dist.group.WORLD, r)
+                     for r in range(world)]
+        cfg = dict(rank=rank, world=world, group=p2p, peers=peers, ulysses=ulysses,
+                   cells=cells, boxes=boxes, cp=cp, n_local=n_local, layout=layout,
+                   causal=bool(causal), scale=scale, lo_g=lo_g, hi_g=hi_g,
                    call=_ring_local.local_call(cp, mod_args, q.shape[0], q.shape[2], n_local,
-                                               rank, world, layout, q.device))
+                                               rank, world, layout, q.device, ulysses))
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _ring_local._Local.apply(q, k, v, cfg)
         else:
             out, lse = _ring_local._local_forward(q, k, v, cfg)[:2]
         return (out, lse) if return_lse else out
-    if ulysses_local:  # too many cells to take locally: Ulysses after all, already agreed
+    if ulysses_local:  # too many cells to take locally: the strategy after all
         from . import _ulysses
 
-        out, lse = _ulysses.attention(q, k, v, group=group, rank=rank, world=world,
-                                      layout=layout, causal=bool(causal), dropout_p=dropout_p,
-                                      scale=scale, window=window, return_lse=return_lse,
-                                      mods=mods, mod_args=mod_args, facts=None)
+        kw = dict(group=group, layout=layout, causal=bool(causal), dropout_p=dropout_p,
+                  scale=scale, window=window, return_lse=return_lse, mods=mods,
+                  mod_args=mod_args)
+        if strategy == "hybrid":  # (agreeing again: its ring's table is of its own heads)
+            out, lse = _ulysses.hybrid(q, k, v, grad_sum=grad_sum, facts=facts, **kw)
+        else:  # (already agreed)
+            out, lse = _ulysses.attention(q, k, v, rank=rank, world=world, facts=None, **kw)
         return (out, lse) if return_lse else out
     ring = _Ring(group, rank, world)
     drop = (float(dropout_p), _shared_rng(ring, q.device)) if dropout_p > 0.0 else None
@@ -866,10 +884,10 @@ def _context_parallel(q, k, v, *, group, causal, dropout_p, softmax_scale, windo
 
 
 def _ulysses_table(q, v, mods, mod_args, n_local, rank, world, layout, causal, window,
-                   dropout_p) -> tuple:
-    """(CallMods, this rank's cell table rows) of a Ulysses call for the rank-local
-    choice, or (None, []) where the ring's pieces cannot run its mods (then Ulysses runs
-    as asked: its own agreement, no table)."""
+                   dropout_p, ulysses) -> tuple:
+    """(CallMods, this rank's cell table rows) of a Ulysses or hybrid call (ulysses: the
+    hybrid's U, `segments`) for the rank-local choice, or (None, []) where the ring's
+    pieces cannot run its mods (then the strategy runs as asked: its own agreement)."""
     from . import _ring_local, _ring_masks
 
     try:
@@ -880,8 +898,12 @@ def _ulysses_table(q, v, mods, mod_args, n_local, rank, world, layout, causal, w
                 cp, window, dropout_p):
             return None, []
         return cp, _ring_masks.table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g,
-                                          False)
-    except (ValueError, TypeError, NotImplementedError):
+                                          False, ulysses)
+    except ValueError:
+        # only the pieces' own refusals (no variant with a mask or without the sink that
+        # a piece needs: kernel_mask, find_variant, prepare): input errors raised already
+        # in the strategy's checks (`_ulysses._check_call`, which `prepare` repeats), and
+        # anything else here is a bug, not a reason to take the slower path
         return None, []
 
 
@@ -941,13 +963,13 @@ def ring_scaled_dot_product_attention(query, key, value, attn_mask=None, dropout
             f"query has {query.shape[1]} heads but key/value have {key.shape[1]}: pass "
             "enable_gqa=True for grouped-query attention (as with PyTorch's SDPA)")
     if error is None and attn_mask is not None:
-        try:
-            from . import _ring_masks
+        from . import _ring_masks
 
+        try:
             _, world = _group_facts(group)
             mods, mod_args = _ring_masks.sdpa_attn_mask(query, key, attn_mask, is_causal,
                                                         world, mods, mod_args)
-        except (ValueError, TypeError, NotImplementedError) as e:
+        except _ring_masks.INPUT_ERRORS as e:
             error = e
     if error is not None:
         return _context_parallel(query, key, value, group=group, causal=is_causal,

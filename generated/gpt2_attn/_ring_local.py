@@ -4,7 +4,8 @@ mods"): when a data-dependent mask's cell table (`_ring_masks.Table`) shows few 
 where a rank's queries see another rank's keys, each rank runs the single-process call
 on its own shard -- the launches of one GPU's call on 1 / world of the work, no merge,
 no fp32 sums, no all-to-all -- plus one small piece per such cell (`_Local`). The ring,
-all-gather and Ulysses strategies take it alike (`_ring._context_parallel`).
+all-gather, Ulysses and hybrid strategies take it alike (`_ring._context_parallel`; a
+hybrid's ranks in sequence order, ring rank * U + Ulysses rank, each on its shard).
 
 64 random documents packed into 256k tokens over 4 ranks, balanced (`document_layout(...,
 balanced=True)`): every rank holds 0.2497-0.2503 of the visible pairs; two documents are
@@ -85,18 +86,18 @@ def _local_tensor(x, axes, index, key):
 
 
 @functools.lru_cache(maxsize=16)
-def _local_index(n_local, rank, world, layout) -> torch.Tensor:
+def _local_index(n_local, rank, world, layout, ulysses) -> torch.Tensor:
     """The global positions of a rank's rows, in local order (CPU)."""
     return torch.cat([torch.arange(g, g + m) for _, m, g in
-                      segments(n_local, rank, world, layout)])
+                      segments(n_local, rank, world, layout, ulysses)])
 
 
-def local_call(cp, mod_args, b, h, n_local, rank, world, layout, device):
+def local_call(cp, mod_args, b, h, n_local, rank, world, layout, device, ulysses=1):
     """The `_mods.Call` of the rank's own shard as a sequence of its own: every mod tensor
     cut along the sequence to the shard's global positions (kept across calls)."""
     from . import _mods
 
-    n, key = n_local * world, (n_local, rank, world, layout)
+    n, key = n_local * world, (n_local, rank, world, layout, ulysses)
     args = dict(mod_args)
     for m in cp.whole.names:
         for t, dims, _ in MODS[m]["tensors"]:
@@ -110,22 +111,23 @@ def local_call(cp, mod_args, b, h, n_local, rank, world, layout, device):
     return _mods.prepare(cp.whole.names, args, b, h, n_local, n_local, device)
 
 
-def _exchange(ring, send: list, recv: list, like: dict):
-    """One batch of P2P operations: send [(peer, tensors)], receive [(peer, key)] into new
+def _exchange(cfg, send: list, recv: list, like: dict):
+    """One batch of P2P operations over cfg["group"] with the ranks cfg["peers"] (global
+    ranks by rank in the sequence): send [(peer, tensors)], receive [(peer, key)] into new
     tensors shaped like like[key]; returns ({key: received tensors}, works). Both sides
     list a pair's transfers in the same (sorted) order, so they match."""
     from ._ring import _in_memory_order
 
     dist = _dist()
-    g = ring.group if ring.group is not None else dist.group.WORLD
+    group, peers = cfg["group"], cfg["peers"]
     ops, got = [], {}
     for peer, tensors in send:
-        ops += [dist.P2POp(dist.isend, _in_memory_order(t), dist.get_global_rank(g, peer),
-                           ring.group) for t in tensors]
+        ops += [dist.P2POp(dist.isend, _in_memory_order(t), peers[peer], group)
+                for t in tensors]
     for peer, key in recv:
         got[key] = tuple(torch.empty_like(t) for t in like[key])
-        ops += [dist.P2POp(dist.irecv, _in_memory_order(t), dist.get_global_rank(g, peer),
-                           ring.group) for t in got[key]]
+        ops += [dist.P2POp(dist.irecv, _in_memory_order(t), peers[peer], group)
+                for t in got[key]]
     return got, (dist.batch_isend_irecv(ops) if ops else ())
 
 
@@ -161,7 +163,7 @@ def _mine(cfg):
     spans I send [(peer, k segment, (c0, c1))], those I receive [(owner, k segment, (c0,
     c1))]), sorted; a span is the union of the boxes (`cell_boxes`) of the cells that
     read it."""
-    rank = cfg["ring"].rank
+    rank = cfg["rank"]
     spans = {}
     for (r, _, s, kj), (_, _, c0, c1) in zip(cfg["cells"], cfg["boxes"]):
         a, b = spans.get((r, s, kj), (c0, c1))
@@ -173,14 +175,16 @@ def _mine(cfg):
     return cells, send, recv, spans
 
 
+def _segments(cfg, rank):
+    return segments(cfg["n_local"], rank, cfg["world"], cfg["layout"], cfg["ulysses"])
+
+
 def _cross_calls(cfg, qi, s, kj, rows, span):
     """The planned calls of my query segment qi's rows [r0, r1) on the keys [c0, c1) of
     rank s's segment kj, counted from r0 and c0."""
     from ._ring import plan_pair
 
-    n_local, world, layout = cfg["n_local"], cfg["ring"].world, cfg["layout"]
-    qg = segments(n_local, cfg["ring"].rank, world, layout)[qi][2]
-    kg = segments(n_local, s, world, layout)[kj][2]
+    qg, kg = _segments(cfg, cfg["rank"])[qi][2], _segments(cfg, s)[kj][2]
     return plan_pair(((0, rows[1] - rows[0], qg + rows[0]),),
                      ((0, span[1] - span[0], kg + span[0]),), cfg["lo_g"], cfg["hi_g"],
                      cfg["cp"].pieces, False)
@@ -190,9 +194,9 @@ def _local_forward(q, k, v, cfg):
     from . import _ring_merge as rm
     from ._ring import _empty_as, _piece_forward
 
-    ring, n_local, world = cfg["ring"], cfg["n_local"], cfg["ring"].world
+    rank, n_local = cfg["rank"], cfg["n_local"]
     cells, send, recv, spans = _mine(cfg)
-    segs = segments(n_local, ring.rank, world, cfg["layout"])
+    segs = _segments(cfg, rank)
 
     def keys(t, kj, span):
         return t.narrow(1, segs[kj][0] + span[0], span[1] - span[0])
@@ -201,7 +205,7 @@ def _local_forward(q, k, v, cfg):
     out_kv = [(r, (keys(k, kj, span).contiguous(), keys(v, kj, span).contiguous()))
               for r, kj, span in send]
     like = {(s, kj): (keys(k, kj, span), keys(v, kj, span)) for s, kj, span in recv}
-    got, works = _exchange(ring, out_kv, [(s, (s, kj)) for s, kj, _ in recv], like)
+    got, works = _exchange(cfg, out_kv, [(s, (s, kj)) for s, kj, _ in recv], like)
     mask, lo, hi = _runtime.band(n_local, n_local, cfg["causal"], (-1, -1), True)
     out = _empty_as(q, q.shape)
     lse = _runtime.forward(q, k, v, out, mask=mask, lo=lo, hi=hi, scale=cfg["scale"],
@@ -212,7 +216,7 @@ def _local_forward(q, k, v, cfg):
         q0, m = segs[qi][0] + rows[0], rows[1] - rows[0]
         o_rows, l_rows = out.narrow(1, q0, m), lse.narrow(2, q0, m)
         kc, vc = got[s, kj]
-        for call in _cross_calls(cfg, qi, s, kj, rows, spans[ring.rank, s, kj]):
+        for call in _cross_calls(cfg, qi, s, kj, rows, spans[rank, s, kj]):
             o, l = _piece_forward(q.narrow(1, q0, m), kc, vc, call, cfg["scale"],
                                   cfg["cp"].pieces)
             a, la = o_rows.narrow(1, call[0], call[1]), l_rows.narrow(2, call[0], call[1])
@@ -224,9 +228,9 @@ def _local_backward(dout, q, k, v, out, lse, chunks, cfg):
     from . import _mods
     from ._ring import _add_piece, _empty_as, _piece_backward
 
-    ring, n_local, world = cfg["ring"], cfg["n_local"], cfg["ring"].world
+    rank, n_local = cfg["rank"], cfg["n_local"]
     cells, send, recv, spans = _mine(cfg)
-    segs = segments(n_local, ring.rank, world, cfg["layout"])
+    segs = _segments(cfg, rank)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     # the cross pieces first: their dK/dV go back while the local backward runs
@@ -237,7 +241,7 @@ def _local_backward(dout, q, k, v, out, lse, chunks, cfg):
         if (s, kj) not in dkv_x:
             dkv_x[s, kj] = _empty_as(kc, kc.shape, torch.float32, lead=(2,)).zero_()
         acc = _empty_as(q, (q.shape[0], m) + tuple(q.shape[2:]), torch.float32).zero_()
-        for call in _cross_calls(cfg, qi, s, kj, rows, spans[ring.rank, s, kj]):
+        for call in _cross_calls(cfg, qi, s, kj, rows, spans[rank, s, kj]):
             dk, dv = _piece_backward(dout.narrow(1, q0, m), q.narrow(1, q0, m), kc, vc,
                                      out.narrow(1, q0, m), lse.narrow(2, q0, m), call,
                                      cfg["scale"], acc, cfg["cp"].pieces)
@@ -247,7 +251,7 @@ def _local_backward(dout, q, k, v, out, lse, chunks, cfg):
     like = {(r, kj): (torch.empty((2, k.shape[0], span[1] - span[0]) + tuple(k.shape[2:]),
                                   dtype=torch.float32, device=k.device),)
             for r, kj, span in send}
-    got, works = _exchange(ring, [(s, (dkv_x[s, kj],)) for s, kj, _ in recv],
+    got, works = _exchange(cfg, [(s, (dkv_x[s, kj],)) for s, kj, _ in recv],
                            [(r, (r, kj)) for r, kj, _ in send], like)
     mask, lo, hi = _runtime.band(n_local, n_local, cfg["causal"], (-1, -1), True)
     call = cfg["call"]

@@ -64,6 +64,10 @@ FACTS = 24
 # in the call's first collective. A data-dependent mask's cell table is gathered anyway.
 AGREE_ENV = "FLASHGEN_CP_AGREE"
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+# what a rank's checks raise for bad input (a TypeError for a stray mod argument, a
+# NotImplementedError for a mod tensor that cannot have its gradient): a rank captures
+# these and shares them through `agree`, so that every rank raises before any collective
+INPUT_ERRORS = (ValueError, TypeError, NotImplementedError)
 
 
 class CallMods:
@@ -275,15 +279,18 @@ def chunk_length(n_local: int, layout: str) -> int:
     return n_local // 2 if layout == "zigzag" else n_local
 
 
-def table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> list:
+def table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout,
+               ulysses=1) -> list:
     """This rank's rows of the cell table: per segment of its shard (segments order), per
     chunk of the whole sequence (global order, chunk_length tokens each), 1 if some
     element of the cell is visible under the band and the mods, else 0. Made once per
     mask (its tensors' objects and versions, as `_mods` caches block lists; _TABLES),
-    with a sync; a later call with the same mask makes no launch and no sync."""
-    return _kept(cp, q, v, ("rows", n_local, rank, world, layout, lo_g, hi_g, dropout),
+    with a sync; a later call with the same mask makes no launch and no sync. ulysses:
+    the shard of a hybrid's rank (`segments`)."""
+    return _kept(cp, q, v, ("rows", n_local, rank, world, layout, lo_g, hi_g, dropout,
+                            ulysses),
                  lambda: _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g,
-                                     dropout))
+                                     dropout, ulysses))
 
 
 def _kept(cp, q, v, what: tuple, make):
@@ -311,7 +318,8 @@ def _kept(cp, q, v, what: tuple, make):
     return value
 
 
-def _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> list:
+def _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout,
+                ulysses) -> list:
     """table_rows, made: per segment, one block_state launch over the keys its band
     reaches at a tile that divides the chunks (so no tile straddles two cells: exact),
     each cell the maximum of its tiles' states; a bias's cells any finite element."""
@@ -323,7 +331,7 @@ def _table_rows(cp, q, v, n_local, rank, world, layout, lo_g, hi_g, dropout) -> 
         tile //= 2
     dtype = _runtime._DTYPE_NAMES[q.dtype]
     cells = []
-    for _, qn, qg in segments(n_local, rank, world, layout):
+    for _, qn, qg in segments(n_local, rank, world, layout, ulysses):
         # the chunks this segment's band reaches, [j0, j1)
         j0 = max(0, qg + lo_g) // c
         j1 = min(count, -(-min(n, qg + qn - 1 + hi_g + 1) // c))
@@ -375,17 +383,19 @@ def _cells_seen(call, q, v, dtype, dropout, qn, qg, j0, j1, c, tile, lo_g, hi_g)
     return state.amax(dim=(0, 1)).view(j1 - j0, c // tile).amax(1) > 0
 
 
-def cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g) -> list:
+def cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g, ulysses=1) -> list:
     """Per cross cell (`Table.cross`), the rows and keys of its chunks that see anything,
     (r0, r1, c0, c1) from the chunks' starts, to the mask's tiles: every rank makes them
     alike from the whole mask (the receiver's rows, the owner's keys to send), one
     block_state launch a cell and one host read, kept like the table. A bias, or chunks no
     tile divides: the whole cell."""
-    return _kept(cp, q, v, ("boxes", tuple(cells), n_local, world, layout, lo_g, hi_g),
-                 lambda: _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g))
+    return _kept(cp, q, v, ("boxes", tuple(cells), n_local, world, layout, lo_g, hi_g,
+                            ulysses),
+                 lambda: _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g,
+                                     ulysses))
 
 
-def _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g) -> list:
+def _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g, ulysses) -> list:
     c = chunk_length(n_local, layout)
     tile = TABLE_TILE.get(q.device.type, TABLE_TILE["cuda"])
     while c % tile:
@@ -395,8 +405,8 @@ def _cell_boxes(cp, q, v, cells, n_local, world, layout, lo_g, hi_g) -> list:
     dtype = _runtime._DTYPE_NAMES[q.dtype]
     found = []
     for r, qi, s, kj in cells:
-        qg, kg = segments(n_local, r, world, layout)[qi][2], segments(n_local, s, world,
-                                                                       layout)[kj][2]
+        qg = segments(n_local, r, world, layout, ulysses)[qi][2]
+        kg = segments(n_local, s, world, layout, ulysses)[kj][2]
         state = _block_state(cp.pieces.piece(c, c, qg, kg), q, v, dtype, False, c, c,
                              qg - kg + lo_g, qg - kg + hi_g, tile) > 0
         for seen in (state.any(2).any(0), state.any(1).any(0)):  # rows, keys
@@ -432,21 +442,24 @@ class Table:
     """The whole cell table (every rank's rows, from `agree`) and what it implies:
     visible(qg, kg) for a cell by the global starts of its chunks; need[r][s], whether
     rank r's queries see any key of rank s's shard; and `sparse`, whether some pair of
-    ranks sees nothing of each other (then the direct schedule serves the call)."""
+    ranks sees nothing of each other (then the direct schedule serves the call). ulysses:
+    the ranks of a hybrid (`segments`), in sequence order."""
 
-    def __init__(self, rows, n_local, world, layout):
+    def __init__(self, rows, n_local, world, layout, ulysses=1):
         self.c = chunk_length(n_local, layout)
+        self.n_local, self.world, self.layout, self.ulysses = n_local, world, layout, ulysses
         count = n_local * world // self.c
         self.vis = [[True] * count for _ in range(count)]
         for r, row in enumerate(rows):
-            for s, (_, _, qg) in enumerate(segments(n_local, r, world, layout)):
+            for s, (_, _, qg) in enumerate(self.segments(r)):
                 self.vis[qg // self.c] = [bool(x) for x in row[s * count:(s + 1) * count]]
         self.need = [[any(self.visible(qg, kg)
-                          for _, _, qg in segments(n_local, r, world, layout)
-                          for _, _, kg in segments(n_local, s, world, layout))
+                          for _, _, qg in self.segments(r) for _, _, kg in self.segments(s))
                       for s in range(world)] for r in range(world)]
         self.sparse = not all(all(row) for row in self.need)
-        self.n_local, self.world, self.layout = n_local, world, layout
+
+    def segments(self, rank: int) -> tuple:
+        return segments(self.n_local, rank, self.world, self.layout, self.ulysses)
 
     def visible(self, qg: int, kg: int) -> bool:
         return self.vis[qg // self.c][kg // self.c]
@@ -459,12 +472,11 @@ class Table:
     def cross(self) -> list:
         """The cells where a rank's queries see another rank's keys: [(rank r, its query
         segment, rank s, its key segment)], sorted (every rank lists them alike)."""
-        n_local, world, layout = self.n_local, self.world, self.layout
+        world = self.world
         return [(r, i, s, j)
-                for r in range(world) for i, (_, _, qg) in enumerate(segments(n_local, r, world,
-                                                                               layout))
+                for r in range(world) for i, (_, _, qg) in enumerate(self.segments(r))
                 for s in range(world) if s != r
-                for j, (_, _, kg) in enumerate(segments(n_local, s, world, layout))
+                for j, (_, _, kg) in enumerate(self.segments(s))
                 if self.visible(qg, kg)]
 
     def key_range(self, qg: int, k0: int, k1: int) -> tuple:
@@ -502,27 +514,20 @@ def facts_of(q, k, v, **args) -> list:
     return out
 
 
-def agree(group, world: int, facts: list, rows: list, error) -> list:
+def agree(group, world: int, facts: list, rows: list, error, width=None) -> list:
     """Every rank's table rows, after checking that every rank called alike: one
     all_gather of (a flag for a rank whose own checks failed, the facts, the rows). A
     failed rank re-raises its own error; the others raise ValueError naming it; facts that
     differ raise ValueError on every rank. With one rank: its own rows (or its error).
-    group = (Ulysses group, ring group) (strategy="hybrid"): the facts within the Ulysses
-    group, then the facts and rows within the ring group, a refusal carried from the first
-    into the second -- every ring group holds a member of every Ulysses group, so every
-    rank learns of any refusal; the rows are the ring group's."""
+    width: a rank's rows' room (default 4 * world: two segments x 2 * world chunks).
+    group = (Ulysses group, ring group) (strategy="hybrid"): `agree_pair`'s rows."""
     if isinstance(group, tuple):
-        a2a, ring = group
-        try:
-            agree(a2a, _dist().get_world_size(a2a), facts, [], error)
-        except (ValueError, TypeError, NotImplementedError) as e:
-            error = e
-        return agree(ring, _dist().get_world_size(ring), facts, rows, error)
+        return agree_pair(group, facts, rows, error)[0]
     if world == 1 or (not rows and os.environ.get(AGREE_ENV, "1") == "0"):
         if error is not None:
             raise error
         return [rows] * max(world, 1)
-    width = 4 * world  # two segments x 2 * world chunks at most
+    width = 4 * world if width is None else width
     if len(facts) > FACTS:
         raise AssertionError("agree: more facts than FACTS")
     mine = [0 if error is None else 1] + facts + [0] * (FACTS - len(facts))
@@ -545,6 +550,34 @@ def agree(group, world: int, facts: list, rows: list, error) -> list:
                          f"different ranks ({shown}): every rank of the group must call "
                          "it with the same shapes, dtype and arguments")
     return [row[1 + FACTS:] for row in table]
+
+
+def agree_pair(group, facts: list, rows: list, error) -> tuple:
+    """`agree` over a hybrid pair (Ulysses group, ring group): (every rank's rows, every
+    rank's global rank), in sequence order (ring rank * U + Ulysses rank). The facts and
+    rows within the Ulysses group, then the facts and the group's rows within the ring
+    group, a refusal carried from the first into the second -- every ring group holds a
+    member of every Ulysses group, so every rank learns of any refusal. The room is the
+    whole world's (the local call's table, `_ring_local`; the hybrid's ring takes its
+    ring group's) whatever the caller, so that every rank gathers the same sizes; the
+    global ranks are the local call's P2P peers, which need not share a group with it.
+    Without rows (FLASHGEN_CP_AGREE=0 may skip the gathers) the ranks are unknown: None."""
+    dist = _dist()
+    a2a, ring = group
+    size, rings = dist.get_world_size(a2a), dist.get_world_size(ring)
+    width = 4 * size * rings + 1
+    mine = (rows + [0] * width)[:width - 1] + [dist.get_rank()] if rows else []
+    inner = []
+    try:
+        inner = agree(a2a, size, facts, mine, error, width)
+    except INPUT_ERRORS as e:
+        error = e
+    flat = [x for row in inner for x in (row + [0] * width)[:width]] if mine else []
+    both = agree(ring, rings, facts, flat, error, size * width)
+    if not rows:
+        return [rows] * (size * rings), None
+    got = [row[u * width:(u + 1) * width] for row in both for u in range(size)]
+    return [row[:-1] for row in got], [row[-1] for row in got]
 
 
 # ----------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch
 from . import _runtime
 from ._registry import MODS
 from ._ring import _dist, _global_band, _piece_backward, _piece_forward, segments
+from ._ring_masks import INPUT_ERRORS
 
 # a mod tensor's extents that run along the sequence (docs/MODS.md)
 _SEQUENCE_EXTENTS = ("Nq", "Nk", "N")
@@ -420,7 +421,7 @@ def attention(q, k, v, *, group, rank, world, layout, causal, dropout_p, scale, 
         groups = head_groups(_Plan(group, world, layout, h_q, h_kv), q.shape[0], n,
                              q.shape[-1], q.element_size())
         error = None
-    except (ValueError, TypeError, NotImplementedError) as e:
+    except INPUT_ERRORS as e:
         error = e
     if facts is not None:
         _ring_masks.agree(group, world, facts, [], error)
@@ -522,9 +523,9 @@ def hybrid(q, k, v, *, group, layout, causal, dropout_p, scale, window, return_l
             if cp.table:
                 rows = _ring_masks.table_rows(cp, q, v, n_ring, j, ring_size, layout, lo, hi,
                                               False)
-    except (ValueError, TypeError, NotImplementedError) as e:
+    except INPUT_ERRORS as e:
         error = e
-    rows = _ring_masks.agree(group, 0, facts, rows, error)
+    rows = _ring_masks.agree(group, 0, facts, rows, error)[u::size]  # (its ring group's)
     table = (_ring_masks.Table(rows, n_ring, ring_size, layout)
              if cp is not None and cp.table else None)
     plan = _Plan(a2a, size, layout, h_q, h_kv, hybrid=True)
