@@ -472,7 +472,7 @@ DROPOUT_CASES = {
 }
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # (CPU time)
 def test_context_parallel_dropout_matches_single_process(built, tmp_path, world):
     """The pieces drop exactly the elements flash_attn_func on the full sequence drops
     from the same generator state: out, LSE and dq, dk, dv match it (and the float64
