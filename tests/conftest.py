@@ -86,3 +86,26 @@ def poison(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", poisoning(torch.empty))
     monkeypatch.setattr(torch, "empty_like", poisoning(torch.empty_like))
+
+
+def assert_out_lse(out, lse, ref, ref_lse, dtype):
+    """out (B, N, H, dv) and lse (B, H, N) of a call against the float64 reference's
+    (B, H, N, dv) and LSE: no NaN, the dtype's tolerance, -inf exactly where no key is seen
+    and 0 output there."""
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    atol, rtol = OUT_TOL[dtype]
+    out = out.transpose(1, 2).double().cpu()
+    torch.testing.assert_close(out, ref.detach().cpu(), atol=atol, rtol=rtol)
+    seen = torch.isfinite(ref_lse).cpu()
+    assert torch.equal(torch.isfinite(lse).cpu(), seen)
+    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse.detach().cpu()[seen],
+                               atol=LSE_TOL[0], rtol=LSE_TOL[1])
+    assert (out[~seen] == 0).all()
+
+
+def cuda_qkv(b, nq, nk, hq, hkv, d, dv, dtype, grad=False):
+    """Random (B, N, H, d) q, k and v (V at head dim dv) on the GPU."""
+    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype, requires_grad=grad)
+    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype, requires_grad=grad)
+    v = torch.randn(b, nk, hkv, dv, device="cuda", dtype=dtype, requires_grad=grad)
+    return q, k, v

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import LSE_TOL, OUT_TOL
+from conftest import assert_out_lse as _assert_out, cuda_qkv as _qkv
 from flashgen import families
 from flashgen.reference import attention_ref, visible_mask
 from flashgen.space import space_for
@@ -305,26 +305,6 @@ def _forward(pkg, q, k, v, knobs, launches=None, **kw):
     if launches is not None:
         launches.extend(made)
     return out, lse
-
-
-def _assert_out(out, lse, ref, ref_lse, dtype):
-    """out (B, N, H, dv) and lse (B, H, N) against the float64 reference's (B, H, N, dv)."""
-    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
-    atol, rtol = OUT_TOL[dtype]
-    out = out.transpose(1, 2).double().cpu()
-    torch.testing.assert_close(out, ref.detach().cpu(), atol=atol, rtol=rtol)
-    seen = torch.isfinite(ref_lse).cpu()
-    assert torch.equal(torch.isfinite(lse).cpu(), seen)
-    torch.testing.assert_close(lse.double().cpu()[seen], ref_lse.detach().cpu()[seen],
-                               atol=LSE_TOL[0], rtol=LSE_TOL[1])
-    assert (out[~seen] == 0).all()
-
-
-def _qkv(b, nq, nk, hq, hkv, d, dv, dtype, grad=False):
-    q = torch.randn(b, nq, hq, d, device="cuda", dtype=dtype, requires_grad=grad)
-    k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype, requires_grad=grad)
-    v = torch.randn(b, nk, hkv, dv, device="cuda", dtype=dtype, requires_grad=grad)
-    return q, k, v
 
 
 _CASES_GPU = [
