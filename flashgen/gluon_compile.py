@@ -218,7 +218,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
     regs = dict(CONSUMER_REGS=families.regs(config)[0], PRODUCER_REGS=families.regs(config)[1])
     if name.startswith("bwd"):
         # (as the runtime's _gluon_backward_launcher: the boxes of families.bwd_boxes)
-        box = families.bwd_boxes(head_dim, v_dim, config["block_m"])
+        box = (families.d512_bwd_boxes(config["block_m"]) if families.is_d512_bwd(head_dim, v_dim)
+               else families.bwd_boxes(head_dim, v_dim, config["block_m"]))
         const = dict(BLOCK_M=config["block_m"], BLOCK_N=config["block_n"],
                      NUM_BUFFERS=config["num_stages"], **regs,
                      QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["Q"], gdtype),
@@ -231,6 +232,8 @@ def compile_variant(module, name: str, head_dim: int, dtype: str, config: dict,
         if families.large_bwd(head_dim, v_dim):  # the large head dims' kernel
             const["DQ_SLOTS"] = int(config.get("dq_slots", 2))
             const["DO_BUFFERS"] = int(config.get("do_stages", config["num_stages"]))
+        elif families.is_d512_bwd(head_dim, v_dim):  # Q/K 512's (families_large)
+            const["DQ_SLOTS"] = int(config.get("dq_slots", 1))
         if varlen and "PROG_ORDER" in fn.arg_names:  # a packed batch's walk is its own
             const["PROG_ORDER"] = None
         if "WORK" in fn.arg_names:  # a block mask's: the persistent form's work counter
@@ -399,8 +402,9 @@ def compile_package(package_dir: Path, configs=None, variants=None, log=None,
             if facts["kind"] != config.get("kind", "fwd"):
                 continue
             # (the large head dims' backward serves dense batches only)
-            dense_only = facts["kind"] == "bwd" and families.large_bwd(
-                facts["head_dim"], facts.get("v_head_dim"))
+            dense_only = facts["kind"] == "bwd" and (
+                families.large_bwd(facts["head_dim"], facts.get("v_head_dim"))
+                or families.is_d512_bwd(facts["head_dim"], facts.get("v_head_dim")))
             for packed in (False, True) if varlen and not dense_only else (False,):
                 res = compile_variant(module, name, facts["head_dim"], facts["dtype"], config,
                                       mod_arg_types(registry, name)[0], varlen=packed,

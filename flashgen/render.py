@@ -26,6 +26,8 @@ GLUON_TEMPLATES = {"fwd": "gluon/fwd.py.j2", "bwd": "gluon/bwd.py.j2"}
 # the backward at head dims 256 and (192, 128): the consumers split the columns, not the keys
 # (families.LARGE_HEAD_DIM_BWD)
 GLUON_BWD_LARGE_TEMPLATE = "gluon/bwd_large.py.j2"
+# ... and at Q/K 512 (families_large: two launches over the gradients' column halves)
+GLUON_BWD_D512_TEMPLATE = "gluon/bwd_d512.py.j2"
 # the Gluon latent (MLA) decode (issue 16): the package's default on Hopper for the calls it
 # serves (_decode.MLA_GLUON; FLASHGEN_FAMILY=tl turns it off)
 GLUON_DECODE_TEMPLATE = "gluon/decode_mla.py.j2"
@@ -440,6 +442,8 @@ def gluon_template(variant: Variant) -> str:
     """The Gluon template of a variant's kernel."""
     if variant.kind == "bwd" and families.large_bwd(variant.head_dim, variant.v_dim):
         return GLUON_BWD_LARGE_TEMPLATE
+    if variant.kind == "bwd" and families.is_d512_bwd(variant.head_dim, variant.v_dim):
+        return GLUON_BWD_D512_TEMPLATE
     return GLUON_TEMPLATES[variant.kind]
 
 
@@ -460,8 +464,10 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
         "qk_boxes": families.qk_boxes(variant.head_dim)[0],
         "qk_box": families.qk_boxes(variant.head_dim)[1],
         "qk_cols": families.qk_boxes(variant.head_dim)[0] * families.qk_boxes(variant.head_dim)[1],
-        # (d = 512: the kernel computes one 256-column half of V and O a launch)
-        "v_dim": families.gluon_v_dim(variant.head_dim, variant.v_dim),
+        # (d = 512: the forward computes one 256-column half of V and O a launch; the
+        # backward reads all of V)
+        "v_dim": (variant.v_dim if template == GLUON_BWD_D512_TEMPLATE
+                  else families.gluon_v_dim(variant.head_dim, variant.v_dim)),
         "v_dim_pad": families.head_dim_pad(families.gluon_v_dim(variant.head_dim, variant.v_dim)),
         "dtype": variant.dtype,
         "mask": variant.mask,
