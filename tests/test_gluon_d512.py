@@ -1,12 +1,14 @@
-"""The Gluon forward at Q/K 512 (Gemma 4's global layers, issue 47): one kernel, the forward
-template at (qk 512, v 256), run once for that pair and twice for d = 512 (over V's and O's
-256-column halves; flashgen/families_large.py has the arithmetic and why).
+"""The Gluon kernels at Q/K 512 (Gemma 4's global layers, issue 47). The forward: one kernel,
+the forward template at (qk 512, v 256), run once for that pair and twice for d = 512 (over
+V's and O's 256-column halves). The backward: templates/gluon/bwd_d512.py.j2, run twice
+(over dK's, dQ's and dV's column halves), opt-in (FLASHGEN_GLUON_BWD_512=1) until a GPU has
+run it. flashgen/families_large.py has the arithmetic and why.
 
-On the CPU: which variants get it and why the others do not (the backward, dropout, mods
-and fp8 stay `tl`), the tile's shared-memory and register arithmetic, the rendered
-kernels' constants, the untuned routing on an H100 (gluon_ready and gpu_key monkeypatched)
-and describe(). In the slow group: every form compiles for sm_90 with no spill in its key
-loop. On the GPU (-m gpu, Hopper): against the float64 reference at odd shapes.
+On the CPU: which variants get them and why the others do not (dropout, mods and fp8 stay
+`tl`), the tiles' shared-memory and register arithmetic, the rendered kernels' constants,
+the untuned routing on an H100 (gluon_ready and gpu_key monkeypatched) and describe(). In
+the slow group: every form compiles for sm_90 with no spill in its key loop. On the GPU
+(-m gpu, Hopper): against the float64 reference at odd shapes.
 """
 import json
 import os
@@ -55,8 +57,11 @@ def test_forwards_get_gluon_kernels_and_the_rest_say_why_not(pkg):
     assert all(reasons[n] is None for n in plain), {n: reasons[n] for n in plain}
     assert "draws no keep mask" in reasons["fwd_causal_dropout_d512_bf16"]
     assert "mods at Q/K 512" in reasons["fwd_causal_softcap_d512v256_bf16"]
-    for name in ("bwd_d512_bf16", "bwd_causal_d512v256_fp16", "bwd_window_dropout_d512_bf16"):
-        assert "the backward stays `tl`" in reasons[name], name
+    # the backward: a Gluon kernel for every mask and pair, not for dropout (nor mods)
+    bwd = [n for n in reasons if n.startswith("bwd_") and "dropout" not in n
+           and "softcap" not in n and "sdpa_mask" not in n]
+    assert len(bwd) == 3 * 2 * 2 and all(reasons[n] is None for n in bwd), bwd
+    assert "Q/K 512 Gluon backward draws no keep mask" in reasons["bwd_window_dropout_d512_bf16"]
     rendered = {p.stem for p in (Path(pkg.__file__).parent / "kernels" / "gluon").glob("*.py")}
     assert rendered - {"__init__"} == {n for n, r in reasons.items() if r is None}
     assert "fp16/bf16" in families.gluon_reason("fwd", False, 512, "fp32")
@@ -164,7 +169,7 @@ def test_varlen_at_d512_keeps_tl(pkg, monkeypatch):
     assert reason is None or "V 256 only" not in reason
 
 
-def test_describe_says_two_launches_and_why_the_backward_is_tl(pkg):
+def test_describe_says_two_launches_and_why_the_backward_is_opt_in(pkg):
     lines = pkg.describe().splitlines()
 
     def line(name):
@@ -175,8 +180,14 @@ def test_describe_says_two_launches_and_why_the_backward_is_tl(pkg):
     assert "2 launches" not in line("fwd_causal_d512v256_bf16")
     assert "opt-in" not in line("fwd_d512_bf16")
     assert "paged prefill tl (Q/K 512" in line("fwd_d512_bf16")
-    assert "tl (head dims 512/512: the backward stays `tl`" in line("bwd_causal_d512_bf16")
     assert "tl (dropout at head dims 512/512" in line("fwd_causal_dropout_d512_bf16")
+    # the backward: its kernel, two launches, and why it is not the default
+    for name, stages in (("bwd_causal_d512_bf16", 1), ("bwd_d512v256_fp16", 2)):
+        assert f"gluon 32x64, {stages}-deep ring" in line(name), line(name)
+        assert "2 launches over dK, dQ, dV column halves" in line(name)
+        assert "not yet run on a GPU; FLASHGEN_GLUON_BWD_512=1" in line(name)
+        assert "V halves" not in line(name)
+    assert "tl (dropout at head dims 512/512" in line("bwd_window_dropout_d512_bf16")
 
 
 # ---------------------------------------------------------------------------------------
@@ -368,3 +379,245 @@ def test_gluon_d512_is_the_default(pkg, name):
     assert kinds == {"GluonJITFunction"}, kinds
     out.float().sum().backward()
     assert not torch.isnan(q.grad).any() and not torch.isnan(v.grad).any()
+
+
+# ---------------------------------------------------------------------------------------
+# the backward (templates/gluon/bwd_d512.py.j2): its tiles, its switch, its launcher
+# ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dv,stages", [(512, 1), (256, 2)])
+def test_backward_tiles_fit_shared_memory_and_registers(dv, stages):
+    fl = families_large
+    cfg = families.gluon_default(512, "bwd", "causal", v_dim=dv)
+    assert (cfg["block_m"], cfg["block_n"], cfg["num_stages"], cfg["dq_slots"]) == (32, 64, stages, 1)
+    assert cfg["family"] == "gluon" and cfg["num_warps"] == 4
+    # K + V, a Q/dO stage with LSE and D, P^T and dS^T, one dQ staging tile a consumer
+    need = fl.d512_bwd_shared_bytes(dv, stages, 1)
+    assert need == 64 * (512 + dv) * 2 + stages * (32 * (512 + dv) * 2 + 256) + 8192 + 16384 + 1024
+    assert need <= H100 and fl.d512_bwd_config_reason(cfg, dv, H100) is None
+    # a second dQ slot, or one more stage, does not fit
+    assert "shared memory" in fl.d512_bwd_config_reason({**cfg, "dq_slots": 2}, dv, H100)
+    if stages == 1:
+        assert "shared memory" in fl.d512_bwd_config_reason({**cfg, "num_stages": 2}, dv, H100)
+    assert "block_m" in fl.d512_bwd_config_reason({**cfg, "block_m": 64}, dv, H100)
+    # dK 128 + dV dv/4 columns held, then S^T / dP^T and dQ^T's two units: within 240
+    held, peak = fl.d512_bwd_regs(dv)
+    assert (held, peak) == ((128, 176) if dv == 512 else (96, 144))
+    assert peak <= families.regs(cfg)[0]
+    assert families.bwd_boxes(512, dv, 32) != fl.d512_bwd_boxes()  # (d = 256's, not these)
+    assert fl.d512_bwd_boxes()["Q"] == [1, 1, 32, 128] and fl.d512_bwd_boxes()["DS"] == [64, 32]
+
+
+def test_backward_is_opt_in(monkeypatch):
+    """FLASHGEN_GLUON_BWD_512=1 when flashgen (or a package) is imported makes the Q/K 512
+    Gluon backward the Hopper default; without it `tl` stays the default, and the tuner
+    does not time the kernel (a tuned entry would route calls to it)."""
+    from flashgen import tune
+
+    code = "from flashgen import families; print(families.gluon_by_default('bwd', False, 512))"
+    env = {k: v for k, v in os.environ.items() if k != "FLASHGEN_GLUON_BWD_512"}
+    for switch, want in ((None, "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=env if switch is None else {**env, "FLASHGEN_GLUON_BWD_512": switch})
+        assert out.stdout.strip() == want, out.stderr[-2000:]
+    gpu = tune.GpuInfo(key="H100|sm90|132sm", name="H100", capability=(9, 0), sm_count=132,
+                       sram_bytes=H100)
+    monkeypatch.setattr(families, "D512_BWD_ON", False)
+    assert "FLASHGEN_GLUON_BWD_512=1" in tune.gluon_here("bwd", {"head_dim": 512, "dtype": "bf16"}, gpu)
+    assert not families.gluon_by_default("bwd", False, 512)
+    assert families.gluon_by_default("bwd", False, 256) == families.GLUON_BWD_LARGE_DEFAULT
+    monkeypatch.setattr(families, "D512_BWD_ON", True)
+    assert families.gluon_by_default("bwd", False, 512)
+
+
+def test_backward_routing_and_launcher(pkg, monkeypatch):
+    """Untuned on an H100: `tl` by default, the Gluon kernel with the switch on; its
+    launcher's compile-time arguments and TMA boxes; packed batches keep `tl`."""
+    from triton.experimental.gluon import language as gl
+
+    rt = pkg._runtime
+    monkeypatch.setattr(rt, "gpu_key", lambda device: H100_KEY)
+    monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
+    monkeypatch.setattr(rt, "_configs", {})
+    cuda = torch.device("cuda", 0)
+    names = ("bwd_causal_d512_bf16", "bwd_d512v256_fp16", "bwd_window_d512_bf16")
+    for name in names:
+        assert rt.launch_config(name, cuda, 4096).get("family", "tl") == "tl", name
+        with rt.override_config(family="gluon"):  # (asked for: its own tile, switch or not)
+            cfg = rt.launch_config(name, cuda, 4096)
+            assert cfg["family"] == "gluon" and (cfg["block_m"], cfg["block_n"]) == (32, 64)
+    monkeypatch.setattr(rt._families, "D512_BWD_ON", True)
+    monkeypatch.setattr(rt, "_configs", {})
+    for name in names:
+        cfg = rt.launch_config(name, cuda, 4096)
+        assert cfg["family"] == "gluon" and (cfg["block_m"], cfg["block_n"]) == (32, 64), name
+    assert rt.launch_config("bwd_window_dropout_d512_bf16", cuda, 4096).get("family", "tl") == "tl"
+    v = pkg._registry.VARIANTS
+    for name, stages in (("bwd_causal_d512_bf16", 1), ("bwd_d512v256_fp16", 2)):
+        cfg = families.variant_gluon_default(v[name])
+        launch, (boxes, layouts) = rt._gluon_backward_launcher(name, cfg, torch.bfloat16, 512,
+                                                               10, varlen=False)
+        assert (launch.meta["BLOCK_M"], launch.meta["BLOCK_N"]) == (32, 64)
+        assert (launch.meta["NUM_BUFFERS"], launch.meta["DQ_SLOTS"]) == (stages, 1)
+        assert "DO_BUFFERS" not in launch.meta
+        assert boxes["Q"] == boxes["DO"] == [1, 1, 32, 128] and boxes["K"] == [1, 1, 64, 128]
+        assert boxes["DQ_ACC"] == [1, 1, 32, 64] and boxes["LSE"] == [32]
+        assert launch.meta["DS_LAYOUT"] == gl.NVMMASharedLayout.get_default_for([64, 32],
+                                                                               gl.bfloat16)
+        assert "COL_HALF" in launch.fn.arg_names  # (the runtime's two launches)
+        with pytest.raises(ValueError, match="shared memory"):
+            rt._gluon_backward_launcher(name, {**cfg, "dq_slots": 2}, torch.bfloat16, 512, 10,
+                                        varlen=False)
+    q = torch.randn(64, 4, 512, dtype=torch.bfloat16)
+    why = rt.gluon_varlen_backward_reason("bwd_causal_d512_bf16", {"family": "gluon"}, q, q, q,
+                                          q, 64, "causal")
+    assert "dense batches" in why
+
+
+_BWD_CASES = [[f"bwd{m}_{d}_{dt}", {}] for m in ("", "_causal", "_window")
+              for d in ("d512", "d512v256") for dt in ("bf16",)] + [
+    ["bwd_causal_d512_fp16", {}], ["bwd_d512v256_fp16", {"regs": "232/40"}],
+    ["bwd_causal_d512v256_bf16", {"num_stages": 1}]]
+
+
+@pytest.mark.slow  # an offline compile of nine kernels (about 20 s on 2 cores)
+@pytest.mark.skipif(not gluon_compiles(), reason="the Gluon templates are verified on Triton "
+                    "3.6 (CI pins it)")
+def test_d512_backwards_compile_for_sm90(pkg):
+    """sm_90 through ptxas (Triton 3.6.0): shared memory within families_large's model and
+    the H100's budget (222,080 bytes at d = 512, 222,336 at V 256 with two stages), no
+    spill in the key loop, wgmmas 64x32x16 (S^T, dP^T, dQ^T) and 64x128x16 (dK, dV)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
+                          json.dumps([[n, k, False] for n, k in _BWD_CASES])],
+                         capture_output=True, text=True, env=env, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(_BWD_CASES)
+    v = pkg._registry.VARIANTS
+    for r in rows:
+        facts = v[r["variant"]]
+        dv = facts.get("v_head_dim") or 512
+        cfg = {**families.variant_gluon_default(facts), **r["knobs"]}
+        assert families_large.d512_bwd_config_reason(cfg, dv, H100) is None, r
+        model = families_large.d512_bwd_shared_bytes(dv, cfg["num_stages"], cfg["dq_slots"])
+        assert r["shared"] <= model <= H100, r
+        assert families.regs(cfg)[0] in r["setmaxnreg"], r
+        assert r["wgmma"] > 0 and not r["wgmma_notes"], r
+        assert any("64x32x16" in f for f in r["gmma_forms"]), r  # S^T, dP^T, dQ^T
+        assert any("64x128x16" in f for f in r["gmma_forms"]), r  # dK (and dV at d = 512)
+        assert r["loop_spills"] == 0, r
+        assert r["spill_bytes"] <= 64, r
+
+
+# on the GPU: the backward against float64, switched on (families.D512_BWD_ON, what
+# FLASHGEN_GLUON_BWD_512=1 sets at import)
+_BWD_GPU_CASES = [
+    # (B, Nq, Nk, Hq, Hkv, dv, dtype, causal, window): one row, 59 and 257 (ragged 32-row
+    # steps and 64-key blocks), Nq != Nk both ways (rows that see no key), GQA 4:1, MQA, a
+    # window, many steps; both pairs
+    (1, 1, 513, 8, 8, 512, torch.bfloat16, True, (-1, -1)),
+    (3, 59, 59, 4, 1, 512, torch.float16, False, (-1, -1)),
+    (2, 257, 257, 8, 2, 512, torch.bfloat16, True, (-1, -1)),
+    (2, 257, 1031, 8, 2, 512, torch.float16, True, (-1, -1)),
+    (2, 1031, 257, 4, 4, 512, torch.bfloat16, True, (-1, -1)),
+    (2, 777, 777, 4, 1, 512, torch.bfloat16, False, (100, 0)),
+    (3, 1000, 1000, 16, 4, 512, torch.bfloat16, False, (-1, -1)),
+    (1, 1, 513, 8, 8, 256, torch.bfloat16, True, (-1, -1)),
+    (3, 59, 127, 4, 1, 256, torch.float16, False, (-1, -1)),
+    (2, 257, 1031, 8, 2, 256, torch.bfloat16, True, (-1, -1)),
+    (2, 1031, 257, 4, 4, 256, torch.float16, True, (-1, -1)),
+    (2, 777, 777, 4, 1, 256, torch.bfloat16, False, (100, 0)),
+]
+_BWD_IDS = ["d512-N1-causal", "d512-N59-mqa", "d512-N257-causal-gqa4",
+            "d512-nq<nk-causal-gqa4", "d512-nq>nk-causal", "d512-window-mqa", "d512-1k-gqa4-b3",
+            "v256-N1-causal", "v256-N59-nq<nk-mqa", "v256-nq<nk-causal-gqa4",
+            "v256-nq>nk-causal", "v256-window-mqa"]
+
+
+def _bwd_kinds(pkg):
+    rt = pkg._runtime
+    return {"gluon" if p is not None and p[7] == rt._BWD_GLUON else "tl"
+            for p in rt._backward_plans.values()}
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("case", _BWD_GPU_CASES, ids=_BWD_IDS)
+@pytest.mark.parametrize("knobs", [{}, {"regs": "232/40", "bwd_head_group": 3},
+                                   {"num_stages": 1}], ids=["default", "regs-group3", "s1"])
+def test_gluon_d512_backward_against_float64(pkg, poison, monkeypatch, case, knobs):
+    from conftest import GRAD_TOL
+
+    b, nq, nk, hq, hkv, dv, dt, causal, window = case
+    if knobs.get("num_stages") == 1 and dv == 512:
+        pytest.skip("d = 512's default is a one-deep ring already")
+    rt = pkg._runtime
+    monkeypatch.setattr(rt._families, "D512_BWD_ON", True)
+    monkeypatch.setattr(rt, "_configs", {})
+    rt._backward_plans.clear()
+    q, k, v = _qkv(b, nq, nk, hq, hkv, 512, dv, dt, grad=True)
+    do = torch.randn(b, nq, hq, dv, device="cuda", dtype=dt)
+    with rt.override_config(family="gluon"):
+        out = pkg.flash_attn_func(q, k, v, causal=causal, window_size=window)
+        with rt.override_config(family="gluon", **knobs):  # (the backward's knobs only)
+            out.backward(do)
+            assert _bwd_kinds(pkg) == {"gluon"}
+    vis = visible_mask(nq, nk, causal=causal, window=window, bottom_right=True)
+    q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, vis)
+    ref.backward(do.double().transpose(1, 2))
+    for name, got, want in zip(("dq", "dk", "dv"), (q, k, v), (q64, k64, v64)):
+        assert not torch.isnan(got.grad).any(), name
+        torch.testing.assert_close(got.grad.double(), want.grad.transpose(1, 2),
+                                   atol=GRAD_TOL[dt][0], rtol=GRAD_TOL[dt][1],
+                                   msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("switch", [False, True], ids=["default-tl", "switched-on"])
+def test_gluon_d512_backward_default_follows_the_switch(pkg, monkeypatch, switch):
+    """Untuned, a large Q/K 512 call's backward runs `tl` unless the switch is on."""
+    rt = pkg._runtime
+    monkeypatch.setattr(rt._families, "D512_BWD_ON", switch)
+    monkeypatch.setattr(rt, "_configs", {})
+    rt._backward_plans.clear()
+    q, k, v = _qkv(1, 2048, 2048, 8, 2, 512, 512, torch.bfloat16, grad=True)
+    pkg.flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    assert _bwd_kinds(pkg) == ({"gluon"} if switch else {"tl"})
+    assert not torch.isnan(q.grad).any() and not torch.isnan(k.grad).any()
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dv", [512, 256])
+def test_gluon_d512_backward_piece_sums_into_fp32(pkg, monkeypatch, dv):
+    """A context-parallel piece's launch: dQ added into the caller's fp32 sum (dq_accum),
+    dK and dV in fp32 (both launches' halves into the same tensors)."""
+    rt = pkg._runtime
+    monkeypatch.setattr(rt._families, "D512_BWD_ON", True)
+    b, n, h, h_kv, dt = 2, 300, 8, 2, torch.bfloat16
+    q, k, v = _qkv(b, n, n, h, h_kv, 512, dv, dt)
+    do = torch.randn(b, n, h, dv, device="cuda", dtype=dt)
+    t = lambda x: x.transpose(1, 2)  # noqa: E731  (B, N, H, d) <-> (B, H, N, d)
+    band = dict(mask="causal", lo=-(2 * n + 1), hi=0, scale=512 ** -0.5)
+    with rt.override_config(family="gluon"):
+        out = torch.empty(b, n, h, dv, device="cuda", dtype=dt)
+        lse = rt.forward(q, k, v, out, bnhd=True, **band)
+        rt._backward_plans.clear()
+        acc = torch.full((b, n, h, 512), 0.5, device="cuda", dtype=torch.float32)
+        dk = torch.empty(k.shape, device="cuda", dtype=torch.float32)
+        dv_ = torch.empty(v.shape, device="cuda", dtype=torch.float32)
+        rt.backward(t(do), t(q), t(k), t(v), t(out), lse, None, t(dk), t(dv_),
+                    dq_accum=t(acc), **band)
+        assert _bwd_kinds(pkg) == {"gluon"}
+    vis = visible_mask(n, n, causal=True, bottom_right=True)
+    q64, k64, v64 = (x.double().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    ref, _ = attention_ref(q64, k64, v64, vis)
+    ref.backward(do.double().transpose(1, 2))
+    from conftest import GRAD_TOL
+
+    for name, got, want in (("dq", acc - 0.5, q64), ("dk", dk, k64), ("dv", dv_, v64)):
+        torch.testing.assert_close(got.double(), want.grad.transpose(1, 2),
+                                   atol=GRAD_TOL[dt][0], rtol=GRAD_TOL[dt][1],
+                                   msg=lambda m, name=name: f"{name}: {m}")

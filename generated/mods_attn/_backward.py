@@ -130,6 +130,14 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
         # takes its key blocks from the stream's work counter (_bwd_work_counter: 0, and
         # left 0 by the kernel); else WORK is None
         work = _bwd_work_counter(q.device) if tma == _BWD_PERSISTENT else None
+        if _families.is_d512_bwd(q.shape[-1], v.shape[-1]):
+            # Q/K 512: one launch per half of dK's, dQ's and dV's columns (COL_HALF), each
+            # computing the whole S and dP (families_large; no dropout, no mods here)
+            for half in (0, 1):
+                dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, half)
+            if dq_accum is None:
+                dq.copy_(dq_acc)
+            return delta[..., :n_q]
         dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
              *(mods.args if mods is not None else drop_pos),
              *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1])
@@ -379,7 +387,9 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
     v_dim = VARIANTS[name].get("v_head_dim")
     consumer_regs, producer_regs = _families.regs(cfg)
     # (the large head dims' kernel: Q / K and dO / V in boxes of their own widths)
-    box = _families.bwd_boxes(d, v_dim, block_m)
+    # (Q/K 512: 128-column boxes, families_large.d512_bwd_boxes)
+    box = (_families.d512_bwd_boxes(block_m) if _families.is_d512_bwd(d, v_dim)
+           else _families.bwd_boxes(d, v_dim, block_m))
     layouts = dict(QD_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["Q"], gl_dtype),
                    KV_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["K"], gl_dtype),
                    DQ_LAYOUT=gl.NVMMASharedLayout.get_default_for(box["DQ_ACC"], gl.float32),
@@ -395,6 +405,12 @@ def _gluon_backward_launcher(name, cfg, dtype, d, programs, varlen: bool,
         meta["DO_BUFFERS"] = int(cfg.get("do_stages", cfg["num_stages"]))
         why = _families.large_bwd_config_reason(cfg, d, v_dim, 2, _families.GLUON_SHARED_BYTES)
         if why is not None:  # a forced config: an error here, not at the kernel's compile
+            raise ValueError(f"`{name}`: {why}")
+    elif _families.is_d512_bwd(d, v_dim):  # (Q/K 512: dQ staging tiles a consumer)
+        default = _families.gluon_default(d, "bwd", v_dim=v_dim)
+        meta["DQ_SLOTS"] = int(cfg.get("dq_slots", default["dq_slots"]))
+        why = _families.d512_bwd_config_reason(cfg, v_dim or d, _families.GLUON_SHARED_BYTES)
+        if why is not None:
             raise ValueError(f"`{name}`: {why}")
     if VARIANTS[name]["dropout"]:
         # each Philox call drawn once per warpgroup instead of by both warps that use its

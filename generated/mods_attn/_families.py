@@ -19,11 +19,15 @@ from __future__ import annotations
 import os
 
 try:  # Q/K 512 (issue 47); a generated package holds the module as `_families_large`
-    from .families_large import (D512, D512_FWD, D512_FWD_TILES, D512_POLY_EXP2, D512_V,
-                                 d512_reason, gluon_v_dim, is_d512, v_launches)
+    from .families_large import (D512, D512_BWD_ON, D512_BWD_OFF_REASON, D512_FWD,  # noqa: F401
+                                 D512_FWD_TILES, D512_POLY_EXP2, D512_V, d512_bwd_boxes, d512_bwd_config_reason,
+                                 d512_bwd_default, d512_reason, gluon_v_dim, is_d512, is_d512_bwd,
+                                 v_launches)
 except ImportError:
-    from ._families_large import (D512, D512_FWD, D512_FWD_TILES, D512_POLY_EXP2,  # noqa: F401
-                                  D512_V, d512_reason, gluon_v_dim, is_d512, v_launches)
+    from ._families_large import (D512, D512_BWD_ON, D512_BWD_OFF_REASON, D512_FWD,  # noqa: F401
+                                  D512_FWD_TILES, D512_POLY_EXP2, D512_V, d512_bwd_boxes,
+                                  d512_bwd_config_reason, d512_bwd_default, d512_reason,
+                                  gluon_v_dim, is_d512, is_d512_bwd, v_launches)
 
 # Triton versions the Gluon templates were compiled and run on. Gluon's API changes between
 # releases (warp_specialize's signature did in 3.5 -> 3.6), so any other version takes the
@@ -193,8 +197,8 @@ def gluon_by_default(kind: str, dropout: bool, head_dim: int, mod_kinds=(),
         return False  # (with mods as well: not measured, so `tl`)
     if mod_kinds and not set(mod_kinds) <= GLUON_MOD_KINDS_BY_DEFAULT.get(kind, frozenset()):
         return False
-    if kind == "bwd" and head_dim in LARGE_BWD_QK_DIMS:  # (LARGE_HEAD_DIM_BWD: the switch)
-        return GLUON_BWD_LARGE_DEFAULT
+    if kind == "bwd" and head_dim in LARGE_BWD_QK_DIMS | {D512}:  # (LARGE_HEAD_DIM_BWD, D512_BWD_ON)
+        return GLUON_BWD_LARGE_DEFAULT if head_dim != D512 else D512_BWD_ON
     min_n = gluon_min_n(kind, dropout, head_dim)
     if min_n is not None:
         return n is not None and n >= min_n
@@ -566,6 +570,8 @@ def gluon_default(head_dim: int, kind: str = "fwd", mask: str | None = None,
         large = D512_FWD  # (families_large: its shared-memory and register arithmetic)
     if kind == "fwd" and large is not None:
         return {**GLUON_DEFAULT, **large}
+    if kind == "bwd" and is_d512_bwd(head_dim, v_dim):  # (the Q/K 512 backward: families_large)
+        return {**GLUON_BWD_DEFAULT, **d512_bwd_default(head_dim, v_dim)}
     if kind == "bwd" and large_bwd(head_dim, v_dim):
         return {**GLUON_BWD_DEFAULT, "block_m": LARGE_BWD_ROWS, "block_n": LARGE_BWD_ROWS,
                 **LARGE_HEAD_DIM_BWD[(head_dim, v_dim or head_dim)]}

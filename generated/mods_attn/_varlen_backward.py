@@ -128,8 +128,9 @@ def gluon_varlen_backward_reason(name, cfg, q, k, v, do, max_k, mask, mods=None)
 
 
 def _large_bwd(facts) -> bool:
-    """Whether a variant's Gluon backward is the large head dims' (dense only)."""
-    return _families.large_bwd(facts["head_dim"], facts.get("v_head_dim"))
+    """Whether a variant's Gluon backward is the large head dims' or Q/K 512's (dense only)."""
+    return (_families.large_bwd(facts["head_dim"], facts.get("v_head_dim"))
+            or _families.is_d512_bwd(facts["head_dim"], facts.get("v_head_dim")))
 
 
 def _varlen_backward_plan(do, q, k, v, o, dq, dk, dv, cu_q, max_q, max_k, mask, lo, hi,
