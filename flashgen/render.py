@@ -456,6 +456,9 @@ def gluon_context(spec: Spec, variant: Variant) -> dict:
     return {
         # the large head dims' backward: its boxes and each consumer's columns
         "large": large,
+        # ... and Q/K 512's
+        "d512": (families_large.d512_bwd_split(variant.v_dim)
+                 if template == GLUON_BWD_D512_TEMPLATE else None),
         "header": header(f"templates/{template}", spec),
         "name": variant.name,
         "head_dim": variant.head_dim,

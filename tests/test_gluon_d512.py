@@ -77,6 +77,16 @@ def test_rendered_kernels_are_the_512_256_kernel(pkg):
                      "QK_BOX = gl.constexpr(256)", "QK_BOXES = gl.constexpr(2)",
                      "HEAD_DIM_V = gl.constexpr(256)", "HEAD_DIM_V_PAD = gl.constexpr(256)"):
             assert line in src, (name, line)
+    # the backward: its own template, 128-column boxes, a consumer's columns (d512_bwd_split)
+    for name, dv in (("bwd_causal_d512_bf16", 512), ("bwd_d512v256_fp16", 256)):
+        src = (root / f"{name}.py").read_text()
+        assert "templates/gluon/bwd_d512.py.j2" in src.splitlines()[0]
+        for line in ("HEAD_DIM = gl.constexpr(512)", f"HEAD_DIM_V = gl.constexpr({dv})",
+                     "QK_BOX = gl.constexpr(128)", "QK_BOXES = gl.constexpr(4)",
+                     f"V_BOXES = gl.constexpr({dv // 128})", "DK_COLS = gl.constexpr(128)",
+                     f"DV_COLS = gl.constexpr({dv // 4})", "DQ_UNITS = gl.constexpr(2)",
+                     "    COL_HALF,"):
+            assert line in src, (name, line)
     # the package carries the module families imports
     assert (Path(pkg.__file__).parent / "_families_large.py").exists()
     assert pkg._runtime._families.v_launches(512, 512) == 2

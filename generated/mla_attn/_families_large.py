@@ -234,6 +234,16 @@ def d512_bwd_boxes(block_m: int = D512_BWD_ROWS) -> dict:
             "LSE": [block_m], "DS": [keys, block_m]}
 
 
+def d512_bwd_split(v_dim: int = D512) -> dict:
+    """The columns of the Q/K 512 backward (its template's constants): Q, K, dO, V in boxes
+    of D512_BWD_BOX columns; a consumer owns, in each launch, dK's and dQ's a quarter of 512
+    (one Q / K box, dq_units reduce-add units) and dV's v_dim / 4 (within one dO / V box)."""
+    box = D512_BWD_BOX
+    return {"box": box, "qk_boxes": D512 // box, "v_boxes": v_dim // box,
+            "dk_cols": D512 // 4, "dv_cols": v_dim // 4,
+            "dq_units": D512 // 4 // D512_BWD_DQ_UNIT}
+
+
 def d512_bwd_shared_bytes(v_dim: int = D512, num_buffers: int = 1, dq_slots: int = 1,
                           dtype_bytes: int = 2) -> int:
     """Shared memory of the Q/K 512 backward: K and V, the Q/dO ring with LSE and D, P^T
