@@ -109,3 +109,13 @@ def cuda_qkv(b, nq, nk, hq, hkv, d, dv, dtype, grad=False):
     k = torch.randn(b, nk, hkv, d, device="cuda", dtype=dtype, requires_grad=grad)
     v = torch.randn(b, nk, hkv, dv, device="cuda", dtype=dtype, requires_grad=grad)
     return q, k, v
+
+
+def assert_grads(tensors, refs, dtype):
+    """The .grad of (B, N, H, d) q, k, v against the float64 reference's (B, H, N, d) leaves:
+    no NaN, the dtype's gradient tolerance, each named when it fails."""
+    for name, got, want in zip(("dq", "dk", "dv"), tensors, refs):
+        assert not torch.isnan(got.grad).any(), name
+        torch.testing.assert_close(got.grad.double(), want.grad.transpose(1, 2),
+                                   atol=GRAD_TOL[dtype][0], rtol=GRAD_TOL[dtype][1],
+                                   msg=lambda m, name=name: f"{name}: {m}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_out_lse as _assert_out, cuda_qkv as _qkv
+from conftest import assert_grads, assert_out_lse as _assert_out, cuda_qkv as _qkv
 from flashgen import families, families_large
 from flashgen.reference import attention_ref, visible_mask
 from flashgen.space import space_for
@@ -333,16 +333,10 @@ def test_gluon_d512_forward_against_float64(pkg, poison, case, knobs):
     ref, ref_lse = attention_ref(q64, k64, v64, vis)
     _assert_out(out, lse, ref, ref_lse, dt)
     if grads and nq * nk <= 257 * 1031:
-        from conftest import GRAD_TOL
-
         do = torch.randn_like(out)
         out.backward(do)
         ref.backward(do.double().transpose(1, 2))
-        for name, got, want in zip(("dq", "dk", "dv"), (q, k, v), (q64, k64, v64)):
-            assert not torch.isnan(got.grad).any(), name
-            torch.testing.assert_close(got.grad.double(), want.grad.transpose(1, 2),
-                                       atol=GRAD_TOL[dt][0], rtol=GRAD_TOL[dt][1],
-                                       msg=lambda m, name=name: f"{name}: {m}")
+        assert_grads((q, k, v), (q64, k64, v64), dt)
 
 
 @pytest.mark.gpu
@@ -556,8 +550,6 @@ def _bwd_kinds(pkg):
 @pytest.mark.parametrize("knobs", [{}, {"regs": "232/40", "bwd_head_group": 3},
                                    {"num_stages": 1}], ids=["default", "regs-group3", "s1"])
 def test_gluon_d512_backward_against_float64(pkg, poison, monkeypatch, case, knobs):
-    from conftest import GRAD_TOL
-
     b, nq, nk, hq, hkv, dv, dt, causal, window = case
     if knobs.get("num_stages") == 1 and dv == 512:
         pytest.skip("d = 512's default is a one-deep ring already")
@@ -576,11 +568,7 @@ def test_gluon_d512_backward_against_float64(pkg, poison, monkeypatch, case, kno
     q64, k64, v64 = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
     ref, _ = attention_ref(q64, k64, v64, vis)
     ref.backward(do.double().transpose(1, 2))
-    for name, got, want in zip(("dq", "dk", "dv"), (q, k, v), (q64, k64, v64)):
-        assert not torch.isnan(got.grad).any(), name
-        torch.testing.assert_close(got.grad.double(), want.grad.transpose(1, 2),
-                                   atol=GRAD_TOL[dt][0], rtol=GRAD_TOL[dt][1],
-                                   msg=lambda m, name=name: f"{name}: {m}")
+    assert_grads((q, k, v), (q64, k64, v64), dt)
 
 
 @pytest.mark.gpu
