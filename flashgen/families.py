@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import os
 
-try:  # Q/K 512 (issue 47); a generated package holds the module as `_families_large`
-    from .families_large import (D512, D512_BWD_ON, D512_BWD_OFF_REASON, D512_FWD,  # noqa: F401
-                                 D512_FWD_TILES, D512_POLY_EXP2, D512_V, d512_bwd_boxes, d512_bwd_config_reason,
-                                 d512_bwd_default, d512_reason, gluon_v_dim, is_d512, is_d512_bwd,
-                                 v_launches)
+# Q/K 512 (issue 47): its names (families_large.__all__) are this module's too; a generated
+# package holds that module as `_families_large`
+try:
+    from .families_large import *  # noqa: F401,F403
 except ImportError:
-    from ._families_large import (D512, D512_BWD_ON, D512_BWD_OFF_REASON, D512_FWD,  # noqa: F401
-                                  D512_FWD_TILES, D512_POLY_EXP2, D512_V, d512_bwd_boxes,
-                                  d512_bwd_config_reason, d512_bwd_default, d512_reason,
-                                  gluon_v_dim, is_d512, is_d512_bwd, v_launches)
+    from ._families_large import *  # noqa: F401,F403
 
 # Triton versions the Gluon templates were compiled and run on. Gluon's API changes between
 # releases (warp_specialize's signature did in 3.5 -> 3.6), so any other version takes the

@@ -133,6 +133,12 @@ from __future__ import annotations
 
 import os
 
+# what families.py re-exports (a star import: one list, in the source and in a package)
+__all__ = ["D512", "D512_V", "D512_FWD", "D512_FWD_TILES", "D512_POLY_EXP2", "D512_BWD_ON",
+           "D512_BWD_OFF_REASON", "D512_PAGED_REASON", "is_d512", "gluon_v_dim", "v_launches",
+           "d512_reason", "is_d512_bwd", "d512_bwd_default", "d512_bwd_boxes",
+           "d512_bwd_config_reason"]
+
 # Q/K head dim of this kernel, and the V width one launch computes
 D512 = 512
 D512_V = 256
@@ -156,9 +162,7 @@ def is_d512(head_dim: int, v_dim: int | None = None) -> bool:
 def gluon_v_dim(head_dim: int, v_dim: int | None) -> int | None:
     """The V (and O) width of the Gluon forward kernel of (head_dim, v_dim): D512_V for the
     d = 512 pair, which runs it over V's halves; v_dim otherwise (None stays None)."""
-    if head_dim == D512 and (v_dim or head_dim) == 2 * D512_V:
-        return D512_V
-    return v_dim
+    return D512_V if v_launches(head_dim, v_dim) > 1 else v_dim
 
 
 def v_launches(head_dim: int, v_dim: int | None) -> int:
@@ -211,6 +215,9 @@ D512_BWD = {(512, 512): {"num_stages": 1, "dq_slots": 1},
 D512_BWD_ON = os.environ.get("FLASHGEN_GLUON_BWD_512", "0") == "1"
 D512_BWD_OFF_REASON = ("opt-in: compiled for sm_90 but not yet run on a GPU; "
                        "FLASHGEN_GLUON_BWD_512=1 routes it")
+# Why a paged cache or seqused_k at Q/K 512 runs the `tl` varlen forward (the runtime's
+# serving rule and describe())
+D512_PAGED_REASON = "Q/K 512 over a paged cache or seqused_k: not compiled or verified in Gluon"
 
 
 def is_d512_bwd(head_dim: int, v_dim: int | None = None) -> bool:

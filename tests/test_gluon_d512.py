@@ -10,7 +10,6 @@ the untuned routing on an H100 (gluon_ready and gpu_key monkeypatched) and descr
 the slow group: every form compiles for sm_90 with no spill in its key loop. On the GPU
 (-m gpu, Hopper): against the float64 reference at odd shapes.
 """
-import json
 import os
 import subprocess
 import sys
@@ -23,9 +22,8 @@ from conftest import assert_grads, assert_out_lse as _assert_out, cuda_qkv as _q
 from flashgen import families, families_large
 from flashgen.reference import attention_ref, visible_mask
 from flashgen.space import space_for
-from packages import build_and_import, gluon_compiles
+from packages import build_and_import, compile_gluon_variants, gluon_compiles
 
-ROOT = Path(__file__).resolve().parents[1]
 H100 = families.GLUON_SHARED_BYTES
 H100_KEY = ("NVIDIA H100 80GB HBM3|sm90|132sm", H100, 132)
 
@@ -203,26 +201,6 @@ def test_describe_says_two_launches_and_why_the_backward_is_opt_in(pkg):
 # ---------------------------------------------------------------------------------------
 # every form compiles for sm_90
 # ---------------------------------------------------------------------------------------
-_COMPILE = r"""
-import importlib, json, sys
-from pathlib import Path
-from flashgen import families, gluon_compile
-from flashgen.offline import mod_arg_types
-pkg_dir = Path(sys.argv[1])
-sys.path.insert(0, str(pkg_dir.parent))
-registry = importlib.import_module(f"{pkg_dir.name}._registry")
-out = []
-for name, knobs, varlen in json.loads(sys.argv[2]):
-    mod = importlib.import_module(f"{pkg_dir.name}.kernels.gluon.{name}")
-    facts = registry.VARIANTS[name]
-    cfg = dict(families.variant_gluon_default(facts), **knobs)
-    res = gluon_compile.compile_variant(mod, name, facts["head_dim"], facts["dtype"], cfg,
-                                        mod_arg_types(registry, name)[0], varlen=varlen,
-                                        v_dim=facts.get("v_head_dim"))
-    out.append(dict(res.__dict__, knobs=knobs))
-print(json.dumps(out))
-"""
-
 # (variant, knobs, varlen): every mask at both pairs, dense; the (512, 256) pair packed
 # (d = 512 packed calls take `tl`); the knobs the tuner may try
 _CASES = [
@@ -246,13 +224,7 @@ def test_d512_forwards_compile_for_sm90(pkg):
     """sm_90 through ptxas (Triton 3.6.0): shared memory within the model and the H100's
     budget (229,736-229,816 bytes against 230,400), the register split, every wgmma
     asynchronous, and no spill in a key loop (stack frames 0-64 bytes, outside it)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
-                          json.dumps(_CASES)], capture_output=True, text=True, env=env,
-                         cwd=str(ROOT))
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(_CASES)
+    rows = compile_gluon_variants(pkg, _CASES)
     v = pkg._registry.VARIANTS
     for r in rows:
         facts = v[r["variant"]]
@@ -490,13 +462,7 @@ def test_d512_backwards_compile_for_sm90(pkg):
     """sm_90 through ptxas (Triton 3.6.0): shared memory within families_large's model and
     the H100's budget (222,080 bytes at d = 512, 222,336 at V 256 with two stages), no
     spill in the key loop, wgmmas 64x32x16 (S^T, dP^T, dQ^T) and 64x128x16 (dK, dV)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
-                          json.dumps([[n, k, False] for n, k in _BWD_CASES])],
-                         capture_output=True, text=True, env=env, cwd=str(ROOT))
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(_BWD_CASES)
+    rows = compile_gluon_variants(pkg, [[n, k, False] for n, k in _BWD_CASES])
     v = pkg._registry.VARIANTS
     for r in rows:
         facts = v[r["variant"]]
@@ -546,13 +512,14 @@ def _bwd_kinds(pkg):
 
 @pytest.mark.gpu
 @needs_hopper
-@pytest.mark.parametrize("case", _BWD_GPU_CASES, ids=_BWD_IDS)
-@pytest.mark.parametrize("knobs", [{}, {"regs": "232/40", "bwd_head_group": 3},
-                                   {"num_stages": 1}], ids=["default", "regs-group3", "s1"])
+@pytest.mark.parametrize("case,knobs", [
+    *((c, k) for k in ({}, {"regs": "232/40", "bwd_head_group": 3}) for c in _BWD_GPU_CASES),
+    # (a one-deep ring at v 256 only: d = 512's default is one already)
+    *((c, {"num_stages": 1}) for c in _BWD_GPU_CASES if c[5] == 256)],
+    ids=[*(f"{i}-{k}" for k in ("default", "regs-group3") for i in _BWD_IDS),
+         *(f"{i}-s1" for i, c in zip(_BWD_IDS, _BWD_GPU_CASES) if c[5] == 256)])
 def test_gluon_d512_backward_against_float64(pkg, poison, monkeypatch, case, knobs):
     b, nq, nk, hq, hkv, dv, dt, causal, window = case
-    if knobs.get("num_stages") == 1 and dv == 512:
-        pytest.skip("d = 512's default is a one-deep ring already")
     rt = pkg._runtime
     monkeypatch.setattr(rt._families, "D512_BWD_ON", True)
     monkeypatch.setattr(rt, "_configs", {})

@@ -7,10 +7,6 @@ compile-time arguments (O staged in the Q slots) and the tuner's space. In the s
 every new (head dim, tile) compiles for sm_90 through ptxas with no spill in its key loop.
 On the GPU (-m gpu, Hopper): the kernels against the float64 reference at odd shapes.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +16,8 @@ from conftest import assert_grads, assert_out_lse as _assert_out, cuda_qkv as _q
 from flashgen import families
 from flashgen.reference import attention_ref, visible_mask
 from flashgen.space import space_for
-from packages import build_and_import, gluon_compiles
+from packages import build_and_import, compile_gluon_variants, gluon_compiles
 
-ROOT = Path(__file__).resolve().parents[1]
 H100 = families.GLUON_SHARED_BYTES
 
 
@@ -197,26 +192,6 @@ def test_the_tuners_space_holds_the_large_dim_tiles():
 # ---------------------------------------------------------------------------------------
 # every new (head dim, tile) compiles for sm_90
 # ---------------------------------------------------------------------------------------
-_COMPILE = r"""
-import importlib, json, sys
-from pathlib import Path
-from flashgen import families, gluon_compile
-from flashgen.offline import mod_arg_types
-pkg_dir = Path(sys.argv[1])
-sys.path.insert(0, str(pkg_dir.parent))
-registry = importlib.import_module(f"{pkg_dir.name}._registry")
-out = []
-for name, knobs, varlen in json.loads(sys.argv[2]):
-    mod = importlib.import_module(f"{pkg_dir.name}.kernels.gluon.{name}")
-    facts = registry.VARIANTS[name]
-    cfg = dict(families.variant_gluon_default(facts), **knobs)
-    res = gluon_compile.compile_variant(mod, name, facts["head_dim"], facts["dtype"], cfg,
-                                        mod_arg_types(registry, name)[0], varlen=varlen,
-                                        v_dim=facts.get("v_head_dim"))
-    out.append(dict(res.__dict__, knobs=knobs))
-print(json.dumps(out))
-"""
-
 # (variant, knobs, varlen): the plain forwards under each mask, dense and packed, at their
 # defaults; the tuner's other tiles and knobs; the mods; dropout
 _CASES = [
@@ -250,13 +225,7 @@ def test_large_dim_forwards_compile_for_sm90(pkg):
     mod kernels' stack frames 0-64 bytes, outside the loop. The dropout forward at these
     dims (opt-in: not timed) keeps P's halves on the stack across the masked blocks' V wait
     (causal d=256: 12 LDL/STL a block, 16-bit; 0 unmasked), so it is held to a bound, not 0."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", _COMPILE, str(Path(pkg.__file__).parent),
-                          json.dumps(_CASES)], capture_output=True, text=True, env=env,
-                         cwd=str(ROOT))
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(rows) == len(_CASES)
+    rows = compile_gluon_variants(pkg, _CASES)
     v = pkg._registry.VARIANTS
     for r in rows:
         facts = v[r["variant"]]

@@ -135,13 +135,12 @@ def backward(do, q, k, v, o, lse, dq, dk, dv, *, mask: str, lo: int, hi: int, sc
             # computing the whole S and dP (families_large; no dropout, no mods here)
             for half in (0, 1):
                 dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, half)
-            if dq_accum is None:
-                dq.copy_(dq_acc)
-            return delta[..., :n_q]
-        dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args, *(_gluon_dropout_args(drop) if widths is not None else ()),
-             *(mods.args if mods is not None else drop_pos),
-             *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1])
-               + mods.extents(*tiles[1:3])[:1] + (work,) if tiles else ()))
+        else:
+            dkdv(*tensors[:6], dk, dv, *tensors[6:], *dkdv_args,
+                 *(_gluon_dropout_args(drop) if widths is not None else ()),
+                 *(mods.args if mods is not None else drop_pos),
+                 *(mods.sparse(*tiles, lo, hi, order_heads=k.shape[1])
+                   + mods.extents(*tiles[1:3])[:1] + (work,) if tiles else ()))
         if dq_accum is None:
             dq.copy_(dq_acc)
         return delta[..., :n_q]

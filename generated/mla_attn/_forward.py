@@ -324,7 +324,7 @@ def forward(q, k, v, o, *, mask: str, lo: int, hi: int, scale: float,
         if descale is not None:  # fp8 (no mods, no dropout): V keys-major, the descales
             launch(q, k, _fp8().keys_major_v(v, bnhd), o, lse, *args, *_gluon_dropout_args(drop),
                    descale)
-        elif v.shape[-1] > _families.D512_V and q.shape[-1] == _families.D512:
+        elif _families.v_launches(q.shape[-1], v.shape[-1]) > 1:
             # d = 512: the (512, 256) kernel over V's and O's column halves (their views keep
             # the strides the plan's arguments hold). Both launches compute the same S,
             # softmax and LSE (the same products in the same order), so the second one's

@@ -281,7 +281,7 @@ def gluon_varlen_reason(name, cfg, q, k, v, o, max_k, mask, mods=None,
         # launch has no such loop yet)
         return "d = 512: the Gluon varlen forward serves Q/K 512 with V 256 only"
     if d == _families.D512 and any(x is not None for x in serving):
-        return "Q/K 512 over a paged cache or seqused_k: not compiled or verified in Gluon"
+        return _families.D512_PAGED_REASON
     if k.shape[0] == 0 or max_k == 0:
         return "no keys: every row is 0 (the `tl` kernel writes it)"
     # a (1, H, total, d) view of each packed tensor; its batch stride is never stepped (a
