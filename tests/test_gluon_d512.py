@@ -1,8 +1,8 @@
 """The Gluon kernels at Q/K 512 (Gemma 4's global layers, issue 47). The forward: one kernel,
 the forward template at (qk 512, v 256), run once for that pair and twice for d = 512 (over
 V's and O's 256-column halves). The backward: templates/gluon/bwd_d512.py.j2, run twice
-(over dK's, dQ's and dV's column halves), opt-in (FLASHGEN_GLUON_BWD_512=1) until a GPU has
-run it. flashgen/families_large.py has the arithmetic and why.
+(over dK's, dQ's and dV's column halves), the default (FLASHGEN_GLUON_BWD_512=0 turns it
+off). flashgen/families_large.py has the arithmetic and why.
 
 On the CPU: which variants get them and why the others do not (dropout, mods and fp8 stay
 `tl`), the tiles' shared-memory and register arithmetic, the rendered kernels' constants,
@@ -144,8 +144,8 @@ def test_untuned_d512_forward_takes_gluon_on_hopper(pkg, monkeypatch):
     for name in ("fwd_causal_d512_bf16", "fwd_d512_fp16", "fwd_window_d512v256_bf16"):
         cfg = rt.launch_config(name, cuda, 4096)
         assert cfg["family"] == "gluon" and (cfg["block_n"], cfg["num_stages"]) == (32, 2), name
-    for name in ("bwd_causal_d512_bf16", "fwd_causal_dropout_d512_bf16",
-                 "fwd_causal_softcap_d512_bf16"):
+    assert rt.launch_config("bwd_causal_d512_bf16", cuda, 4096)["family"] == "gluon"
+    for name in ("fwd_causal_dropout_d512_bf16", "fwd_causal_softcap_d512_bf16"):
         assert rt.launch_config(name, cuda, 4096).get("family", "tl") == "tl", name
     # the launcher: Q/K in two 256-column boxes, V and O one, O staged in the Q slots
     from triton.experimental.gluon import language as gl
@@ -189,11 +189,11 @@ def test_describe_says_two_launches_and_why_the_backward_is_opt_in(pkg):
     assert "opt-in" not in line("fwd_d512_bf16")
     assert "paged prefill tl (Q/K 512" in line("fwd_d512_bf16")
     assert "tl (dropout at head dims 512/512" in line("fwd_causal_dropout_d512_bf16")
-    # the backward: its kernel, two launches, and why it is not the default
+    # the backward: its kernel, two launches, on by default
     for name, stages in (("bwd_causal_d512_bf16", 1), ("bwd_d512v256_fp16", 2)):
         assert f"gluon 32x64, {stages}-deep ring" in line(name), line(name)
         assert "2 launches over dK, dQ, dV column halves" in line(name)
-        assert "not yet run on a GPU; FLASHGEN_GLUON_BWD_512=1" in line(name)
+        assert "switched off" not in line(name) and "opt-in" not in line(name), line(name)
         assert "V halves" not in line(name)
     assert "tl (dropout at head dims 512/512" in line("bwd_window_dropout_d512_bf16")
 
@@ -383,22 +383,22 @@ def test_backward_tiles_fit_shared_memory_and_registers(dv, stages):
     assert fl.d512_bwd_boxes()["Q"] == [1, 1, 32, 128] and fl.d512_bwd_boxes()["DS"] == [64, 32]
 
 
-def test_backward_is_opt_in(monkeypatch):
-    """FLASHGEN_GLUON_BWD_512=1 when flashgen (or a package) is imported makes the Q/K 512
-    Gluon backward the Hopper default; without it `tl` stays the default, and the tuner
-    does not time the kernel (a tuned entry would route calls to it)."""
+def test_backward_is_default_unless_switched_off(monkeypatch):
+    """The Q/K 512 Gluon backward is the Hopper default; FLASHGEN_GLUON_BWD_512=0 when
+    flashgen (or a package) is imported makes `tl` the default, and then the tuner does not
+    time the kernel (a tuned entry would route calls to it)."""
     from flashgen import tune
 
     code = "from flashgen import families; print(families.gluon_by_default('bwd', False, 512))"
     env = {k: v for k, v in os.environ.items() if k != "FLASHGEN_GLUON_BWD_512"}
-    for switch, want in ((None, "False"), ("1", "True")):
+    for switch, want in ((None, "True"), ("0", "False"), ("1", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                              env=env if switch is None else {**env, "FLASHGEN_GLUON_BWD_512": switch})
         assert out.stdout.strip() == want, out.stderr[-2000:]
     gpu = tune.GpuInfo(key="H100|sm90|132sm", name="H100", capability=(9, 0), sm_count=132,
                        sram_bytes=H100)
     monkeypatch.setattr(families, "D512_BWD_ON", False)
-    assert "FLASHGEN_GLUON_BWD_512=1" in tune.gluon_here("bwd", {"head_dim": 512, "dtype": "bf16"}, gpu)
+    assert "FLASHGEN_GLUON_BWD_512=0" in tune.gluon_here("bwd", {"head_dim": 512, "dtype": "bf16"}, gpu)
     assert not families.gluon_by_default("bwd", False, 512)
     assert families.gluon_by_default("bwd", False, 256) == families.GLUON_BWD_LARGE_DEFAULT
     monkeypatch.setattr(families, "D512_BWD_ON", True)
@@ -406,14 +406,15 @@ def test_backward_is_opt_in(monkeypatch):
 
 
 def test_backward_routing_and_launcher(pkg, monkeypatch):
-    """Untuned on an H100: `tl` by default, the Gluon kernel with the switch on; its
-    launcher's compile-time arguments and TMA boxes; packed batches keep `tl`."""
+    """Untuned on an H100: the Gluon kernel with the switch on (the default), `tl` with it
+    off; its launcher's compile-time arguments and TMA boxes; packed batches keep `tl`."""
     from triton.experimental.gluon import language as gl
 
     rt = pkg._runtime
     monkeypatch.setattr(rt, "gpu_key", lambda device: H100_KEY)
     monkeypatch.setattr(rt, "gluon_ready", lambda device: None)
     monkeypatch.setattr(rt, "_configs", {})
+    monkeypatch.setattr(rt._families, "D512_BWD_ON", False)
     cuda = torch.device("cuda", 0)
     names = ("bwd_causal_d512_bf16", "bwd_d512v256_fp16", "bwd_window_d512_bf16")
     for name in names:

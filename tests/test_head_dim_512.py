@@ -113,10 +113,10 @@ def test_planned_tiles(pkg, device, poison):
     check_backward(pkg, device, 1, 127, 2, 2, (512, 512), True, None)
 
 
-def test_gluon_at_512_forward_default_backward_opt_in(pkg):
+def test_gluon_at_512_forward_and_backward_default(pkg):
     """Gluon's forward serves Q/K 512 (tests/test_gluon_d512.py: the (512, 256) kernel, twice
-    at d = 512); the backward has a Gluon kernel too (bwd_d512.py.j2), taken by default only
-    with FLASHGEN_GLUON_BWD_512=1 (not yet run on a GPU): `tl` otherwise."""
+    at d = 512); the backward has a Gluon kernel too (bwd_d512.py.j2), the default unless
+    FLASHGEN_GLUON_BWD_512=0 at import."""
     gluon = pkg._registry.GLUON
     assert {n for n in gluon if "d512" in n} == set(pkg._registry.VARIANTS)
     # (attn_mask, the sdpa_mask mod: `tl`, as every mod at Q/K 512)

@@ -61,9 +61,10 @@ consumer-to-consumer barrier in every key block's critical path. It also needs a
 kernel (the existing one is verified on the GPU). So the two-launch design is built; the
 single-launch kernel is the next step if the GPU shows L2, not the tensor cores, bounds it.
 
-THE BACKWARD (templates/gluon/bwd_d512.py.j2; compiled for sm_90, NOT YET RUN ON A GPU, so
-opt-in: FLASHGEN_GLUON_BWD_512=1 when the package is imported, D512_BWD_ON; `tl` otherwise).
-The `tl` backward runs Q/K 512 at 36 TFLOP/s (H200, B=4 H=4 N=4096); the bar is 250.
+THE BACKWARD (templates/gluon/bwd_d512.py.j2; the default, D512_BWD_ON;
+FLASHGEN_GLUON_BWD_512=0 at import sends it to `tl`). H200, B=4 H=4 N=4096, d = 512:
+255.2 / 243.3 TFLOP/s (not causal / causal) against `tl`'s 36.1 / 36.2 and SDPA efficient's
+37.3 / 30.4 (benchmarks/results/nvidia-h200/bench_training_d512.md); the bar is 250.
 
 Why not d = 256's kernel (templates/gluon/bwd_large.py.j2: both consumers on 64 keys, each
 owning half of dK's, dV's and dQ's columns, 64-row Q/dO steps):
@@ -174,7 +175,7 @@ def v_launches(head_dim: int, v_dim: int | None) -> int:
 
 def d512_reason(kind: str, dropout: bool, head_dim: int, v_dim: int, dtype: str) -> str | None:
     """Why a Q/K 512 variant has no Gluon kernel (None when it has one): the forward and
-    the backward (bwd_d512.py.j2, opt-in: D512_BWD_ON), no dropout (its keep mask and
+    the backward (bwd_d512.py.j2, D512_BWD_ON), no dropout (its keep mask and
     rounds were not compiled or measured at these tiles), no fp8, and the pairs (512, 512)
     and (512, 256)."""
     pair = f"{head_dim}/{v_dim}"
@@ -211,11 +212,10 @@ D512_BWD_DQ_UNIT = 64  # columns of a dQ reduce-add
 # that fit: above)
 D512_BWD = {(512, 512): {"num_stages": 1, "dq_slots": 1},
             (512, 256): {"num_stages": 2, "dq_slots": 1}}
-# Opt-in until a GPU has run it: the package routes the Q/K 512 backward to the Gluon
-# kernel (when no tuning says otherwise) only with FLASHGEN_GLUON_BWD_512=1 at import
-D512_BWD_ON = os.environ.get("FLASHGEN_GLUON_BWD_512", "0") == "1"
-D512_BWD_OFF_REASON = ("opt-in: compiled for sm_90 but not yet run on a GPU; "
-                       "FLASHGEN_GLUON_BWD_512=1 routes it")
+# The package routes the Q/K 512 backward to the Gluon kernel (when no tuning says
+# otherwise) unless FLASHGEN_GLUON_BWD_512=0 at import (an escape hatch, as for d = 256)
+D512_BWD_ON = os.environ.get("FLASHGEN_GLUON_BWD_512", "1") != "0"
+D512_BWD_OFF_REASON = "switched off (FLASHGEN_GLUON_BWD_512=0)"
 # Why a paged cache or seqused_k at Q/K 512 runs the `tl` varlen forward (the runtime's
 # serving rule and describe())
 D512_PAGED_REASON = "Q/K 512 over a paged cache or seqused_k: not compiled or verified in Gluon"

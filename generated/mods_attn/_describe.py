@@ -52,7 +52,7 @@ def describe() -> str:
             min_n = gluon_min_n(v["kind"], v["dropout"], v["head_dim"])
             opt_in = f"; from N >= {min_n} (tl below, unless tuned)"
         elif v["kind"] == "bwd" and is_d512_bwd(v["head_dim"], v.get("v_head_dim")):
-            opt_in = f"; {D512_BWD_OFF_REASON}, or FLASHGEN_FAMILY=gluon or a tuned entry"
+            opt_in = f"; {D512_BWD_OFF_REASON}: tl unless FLASHGEN_FAMILY=gluon or a tuned entry"
         elif v["kind"] == "bwd" and large_bwd(v["head_dim"], v.get("v_head_dim")):
             opt_in = ("; off (FLASHGEN_GLUON_BWD_LARGE=0): tl unless FLASHGEN_FAMILY=gluon "
                       "or a tuned entry")

@@ -15,11 +15,15 @@ Precision, product by product:
             up to ~2^-11 of sum_i |q_i k_i|, as cuBLAS's fp8 GEMM does; each block's P V
             is summed alone and added to O in fp32), rounds 2^8 P, undone by l, and reads
             V from a keys-major copy made per call (keys_major_v)
-  backward  q, k, v upcast to bf16 in the kernels (exact), every product in bf16 with fp32
-            accumulation (S, dP = dO V^T, dV = P^T dO, dK = dS^T Q, dQ = dS K; P and dS
-            rounded to bf16, as in the bf16 kernels), the descales applied to the fp32
-            products; dq, dk, dv in bf16, w.r.t. the dequantized inputs. fp8 GEMMs in the
-            backward are later (Hopper) work.
+  backward  every product in bf16 with fp32 accumulation (S, dP = dO V^T, dV = P^T dO,
+            dK = dS^T Q, dQ = dS K; P and dS rounded to bf16, as in the bf16 kernels); dq,
+            dk, dv in bf16, w.r.t. the dequantized inputs. Where the package's bf16
+            backward runs the Gluon family (Hopper), it runs on bf16 copies of x * descale
+            (one rounding, 2^-9, per element: the bf16 kernels' own level; faster than
+            the `tl` kernels, docs/PERFORMANCE.md); elsewhere the `tl` kernels upcast q, k, v
+            as loaded (exact) and apply the descales to the fp32 products. All-e4m3
+            backward products were tried (branch exp/fp8-bwd-gluon): rounding dO to e4m3
+            alone gives 9-13x bf16's gradient RMSE, and the kernel ran 0.8x the `tl` path.
 
 Gradients: PyTorch casts a gradient to its input's dtype, so a gradient that reached an fp8
 tensor would be rounded to e4m3. `quantize_fp8` therefore records the tensor it quantized
@@ -28,6 +32,8 @@ tensor would be rounded to e4m3. `quantize_fp8` therefore records the tensor it 
 grad gets its gradient rounded to e4m3 by PyTorch. Pass quantize_fp8's tensors as they are
 (a view of one has no source).
 """
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -208,6 +214,9 @@ class _Fp8Attention(torch.autograd.Function):
             do = do.contiguous()
         dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=torch.bfloat16)
                       for t in (q, k, v))
+        if _gluon_bf16_backward(q, k, v, mask, dropout_p, bnhd):
+            q, k, v = (dequantized(t, descale[..., i], bnhd) for i, t in enumerate((q, k, v)))
+            descale = None
         _runtime.backward(view(do), view(q), view(k), view(v), view(out), lse, view(dq),
                           view(dk), view(dv), mask=mask, lo=lo, hi=hi, scale=scale,
                           dropout_p=dropout_p, rng=ctx.rng, descale=descale)
@@ -217,6 +226,30 @@ class _Fp8Attention(torch.autograd.Function):
         # tensor (inputs 0-2); the other slot gets None
         return (*(g if wants[i] and not wants[i + 4] else None for i, g in enumerate(grads)),
                 None, *(g if wants[i + 4] else None for i, g in enumerate(grads)), None)
+
+
+def dequantized(x, descale, bnhd: bool):
+    """fp8 x times its (B, H_kv) fp32 descale (a query head takes its K/V head's), rounded
+    once to bf16."""
+    heads = x.shape[2] if bnhd else x.shape[1]
+    s = descale.repeat_interleave(heads // descale.shape[1], dim=1)
+    s = s[:, None, :, None] if bnhd else s[:, :, None, None]
+    return (x.to(torch.float32) * s).to(torch.bfloat16)
+
+
+def _gluon_bf16_backward(q, k, v, mask: str, dropout_p: float, bnhd: bool) -> bool:
+    """Whether the package's bf16 backward of this call runs the Gluon family here: then
+    the gradients come from it on dequantized copies (faster than the `tl` kernels'
+    in-kernel upcast; FLASHGEN_FP8_BWD_DEQUANT=0 keeps the upcast)."""
+    if os.environ.get("FLASHGEN_FP8_BWD_DEQUANT") == "0" or q.device.type != "cuda":
+        return False
+    d, dv = q.shape[-1], v.shape[-1]
+    name = _runtime.variant_name("bwd", mask, dropout_p > 0.0, d, "bf16", (),
+                                 dv if dv != d else None)
+    if name not in _runtime.VARIANTS:
+        return False
+    n = max(q.shape[1 if bnhd else 2], k.shape[1 if bnhd else 2])
+    return _runtime.launch_config(name, q.device, n).get("family") == "gluon"
 
 
 def attention(q, k, v, q_descale, k_descale, v_descale, *, bnhd, mask, lo, hi, scale,
