@@ -265,3 +265,26 @@ def test_attention_module_in_fp8(pkg, device, monkeypatch):
     monkeypatch.setitem(pkg._module.BUILT_FOR, "dtypes", ("bf16",))
     with pytest.raises(ValueError, match="add `fp8_e4m3` to `dtypes`"):
         pkg.Attention(HQ * D, HQ, fp8=True)
+
+
+@pytest.mark.parametrize("bnhd", [True, False])
+@pytest.mark.parametrize("per", ["tensor", "head"])
+def test_dequantized_copies_round_once_to_bf16(pkg, device, bnhd, per):
+    """The backward's bf16 copies (where the bf16 Gluon backward runs): x8 * descale in
+    fp32, rounded once, bit for bit; a query head takes its K/V head's descale; strided
+    and odd-length inputs."""
+    torch.manual_seed(11)
+    n = 59
+    q = torch.randn(B, n, HQ, D, device=device)
+    k = torch.randn(B, n + 8, HK, D, device=device)[:, :n]  # strided: a view of a longer one
+    q8, qd = pkg.quantize_fp8(q, per, kv_heads=HK)
+    k8, kd = pkg.quantize_fp8(k, per)
+    lay = (lambda t: t) if bnhd else (lambda t: t.transpose(1, 2))
+    descale = pkg._fp8.check(lay(q8), lay(k8), lay(k8), qd, kd, kd, bnhd=bnhd)
+    for col, (x8, want) in enumerate(((q8, _dequantized(q8, qd)), (k8, _dequantized(k8, kd)))):
+        got = pkg._fp8.dequantized(lay(x8), descale, col, bnhd)
+        assert got.dtype == torch.bfloat16 and got.shape == lay(x8).shape
+        want = want.float()
+        if device == "cpu":  # Triton's interpreter rounds fp32 -> bf16 toward zero
+            want = (want.view(torch.int32) & -0x10000).view(torch.float32)
+        assert torch.equal(lay(got), want.to(torch.bfloat16)), col

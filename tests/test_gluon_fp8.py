@@ -383,12 +383,15 @@ def test_gluon_fp8_keeps_small_probabilities(pkg, poison):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dequant", ["", "0"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_backward_on_the_gluon_fp8_forward(pkg, causal):
-    """The backward (`tl`, bf16 products) reads the Gluon forward's LSE and output: the
-    gradients held as tests/test_fp8.py holds them."""
+def test_backward_on_the_gluon_fp8_forward(pkg, monkeypatch, causal, dequant):
+    """The backward (bf16 products: the bf16 Gluon backward on dequantized copies, or with
+    FLASHGEN_FP8_BWD_DEQUANT=0 `tl`'s in-kernel upcast) reads the Gluon forward's LSE and
+    output: the gradients held as tests/test_fp8.py holds them."""
     if not _hopper():
         pytest.skip("the Gluon kernels run on Hopper only")
+    monkeypatch.setenv("FLASHGEN_FP8_BWD_DEQUANT", dequant)
     torch.manual_seed(11)
     b, n, hq, hkv, d = 2, 300, 8, 2, 128
     src = [torch.randn(b, n, h, d, device="cuda").requires_grad_() for h in (hq, hkv, hkv)]
@@ -396,6 +399,8 @@ def test_backward_on_the_gluon_fp8_forward(pkg, causal):
         (q8, k8, v8), ds = _fp8_inputs(pkg, src, "head", hkv)
         out = pkg.flash_attn_func(q8, k8, v8, causal=causal, **ds)
         assert "GluonJITFunction" in _plan_families(pkg)
+    mask = "causal" if causal else "none"
+    assert pkg._fp8._gluon_bf16_backward(q8, k8, v8, mask, 0.0, True) == (dequant != "0")
     deq = [_dequantized(x, ds[f"{nm}_descale"]).requires_grad_() for x, nm in
            zip((q8, k8, v8), "qkv")]
     ref, _ = _reference(*deq, causal)

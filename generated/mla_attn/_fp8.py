@@ -215,7 +215,7 @@ class _Fp8Attention(torch.autograd.Function):
         dq, dk, dv = (torch.empty(t.shape, device=t.device, dtype=torch.bfloat16)
                       for t in (q, k, v))
         if _gluon_bf16_backward(q, k, v, mask, dropout_p, bnhd):
-            q, k, v = (dequantized(t, descale[..., i], bnhd) for i, t in enumerate((q, k, v)))
+            q, k, v = (dequantized(t, descale, i, bnhd) for i, t in enumerate((q, k, v)))
             descale = None
         _runtime.backward(view(do), view(q), view(k), view(v), view(out), lse, view(dq),
                           view(dk), view(dv), mask=mask, lo=lo, hi=hi, scale=scale,
@@ -228,13 +228,48 @@ class _Fp8Attention(torch.autograd.Function):
                 None, *(g if wants[i + 4] else None for i, g in enumerate(grads)), None)
 
 
-def dequantized(x, descale, bnhd: bool):
-    """fp8 x times its (B, H_kv) fp32 descale (a query head takes its K/V head's), rounded
-    once to bf16."""
-    heads = x.shape[2] if bnhd else x.shape[1]
-    s = descale.repeat_interleave(heads // descale.shape[1], dim=1)
-    s = s[:, None, :, None] if bnhd else s[:, :, None, None]
-    return (x.to(torch.float32) * s).to(torch.bfloat16)
+@triton.jit
+def _dequant_kernel(X, Y, DS, COL, N, H, GROUP, stride_xb, stride_xh, stride_xn, stride_yb,
+                    stride_yh, stride_yn, D: tl.constexpr, D_PAD: tl.constexpr,
+                    ROWS: tl.constexpr):
+    """Y[b, h, n, :] = bf16(X[b, h, n, :] * DS[b, h // GROUP, COL]) for ROWS rows of one
+    (b, h): one byte read and two written an element (torch's cast-multiply-cast: 19)."""
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    s = tl.load(DS + (b * (H // GROUP) + h // GROUP) * 3 + COL)
+    d = tl.arange(0, D_PAD)
+    keep = (n[:, None] < N) & (d[None, :] < D)
+    x = tl.load(X + b.to(tl.int64) * stride_xb + h.to(tl.int64) * stride_xh
+                + n[:, None].to(tl.int64) * stride_xn + d[None, :], mask=keep, other=0.0)
+    tl.store(Y + b.to(tl.int64) * stride_yb + h.to(tl.int64) * stride_yh
+             + n[:, None].to(tl.int64) * stride_yn + d[None, :],
+             (x.to(tl.float32) * s).to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=keep)
+
+
+_DEQUANT_ROWS = 32
+_dequant_launchers = {}
+
+
+def dequantized(x, descale, col: int, bnhd: bool):
+    """fp8 x times its descale, descale[:, :, col] of check()'s (B, H_kv, 3) (a query head
+    takes its K/V head's), rounded once to bf16, in x's shape (contiguous)."""
+    out = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
+    batch, heads, n, d = bhnd(x.shape, bnhd)
+    key = (x.shape, x.stride(), bnhd, x.device, x.data_ptr() % 16 == 0, descale.shape[1])
+    launch = _dequant_launchers.get(key)
+    if launch is None:
+        if len(_dequant_launchers) >= 1024:
+            _dequant_launchers.clear()
+        launch = _dequant_launchers[key] = Launcher(
+            _dequant_kernel, (triton.cdiv(n, _DEQUANT_ROWS), batch * heads),
+            dict(D=d, D_PAD=max(16, triton.next_power_of_2(d)), ROWS=_DEQUANT_ROWS,
+                 num_warps=4))
+    if x.numel():
+        launch(x, out, descale, col, n, heads, heads // descale.shape[1],
+               *bhnd(x.stride(), bnhd)[:3], *bhnd(out.stride(), bnhd)[:3])
+    return out
 
 
 def _gluon_bf16_backward(q, k, v, mask: str, dropout_p: float, bnhd: bool) -> bool:
