@@ -257,7 +257,9 @@ def dequantized(x, descale, col: int, bnhd: bool):
     takes its K/V head's), rounded once to bf16, in x's shape (contiguous)."""
     out = torch.empty(x.shape, device=x.device, dtype=torch.bfloat16)
     batch, heads, n, d = bhnd(x.shape, bnhd)
-    key = (x.shape, x.stride(), bnhd, x.device, x.data_ptr() % 16 == 0, descale.shape[1])
+    # (col in the key: a Launcher replays the binary Triton specialised on its first
+    # arguments, and Triton specialises an int of 1 or a multiple of 16)
+    key = (x.shape, x.stride(), bnhd, x.device, x.data_ptr() % 16 == 0, descale.shape[1], col)
     launch = _dequant_launchers.get(key)
     if launch is None:
         if len(_dequant_launchers) >= 1024:
