@@ -274,18 +274,28 @@ def dequantized(x, descale, col: int, bnhd: bool):
     return out
 
 
+# Sequence length from which the copies pay (H200, FLASHGEN_FP8_BWD_DEQUANT A/B): d128,
+# N 4k / 16k, the fp8 backward 2.2-2.4x (not causal 222 / 233 -> 479 / 522 TFLOP/s,
+# 0.93 / 1.00x the bf16 backward; causal 192 / 216 -> 427 / 516); GPT-2 small's
+# step (d 64, N 1k) 0.98x (the copies' three launches a layer outweigh it). Unmeasured
+# between: the rule sits halfway.
+DEQUANT_MIN_N = 2048
+
+
 def _gluon_bf16_backward(q, k, v, mask: str, dropout_p: float, bnhd: bool) -> bool:
     """Whether the package's bf16 backward of this call runs the Gluon family here: then
     the gradients come from it on dequantized copies (faster than the `tl` kernels'
     in-kernel upcast; FLASHGEN_FP8_BWD_DEQUANT=0 keeps the upcast)."""
     if os.environ.get("FLASHGEN_FP8_BWD_DEQUANT") == "0" or q.device.type != "cuda":
         return False
+    n = max(q.shape[1 if bnhd else 2], k.shape[1 if bnhd else 2])
+    if n < DEQUANT_MIN_N:
+        return False
     d, dv = q.shape[-1], v.shape[-1]
     name = _runtime.variant_name("bwd", mask, dropout_p > 0.0, d, "bf16", (),
                                  dv if dv != d else None)
     if name not in _runtime.VARIANTS:
         return False
-    n = max(q.shape[1 if bnhd else 2], k.shape[1 if bnhd else 2])
     return _runtime.launch_config(name, q.device, n).get("family") == "gluon"
 
 
