@@ -204,7 +204,7 @@ def gluon_here(kind, facts, gpu: GpuInfo) -> str | None:
                   "(FLASHGEN_GLUON_BWD_LARGE=0)")
     if (reason is None and kind == "bwd" and not families.D512_BWD_ON
             and families.is_d512_bwd(facts["head_dim"], facts.get("v_head_dim"))):
-        # (a tuned entry would route calls to a kernel no GPU has verified: families_large)
+        # (switched off where the package is used: a tuned entry would route calls to it)
         reason = f"the Q/K 512 Gluon backward is {families.D512_BWD_OFF_REASON}"
     if reason is None and kind == "bwd" and torch.are_deterministic_algorithms_enabled():
         # the package sends such a call to `tl` (runtime.gluon_backward_reason): a Gluon
